@@ -1,0 +1,1 @@
+"""fleettui: run a large language model split into pipeline stages over a fleet of PCs."""

@@ -1,0 +1,235 @@
+"""Provides the fleet controller: compile, deploy, hand-shake, chat and stop — the API any script or the TUI drives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fleettui.coordinator import Coordinator, Generation, GenerationParams
+from fleettui.deployment import Deployment, build_deployment
+from fleettui.fleet import Fleet
+from fleettui.launcher import LaunchError, LocalLauncher
+from fleettui.speculation import Drafter, ModelDrafter, PromptLookupDrafter
+from fleettui.states import (
+    ControllerEvent, Failed, Idle, Loading, LogLine, Progress, Provisioning, Ready, StageChanged, StageState,
+    Telemetry, next_state,
+)  # fmt: skip
+from fleettui.transport import TelemetryFeed, ZmqLink
+from remote_worker.manifest import Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+
+class ControllerError(RuntimeError):
+    """The fleet could not be brought up; the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    directory: Path
+    manifest: Manifest
+
+
+def with_overrides(fleet: Fleet, exact: bool | None = None, draft: str | None = None,
+                   k: int | None = None) -> Fleet:
+    """The fleet with command-line overrides applied (`--exact`, `--no-spec`, `--spec-k`)."""
+    if exact:
+        runtime = replace(fleet.runtime, inference_precision="f32", kv_cache_precision="f32", wire_dtype="f32",
+                          exact=True)
+        fleet = replace(fleet, runtime=runtime, model=replace(fleet.model, precision="fp32"))
+    if draft is not None or k is not None:
+        speculation = fleet.speculation
+        if draft is not None:
+            speculation = replace(speculation, draft=draft)
+        if k is not None:
+            speculation = replace(speculation, k=k, max_k=max(speculation.max_k, k))
+        fleet = replace(fleet, speculation=speculation)
+    return fleet
+
+
+async def compile_model(model: str, ranges: list[tuple[int, int]], precision: str, cache_root: Path,
+                        on_progress: Callable[[str], None] | None = None) -> CompiledModel:
+    """Run the shard compiler in a child process (it needs torch; the operator side must not import it)."""
+    split = ",".join(str(bound) for bound in [ranges[0][0], *(end for _, end in ranges)])
+    command = [sys.executable, "-m", "shard_compiler", "--model", model, "--split", split,
+               "--precision", precision, "--cache-root", str(cache_root)]
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    last = ""
+    async for raw in process.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        if line:
+            last = line
+            if on_progress is not None:
+                on_progress(line)
+    errors = (await process.stderr.read()).decode(errors="replace").strip()
+    if await process.wait() != 0:
+        reason = errors.splitlines()[-1] if errors else f"exit code {process.returncode}"
+        raise ControllerError(f"shard compiler: {reason}")
+    directory = Path(json.loads(last)["out"] if last.startswith("{") else last)
+    return CompiledModel(directory, load_manifest(directory))
+
+
+class FleetController:
+    """Owns one running fleet: its shards, worker processes, links, coordinator and live stage states."""
+
+    def __init__(self, fleet: Fleet, on_event: Callable[[ControllerEvent], None] | None = None,
+                 run_dir: Path | None = None) -> None:
+        self.fleet = fleet
+        self._on_event = on_event or (lambda event: None)
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="fleettui-run-"))
+        self.launcher = LocalLauncher(self.run_dir)
+        self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
+        self.telemetry: dict[str, dict] = {}
+        self.target: CompiledModel | None = None
+        self.draft: CompiledModel | None = None
+        self.deployment: Deployment | None = None
+        self.coordinator: Coordinator | None = None
+        self._links: list[ZmqLink] = []
+        self._feed: TelemetryFeed | None = None
+
+    # -- events -------------------------------------------------------------------------------------
+    def _emit(self, event: ControllerEvent) -> None:
+        try:
+            self._on_event(event)
+        except Exception:  # a broken observer must not take the fleet down
+            log.exception("event observer failed")
+
+    def _set_state(self, name: str, state: StageState) -> None:
+        if self.states.get(name) != state:
+            self.states[name] = state
+            self._emit(StageChanged(name, state))
+
+    def _on_sample(self, sample: dict) -> None:
+        name = str(sample.get("name", ""))
+        self.telemetry[name] = sample
+        if name in self.states:
+            self._set_state(name, next_state(self.states[name], sample))
+        self._emit(Telemetry(name, sample))
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        from fleettui.planner import plan_fleet
+
+        return [tuple(r) for r in plan_fleet(self.fleet).ranges]  # type: ignore[misc]
+
+    async def prepare(self) -> None:
+        """Compile (or find in the cache) the target shards and the draft model."""
+        for host in self.fleet.hosts:
+            self._set_state(host.name, Provisioning("compile"))
+        ranges = self.layer_ranges()
+        model = self.fleet.model
+
+        def progress(line: str) -> None:
+            self._emit(LogLine("shard_compiler", line))
+            self._emit(Progress("compiler", "compile", message=line))
+
+        self.target = await compile_model(model.name, ranges, model.precision, model.shards, progress)
+        draft = self.fleet.speculation.draft
+        if draft == "self-int4":
+            num_layers = self.target.manifest.num_layers
+            self.draft = await compile_model(model.name, [(0, num_layers)], "int4", model.shards, progress)
+        elif draft not in ("none", "prompt-lookup"):
+            path = Path(draft)
+            if (path / "manifest.json").exists():
+                self.draft = CompiledModel(path, load_manifest(path))
+            else:
+                self.draft = await compile_model(draft, [(0, self._layers_of(path))], "int4", model.shards, progress)
+
+    @staticmethod
+    def _layers_of(path: Path) -> int:
+        from fleettui.planner import ModelShape
+
+        return ModelShape.from_config_file(path / "config.json").num_layers
+
+    async def start(self, ready_timeout: float = 600.0) -> Coordinator:
+        """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator."""
+        if self.target is None:
+            await self.prepare()
+        assert self.target is not None
+        if any(not host.is_local for host in self.fleet.hosts):
+            raise ControllerError("SSH hosts are deployed with the provisioning library (fleettui --deploy)")
+        ranges = [(s.layers.start, s.layers.end) for s in self.target.manifest.stages]
+        deployment = build_deployment(self.fleet, ranges, lambda host: str(self.target.directory),  # type: ignore[union-attr]
+                                      str(self.draft.directory) if self.draft else None)
+        self.deployment = deployment
+        workers = []
+        for placement in deployment.placements:
+            self._set_state(placement.config.name, Loading())
+            workers.append(self.launcher.start(placement))
+        try:
+            replies = await asyncio.gather(*(self.launcher.wait_ready(w, deployment.keys, ready_timeout)
+                                             for w in workers))
+        except LaunchError as error:
+            await self.stop()
+            raise ControllerError(str(error)) from None
+        for worker, reply in zip(workers, replies):
+            self._set_state(worker.placement.config.name, Ready())
+            self._emit(LogLine(worker.placement.config.name, f"ready: {json.dumps(reply.get('properties', {}))}"))
+        head, tail = deployment.stages[0], deployment.stages[-1]
+        link = ZmqLink(head.data_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
+        self._links.append(link)
+        drafter = self._drafter(deployment)
+        from fleettui.chat_format import ChatFormat
+
+        chat_format = ChatFormat(self.target.directory, self.target.manifest)
+        coordinator = Coordinator(link, chat_format, drafter, max_k=self.fleet.speculation.max_k)
+        k = self.fleet.speculation.k
+        if isinstance(k, int):
+            coordinator.policy.fixed_k = k if drafter is not None else 0
+        stages = await coordinator.hello()
+        if stages != len(deployment.stages):
+            raise ControllerError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+        self.coordinator = coordinator
+        urls = [(p.telemetry_url, p.server_key) for p in deployment.placements]
+        self._feed = TelemetryFeed(urls, deployment.keys, self._on_sample)
+        self._feed.start()
+        return coordinator
+
+    def _drafter(self, deployment: Deployment) -> Drafter | None:
+        draft = self.fleet.speculation.draft
+        if draft == "none":
+            return None
+        if draft == "prompt-lookup":
+            return PromptLookupDrafter()
+        assert deployment.draft is not None
+        link = ZmqLink(deployment.draft.data_url, deployment.draft.result_url, deployment.keys,
+                       deployment.draft.server_key, deployment.draft.server_key)
+        self._links.append(link)
+        return ModelDrafter(link, name=draft)
+
+    async def ask(self, question: str, params: GenerationParams,
+                  on_tokens: Callable[[list[int], str], None] | None = None) -> Generation:
+        """One prompt through the whole fleet in a fresh session."""
+        coordinator = self.coordinator or await self.start()
+        session = await coordinator.open_session(params.seed)
+        try:
+            return await coordinator.chat(session, question, params, on_tokens)
+        finally:
+            await coordinator.close_session(session)
+
+    async def stop(self) -> list[str]:
+        """Stop exactly the workers this controller started; returns what it did, one line each."""
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
+        for link in self._links:
+            await link.close()
+        self._links.clear()
+        keys = self.deployment.keys if self.deployment else None
+        report = await self.launcher.stop(keys)
+        for name in self.states:
+            if not isinstance(self.states[name], Failed):
+                self._set_state(name, Idle())
+        self.coordinator = None
+        return report
+
+    def fail(self, name: str, reason: str) -> None:
+        self._set_state(name, Failed(reason))

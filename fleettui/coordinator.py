@@ -1,0 +1,253 @@
+"""Provides the coordinator: chat sessions, speculative decoding with mask rollback, interleaved users.
+
+No UI code and no OpenVINO here: the coordinator speaks the wire protocol through a `Link` (ZeroMQ in
+production, anything with `request()` in tests) and keeps, per session, the full token history (so a lost
+stage can be rebuilt by replaying it) and a `CacheLedger` mirroring the pipeline's physical KV slots.
+Several sessions generate at once simply by running as concurrent tasks: each has one step in flight, and
+the stages serve whatever arrives, so while stage 1 works on user A, stage 0 works on user B.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleettui.chat_format import ChatFormat, ChatMessage, TextStream
+from fleettui.ledger import CacheLedger, Feed
+from fleettui.speculation import Draft, Drafter, KPolicy, Sampling
+from fleettui.transport import Link
+from remote_worker import protocol
+
+log = logging.getLogger(__name__)
+PREFILL_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    spec_k: int | None = None  # None = adaptive; 0 = no speculation
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: count exactly max_tokens
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    compactions: int = 0
+    k_values: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return float(np.mean(self.k_values)) if self.k_values else 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]
+    text: str
+    stats: GenerationStats
+
+
+TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
+
+
+class Session:
+    """One user's conversation: messages, the token history and the ledgers of target and draft caches."""
+
+    def __init__(self, session_id: int, seed: int) -> None:
+        self.id = session_id
+        self.messages: list[ChatMessage] = []
+        self.history: list[int] = []
+        self.ledger = CacheLedger()
+        self.rng = np.random.default_rng([seed, session_id])
+        self.busy = False
+        self.last_stats: GenerationStats | None = None
+
+
+class Coordinator:
+    """Drives a pipeline (`target` link) and an optional drafter for many concurrent sessions."""
+
+    def __init__(self, target: Link, chat_format: ChatFormat | None, drafter: Drafter | None = None,
+                 max_k: int = 8, compaction_ratio: float = 0.5, compaction_minimum: int = 64) -> None:
+        self.target = target
+        self.chat_format = chat_format
+        self.drafter = drafter
+        self.max_k = max_k if drafter is not None else 0
+        self.policy = KPolicy(None if drafter is not None else 0, self.max_k)
+        self.compaction_ratio = compaction_ratio
+        self.compaction_minimum = compaction_minimum
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+
+    async def hello(self, timeout: float = 30.0) -> int:
+        """End-to-end handshake through every stage; returns the number of stages that answered."""
+        reply = await self.target.request(protocol.Hello(0), timeout=timeout)
+        if not isinstance(reply, protocol.Ack):
+            raise TypeError(f"hello answered {type(reply).__name__}")
+        return reply.value
+
+    async def open_session(self, seed: int = 0) -> Session:
+        session = Session(next(self._ids), seed)
+        await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
+        if self.drafter is not None:
+            await self.drafter.open(session.id)
+        self.sessions[session.id] = session
+        return session
+
+    async def close_session(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+        if self.drafter is not None:
+            await self.drafter.close(session.id)
+
+    async def chat(self, session: Session, user_text: str, params: GenerationParams,
+                   on_tokens: TokenCallback | None = None) -> Generation:
+        """Add a user turn, generate the assistant's reply with the chat template, remember both."""
+        if self.chat_format is None:
+            raise RuntimeError("this pipeline has no tokenizer")
+        session.messages.append(ChatMessage("user", user_text))
+        prompt = self.chat_format.encode_chat(session.messages)
+        generation = await self.generate(session, prompt, params, on_tokens)
+        session.messages.append(ChatMessage("assistant", generation.text))
+        return generation
+
+    async def generate(self, session: Session, prompt: list[int], params: GenerationParams,
+                       on_tokens: TokenCallback | None = None) -> Generation:
+        """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares."""
+        if session.busy:
+            raise RuntimeError(f"session {session.id} is already generating")
+        session.busy = True
+        try:
+            return await self._generate(session, list(prompt), params, on_tokens)
+        finally:
+            session.busy = False
+
+    async def _generate(self, session: Session, prompt: list[int], params: GenerationParams,
+                        on_tokens: TokenCallback | None) -> Generation:
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        stream = TextStream(self.chat_format, params.stop) if self.chat_format is not None else None
+        eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
+        started = time.perf_counter()
+        session.history = list(prompt)
+        generated: list[int] = []
+        sampling = params.sampling
+        # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
+        while len(session.history) - session.ledger.logical_len > PREFILL_CHUNK:
+            await self._maybe_compact(session)
+            end = session.ledger.logical_len + PREFILL_CHUNK
+            feed = session.ledger.plan(session.history[: end + 1])
+            feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
+            await self._step(session, feed, None)
+        while len(generated) < params.max_tokens:
+            await self._maybe_compact(session)
+            k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)),
+                    params.max_tokens - len(generated) - 1)
+            if params.spec_k is not None:
+                k = min(params.spec_k, self.max_k, params.max_tokens - len(generated) - 1)
+            draft_started = time.perf_counter()
+            draft = Draft.empty()
+            if k > 0 and self.drafter is not None:
+                draft = await self.drafter.propose(session.id, session.history, k, sampling, session.rng)
+            draft_seconds = time.perf_counter() - draft_started
+            k = len(draft.tokens)
+            verify_started = time.perf_counter()
+            feed = session.ledger.plan(session.history + list(draft.tokens))
+            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
+            decode = protocol.Decode(sampling.temperature, sampling.top_p, sampling.top_k,
+                                     np.array(draft.tokens, np.int64), draft.ids.astype(np.int64),
+                                     draft.probs.astype(np.float32), uniforms)
+            result = await self._step(session, feed, decode)
+            verify_seconds = time.perf_counter() - verify_started
+            self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds)
+            stats.rounds += 1
+            stats.drafted += k
+            stats.accepted += result.accepted
+            stats.k_values.append(k)
+            stats.draft_seconds += draft_seconds
+            stats.verify_seconds += verify_seconds
+            emitted = [int(t) for t in result.tokens][: params.max_tokens - len(generated)]
+            finished = ""
+            for index, token in enumerate(emitted):
+                if token in eos:
+                    emitted = emitted[: index + 1]
+                    finished = "eos"
+                    break
+            if not generated:
+                stats.ttft = time.perf_counter() - started
+            generated.extend(emitted)
+            session.history.extend(emitted)
+            visible = [t for t in emitted if t not in eos]
+            delta = stream.push(visible) if stream is not None else ""
+            if stream is not None and stream.stopped:
+                finished = "stop"
+            if on_tokens is not None:
+                outcome = on_tokens(emitted, delta)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+            if finished:
+                stats.finish_reason = finished
+                break
+        else:
+            stats.finish_reason = "length"
+        if stream is not None:
+            tail = stream.finish()
+            if tail and on_tokens is not None:
+                outcome = on_tokens([], tail)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+        stats.tokens = len(generated)
+        stats.seconds = time.perf_counter() - started
+        session.last_stats = stats
+        text = stream.text if stream is not None else ""
+        return Generation(tuple(generated), text, stats)
+
+    async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
+        step = protocol.Step(session.id, 0, feed.pos0, feed.cache_len, feed.ranges_array(),
+                             tokens=np.array(feed.tokens, np.int64), decode=decode)
+        reply = await self.target.request(step)
+        if not isinstance(reply, protocol.Result):
+            raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
+        session.ledger.commit(feed)
+        return reply
+
+    async def _maybe_compact(self, session: Session) -> None:
+        ledger = session.ledger
+        if not ledger.needs_compaction(self.compaction_ratio, self.compaction_minimum):
+            return
+        reply = await self.target.request(protocol.Control(protocol.Kind.COMPACT, session.id, 0, ledger.cache_len))
+        ledger.compact()
+        if not isinstance(reply, protocol.Ack) or reply.value != ledger.cache_len:
+            raise RuntimeError(f"compaction of session {session.id} disagrees with the stages")
+        if session.last_stats is not None:
+            session.last_stats.compactions += 1

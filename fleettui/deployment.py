@@ -1,0 +1,167 @@
+"""Provides the deployment: per-stage worker configurations, ports, endpoints and CurveZMQ keys of one run."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleettui.fleet import Fleet, Host
+from fleettui.transport import ClientKeys
+from remote_worker.config import CurveKeys, Endpoint, StageConfig
+
+LOCALHOST = "127.0.0.1"
+
+
+def generate_keypair() -> tuple[str, str]:
+    """A fresh CurveZMQ key pair as Z85 text (public, secret)."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def free_port_block(count: int = 4, host: str = LOCALHOST) -> int:
+    """A base port whose next `count` ports are free on `host` right now."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        if all(_port_free(host, base + offset) for offset in range(count)):
+            return base
+    raise RuntimeError("no free block of ports")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One worker of the deployment: where it runs and the configuration it is started with."""
+
+    host: Host
+    config: StageConfig
+    connect_address: str  # where the coordinator (and the upstream stage) reach this host
+
+    @property
+    def control_url(self) -> str:
+        return Endpoint(self.connect_address, self.config.control_port).url()
+
+    @property
+    def telemetry_url(self) -> str:
+        return Endpoint(self.connect_address, self.config.telemetry_port).url()
+
+    @property
+    def data_url(self) -> str:
+        return Endpoint(self.connect_address, self.config.data_port).url()
+
+    @property
+    def result_url(self) -> str:
+        assert self.config.result_port is not None
+        return Endpoint(self.connect_address, self.config.result_port).url()
+
+    @property
+    def server_key(self) -> str | None:
+        return self.config.curve.public_key if self.config.curve else None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    id: str
+    stages: tuple[Placement, ...]
+    draft: Placement | None
+    keys: ClientKeys | None  # the coordinator's CurveZMQ key pair; None = plaintext
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.stages + ((self.draft,) if self.draft is not None else ())
+
+
+def _precision(value: str, exact: bool) -> str | None:
+    if exact:
+        return "f32"
+    return None if value == "auto" else value
+
+
+def build_deployment(fleet: Fleet, ranges: list[tuple[int, int]], shard_dir: Callable[[Host], str],
+                     draft_dir: str | None = None, draft_host: Host | None = None) -> Deployment:
+    """Worker configurations for every host (one stage each, in fleet order) and the optional draft.
+
+    `shard_dir(host)` is where that host's worker finds the compiled shards (a remote path for SSH
+    hosts). Keys are generated per deployment: each worker accepts only the coordinator and its own
+    upstream stage.
+    """
+    runtime = fleet.runtime
+    encrypted = runtime.encryption == "curve"
+    coordinator = generate_keypair() if encrypted else None
+    stage_keys = [generate_keypair() if encrypted else None for _ in fleet.hosts]
+    deployment_id = secrets.token_hex(6)
+    placements: list[Placement] = []
+    count = len(fleet.hosts)
+    for index, host in enumerate(fleet.hosts):
+        last = index == count - 1
+        following = fleet.hosts[index + 1] if not last else None
+        curve = None
+        if encrypted:
+            assert coordinator is not None
+            public, secret = stage_keys[index]  # type: ignore[misc]
+            allowed = [coordinator[0]] + ([stage_keys[index - 1][0]] if index else [])  # type: ignore[index]
+            next_key = stage_keys[index + 1][0] if not last else None  # type: ignore[index]
+            curve = CurveKeys(public, secret, tuple(allowed), next_key)
+        next_endpoint = None
+        if following is not None:
+            next_endpoint = Endpoint(LOCALHOST if following.is_local and host.is_local else following.address,
+                                     following.data_port)
+        config = StageConfig(
+            name=host.name, shard_dir=shard_dir(host), stage_index=index,
+            data_port=host.data_port, control_port=host.control_port, telemetry_port=host.telemetry_port,
+            result_port=host.result_port if last else None, role="stage",
+            bind_address=LOCALHOST if host.is_local else "0.0.0.0",
+            next=next_endpoint, device=host.device, threads=host.threads,
+            inference_precision=_precision(runtime.inference_precision, runtime.exact),
+            kv_cache_precision=_precision(runtime.kv_cache_precision, runtime.exact),
+            wire_dtype="f32" if runtime.exact else runtime.wire_dtype,
+            curve=curve, cpu_cores=host.cores, deployment=deployment_id,
+            extra={"layers": list(ranges[index])} if index < len(ranges) else {},
+        )
+        placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
+    draft = None
+    if draft_dir is not None:
+        host = draft_host or Host(name="draft", base_port=free_port_block())
+        curve = None
+        if encrypted:
+            assert coordinator is not None
+            public, secret = generate_keypair()
+            curve = CurveKeys(public, secret, (coordinator[0],), None)
+        config = StageConfig(
+            name="draft", shard_dir=draft_dir, stage_index=0, data_port=host.data_port,
+            control_port=host.control_port, telemetry_port=host.telemetry_port, result_port=host.result_port,
+            role="draft", bind_address=LOCALHOST, device="CPU", threads=host.threads,
+            inference_precision=_precision(runtime.inference_precision, runtime.exact),
+            kv_cache_precision=_precision(runtime.kv_cache_precision, runtime.exact),
+            curve=curve, cpu_cores=host.cores, deployment=deployment_id,
+        )
+        draft = Placement(host, config, LOCALHOST)
+    keys = ClientKeys(*coordinator) if coordinator is not None else None
+    return Deployment(deployment_id, tuple(placements), draft, keys)
+
+
+def write_config(placement: Placement, directory: Path) -> Path:
+    """The worker's JSON configuration, readable by its owner only (it holds a secret key)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{placement.config.name}.json"
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(placement.config.to_json())
+    return path

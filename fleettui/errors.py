@@ -1,0 +1,46 @@
+"""The exception tree of fleettui: every error a user can cause is a FleetError with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class FleetError(Exception):
+    """Base of every error fleettui reports to the user as one line (no traceback)."""
+
+
+class FleetConfigError(FleetError):
+    """A fleet file is unreadable or invalid; ``str()`` is ``path:line: key: reason``."""
+
+    def __init__(self, path: Path | str, line: int, key: str, reason: str) -> None:
+        self.path = Path(path)
+        self.line = line
+        self.key = key
+        self.reason = reason
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        location = f"{self.path}:{self.line}" if self.line > 0 else str(self.path)
+        return f"{location}: {self.key}: {self.reason}"
+
+
+class PlanError(FleetError):
+    """The model does not fit the fleet, or a manual split is impossible.
+
+    ``host`` names the host the problem is about when there is one (so the caller can point at the
+    fleet file line of its ``layers`` key).
+    """
+
+    def __init__(self, message: str, host: str | None = None) -> None:
+        self.host = host
+        super().__init__(message)
+
+
+class ProvisionError(FleetError):
+    """A step of deploying to one host failed; ``str()`` names the host and the step."""
+
+    def __init__(self, host: str, step: str, reason: str) -> None:
+        self.host = host
+        self.step = step
+        self.reason = reason
+        super().__init__(f"{host}: {step}: {reason}")

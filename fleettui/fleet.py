@@ -1,0 +1,555 @@
+"""The fleet file: load and validate a fleet TOML into frozen, typed settings (errors name file:line: key)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fleettui.errors import FleetConfigError, PlanError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+FLEETS_DIR = Path(__file__).resolve().parent.parent / "fleets"
+DEFAULT_FLEET = FLEETS_DIR / "local.toml"
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
+KV_CACHE_PRECISIONS = ("auto", "f32", "f16", "u8")
+WIRE_DTYPES = ("f16", "f32")
+ENCRYPTIONS = ("curve", "plaintext")
+BUILTIN_DRAFTS = ("self-int4", "prompt-lookup", "none")
+TRANSPORTS = ("local", "ssh")
+HOST_KEY_POLICIES = ("verify", "tofu")
+DEVICES = ("CPU", "GPU", "NPU", "AUTO")
+PORTS_PER_HOST = 4  # data, control, telemetry, result
+FIRST_BASE_PORT = 5550
+BASE_PORT_STEP = 10
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model to run and how its weights are compressed."""
+
+    name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
+    precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
+    shards: Path = Path("~/.cache/fleettui/shards").expanduser()  # compiled-shard cache root
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How the stages run: OpenVINO precisions, the wire format between stages, link encryption."""
+
+    inference_precision: str = "auto"  # auto | f32 | f16 | bf16 (f32 when exact)
+    kv_cache_precision: str = "auto"  # auto | f32 | f16 | u8 (f32 when exact)
+    wire_dtype: str = "f16"  # f16 | f32 (f32 when exact)
+    encryption: str = "curve"  # curve | plaintext
+    exact: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """Speculative decoding: which draft proposes tokens and how many per verify step."""
+
+    draft: str = "self-int4"  # self-int4 | prompt-lookup | none | resolved path of a draft
+    k: int | Literal["auto"] = "auto"
+    max_k: int = 8
+
+    @property
+    def draft_path(self) -> Path | None:
+        """The draft as a path when it is not one of the builtin drafts."""
+        return None if self.draft in BUILTIN_DRAFTS else Path(self.draft)
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Chat sessions: how many at once and the sampling defaults."""
+
+    max_sessions: int = 4
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Host:
+    """One PC of the fleet; it serves one pipeline stage on four consecutive ports from base_port."""
+
+    name: str
+    transport: str = "local"  # local | ssh
+    address: str = "127.0.0.1"
+    ssh_port: int = 22
+    user: str | None = None  # None: the operator's user name
+    identity_file: Path | None = None  # None: the SSH agent / default keys
+    host_key_policy: str = "verify"  # verify (known_hosts) | tofu
+    known_hosts: Path = Path("~/.ssh/known_hosts").expanduser()
+    python: str = "python3"  # remote interpreter used to create the worker venv
+    workdir: str = "~/.fleettui"  # remote path, expanded by the remote shell
+    device: str = "CPU"  # CPU | GPU | NPU | AUTO
+    memory_gb: float = 8.0  # usable memory the planner may fill
+    speed: float = 1.0  # relative compute speed for the planner
+    threads: int = 0  # 0 = device default
+    cores: tuple[int, ...] = ()  # optional CPU pinning
+    base_port: int = FIRST_BASE_PORT
+    layers: tuple[int, int] | None = None  # manual split override [start, end)
+
+    @property
+    def is_local(self) -> bool:
+        return self.transport == "local"
+
+    @property
+    def data_port(self) -> int:
+        return self.base_port
+
+    @property
+    def control_port(self) -> int:
+        return self.base_port + 1
+
+    @property
+    def telemetry_port(self) -> int:
+        return self.base_port + 2
+
+    @property
+    def result_port(self) -> int:
+        return self.base_port + 3
+
+    @property
+    def ports(self) -> tuple[int, int, int, int]:
+        return (self.data_port, self.control_port, self.telemetry_port, self.result_port)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A validated fleet file."""
+
+    hosts: tuple[Host, ...]
+    model: ModelSettings = field(default_factory=ModelSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
+    path: Path | None = None
+
+    @property
+    def manual_layers(self) -> bool:
+        """True when the fleet file fixes the split with ``layers`` on every host."""
+        return bool(self.hosts) and all(host.layers is not None for host in self.hosts)
+
+    def host(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+
+def resolve_fleet(arg: str | None) -> Path:
+    """The fleet file for a CLI argument: None → the embedded default; a bare name → fleets/NAME.toml."""
+    if arg is None:
+        return DEFAULT_FLEET
+    path = Path(arg).expanduser()
+    if not path.exists() and not path.suffix and (FLEETS_DIR / f"{arg}.toml").exists():
+        return FLEETS_DIR / f"{arg}.toml"
+    if not path.is_file():
+        raise FleetConfigError(path, 0, "fleet", "no such fleet file")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Line numbers: tomllib reports none for keys, so the text is scanned for table headers and key lines.
+
+_HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\s\"']+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')\s*[=.]")
+_STRING = re.compile(r"\"\"\".*?\"\"\"|'''.*?'''|\"(?:\\.|[^\"\\])*\"|'[^']*'", re.S)
+
+
+class _LineIndex:
+    """Maps (table, array index, key) to the 1-based line it is written on."""
+
+    def __init__(self, text: str) -> None:
+        self.headers: dict[tuple[str, int], int] = {}
+        self.keys: dict[tuple[str, int, str], int] = {}
+        counts: dict[str, int] = {}
+        table, index, depth = "", 0, 0
+        for number, line in enumerate(text.splitlines(), start=1):
+            if depth == 0:
+                header = _HEADER.match(line)
+                if header:
+                    table = header.group(2).replace(" ", "").replace('"', "").replace("'", "")
+                    if header.group(1) == "[[":
+                        index = counts.get(table, -1) + 1
+                        counts[table] = index
+                    else:
+                        index = 0
+                    self.headers[(table, index)] = number
+                    continue
+                key = _KEY.match(line)
+                if key:
+                    self.keys.setdefault((table, index, key.group(1).strip("\"'")), number)
+            code = _STRING.sub('""', line).split("#", 1)[0]
+            depth = max(0, depth + code.count("[") + code.count("{") - code.count("]") - code.count("}"))
+
+    def line(self, table: str, index: int = 0, key: str | None = None) -> int:
+        if key is not None and (table, index, key) in self.keys:
+            return self.keys[(table, index, key)]
+        return self.headers.get((table, index), 1 if not table else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation helpers: each returns the typed value or raises FleetConfigError at the key's line.
+
+
+class _Section:
+    """One table of the fleet file being validated, with what is needed to point at its lines."""
+
+    def __init__(self, path: Path, lines: _LineIndex, table: str, index: int, label: str, data: Any) -> None:
+        self.path, self.lines, self.table, self.index, self.label = path, lines, table, index, label
+        if not isinstance(data, Mapping):
+            raise FleetConfigError(path, lines.line(table, index), label, "expected a table")
+        self.data: Mapping[str, Any] = data
+
+    def error(self, key: str | None, reason: str) -> FleetConfigError:
+        name = f"{self.label}.{key}" if key else self.label
+        return FleetConfigError(self.path, self.lines.line(self.table, self.index, key), name, reason)
+
+    def reject_unknown(self, known: tuple[str, ...]) -> None:
+        for key in self.data:
+            if key not in known:
+                raise self.error(key, f"unknown key (expected one of: {', '.join(known)})")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, bool) and bool not in kinds:
+            raise self.error(key, f"expected {_kind_name(kinds)}, got {_show(value)}")
+        if not isinstance(value, kinds):
+            raise self.error(key, f"expected {_kind_name(kinds)}, got {_show(value)}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False) -> str:
+        value = self.get(key, str, default)
+        value = value.upper() if upper else value
+        if value not in choices:
+            raise self.error(key, f"{_show(value)} is not one of: {' | '.join(choices)}")
+        return str(value)
+
+    def number(self, key: str, kind: type, default: Any, check: Callable[[Any], bool], rule: str) -> Any:
+        value = self.get(key, kind, default)
+        if not check(value):
+            raise self.error(key, f"{_show(value)} is out of range: {rule}")
+        return value
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list"}
+    return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
+
+
+def _show(value: Any) -> str:
+    return (
+        f'"{value}"'
+        if isinstance(value, str)
+        else repr(value).replace("True", "true").replace("False", "false")
+    )
+
+
+def _local_path(value: str, base: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_fleet(path: Path) -> Fleet:
+    """Read and validate a fleet file; raises FleetConfigError naming file, line and key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FleetConfigError(path, 0, "fleet", "no such fleet file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise FleetConfigError(path, 0, "fleet", f"cannot read: {error}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        message = str(error)
+        match = re.search(r"\(at line (\d+), column \d+\)", message)
+        line = int(match.group(1)) if match else 0
+        if "(at end of document)" in message:
+            line = max(1, len(text.splitlines()))
+        reason = re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)", "", message) or "invalid TOML"
+        raise FleetConfigError(path, line, "toml", reason) from None
+    return _validate(path, text, data)
+
+
+def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
+    lines = _LineIndex(text)
+    base = path.resolve().parent
+    top = _Section(path, lines, "", 0, "fleet", data)
+    top.reject_unknown(("model", "runtime", "speculation", "sessions", "hosts"))
+    for table in ("model", "runtime", "speculation", "sessions"):
+        if table in data and not isinstance(data[table], Mapping):
+            raise FleetConfigError(path, lines.line("", 0, table), table, "expected a table [" + table + "]")
+
+    runtime = _runtime(_Section(path, lines, "runtime", 0, "runtime", data.get("runtime", {})))
+    model = _model(_Section(path, lines, "model", 0, "model", data.get("model", {})), base, runtime.exact)
+    speculation = _speculation(
+        _Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
+    )
+    sessions = _sessions(_Section(path, lines, "sessions", 0, "sessions", data.get("sessions", {})))
+
+    raw_hosts = data.get("hosts", [])
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        raise FleetConfigError(
+            path, lines.line("", 0, "hosts"), "hosts", "expected at least one [[hosts]] table"
+        )
+    sections = []
+    for index, raw in enumerate(raw_hosts):
+        name = raw.get("name") if isinstance(raw, Mapping) else None
+        label = f"hosts[{name}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
+        sections.append(_Section(path, lines, "hosts", index, label, raw))
+    hosts = _hosts(sections, base)
+    if runtime.exact:
+        logger.info("%s: exact = true: fp32 weights, f32 inference, f32 KV cache and f32 wire", path)
+    if runtime.encryption == "plaintext":
+        logger.warning("%s: encryption = plaintext: stage links are NOT encrypted or authenticated", path)
+    fleet = Fleet(hosts, model, runtime, speculation, sessions, path)
+    _check_manual_split(fleet, sections)
+    return fleet
+
+
+def _model(section: _Section, base: Path, exact: bool) -> ModelSettings:
+    from fleettui.planner import BUILTIN_SHAPES
+
+    section.reject_unknown(("name", "precision", "shards"))
+    name = section.get("name", str, ModelSettings.name)
+    if not name:
+        raise section.error("name", "must not be empty")
+    if name not in BUILTIN_SHAPES:
+        candidate = _local_path(name, base)
+        if candidate.exists():
+            name = str(candidate)
+        elif (
+            name.endswith(".gguf")
+            or name.startswith((".", "/", "~"))
+            or not re.fullmatch(r"[\w.-]+/[\w.-]+", name)
+        ):
+            builtins = ", ".join(BUILTIN_SHAPES)
+            raise section.error(
+                "name", f"no such file or folder {candidate} and not a builtin model ({builtins})"
+            )
+    precision = section.choice("precision", PRECISIONS, ModelSettings.precision)
+    shards = _local_path(section.get("shards", str, "~/.cache/fleettui/shards"), base)
+    return ModelSettings(name, "fp32" if exact else precision, shards)
+
+
+def _runtime(section: _Section) -> RuntimeSettings:
+    section.reject_unknown(("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact"))
+    exact = section.get("exact", bool, False)
+    inference = section.choice("inference_precision", INFERENCE_PRECISIONS, "auto")
+    kv_cache = section.choice("kv_cache_precision", KV_CACHE_PRECISIONS, "auto")
+    wire = section.choice("wire_dtype", WIRE_DTYPES, "f16")
+    encryption = section.choice("encryption", ENCRYPTIONS, "curve")
+    if exact:
+        inference, kv_cache, wire = "f32", "f32", "f32"
+    return RuntimeSettings(inference, kv_cache, wire, encryption, exact)
+
+
+def _speculation(section: _Section, base: Path) -> SpeculationSettings:
+    section.reject_unknown(("draft", "k", "max_k"))
+    draft = section.get("draft", str, "self-int4")
+    if draft not in BUILTIN_DRAFTS:
+        candidate = _local_path(draft, base)
+        if not candidate.exists():
+            raise section.error(
+                "draft", f"{_show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path"
+            )
+        draft = str(candidate)
+    max_k = section.number("max_k", int, 8, lambda v: 1 <= v <= MAX_K, f"1..{MAX_K}")
+    k = section.get("k", (str, int), "auto")
+    if isinstance(k, str) and k != "auto":
+        raise section.error("k", f'expected "auto" or an integer 0..{MAX_K}, got {_show(k)}')
+    if isinstance(k, int) and not 0 <= k <= max_k:
+        raise section.error("k", f"{k} is out of range: 0..max_k ({max_k})")
+    return SpeculationSettings(draft, k, max_k)
+
+
+def _sessions(section: _Section) -> SessionSettings:
+    section.reject_unknown(("max_sessions", "max_tokens", "temperature", "top_p", "seed"))
+    return SessionSettings(
+        max_sessions=section.number("max_sessions", int, 4, lambda v: 1 <= v <= 64, "1..64"),
+        max_tokens=section.number("max_tokens", int, 256, lambda v: 1 <= v <= 1_000_000, "1..1000000"),
+        temperature=section.number("temperature", float, 0.0, lambda v: 0.0 <= v <= 10.0, "0..10"),
+        top_p=section.number("top_p", float, 1.0, lambda v: 0.0 < v <= 1.0, "greater than 0, at most 1"),
+        seed=section.number("seed", int, 0, lambda v: 0 <= v < 2**63, "0..2^63-1"),
+    )
+
+
+_HOST_KEYS = (
+    "name", "transport", "address", "ssh_port", "user", "identity_file", "host_key_policy", "known_hosts",
+    "python", "workdir", "device", "memory_gb", "speed", "threads", "cores", "base_port", "layers",
+)  # fmt: skip
+
+
+def _host(section: _Section, base: Path) -> tuple[Host, bool]:
+    """One host and whether its base_port was given."""
+    section.reject_unknown(_HOST_KEYS)
+    if "name" not in section.data:
+        raise section.error(None, "missing key name")
+    name = section.get("name", str, "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
+        raise section.error("name", f"{_show(name)} must be letters, digits, '.', '-' or '_'")
+    transport = section.choice("transport", TRANSPORTS, "local")
+    address = section.get("address", str, "127.0.0.1").strip()
+    if not address:
+        raise section.error("address", "must not be empty")
+    if transport == "local" and not _is_loopback(address):
+        raise section.error("address", f'{_show(address)} is not this machine: use transport = "ssh"')
+    identity = section.get("identity_file", str, None)
+    cores = section.get("cores", list, [])
+    if not all(isinstance(core, int) and not isinstance(core, bool) and core >= 0 for core in cores):
+        raise section.error("cores", f"expected a list of CPU numbers (integers >= 0), got {_show(cores)}")
+    if len(set(cores)) != len(cores):
+        raise section.error("cores", f"repeats a CPU number: {_show(cores)}")
+    layers = section.get("layers", list, None)
+    if layers is not None:
+        if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
+            raise section.error("layers", f"expected [start, end] (two integers), got {_show(layers)}")
+        if not 0 <= layers[0] < layers[1]:
+            raise section.error("layers", f"{_show(layers)} is empty or negative: need 0 <= start < end")
+    user = section.get("user", str, None)
+    host = Host(
+        name=name,
+        transport=transport,
+        address=address,
+        ssh_port=section.number("ssh_port", int, 22, lambda v: 1 <= v <= 65535, "1..65535"),
+        user=user or None,
+        identity_file=_local_path(identity, base) if identity else None,
+        host_key_policy=section.choice("host_key_policy", HOST_KEY_POLICIES, "verify"),
+        known_hosts=_local_path(section.get("known_hosts", str, "~/.ssh/known_hosts"), base),
+        python=section.get("python", str, "python3") or "python3",
+        workdir=section.get("workdir", str, "~/.fleettui") or "~/.fleettui",
+        device=section.choice("device", DEVICES, "CPU", upper=True),
+        memory_gb=section.number("memory_gb", float, 8.0, lambda v: 0 < v <= 1e6, "greater than 0"),
+        speed=section.number("speed", float, 1.0, lambda v: 0 < v <= 1e6, "greater than 0"),
+        threads=section.number("threads", int, 0, lambda v: 0 <= v <= 4096, "0..4096"),
+        cores=tuple(cores),
+        base_port=section.number(
+            "base_port", int, FIRST_BASE_PORT, lambda v: 1024 <= v <= 65536 - PORTS_PER_HOST, "1024..65532"
+        ),
+        layers=(layers[0], layers[1]) if layers is not None else None,
+    )
+    return host, "base_port" in section.data
+
+
+def _machine(host: Host) -> str:
+    """Hosts that share this key are one machine, so their ports must not overlap."""
+    return "local" if host.is_local or _is_loopback(host.address) else host.address.lower()
+
+
+def _hosts(sections: list[_Section], base: Path) -> tuple[Host, ...]:
+    hosts: list[Host] = []
+    explicit: list[bool] = []
+    seen: dict[str, int] = {}
+    for section in sections:
+        host, given = _host(section, base)
+        if host.name in seen:
+            first = sections[seen[host.name]]
+            raise section.error(
+                "name",
+                f'duplicate host name "{host.name}" (first at line {first.lines.line("hosts", first.index, "name")})',
+            )
+        seen[host.name] = len(hosts)
+        hosts.append(host)
+        explicit.append(given)
+    # Explicit ports first: they must not overlap on one machine.
+    taken: dict[str, list[tuple[int, int]]] = {}
+    for index, host in enumerate(hosts):
+        if not explicit[index]:
+            continue
+        for other_index, other_base in taken.get(_machine(host), []):
+            if abs(other_base - host.base_port) < PORTS_PER_HOST:
+                other = hosts[other_index]
+                raise sections[index].error(
+                    "base_port",
+                    f"ports {host.base_port}-{host.base_port + PORTS_PER_HOST - 1} overlap host {other.name}'s "
+                    f"{other_base}-{other_base + PORTS_PER_HOST - 1} on the same address "
+                    f"(each host uses {PORTS_PER_HOST} ports)",
+                )
+        taken.setdefault(_machine(host), []).append((index, host.base_port))
+    # Hosts without base_port get the first free block of FIRST_BASE_PORT + n * BASE_PORT_STEP.
+    for index, host in enumerate(hosts):
+        if explicit[index]:
+            continue
+        used = taken.setdefault(_machine(host), [])
+        port = FIRST_BASE_PORT
+        while any(abs(port - other) < PORTS_PER_HOST for _, other in used):
+            port += BASE_PORT_STEP
+        used.append((index, port))
+        hosts[index] = _replace(host, base_port=port)
+    with_layers = [host.layers is not None for host in hosts]
+    if any(with_layers) and not all(with_layers):
+        index = with_layers.index(False) if with_layers[0] else with_layers.index(True)
+        raise sections[index].error("layers", "set layers on all hosts or on none")
+    if all(with_layers):
+        expected = 0
+        for index, host in enumerate(hosts):
+            assert host.layers is not None
+            if host.layers[0] != expected:
+                raise sections[index].error(
+                    "layers",
+                    f"starts at {host.layers[0]} but the previous host ends at {expected}: "
+                    "ranges must be contiguous and half-open [start, end), in host order from 0",
+                )
+            expected = host.layers[1]
+    return tuple(hosts)
+
+
+def _replace(host: Host, **changes: Any) -> Host:
+    from dataclasses import replace
+
+    return replace(host, **changes)
+
+
+def _check_manual_split(fleet: Fleet, sections: list[_Section]) -> None:
+    """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
+    if not fleet.manual_layers:
+        return
+    from fleettui.planner import check_manual_layers, shape_for_model
+
+    try:
+        shape = shape_for_model(fleet.model.name)
+    except PlanError:
+        return  # e.g. a GGUF file: the planner checks the split when the shape is read
+    if shape is None:
+        return
+    try:
+        check_manual_layers(shape, fleet.hosts)
+    except PlanError as error:
+        names = [host.name for host in fleet.hosts]
+        index = names.index(error.host) if error.host in names else len(names) - 1
+        raise sections[index].error("layers", str(error)) from None

@@ -1,0 +1,120 @@
+"""Provides the local launcher: starts stage workers as processes on this machine and stops them cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleettui.deployment import Placement, write_config
+from fleettui.transport import ClientKeys, control_request
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """A worker that did not come up; the message names it and quotes its log."""
+
+
+@dataclass
+class LocalWorker:
+    placement: Placement
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    config_path: Path
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+
+@dataclass
+class LocalLauncher:
+    """Starts `python -m remote_worker` per placement, each in its own process group."""
+
+    run_dir: Path
+    python: str = sys.executable
+    workers: dict[str, LocalWorker] = field(default_factory=dict)
+
+    def start(self, placement: Placement) -> LocalWorker:
+        config_path = write_config(placement, self.run_dir)
+        log_path = self.run_dir / f"{placement.config.name}.log"
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                [self.python, "-m", "remote_worker", "--config", str(config_path)],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True, env=_worker_environment(),
+            )
+        worker = LocalWorker(placement, process, log_path, config_path)
+        self.workers[placement.config.name] = worker
+        log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
+        return worker
+
+    async def wait_ready(self, worker: LocalWorker, keys: ClientKeys | None, timeout: float = 600.0) -> dict:
+        """Handshake with the worker's control socket; fails fast if the process exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if worker.process.poll() is not None:
+                raise LaunchError(f"{worker.placement.config.name} exited with code {worker.process.returncode}: "
+                                  f"{worker.log_tail()}")
+            reply = await control_request(worker.placement.control_url, {"op": "ping"}, keys,
+                                          worker.placement.server_key, timeout=1.0)
+            if reply is not None and reply.get("state") == "ready":
+                return reply
+        raise LaunchError(f"{worker.placement.config.name} not ready after {timeout:.0f} s: {worker.log_tail()}")
+
+    async def stop(self, keys: ClientKeys | None, grace: float = 5.0) -> list[str]:
+        """Ask every worker to shut down, then terminate what is left; returns one line per worker."""
+        report = []
+        for name, worker in list(self.workers.items()):
+            if worker.process.poll() is None:
+                await control_request(worker.placement.control_url, {"op": "shutdown"}, keys,
+                                      worker.placement.server_key, timeout=1.0)
+            how = "exited"
+            try:
+                await asyncio.to_thread(worker.process.wait, grace)
+            except subprocess.TimeoutExpired:
+                how = "terminated"
+                _signal_group(worker.process, signal.SIGTERM)
+                try:
+                    await asyncio.to_thread(worker.process.wait, grace)
+                except subprocess.TimeoutExpired:
+                    how = "killed"
+                    _signal_group(worker.process, signal.SIGKILL)
+                    await asyncio.to_thread(worker.process.wait)
+            _signal_group(worker.process, signal.SIGKILL)  # stray children of the group, if any
+            report.append(f"{name}: pid {worker.process.pid} {how}")
+            del self.workers[name]
+        return report
+
+    def kill_all(self) -> None:
+        """Synchronous last resort (atexit, signal handlers)."""
+        for worker in self.workers.values():
+            _signal_group(worker.process, signal.SIGKILL)
+            try:
+                worker.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.workers.clear()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _worker_environment() -> dict[str, str]:
+    environment = dict(os.environ)
+    environment.setdefault("PYTHONUNBUFFERED", "1")
+    return environment

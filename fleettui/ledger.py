@@ -1,0 +1,104 @@
+"""Provides the cache ledger: the coordinator's mirror of one session's physical KV cache on one model.
+
+Rollback is by attention mask only. A ReadValue/Assign cache only appends, so every token fed occupies a
+physical slot forever (until compaction). The ledger records, per physical slot, the token it holds and
+whether it is still attended. To move the cache to a new token sequence it keeps the longest valid prefix
+that matches, masks every valid slot after it (rejected drafts, a rewritten chat turn) and feeds the rest
+at the logical position right after the kept prefix. The same mechanism serves the target pipeline and a
+draft model, speculation and multi-turn chat alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What to send for one step: mask these physical ranges, then feed `tokens` at logical `pos0`."""
+
+    cache_len: int  # physical length before the step
+    pos0: int
+    tokens: tuple[int, ...]
+    mask_ranges: tuple[tuple[int, int], ...]
+
+    def ranges_array(self) -> np.ndarray:
+        return np.array(self.mask_ranges, dtype=np.int64).reshape(-1, 2)
+
+
+def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted slot indices as half-open runs."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return tuple(runs)
+
+
+class CacheLedger:
+    """Physical slots of one session's cache: token ids, and which slots the mask still lets through."""
+
+    def __init__(self) -> None:
+        self._tokens: list[int] = []
+        self._valid: list[bool] = []
+        self._valid_slots: list[int] = []  # physical index of each valid slot, in logical order
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def logical_len(self) -> int:
+        return len(self._valid_slots)
+
+    @property
+    def garbage(self) -> int:
+        """Masked slots still held in the physical cache."""
+        return self.cache_len - self.logical_len
+
+    def sequence(self) -> list[int]:
+        """The token sequence the cache holds, in logical order."""
+        return [self._tokens[slot] for slot in self._valid_slots]
+
+    def plan(self, sequence: list[int] | tuple[int, ...]) -> Feed:
+        """The step that moves the cache to hold `sequence` (always feeding at least its last token)."""
+        if not sequence:
+            raise ValueError("cannot plan an empty sequence")
+        common = 0
+        limit = min(len(self._valid_slots), len(sequence) - 1)
+        while common < limit and self._tokens[self._valid_slots[common]] == sequence[common]:
+            common += 1
+        rejected = self._valid_slots[common:]
+        return Feed(self.cache_len, common, tuple(int(t) for t in sequence[common:]), _runs(rejected))
+
+    def commit(self, feed: Feed, extra: tuple[int, ...] = ()) -> None:
+        """Record that `feed` was applied (plus `extra` tokens a draft fed after it)."""
+        if feed.cache_len != self.cache_len:
+            raise ValueError(f"feed planned at cache length {feed.cache_len}, ledger is at {self.cache_len}")
+        for start, end in feed.mask_ranges:
+            for slot in range(start, end):
+                self._valid[slot] = False
+        self._valid_slots = [slot for slot in self._valid_slots if self._valid[slot]]
+        if len(self._valid_slots) != feed.pos0:
+            raise ValueError(f"feed keeps {len(self._valid_slots)} slots but starts at position {feed.pos0}")
+        for token in (*feed.tokens, *extra):
+            self._valid_slots.append(len(self._tokens))
+            self._tokens.append(int(token))
+            self._valid.append(True)
+
+    def compact(self) -> None:
+        """Drop masked slots, as the workers do on a Compact message."""
+        self._tokens = self.sequence()
+        self._valid = [True] * len(self._tokens)
+        self._valid_slots = list(range(len(self._tokens)))
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def needs_compaction(self, ratio: float = 0.5, minimum: int = 64) -> bool:
+        """True when masked slots pass both `minimum` and `ratio` of the valid ones."""
+        return self.garbage >= minimum and self.garbage >= ratio * max(1, self.logical_len)

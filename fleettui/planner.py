@@ -1,0 +1,532 @@
+"""The stage planner: split a model's layers over the fleet's hosts by memory and speed, from its config alone."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from fleettui.errors import PlanError
+
+if TYPE_CHECKING:
+    from fleettui.fleet import Fleet, Host
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+RUNTIME_OVERHEAD = int(0.6 * GIB)  # Python + OpenVINO runtime + ZeroMQ buffers of one stage process
+ROLLBACK_SLACK = 1.5  # physical KV slots per logical token: masked (rejected) slots until compaction
+PREFILL_CHUNK = 512  # tokens per prefill request the activation estimate assumes
+PRECISION_ORDER = ("fp32", "fp16", "int8", "int4")
+KV_BYTES = {"auto": 2.0, "f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0}  # auto: f16 (upper bound of CPU u8)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a Llama-style decoder."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
+        """From a Hugging Face ``config.json`` dictionary (Llama, Mistral, Qwen2, SmolLM)."""
+        if isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+        missing = [
+            key
+            for key in (
+                "num_hidden_layers",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "vocab_size",
+            )
+            if not isinstance(config.get(key), int)
+        ]
+        if missing:
+            raise PlanError(f"model config lacks {', '.join(missing)}: not a Llama-style decoder config")
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        architectures = config.get("architectures") or [config.get("model_type", "model")]
+        return cls(
+            name=name or str(config.get("_name_or_path") or architectures[0]),
+            num_layers=config["num_hidden_layers"],
+            hidden=hidden,
+            intermediate=config["intermediate_size"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_config_file(cls, path: Path) -> ModelShape:
+        try:
+            config = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise PlanError(f"{path}: cannot read model config: {error}") from None
+        if not isinstance(config, dict):
+            raise PlanError(f"{path}: model config is not a JSON object")
+        return cls.from_config(
+            config, name=Path(path).parent.name if Path(path).name == "config.json" else None
+        )
+
+    @property
+    def group_size(self) -> int:
+        """INT4 group size: 128 where every input width divides by it, else 64 or 32 (as the compiler does)."""
+        widths = (self.hidden, self.intermediate, self.heads * self.head_dim)
+        return next((group for group in (128, 64, 32) if all(w % group == 0 for w in widths)), 0)
+
+    def matrix_bytes(self, rows: int, columns: int, precision: str) -> float:
+        """Bytes of one weight matrix [rows, columns] (columns = input width) with its scales."""
+        count = rows * columns
+        if precision == "fp32":
+            return 4.0 * count
+        if precision == "fp16":
+            return 2.0 * count
+        if precision == "int8":
+            return count + 3.0 * rows  # u8 weights + f16 scale + u8 zero point per output channel
+        if precision == "int4":
+            group = self.group_size
+            return count / 2 + (2.0 * count / group if group else 2.0 * rows)  # + f16 scale per group
+        raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
+
+    def layer_bytes(self, precision: str) -> float:
+        """Weights of one decoder layer (attention, MLP, two f32 norms)."""
+        attention = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return (
+            self.matrix_bytes(attention, self.hidden, precision)
+            + 2 * self.matrix_bytes(kv, self.hidden, precision)
+            + self.matrix_bytes(self.hidden, attention, precision)
+            + 2 * self.matrix_bytes(self.intermediate, self.hidden, precision)
+            + self.matrix_bytes(self.hidden, self.intermediate, precision)
+            + 2 * 4.0 * self.hidden
+        )
+
+    def embedding_bytes(self, precision: str) -> float:
+        """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision does)."""
+        return self.matrix_bytes(self.vocab, self.hidden, "int8" if precision == "int4" else precision)
+
+    def head_bytes(self, precision: str) -> float:
+        """Final norm + lm_head (a separate copy of a tied embedding unless the stage also holds it)."""
+        return self.embedding_bytes(precision) + 4.0 * self.hidden
+
+    def kv_bytes_per_token(self, kv_cache_precision: str = "auto") -> float:
+        """K and V of one layer for one token."""
+        if kv_cache_precision not in KV_BYTES:
+            raise PlanError(f"unknown KV-cache precision {kv_cache_precision!r}")
+        return 2.0 * self.kv_heads * self.head_dim * KV_BYTES[kv_cache_precision]
+
+    def parameter_count(self) -> int:
+        attention = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        layer = 2 * attention * self.hidden + 2 * kv * self.hidden + 3 * self.hidden * self.intermediate
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.num_layers * layer + embeddings
+
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 14336, 32, 8, 128, 128256, False),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256, False),
+}
+
+
+def shape_for_model(model: str) -> ModelShape | None:
+    """The shape of a builtin name, a HF folder, a config.json or a .gguf file; None for a hub id."""
+    if model in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[model]
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelShape.from_config_file(path / "config.json")
+    if path.is_file() and path.suffix == ".json":
+        return ModelShape.from_config_file(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_shape(path)
+    if path.exists():
+        raise PlanError(f"{path}: neither a model folder with config.json, a config.json nor a .gguf file")
+    return None
+
+
+# --- GGUF metadata (header only; no weights are read) -------------------------------------------------
+
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+
+
+def _gguf_value(stream: BinaryIO, kind: int) -> Any:
+    if kind in _GGUF_SCALARS:
+        fmt = _GGUF_SCALARS[kind]
+        return struct.unpack(fmt, stream.read(struct.calcsize(fmt)))[0]
+    if kind == 8:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        return stream.read(length).decode("utf-8", "replace")
+    if kind == 9:
+        item_kind, count = struct.unpack("<IQ", stream.read(12))
+        if item_kind in _GGUF_SCALARS:  # skip numeric arrays without decoding them
+            stream.seek(count * struct.calcsize(_GGUF_SCALARS[item_kind]), 1)
+            return count
+        for _ in range(count):
+            _gguf_value(stream, item_kind)
+        return count
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_shape(path: Path) -> ModelShape:
+    """Read the architecture from a GGUF header (key/value metadata and tensor names)."""
+    try:
+        with open(path, "rb") as stream:
+            magic, _version, tensors, pairs = struct.unpack("<4sIQQ", stream.read(24))
+            if magic != b"GGUF":
+                raise ValueError("not a GGUF file")
+            meta = {}
+            for _ in range(pairs):
+                (length,) = struct.unpack("<Q", stream.read(8))
+                key = stream.read(length).decode("utf-8", "replace")
+                (kind,) = struct.unpack("<I", stream.read(4))
+                meta[key] = _gguf_value(stream, kind)
+            names = set()
+            for _ in range(tensors):
+                (length,) = struct.unpack("<Q", stream.read(8))
+                names.add(stream.read(length).decode("utf-8", "replace"))
+                (dims,) = struct.unpack("<I", stream.read(4))
+                stream.seek(8 * dims + 4 + 8, 1)
+    except (OSError, ValueError, struct.error) as error:
+        raise PlanError(f"{path}: cannot read GGUF metadata: {error}") from None
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise PlanError(f"{path}: unsupported architecture {arch!r} (supported: llama-style decoders)")
+    try:
+        heads = int(meta["llama.attention.head_count"])
+        hidden = int(meta["llama.embedding_length"])
+        return ModelShape(
+            name=str(meta.get("general.name") or path.stem),
+            num_layers=int(meta["llama.block_count"]),
+            hidden=hidden,
+            intermediate=int(meta["llama.feed_forward_length"]),
+            heads=heads,
+            kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
+            head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
+            vocab=int(meta.get("llama.vocab_size") or meta["tokenizer.ggml.tokens"]),
+            tied_embeddings="output.weight" not in names,
+        )
+    except KeyError as error:
+        raise PlanError(f"{path}: GGUF metadata lacks {error.args[0]}") from None
+
+
+# --- plans -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: a host and its half-open layer range [start, end), with the memory it needs."""
+
+    index: int
+    host: str
+    start: int
+    end: int
+    is_last: bool
+    weight_bytes: float
+    kv_bytes: float
+    activation_bytes: float
+    overhead_bytes: float
+    usable_bytes: float
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.overhead_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A split of the model over hosts, in pipeline order."""
+
+    shape: ModelShape
+    precision: str
+    kv_cache_precision: str
+    context_tokens: int
+    sessions: int
+    stages: tuple[StagePlan, ...]
+    manual: bool
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(stage.layers for stage in self.stages)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(stage.total_bytes for stage in self.stages)
+
+    @property
+    def usable_bytes(self) -> float:
+        return sum(stage.usable_bytes for stage in self.stages)
+
+
+class _Budget:
+    """Memory of one stage as a function of its layer count and position."""
+
+    def __init__(self, shape: ModelShape, precision: str, kv: str, context: int, sessions: int) -> None:
+        self.shape = shape
+        self.layer = shape.layer_bytes(precision)
+        self.kv_layer = shape.kv_bytes_per_token(kv) * context * sessions * ROLLBACK_SLACK
+        self.embedding = shape.embedding_bytes(precision)
+        self.head = shape.head_bytes(precision)
+        chunk = min(context, PREFILL_CHUNK)
+        self.activations = (
+            4.0 * chunk * (4 * shape.hidden + 3 * shape.intermediate + shape.heads * min(context, 4096))
+        )
+        self.logits = 4.0 * chunk * shape.vocab
+
+    def fixed(self, first: bool, last: bool) -> tuple[float, float]:
+        """(weights, activations) a stage needs besides its layers."""
+        weights = (self.embedding if first else 0.0) + (self.head if last else 0.0)
+        if first and last and self.shape.tied_embeddings:
+            weights -= self.embedding  # one IR shares the tied matrix
+        return weights, self.activations + (self.logits if last else 0.0)
+
+    def stage(self, index: int, host: Host, start: int, end: int, last: bool) -> StagePlan:
+        weights, activations = self.fixed(start == 0, last)
+        count = end - start
+        return StagePlan(
+            index, host.name, start, end, last, weights + count * self.layer, count * self.kv_layer,
+            activations, float(RUNTIME_OVERHEAD), host.memory_gb * GIB,
+        )  # fmt: skip
+
+
+def _gb(value: float) -> str:
+    return f"{value / GIB:.1f} GB"
+
+
+def check_manual_layers(shape: ModelShape, hosts: Sequence[Host]) -> None:
+    """A manual split must be given on every host, contiguous from 0 and end at num_layers."""
+    expected = 0
+    for host in hosts:
+        if host.layers is None:
+            raise PlanError("set layers on all hosts or on none", host=host.name)
+        start, end = host.layers
+        if start != expected or end <= start:
+            raise PlanError(
+                f"[{start}, {end}) does not continue at layer {expected}: ranges must be contiguous",
+                host=host.name,
+            )
+        expected = end
+    if expected != shape.num_layers:
+        raise PlanError(
+            f"the split ends at layer {expected} but {shape.name} has {shape.num_layers} layers: "
+            f"the last range must end at {shape.num_layers}",
+            host=hosts[-1].name if hosts else None,
+        )
+
+
+def plan(
+    shape: ModelShape,
+    hosts: Sequence[Host],
+    precision: str = "int4",
+    context_tokens: int = 4096,
+    sessions: int = 1,
+    kv_cache_precision: str = "auto",
+    balance_head: bool = True,
+) -> Plan:
+    """Split ``shape`` over ``hosts`` (in pipeline order) or raise PlanError explaining why it cannot.
+
+    Layers go to hosts in proportion to their speed, after charging the last host for the lm_head it
+    also runs (decode reads every weight once per token, so cost ~ weight bytes / speed), within what
+    each host's usable memory holds. A ``layers`` override on the hosts is validated instead.
+    """
+    if precision not in PRECISION_ORDER:
+        raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
+    if not hosts:
+        raise PlanError("no hosts to plan for")
+    if context_tokens < 1 or sessions < 1:
+        raise PlanError("context_tokens and sessions must be at least 1")
+    budget = _Budget(shape, precision, kv_cache_precision, context_tokens, sessions)
+    count = len(hosts)
+    manual = any(host.layers is not None for host in hosts)
+    if manual:
+        check_manual_layers(shape, hosts)
+        stages = tuple(
+            budget.stage(i, host, host.layers[0], host.layers[1], i == count - 1)  # type: ignore[index]
+            for i, host in enumerate(hosts)
+        )
+        for stage in stages:
+            if stage.total_bytes > stage.usable_bytes:
+                raise PlanError(
+                    f"layers [{stage.start}, {stage.end}) need {_gb(stage.total_bytes)} "
+                    f"but the host offers {_gb(stage.usable_bytes)} usable",
+                    host=stage.host,
+                )
+        return Plan(shape, precision, kv_cache_precision, context_tokens, sessions, stages, True)
+
+    if count > shape.num_layers:
+        raise PlanError(f"{count} hosts but {shape.name} has only {shape.num_layers} layers: remove a host")
+    _check_total(shape, hosts, precision, kv_cache_precision, context_tokens, sessions)
+    per_layer = budget.layer + budget.kv_layer
+    capacity = []
+    for i, host in enumerate(hosts):
+        weights, activations = budget.fixed(i == 0, i == count - 1)
+        free = host.memory_gb * GIB - RUNTIME_OVERHEAD - weights - activations
+        layers = max(0, int(free // per_layer))
+        if layers < 1:
+            role = " the embedding," if i == 0 else ""
+            role += " the lm_head," if i == count - 1 else ""
+            raise PlanError(
+                f"{_gb(host.memory_gb * GIB)} usable cannot hold{role} one layer and its KV cache "
+                f"({_gb(per_layer)}) plus runtime and activations ({_gb(RUNTIME_OVERHEAD + activations)}): "
+                "give it more memory, move it, or remove it",
+                host=host.name,
+            )
+        capacity.append(layers)
+    if sum(capacity) < shape.num_layers:
+        raise PlanError(
+            f"the hosts hold {sum(capacity)} of {shape.name}'s {shape.num_layers} layers at {precision} "
+            "once each stage's fixed memory is counted: add a host or use a lower precision"
+        )
+    head_cost = [0.0] * count
+    if balance_head:
+        head_cost[-1] = budget.head / budget.layer  # in layer equivalents
+    counts = _split(shape.num_layers, [host.speed for host in hosts], capacity, head_cost)
+    stages_list, start = [], 0
+    for i, (host, layers) in enumerate(zip(hosts, counts, strict=True)):
+        stages_list.append(budget.stage(i, host, start, start + layers, i == count - 1))
+        start += layers
+    return Plan(shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False)
+
+
+def _check_total(
+    shape: ModelShape, hosts: Sequence[Host], precision: str, kv: str, context: int, sessions: int
+) -> None:
+    """Refuse early, with the totals and a way out, when the fleet cannot hold the model at all."""
+
+    def need(candidate: str) -> float:
+        budget = _Budget(shape, candidate, kv, context, sessions)
+        fixed = sum(sum(budget.fixed(i == 0, i == len(hosts) - 1)) for i in range(len(hosts)))
+        return fixed + len(hosts) * RUNTIME_OVERHEAD + shape.num_layers * (budget.layer + budget.kv_layer)
+
+    offered = sum(host.memory_gb for host in hosts) * GIB
+    needed = need(precision)
+    if needed <= offered:
+        return
+    ways = ["add a host"]
+    lower = PRECISION_ORDER[PRECISION_ORDER.index(precision) + 1 :]
+    fitting = next((candidate for candidate in lower if need(candidate) <= offered), None)
+    if fitting:
+        ways.append(f"use {fitting}")
+    kv_total = shape.num_layers * _Budget(shape, precision, kv, context, sessions).kv_layer
+    if kv_total > 0.1 * needed:
+        ways.append(f"lower the context or sessions (KV cache {_gb(kv_total)})")
+    raise PlanError(
+        f"{shape.name} at {precision} needs {_gb(needed)}, hosts offer {_gb(offered)} usable: "
+        + " or ".join(ways)
+    )
+
+
+def _split(total: int, speeds: list[float], capacity: list[int], head_cost: list[float]) -> list[int]:
+    """Integer layer counts ≥ 1 and ≤ capacity, summing to total, balancing (count + head) / speed."""
+    count = len(speeds)
+    fixed: dict[int, float] = {}
+    while True:
+        free = [i for i in range(count) if i not in fixed]
+        remaining = total - sum(fixed.values())
+        if not free:
+            break
+        target = (remaining + sum(head_cost[i] for i in free)) / sum(speeds[i] for i in free)
+        shares = {i: target * speeds[i] - head_cost[i] for i in free}
+        clamped = {
+            i: min(max(share, 1.0), capacity[i])
+            for i, share in shares.items()
+            if not 1 <= share <= capacity[i]
+        }
+        if not clamped:
+            fixed.update(shares)
+            break
+        fixed.update(clamped)
+    counts = [max(1, min(capacity[i], math.floor(fixed[i]))) for i in range(count)]
+    order = sorted(range(count), key=lambda i: fixed[i] - math.floor(fixed[i]), reverse=True)
+    while sum(counts) < total:
+        i = next(i for i in order + list(range(count)) if counts[i] < capacity[i])
+        counts[i] += 1
+        order.remove(i) if i in order else None
+    while sum(counts) > total:
+        i = max((i for i in range(count) if counts[i] > 1), key=lambda i: counts[i] - fixed[i])
+        counts[i] -= 1
+    return counts
+
+
+def plan_fleet(fleet: Fleet, shape: ModelShape | None = None, context_tokens: int = 4096) -> Plan:
+    """The plan of a loaded fleet with its precision, sessions and KV-cache settings."""
+    if shape is None:
+        shape = shape_for_model(fleet.model.name)
+        if shape is None:
+            raise PlanError(f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json")
+    return plan(
+        shape, fleet.hosts, fleet.model.precision, context_tokens, fleet.sessions.max_sessions,
+        fleet.runtime.kv_cache_precision,
+    )  # fmt: skip
+
+
+def format_plan(plan: Plan) -> str:
+    """A text table of a plan for the terminal."""
+    shape = plan.shape
+    lines = [
+        f"{shape.name}: {shape.num_layers} layers, {shape.parameter_count() / 1e9:.2f} B parameters, "
+        f"{plan.precision} weights"
+        + (f" (group {shape.group_size})" if plan.precision == "int4" else "")
+        + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} tokens"
+        + (" — manual split" if plan.manual else ""),
+        "",
+        f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}{'KV cache':>11}{'other':>10}"
+        f"{'total':>11}{'usable':>11}{'use':>6}",
+    ]
+    for stage in plan.stages:
+        role = ("+emb" if stage.is_first else "") + ("+head" if stage.is_last else "")
+        lines.append(
+            f"{stage.index:<6}{stage.host[:15]:<16}{f'[{stage.start}, {stage.end})':<12}{stage.count:>4}"
+            f"{_gb(stage.weight_bytes):>11}{_gb(stage.kv_bytes):>11}"
+            f"{_gb(stage.activation_bytes + stage.overhead_bytes):>10}{_gb(stage.total_bytes):>11}"
+            f"{_gb(stage.usable_bytes):>11}{stage.total_bytes / stage.usable_bytes:>6.0%} {role}"
+        )
+    lines.append(
+        f"{'total':<38}{_gb(sum(s.weight_bytes for s in plan.stages)):>11}"
+        f"{_gb(sum(s.kv_bytes for s in plan.stages)):>11}"
+        f"{_gb(sum(s.activation_bytes + s.overhead_bytes for s in plan.stages)):>10}"
+        f"{_gb(plan.total_bytes):>11}{_gb(plan.usable_bytes):>11}{plan.total_bytes / plan.usable_bytes:>6.0%}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Provides the lifecycle states of a stage and the events the controller reports (no UI code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class Idle:
+    label = "idle"
+
+
+@dataclass(frozen=True)
+class Provisioning:
+    step: str = ""
+    fraction: float | None = None
+    label = "provisioning"
+
+
+@dataclass(frozen=True)
+class Loading:
+    label = "loading"
+
+
+@dataclass(frozen=True)
+class Ready:
+    label = "ready"
+
+
+@dataclass(frozen=True)
+class Serving:
+    sessions: int = 0
+    label = "serving"
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+    label = "failed"
+
+
+StageState = Union[Idle, Provisioning, Loading, Ready, Serving, Failed]
+
+
+def next_state(current: StageState, sample: dict[str, Any] | None) -> StageState:
+    """The state a telemetry sample implies (a failure stays until the stage is redeployed)."""
+    if isinstance(current, Failed) or sample is None:
+        return current
+    if sample.get("state") != "ready":
+        return Loading()
+    sessions = int(sample.get("sessions") or 0)
+    busy = float(sample.get("busy") or 0.0)
+    return Serving(sessions) if sessions and busy > 0.0 else Ready()
+
+
+@dataclass(frozen=True)
+class StageChanged:
+    name: str
+    state: StageState
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A step of preparing or deploying a host (bytes for transfers, a fraction for compiles)."""
+
+    name: str
+    step: str
+    done: float = 0.0
+    total: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class LogLine:
+    source: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    name: str
+    sample: dict[str, Any]
+
+
+ControllerEvent = Union[StageChanged, Progress, LogLine, Telemetry]

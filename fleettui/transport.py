@@ -1,0 +1,205 @@
+"""Provides the coordinator's links to a chain of stages over ZeroMQ: requests, control pings, telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from remote_worker import protocol
+
+log = logging.getLogger(__name__)
+
+
+class LinkError(RuntimeError):
+    """A request that the chain could not answer (stage error, timeout, closed link)."""
+
+
+class StageFailure(LinkError):
+    def __init__(self, stage: int, message: str) -> None:
+        super().__init__(f"stage {stage}: {message}")
+        self.stage = stage
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """The coordinator's CurveZMQ key pair (Z85 text)."""
+
+    public_key: str
+    secret_key: str
+
+
+class Link(Protocol):
+    """Request/reply over a chain: the transport interface the coordinator is written against."""
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message: ...
+
+    async def close(self) -> None: ...
+
+
+def _secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
+    if keys is None:
+        return
+    if server_key is None:
+        raise LinkError("encrypted link without the server's public key")
+    socket.curve_publickey = keys.public_key.encode()
+    socket.curve_secretkey = keys.secret_key.encode()
+    socket.curve_serverkey = server_key.encode()
+
+
+class ZmqLink:
+    """Pushes messages into the head of a chain and matches what comes out of its tail by sequence number.
+
+    Many requests may be in flight at once (one per session): this is what keeps every stage busy.
+    """
+
+    def __init__(self, head: str, tail: str, keys: ClientKeys | None = None, head_key: str | None = None,
+                 tail_key: str | None = None, timeout: float = 300.0) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._context = zmq.asyncio.Context.instance()
+        self._push = self._context.socket(zmq.PUSH)
+        self._pull = self._context.socket(zmq.PULL)
+        for socket in (self._push, self._pull):
+            socket.linger = 0
+        _secure(self._push, keys, head_key)
+        _secure(self._pull, keys, tail_key)
+        self._push.connect(head)
+        self._pull.connect(tail)
+        self._timeout = timeout
+        self._sequence = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read(), name="zmq-link-reader")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            buffers = [frame.buffer for frame in frames]
+            self.bytes_received += sum(len(b) for b in buffers)
+            try:
+                message = protocol.decode(buffers)
+            except protocol.ProtocolError as error:
+                self.dropped += 1
+                log.warning("dropped a malformed reply: %s", error)
+                continue
+            future = self._pending.pop(getattr(message, "seq", -1), None)
+            if future is None or future.done():
+                self.dropped += 1
+                log.warning("dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?"))
+                continue
+            if isinstance(message, protocol.Error):
+                future.set_exception(StageFailure(message.stage, message.message))
+            else:
+                future.set_result(message)
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        self._ensure_reader()
+        seq = next(self._sequence) & 0xFFFFFFFF
+        message = replace(message, seq=seq)  # type: ignore[type-var]
+        future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
+        self._pending[seq] = future
+        frames = protocol.encode(message)
+        self.bytes_sent += sum(len(f) for f in frames)
+        await self._push.send_multipart(frames, copy=False)
+        try:
+            return await asyncio.wait_for(future, timeout or self._timeout)
+        except asyncio.TimeoutError:
+            raise LinkError(f"no answer from the pipeline within {timeout or self._timeout:.0f} s") from None
+        finally:
+            self._pending.pop(seq, None)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):  # noqa: S110 - closing; the reader's fate is moot
+                pass
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(LinkError("link closed"))
+        self._push.close(0)
+        self._pull.close(0)
+
+
+async def control_request(url: str, request: dict[str, Any], keys: ClientKeys | None = None,
+                          server_key: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
+    """One JSON request to a worker's control socket; None when it does not answer within `timeout`."""
+    import zmq
+    import zmq.asyncio
+
+    socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
+    socket.linger = 0
+    try:
+        _secure(socket, keys, server_key)
+        socket.connect(url)
+        await socket.send(json.dumps(request).encode())
+        if not await socket.poll(int(timeout * 1000)):
+            return None
+        reply = json.loads(await socket.recv())
+        return reply if isinstance(reply, dict) else None
+    finally:
+        socket.close(0)
+
+
+class TelemetryFeed:
+    """Subscribes to every stage's telemetry socket and calls `on_sample(sample_dict)` for each report."""
+
+    def __init__(self, urls: list[tuple[str, str | None]], keys: ClientKeys | None,
+                 on_sample: Callable[[dict[str, Any]], None]) -> None:
+        self._urls = urls
+        self._keys = keys
+        self._on_sample = on_sample
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="telemetry-feed")
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        context = zmq.asyncio.Context.instance()
+        sockets = []
+        for url, server_key in self._urls:
+            socket = context.socket(zmq.SUB)
+            socket.linger = 0
+            _secure(socket, self._keys, server_key)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.connect(url)
+            sockets.append(socket)
+        poller = zmq.asyncio.Poller()
+        for each in sockets:
+            poller.register(each, zmq.POLLIN)
+        try:
+            while True:
+                for ready, _ in await poller.poll():
+                    try:
+                        sample = json.loads(await ready.recv())
+                    except ValueError:
+                        continue
+                    if isinstance(sample, dict):
+                        self._on_sample(sample)
+        finally:
+            for each in sockets:
+                each.close(0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: S110 - stopping
+                pass

@@ -1,0 +1,122 @@
+"""Provides the stage configuration contract: what the operator writes for one worker process (JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_VERSION = 1
+INFERENCE_PRECISIONS = ("f32", "f16", "bf16")
+KV_CACHE_PRECISIONS = ("f32", "f16", "u8")
+WIRE_DTYPES = ("f16", "f32")
+ROLES = ("stage", "draft")
+
+
+class ConfigError(ValueError):
+    """A stage configuration that cannot be served; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    address: str
+    port: int
+
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"tcp://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ material for one worker (Z85 text keys).
+
+    The worker's sockets are CURVE servers with `secret_key`; only clients whose public key is listed in
+    `allowed_clients` (the deployment's coordinator and, for a middle/last stage, its upstream stage) pass
+    the ZAP handshake. Its outgoing link to the next stage is a CURVE client with the same key pair and
+    `next_server_key`.
+    """
+
+    public_key: str
+    secret_key: str
+    allowed_clients: tuple[str, ...]
+    next_server_key: str | None = None
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str
+    shard_dir: str
+    stage_index: int
+    data_port: int
+    control_port: int
+    telemetry_port: int
+    result_port: int | None = None  # bound by the last stage and by a draft (coordinator connects)
+    role: str = "stage"
+    bind_address: str = "127.0.0.1"
+    next: Endpoint | None = None  # the downstream stage; None for the last stage and the draft
+    device: str = "CPU"
+    threads: int = 0  # 0 = plugin default
+    inference_precision: str | None = None  # None = device default (reported)
+    kv_cache_precision: str | None = None
+    wire_dtype: str = "f16"
+    curve: CurveKeys | None = None  # None = plaintext (debug only; logged loudly)
+    verify_hashes: bool = True
+    max_sessions: int = 64
+    cpu_cores: tuple[int, ...] = ()
+    deployment: str = ""  # id of the deployment that started this worker
+    version: int = CONFIG_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.inference_precision not in (None, *INFERENCE_PRECISIONS):
+            raise ConfigError(f"inference_precision: {self.inference_precision!r} is not one of {INFERENCE_PRECISIONS}")
+        if self.kv_cache_precision not in (None, *KV_CACHE_PRECISIONS):
+            raise ConfigError(f"kv_cache_precision: {self.kv_cache_precision!r} is not one of {KV_CACHE_PRECISIONS}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"wire_dtype: {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+        for name in ("data_port", "control_port", "telemetry_port"):
+            port = getattr(self, name)
+            if not 0 < port < 65536:
+                raise ConfigError(f"{name}: {port} is not a TCP port")
+        if self.version != CONFIG_VERSION:
+            raise ConfigError(f"version: {self.version}, this worker reads {CONFIG_VERSION}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> StageConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("top level must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown key")
+        try:
+            if data.get("next") is not None:
+                data["next"] = Endpoint(**data["next"])
+            if data.get("curve") is not None:
+                curve = dict(data["curve"])
+                curve["allowed_clients"] = tuple(curve.get("allowed_clients", ()))
+                data["curve"] = CurveKeys(**curve)
+            data["cpu_cores"] = tuple(data.get("cpu_cores", ()))
+            return cls(**data)
+        except TypeError as error:
+            raise ConfigError(str(error)) from None
+
+    @classmethod
+    def load(cls, path: Path) -> StageConfig:
+        try:
+            return cls.from_json(Path(path).read_text())
+        except OSError as error:
+            raise ConfigError(f"{path}: {error.strerror}") from None
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None

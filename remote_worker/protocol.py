@@ -1,0 +1,409 @@
+"""Provides the wire contract: versioned frames exchanged between the coordinator, the stages and the draft.
+
+A message is a ZeroMQ multipart: frame 0 is a fixed little-endian header, the other frames are raw numpy
+buffers (never pickle). `encode` turns a message dataclass into frames; `decode` validates every size,
+dtype, range and count before anything is used and raises `ProtocolError` on the first problem, so a
+receiver can count the frame as dropped and carry on.
+
+Message flow (daisy chain): coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator.
+Control messages (Hello, Open, Close, Reset, Compact) travel the same chain so they stay ordered with
+the steps of their session; the last stage answers them with an Ack. A stage that cannot serve a message
+sends an Error down the chain instead, so the coordinator never waits forever.
+
+Attention-mask deltas: every stage keeps, per session, a mask over its physical KV slots. A Step carries
+only the physical slot ranges to mask from now on (`mask_ranges`, half-open) plus the logical position of
+its first token, never the full mask.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Union
+
+import numpy as np
+
+MAGIC = b"FLTW"
+VERSION = 1
+MAX_TOKENS_PER_STEP = 1 << 16
+MAX_MASK_RANGES = 1 << 14
+MAX_DRAFT = 64
+MAX_SUPPORT = 1024
+MAX_TOP = 32
+MAX_TRACE = 256
+MAX_TEXT = 4096
+
+# magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
+HEADER = struct.Struct("<4sHBBIIIIIIII")
+# temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms
+DECODE = struct.Struct("<ffIHHHH")
+
+FLAG_F16 = 1  # hidden payload is float16 (else float32)
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    OPEN = 2
+    CLOSE = 3
+    RESET = 4
+    COMPACT = 5
+    STEP = 6
+    PROPOSE = 7
+    ACK = 16
+    RESULT = 17
+    PROPOSAL = 18
+    ERROR = 19
+
+
+class ProtocolError(ValueError):
+    """A frame that must be dropped; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """What the last stage must compute from the logits of a Step's trailing positions.
+
+    The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft token
+    j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule against the
+    draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
+    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed.
+    temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
+    position of the untempered distribution.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    draft_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def n_score(self) -> int:
+        return len(self.draft_tokens) + 1
+
+
+@dataclass(frozen=True)
+class Hello:
+    seq: int
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Control:
+    """Open, Close, Reset or Compact a session on every stage of the chain."""
+
+    kind: Kind
+    session: int
+    seq: int
+    cache_len: int = 0  # Compact: physical length the coordinator expects before compaction
+
+
+@dataclass(frozen=True)
+class Step:
+    """Feed n tokens of one session through the chain.
+
+    `tokens` (int64 [n]) enters stage 0; `hidden` ([n, H] float16/float32) travels between stages.
+    `cache_len` is the physical KV length before the step (each stage checks it against its own),
+    `pos0` the logical position of the first new token. `decode` is None for prefill chunks whose
+    logits nobody needs except the last position's (then it is Decode() with no draft).
+    """
+
+    session: int
+    seq: int
+    pos0: int
+    cache_len: int
+    mask_ranges: np.ndarray  # int64 [m, 2], physical half-open ranges to mask before this step
+    tokens: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    decode: Decode | None = None
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+    @property
+    def n(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        assert data is not None
+        return int(data.shape[0])
+
+
+@dataclass(frozen=True)
+class Propose:
+    """Ask a draft worker to feed `tokens` then propose `k` tokens (sampled per `decode` or greedy).
+
+    `decode.uniforms` needs k numbers when sampling; `decode.top_k`/`top_p`/`temperature` shape the
+    proposal distribution, which is truncated to `support` ids and returned so the target can apply the
+    acceptance rule exactly. The draft's cache grows by len(tokens) + k - 1 slots.
+    """
+
+    session: int
+    seq: int
+    pos0: int
+    cache_len: int
+    mask_ranges: np.ndarray
+    tokens: np.ndarray
+    k: int
+    support: int
+    decode: Decode
+
+
+@dataclass(frozen=True)
+class Ack:
+    kind: Kind  # the control kind acknowledged
+    session: int
+    seq: int
+    value: int = 0  # Compact: new physical length; Hello: number of stages
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Result:
+    """Tokens emitted by a verify/decode step: accepted drafts then one correction or bonus token."""
+
+    session: int
+    seq: int
+    tokens: np.ndarray  # int64 [accepted + 1]
+    accepted: int
+    top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    session: int
+    seq: int
+    tokens: np.ndarray  # int64 [k]
+    ids: np.ndarray  # int64 [k, support] proposal distribution support (empty when greedy)
+    probs: np.ndarray  # float32 [k, support]
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Error:
+    session: int
+    seq: int
+    stage: int
+    message: str
+
+
+Message = Union[Hello, Control, Step, Propose, Ack, Result, Proposal, Error]
+TRACE_FIELDS = 5  # per stage: stage index, received, started, finished, sent (time.time() seconds)
+
+
+def _header(kind: int, flags: int = 0, session: int = 0, seq: int = 0, pos0: int = 0, cache_len: int = 0,
+            n: int = 0, width: int = 0, count_a: int = 0, count_b: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+
+
+def _raw(array: np.ndarray, dtype: type) -> memoryview:
+    return memoryview(np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8))
+
+
+def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
+    if decode is None:
+        return [b"", b"", b"", b"", b""]
+    k = len(decode.draft_tokens)
+    support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
+    spec = DECODE.pack(float(decode.temperature), float(decode.top_p), int(decode.top_k), k, support,
+                       int(decode.top_logprobs), len(decode.uniforms))
+    return [spec, _raw(decode.draft_tokens, np.int64), _raw(decode.draft_ids, np.int64),
+            _raw(decode.draft_probs, np.float32), _raw(decode.uniforms, np.float64)]
+
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    """Frames for one message, ready for `socket.send_multipart(frames, copy=False)`."""
+    if isinstance(message, Hello):
+        return [_header(Kind.HELLO, seq=message.seq), _raw(message.trace, np.float64)]
+    if isinstance(message, Control):
+        return [_header(message.kind, session=message.session, seq=message.seq, cache_len=message.cache_len)]
+    if isinstance(message, Step):
+        if (message.tokens is None) == (message.hidden is None):
+            raise ProtocolError("a step carries either tokens or hidden states")
+        ranges = _raw(message.mask_ranges.reshape(-1, 2), np.int64)
+        if message.tokens is not None:
+            flags, width, data = 0, 0, _raw(message.tokens, np.int64)
+        else:
+            hidden = message.hidden
+            assert hidden is not None
+            flags = FLAG_F16 if hidden.dtype == np.float16 else 0
+            width, data = int(hidden.shape[1]), _raw(hidden, hidden.dtype.type)
+        header = _header(Kind.STEP, flags, message.session, message.seq, message.pos0, message.cache_len,
+                         message.n, width, len(message.mask_ranges))
+        return [header, ranges, data, *_decode_frames(message.decode), _raw(message.trace, np.float64)]
+    if isinstance(message, Propose):
+        header = _header(Kind.PROPOSE, 0, message.session, message.seq, message.pos0, message.cache_len,
+                         len(message.tokens), 0, len(message.mask_ranges), message.k | (message.support << 16))
+        return [header, _raw(message.mask_ranges.reshape(-1, 2), np.int64), _raw(message.tokens, np.int64),
+                *_decode_frames(message.decode)]
+    if isinstance(message, Ack):
+        header = _header(Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value)
+        return [header, _raw(message.trace, np.float64)]
+    if isinstance(message, Result):
+        top = message.top_ids.shape[1] if message.top_ids.ndim == 2 else 0
+        header = _header(Kind.RESULT, 0, message.session, message.seq, n=len(message.tokens),
+                         count_a=message.accepted, count_b=top)
+        return [header, _raw(message.tokens, np.int64), _raw(message.top_ids, np.int64),
+                _raw(message.top_logprobs, np.float32), _raw(message.trace, np.float64)]
+    if isinstance(message, Proposal):
+        support = message.ids.shape[1] if message.ids.ndim == 2 else 0
+        header = _header(Kind.PROPOSAL, 0, message.session, message.seq, n=len(message.tokens), count_a=support)
+        return [header, _raw(message.tokens, np.int64), _raw(message.ids, np.int64),
+                _raw(message.probs, np.float32), _raw(message.trace, np.float64)]
+    if isinstance(message, Error):
+        text = message.message.encode("utf-8")[:MAX_TEXT]
+        return [_header(Kind.ERROR, 0, message.session, message.seq, count_a=message.stage), text]
+    raise ProtocolError(f"cannot encode {type(message).__name__}")
+
+
+def _array(frame: bytes | memoryview, dtype: type, count: int, what: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize * count
+    if len(frame) != size:
+        raise ProtocolError(f"{what}: {len(frame)} bytes, expected {size}")
+    return np.frombuffer(frame, dtype=dtype, count=count)
+
+
+def _trace(frame: bytes | memoryview) -> np.ndarray:
+    if len(frame) % 8 or len(frame) // 8 > MAX_TRACE * TRACE_FIELDS:
+        raise ProtocolError(f"trace: bad length {len(frame)}")
+    return np.frombuffer(frame, dtype=np.float64).copy()
+
+
+def _parse_decode(frames: list[bytes | memoryview], max_tokens: int) -> Decode | None:
+    spec, tokens, ids, probs, uniforms = frames
+    if len(spec) == 0:
+        if any(len(f) for f in frames):
+            raise ProtocolError("decode: arrays without a decode header")
+        return None
+    if len(spec) != DECODE.size:
+        raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
+    temperature, top_p, top_k, k, support, top_logprobs, n_uniforms = DECODE.unpack(spec)
+    if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
+        raise ProtocolError(f"decode: temperature {temperature} out of range")
+    if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ProtocolError(f"decode: top_p {top_p} out of range")
+    if k > min(MAX_DRAFT, max_tokens) or support > MAX_SUPPORT or top_logprobs > MAX_TOP:
+        raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
+    if n_uniforms not in (0, 2 * (k + 1), k):
+        raise ProtocolError(f"decode: {n_uniforms} uniforms for {k} drafts")
+    draft_tokens = _array(tokens, np.int64, k, "draft tokens")
+    draft_ids = _array(ids, np.int64, k * support, "draft ids").reshape(k, support)
+    draft_probs = _array(probs, np.float32, k * support, "draft probs").reshape(k, support)
+    u = _array(uniforms, np.float64, n_uniforms, "uniforms")
+    if n_uniforms and not bool(np.all((u >= 0.0) & (u < 1.0))):
+        raise ProtocolError("decode: uniforms outside [0, 1)")
+    if draft_tokens.size and int(draft_tokens.min()) < 0:
+        raise ProtocolError("decode: negative draft token")
+    return Decode(temperature, top_p, top_k, draft_tokens, draft_ids, draft_probs, u, top_logprobs)
+
+
+def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
+    if count > MAX_MASK_RANGES:
+        raise ProtocolError(f"mask: {count} ranges is too many")
+    ranges = _array(frame, np.int64, 2 * count, "mask ranges").reshape(count, 2)
+    if count and (int(ranges.min()) < 0 or bool(np.any(ranges[:, 1] <= ranges[:, 0]))):
+        raise ProtocolError("mask: ranges must be non-empty and non-negative")
+    return ranges
+
+
+def decode(frames: list[bytes | memoryview]) -> Message:
+    """Validate and parse one multipart message; raises ProtocolError with a one-line reason."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = frames[0]
+    if len(head) != HEADER.size:
+        raise ProtocolError(f"header: {len(head)} bytes, expected {HEADER.size}")
+    magic, version, kind_value, flags, session, seq, pos0, cache_len, n, width, count_a, count_b = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError("header: bad magic")
+    if version != VERSION:
+        raise ProtocolError(f"header: protocol version {version}, this side speaks {VERSION}")
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise ProtocolError(f"header: unknown kind {kind_value}") from None
+    body = frames[1:]
+
+    def expect(count: int) -> None:
+        if len(body) != count:
+            raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+
+    if kind == Kind.HELLO:
+        expect(1)
+        return Hello(seq, _trace(body[0]))
+    if kind in (Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT):
+        expect(0)
+        return Control(kind, session, seq, cache_len)
+    if kind == Kind.STEP:
+        expect(8)
+        if not 0 < n <= MAX_TOKENS_PER_STEP:
+            raise ProtocolError(f"step: {n} tokens")
+        ranges = _ranges(body[0], count_a)
+        if width == 0:
+            tokens = _array(body[1], np.int64, n, "tokens")
+            if int(tokens.min()) < 0:
+                raise ProtocolError("step: negative token id")
+            hidden = None
+        else:
+            if width > 1 << 16:
+                raise ProtocolError(f"step: hidden width {width}")
+            dtype = np.float16 if flags & FLAG_F16 else np.float32
+            hidden = _array(body[1], dtype, n * width, "hidden").reshape(n, width)
+            tokens = None
+        step_decode = _parse_decode(body[2:7], n - 1)
+        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, _trace(body[7]))
+    if kind == Kind.PROPOSE:
+        expect(7)
+        k, support = count_b & 0xFFFF, count_b >> 16
+        if not 0 < n <= MAX_TOKENS_PER_STEP or not 0 < k <= MAX_DRAFT or support > MAX_SUPPORT:
+            raise ProtocolError(f"propose: {n} tokens, k={k}, support={support}")
+        ranges = _ranges(body[0], count_a)
+        tokens = _array(body[1], np.int64, n, "tokens")
+        if int(tokens.min()) < 0:
+            raise ProtocolError("propose: negative token id")
+        propose_decode = _parse_decode(body[2:7], 0)
+        if propose_decode is None:
+            raise ProtocolError("propose: missing decode header")
+        return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)
+    if kind == Kind.ACK:
+        expect(1)
+        try:
+            acked = Kind(count_a)
+        except ValueError:
+            raise ProtocolError(f"ack: unknown kind {count_a}") from None
+        return Ack(acked, session, seq, count_b, _trace(body[0]))
+    if kind == Kind.RESULT:
+        expect(4)
+        if not 0 < n <= MAX_DRAFT + 1 or count_a >= n or count_b > MAX_TOP:
+            raise ProtocolError(f"result: {n} tokens, {count_a} accepted, top {count_b}")
+        tokens = _array(body[0], np.int64, n, "tokens")
+        rows = len(body[1]) // 8 // count_b if count_b else 0
+        top_ids = _array(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
+        top_logprobs = _array(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
+        return Result(session, seq, tokens, count_a, top_ids, top_logprobs, _trace(body[3]))
+    if kind == Kind.PROPOSAL:
+        expect(4)
+        if not 0 < n <= MAX_DRAFT or count_a > MAX_SUPPORT:
+            raise ProtocolError(f"proposal: {n} tokens, support {count_a}")
+        tokens = _array(body[0], np.int64, n, "tokens")
+        ids = _array(body[1], np.int64, n * count_a, "proposal ids").reshape(n, count_a)
+        probs = _array(body[2], np.float32, n * count_a, "proposal probs").reshape(n, count_a)
+        return Proposal(session, seq, tokens, ids, probs, _trace(body[3]))
+    if kind == Kind.ERROR:
+        expect(1)
+        if len(body[0]) > MAX_TEXT:
+            raise ProtocolError("error: text too long")
+        return Error(session, seq, count_a, bytes(body[0]).decode("utf-8", errors="replace"))
+    raise ProtocolError(f"header: kind {kind.name} is not a message")  # pragma: no cover
+
+
+def append_trace(trace: np.ndarray, stage: int, received: float, started: float, finished: float,
+                 sent: float) -> np.ndarray:
+    """The trace with one more stage record (the stages append as the message travels)."""
+    return np.concatenate([trace, np.array([stage, received, started, finished, sent], np.float64)])

@@ -1,0 +1,249 @@
+"""Unit tests of the coordinator's speculation and rollback bookkeeping against an in-process fake pipeline.
+
+The fake stage mirrors what a real stage does with its KV cache (append-only slots, mask deltas, logical
+positions) and its "model" is a deterministic function of exactly the tokens it attends to, at exactly
+their logical positions. Any rollback mistake (a rejected draft left visible, a wrong position, a slot
+masked twice or never) changes the next token, so speculative output must equal plain greedy output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from fleettui.coordinator import Coordinator, GenerationParams
+from fleettui.ledger import CacheLedger
+from fleettui.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
+from remote_worker import decoding, protocol
+
+VOCAB = 17
+
+
+def _model(visible: list[tuple[int, int]]) -> np.ndarray:
+    """Logits of the next token given (logical position, token) pairs the query attends to."""
+    positions = [p for p, _ in visible]
+    assert positions == list(range(len(visible))), f"positions not contiguous: {positions}"
+    tokens = [t for _, t in visible]
+    seed = (sum((i + 3) * (t + 1) for i, t in enumerate(tokens[-4:])) + 7 * len(tokens)) % 9973
+    logits = np.random.default_rng(seed).normal(size=VOCAB).astype(np.float32)
+    return logits
+
+
+class FakePipeline:
+    """A one-process stand-in for the chain: validates what a stage validates, scores like the last stage."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.slots: dict[int, list[list[int]]] = {}  # session -> [token, position, valid]
+        self.delay = delay
+        self.steps = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        message = protocol.decode(protocol.encode(message))  # the wire format round-trips
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            return self._serve(message)
+        finally:
+            self.in_flight -= 1
+
+    def _serve(self, message: protocol.Message) -> protocol.Message:
+        if isinstance(message, protocol.Hello):
+            return protocol.Ack(protocol.Kind.HELLO, 0, message.seq, 1)
+        if isinstance(message, protocol.Control):
+            if message.kind == protocol.Kind.OPEN:
+                self.slots[message.session] = []
+            elif message.kind == protocol.Kind.CLOSE:
+                del self.slots[message.session]
+            elif message.kind == protocol.Kind.COMPACT:
+                slots = self.slots[message.session]
+                assert len(slots) == message.cache_len
+                self.slots[message.session] = [s for s in slots if s[2]]
+            length = len(self.slots.get(message.session, ()))
+            return protocol.Ack(message.kind, message.session, message.seq, length)
+        assert isinstance(message, protocol.Step)
+        self.steps += 1
+        slots = self.slots[message.session]
+        assert message.cache_len == len(slots), "coordinator and stage disagree on the cache length"
+        for start, end in message.mask_ranges:
+            assert end <= len(slots)
+            for slot in range(start, end):
+                assert slots[slot][2], "slot masked twice"
+                slots[slot][2] = 0
+        assert message.tokens is not None
+        logits = []
+        for offset, token in enumerate(message.tokens):
+            slots.append([int(token), message.pos0 + offset, 1])
+            visible = sorted((p, t) for t, p, valid in slots if valid)
+            logits.append(_model(visible))
+        decode = message.decode or protocol.Decode()
+        scored = np.stack(logits[-decode.n_score:])
+        tokens, accepted, _, _ = decoding.score(scored, decode)
+        return protocol.Result(message.session, message.seq, tokens, accepted)
+
+    async def close(self) -> None:
+        return None
+
+
+class NoisyDrafter:
+    """Proposes the true greedy continuation with some tokens corrupted, to exercise partial acceptance."""
+
+    name = "noisy"
+    costs_time = True
+
+    def __init__(self, wrong_every: int) -> None:
+        self.wrong_every = wrong_every
+        self.calls = 0
+
+    async def open(self, session: int) -> None:
+        return None
+
+    async def close(self, session: int) -> None:
+        return None
+
+    async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
+        tokens, sequence = [], list(history)
+        for index in range(k):
+            self.calls += 1
+            best = int(np.argmax(_model(list(enumerate(sequence)))))
+            if self.calls % self.wrong_every == 0:
+                best = (best + 1) % VOCAB
+            tokens.append(best)
+            sequence.append(best)
+        return Draft.deterministic(tokens)
+
+
+def _plain_greedy(prompt: list[int], count: int) -> list[int]:
+    sequence = list(prompt)
+    for _ in range(count):
+        sequence.append(int(np.argmax(_model(list(enumerate(sequence))))))
+    return sequence[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 9, 1], list(range(1, 16)) * 20]
+
+
+@pytest.mark.parametrize("wrong_every", [2, 3, 7, 1000])
+@pytest.mark.parametrize("k", [1, 3, 5])
+async def test_speculation_with_mask_rollback_equals_plain_greedy(wrong_every: int, k: int) -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, NoisyDrafter(wrong_every), max_k=k, compaction_minimum=8)
+    coordinator.policy.fixed_k = k
+    for prompt in PROMPTS:
+        session = await coordinator.open_session()
+        generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=40))
+        assert list(generation.token_ids) == _plain_greedy(prompt, 40)
+        assert generation.stats.drafted > 0
+        if wrong_every < 1000:
+            assert 0 < generation.stats.accepted < generation.stats.drafted
+        await coordinator.close_session(session)
+
+
+async def test_prefill_is_chunked_and_long_prompts_stay_exact() -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, None)
+    session = await coordinator.open_session()
+    prompt = PROMPTS[2]
+    generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=10))
+    assert list(generation.token_ids) == _plain_greedy(prompt, 10)
+    assert pipeline.steps == 10 + (len(prompt) - 1) // 128
+
+
+async def test_multi_turn_reuses_the_shared_prefix_and_masks_the_rest() -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, NoisyDrafter(3), max_k=3)
+    coordinator.policy.fixed_k = 3
+    session = await coordinator.open_session()
+    first = await coordinator.generate(session, [1, 2, 3], GenerationParams(max_tokens=12))
+    # The next turn shares the first prompt but diverges afterwards: the cache must keep [1, 2, 3] only.
+    second_prompt = [1, 2, 3, 4, 4, 4]
+    second = await coordinator.generate(session, second_prompt, GenerationParams(max_tokens=12))
+    assert list(first.token_ids) == _plain_greedy([1, 2, 3], 12)
+    assert list(second.token_ids) == _plain_greedy(second_prompt, 12)
+
+
+async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
+    pipeline = FakePipeline(delay=0.001)
+    coordinator = Coordinator(pipeline, None, NoisyDrafter(4), max_k=3)
+    coordinator.policy.fixed_k = 3
+    sessions = [await coordinator.open_session() for _ in PROMPTS]
+    results = await asyncio.gather(*(coordinator.generate(s, p, GenerationParams(max_tokens=30))
+                                     for s, p in zip(sessions, PROMPTS)))
+    for prompt, generation in zip(PROMPTS, results):
+        assert list(generation.token_ids) == _plain_greedy(prompt, 30)
+    assert pipeline.max_in_flight == len(PROMPTS)
+
+
+async def test_compaction_keeps_output_exact() -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, NoisyDrafter(2), max_k=6, compaction_ratio=0.1,
+                              compaction_minimum=4)
+    coordinator.policy.fixed_k = 6
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [5, 4, 3], GenerationParams(max_tokens=60))
+    assert list(generation.token_ids) == _plain_greedy([5, 4, 3], 60)
+    assert session.ledger.garbage < session.ledger.logical_len  # compaction ran and bounded the waste
+
+
+def test_ledger_plans_rollback_as_mask_ranges() -> None:
+    ledger = CacheLedger()
+    feed = ledger.plan([1, 2, 3, 4])
+    assert (feed.pos0, feed.tokens, feed.mask_ranges) == (0, (1, 2, 3, 4), ())
+    ledger.commit(feed)
+    feed = ledger.plan([1, 2, 3, 4, 5, 6, 7])  # verify [4?] no: 4 is cached, feed 5, 6, 7
+    assert (feed.pos0, feed.tokens) == (4, (5, 6, 7))
+    ledger.commit(feed)
+    feed = ledger.plan([1, 2, 3, 4, 5, 9])  # 6 and 7 rejected: masked, 9 fed at position 5
+    assert feed.mask_ranges == ((5, 7),) and feed.pos0 == 5 and feed.tokens == (9,)
+    ledger.commit(feed)
+    assert ledger.sequence() == [1, 2, 3, 4, 5, 9] and ledger.cache_len == 8 and ledger.garbage == 2
+    feed = ledger.plan([1, 2, 3, 4, 5, 9])  # nothing new: the last token is re-fed for its logits
+    assert feed.tokens == (9,) and feed.mask_ranges == ((7, 8),)
+    ledger.commit(feed)
+    ledger.compact()
+    assert ledger.cache_len == 6 and ledger.sequence() == [1, 2, 3, 4, 5, 9]
+
+
+def test_ledger_refuses_a_stale_feed() -> None:
+    ledger = CacheLedger()
+    feed = ledger.plan([1, 2])
+    ledger.commit(feed)
+    with pytest.raises(ValueError):
+        ledger.commit(feed)
+
+
+def test_prompt_lookup_finds_the_latest_match() -> None:
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert lookup([1, 2, 3], 2) == []
+    assert lookup([5, 6, 5], 2) == [6, 5]
+
+
+async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, PromptLookupDrafter(), max_k=4)
+    coordinator.policy.fixed_k = 4
+    session = await coordinator.open_session()
+    prompt = PROMPTS[2][:60]
+    generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=30))
+    assert list(generation.token_ids) == _plain_greedy(prompt, 30)
+
+
+def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_slow() -> None:
+    slow_draft = KPolicy(None, max_k=8)
+    for _ in range(40):
+        for k in (0, 3):
+            slow_draft.record_round(k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k)
+    assert slow_draft.choose() == 0
+    slow_hops = KPolicy(None, max_k=8)
+    for _ in range(40):
+        for k in (0, 3, 6):
+            slow_hops.record_round(k, k, draft_seconds=0.004 * k, verify_seconds=0.200 + 0.003 * k)
+    assert slow_hops.choose() >= 6
+
+
+def test_sampling_property() -> None:
+    assert Sampling().greedy and not Sampling(temperature=0.7).greedy
