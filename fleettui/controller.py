@@ -21,6 +21,7 @@ from fleettui.states import (
     Telemetry, next_state,
 )  # fmt: skip
 from fleettui.transport import TelemetryFeed, ZmqLink
+from remote_worker.config import Endpoint
 from remote_worker.manifest import Manifest, load_manifest
 
 log = logging.getLogger(__name__)
@@ -62,17 +63,23 @@ async def compile_model(model: str, ranges: list[tuple[int, int]], precision: st
     process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                    stderr=asyncio.subprocess.PIPE)
     assert process.stdout is not None and process.stderr is not None
-    last = ""
-    async for raw in process.stdout:
-        line = raw.decode(errors="replace").rstrip()
-        if line:
-            last = line
-            if on_progress is not None:
-                on_progress(line)
-    errors = (await process.stderr.read()).decode(errors="replace").strip()
-    if await process.wait() != 0:
-        reason = errors.splitlines()[-1] if errors else f"exit code {process.returncode}"
+    errors: list[str] = []
+
+    async def follow_progress(stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                errors.append(line)
+                if on_progress is not None:
+                    on_progress(line)
+
+    progress_task = asyncio.ensure_future(follow_progress(process.stderr))
+    output = (await process.stdout.read()).decode(errors="replace").strip().splitlines()
+    await progress_task
+    if await process.wait() != 0 or not output:
+        reason = errors[-1] if errors else f"exit code {process.returncode}"
         raise ControllerError(f"shard compiler: {reason}")
+    last = output[-1]
     directory = Path(json.loads(last)["out"] if last.startswith("{") else last)
     return CompiledModel(directory, load_manifest(directory))
 
@@ -149,8 +156,13 @@ class FleetController:
 
         return ModelShape.from_config_file(path / "config.json").num_layers
 
-    async def start(self, ready_timeout: float = 600.0) -> Coordinator:
-        """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator."""
+    async def start(self, ready_timeout: float = 600.0,
+                    endpoint_map: Callable[[Endpoint], Endpoint] | None = None) -> Coordinator:
+        """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator.
+
+        `endpoint_map` reroutes every data link of the chain (coordinator -> stage 0 -> ... -> coordinator),
+        e.g. through the hop-delay proxies of `fleettui.bench`; control and telemetry links stay direct.
+        """
         if self.target is None:
             await self.prepare()
         assert self.target is not None
@@ -159,6 +171,10 @@ class FleetController:
         ranges = [(s.layers.start, s.layers.end) for s in self.target.manifest.stages]
         deployment = build_deployment(self.fleet, ranges, lambda host: str(self.target.directory),  # type: ignore[union-attr]
                                       str(self.draft.directory) if self.draft else None)
+        if endpoint_map is not None:
+            deployment = replace(deployment, stages=tuple(
+                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
+                for p in deployment.stages))
         self.deployment = deployment
         workers = []
         for placement in deployment.placements:
@@ -174,7 +190,10 @@ class FleetController:
             self._set_state(worker.placement.config.name, Ready())
             self._emit(LogLine(worker.placement.config.name, f"ready: {json.dumps(reply.get('properties', {}))}"))
         head, tail = deployment.stages[0], deployment.stages[-1]
-        link = ZmqLink(head.data_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
+        route = endpoint_map or (lambda endpoint: endpoint)
+        head_url = route(Endpoint(head.connect_address, head.config.data_port)).url()
+        tail_url = route(Endpoint(tail.connect_address, tail.config.result_port)).url()  # type: ignore[arg-type]
+        link = ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)
         self._links.append(link)
         drafter = self._drafter(deployment)
         from fleettui.chat_format import ChatFormat

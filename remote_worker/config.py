@@ -78,10 +78,14 @@ class StageConfig:
             raise ConfigError(f"kv_cache_precision: {self.kv_cache_precision!r} is not one of {KV_CACHE_PRECISIONS}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"wire_dtype: {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
-        for name in ("data_port", "control_port", "telemetry_port"):
+        for name in ("data_port", "control_port", "telemetry_port", "result_port"):
             port = getattr(self, name)
-            if not 0 < port < 65536:
-                raise ConfigError(f"{name}: {port} is not a TCP port")
+            if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+                raise ConfigError(f"{name}: {port!r} is not a TCP port")
+        if self.next is not None and (not isinstance(self.next.port, int) or not 0 < self.next.port < 65536):
+            raise ConfigError(f"next.port: {self.next.port!r} is not a TCP port")
+        if self.next is None and self.result_port is None:
+            raise ConfigError("result_port: required when there is no next stage (last stage or draft)")
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"version: {self.version}, this worker reads {CONFIG_VERSION}")
 
@@ -109,7 +113,7 @@ class StageConfig:
                 data["curve"] = CurveKeys(**curve)
             data["cpu_cores"] = tuple(data.get("cpu_cores", ()))
             return cls(**data)
-        except TypeError as error:
+        except (TypeError, ValueError) as error:  # e.g. a non-object "next"/"curve", a wrong argument
             raise ConfigError(str(error)) from None
 
     @classmethod

@@ -232,8 +232,9 @@ def encode(message: Message) -> list[bytes | memoryview]:
         else:
             hidden = message.hidden
             assert hidden is not None
+            # anything that is not float16 travels as float32, as the flag promises
             flags = FLAG_F16 if hidden.dtype == np.float16 else 0
-            width, data = int(hidden.shape[1]), _raw(hidden, hidden.dtype.type)
+            width, data = int(hidden.shape[1]), _raw(hidden, np.float16 if flags else np.float32)
         header = _header(Kind.STEP, flags, message.session, message.seq, message.pos0, message.cache_len,
                          message.n, width, len(message.mask_ranges))
         return [header, ranges, data, *_decode_frames(message.decode), _raw(message.trace, np.float64)]
@@ -275,7 +276,8 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(frame, dtype=np.float64).copy()
 
 
-def _parse_decode(frames: list[bytes | memoryview], max_tokens: int) -> Decode | None:
+def _parse_decode(frames: list[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
+    """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
     spec, tokens, ids, probs, uniforms = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
@@ -290,8 +292,9 @@ def _parse_decode(frames: list[bytes | memoryview], max_tokens: int) -> Decode |
         raise ProtocolError(f"decode: top_p {top_p} out of range")
     if k > min(MAX_DRAFT, max_tokens) or support > MAX_SUPPORT or top_logprobs > MAX_TOP:
         raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
-    if n_uniforms not in (0, 2 * (k + 1), k):
-        raise ProtocolError(f"decode: {n_uniforms} uniforms for {k} drafts")
+    allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1))
+    if n_uniforms not in allowed_uniforms:
+        raise ProtocolError(f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}")
     draft_tokens = _array(tokens, np.int64, k, "draft tokens")
     draft_ids = _array(ids, np.int64, k * support, "draft ids").reshape(k, support)
     draft_probs = _array(probs, np.float32, k * support, "draft probs").reshape(k, support)
@@ -300,6 +303,10 @@ def _parse_decode(frames: list[bytes | memoryview], max_tokens: int) -> Decode |
         raise ProtocolError("decode: uniforms outside [0, 1)")
     if draft_tokens.size and int(draft_tokens.min()) < 0:
         raise ProtocolError("decode: negative draft token")
+    if draft_ids.size and int(draft_ids.min()) < 0:
+        raise ProtocolError("decode: negative draft proposal id")
+    if draft_probs.size and not bool(np.all(np.isfinite(draft_probs) & (draft_probs >= 0.0))):
+        raise ProtocolError("decode: draft probabilities must be finite and non-negative")
     return Decode(temperature, top_p, top_k, draft_tokens, draft_ids, draft_probs, u, top_logprobs)
 
 
@@ -367,7 +374,7 @@ def decode(frames: list[bytes | memoryview]) -> Message:
         tokens = _array(body[1], np.int64, n, "tokens")
         if int(tokens.min()) < 0:
             raise ProtocolError("propose: negative token id")
-        propose_decode = _parse_decode(body[2:7], 0)
+        propose_decode = _parse_decode(body[2:7], 0, proposals=k)
         if propose_decode is None:
             raise ProtocolError("propose: missing decode header")
         return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)

@@ -1,0 +1,390 @@
+"""Operations run by a host's own Python (source sent over SSH stdin): preflight, hashes, install, launch, stop.
+
+Stdlib only and Python >= 3.10, POSIX and Windows. The operator runs ``python -`` on the host and sends
+this file on stdin followed by one line ``sys.exit(main(["-", OPERATION, JSON]))``, so no argument
+crosses the remote shell (sh, PowerShell, cmd) and nothing needs quoting there but the interpreter's
+path. The answer is one ``FLEETTUI-RESULT {json}`` line on stdout. It is never imported by the worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MARKER = "FLEETTUI-RESULT "
+WINDOWS = os.name == "nt"
+
+
+def venv_python(venv: str) -> str:
+    return str(Path(venv) / ("Scripts/python.exe" if WINDOWS else "bin/python"))
+
+
+def _memory() -> tuple[int, int]:
+    """(total, available) bytes of RAM, 0 when unknown."""
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        memory = psutil.virtual_memory()
+        return int(memory.total), int(memory.available)
+    except ImportError:
+        pass
+    if Path("/proc/meminfo").exists():
+        fields = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            fields[name] = int(value.split()[0]) * 1024
+        return fields.get("MemTotal", 0), fields.get("MemAvailable", fields.get("MemFree", 0))
+    if WINDOWS:
+        import ctypes
+
+        class Status(ctypes.Structure):
+            _fields_ = [("length", ctypes.c_ulong), ("load", ctypes.c_ulong)] + [
+                (name, ctypes.c_ulonglong)
+                for name in (
+                    "total",
+                    "available",
+                    "page_total",
+                    "page_free",
+                    "virtual_total",
+                    "virtual_free",
+                    "x",
+                )
+            ]
+
+        status = Status()
+        status.length = ctypes.sizeof(Status)
+        ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status))  # type: ignore[attr-defined]
+        return int(status.total), int(status.available)
+    return 0, 0
+
+
+def _cpu_model() -> str:
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def _os_name() -> str:
+    release = Path("/etc/os-release")
+    if release.exists():
+        for line in release.read_text(errors="replace").splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.partition("=")[2].strip().strip('"')
+    return platform.platform()
+
+
+def preflight(args: dict[str, Any]) -> dict[str, Any]:
+    workdir = Path(os.path.expanduser(args["workdir"])).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    total, available = _memory()
+    try:
+        import ensurepip  # noqa: F401
+
+        has_ensurepip = True
+    except ImportError:
+        has_ensurepip = False
+    installed = None
+    if args.get("venv"):
+        venv = os.path.expanduser(args["venv"])
+        marker = Path(venv) / "fleettui-wheelhouse.txt"
+        if marker.is_file() and Path(venv_python(venv)).exists():
+            installed = marker.read_text().strip()
+    return {
+        "system": platform.system(),
+        "os_name": os.name,
+        "os": _os_name(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count() or 0,
+        "python": list(sys.version_info[:3]),
+        "python_executable": sys.executable,
+        "libc": list(platform.libc_ver()),
+        "workdir": workdir.as_posix(),
+        "disk_free": shutil.disk_usage(workdir).free,
+        "memory_total": total,
+        "memory_available": available,
+        "ensurepip": has_ensurepip,
+        "installed": installed,
+    }
+
+
+def _path(name: str) -> Path:
+    return Path(os.path.expanduser(name))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hashes(args: dict[str, Any]) -> dict[str, Any]:
+    """Size and SHA-256 of each path that exists (None for the others)."""
+    result: dict[str, Any] = {}
+    for name in args["paths"]:
+        path = _path(name)
+        result[name] = [path.stat().st_size, _sha256(path)] if path.is_file() else None
+    return {"files": result}
+
+
+def _run(command: list[str]) -> tuple[int, str]:
+    process = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
+    return process.returncode, process.stdout
+
+
+def install(args: dict[str, Any]) -> dict[str, Any]:
+    """Create the venv if needed and install the worker from the pushed wheelhouse (no index)."""
+    venv, wheelhouse, digest = args["venv"], args["wheelhouse"], args["digest"]
+    python = venv_python(venv)
+    marker = Path(venv) / "fleettui-wheelhouse.txt"
+    if Path(python).exists() and marker.exists() and marker.read_text().strip() == digest:
+        return {"installed": False, "python": python}
+    if not Path(python).exists():
+        code, output = _run([sys.executable, "-m", "venv", venv])
+        if code != 0:  # e.g. Debian without python3-venv: no ensurepip
+            shutil.rmtree(venv, ignore_errors=True)
+            code, output = _run([sys.executable, "-m", "venv", "--without-pip", venv])
+            if code != 0:
+                return {"error": f"cannot create a venv with {sys.executable}: {output.strip()[-400:]}"}
+    if _run([python, "-m", "pip", "--version"])[0] != 0:
+        wheels = sorted(Path(wheelhouse).glob("pip-*.whl"))
+        if not wheels:
+            return {"error": "the venv has no pip and the wheelhouse has no pip wheel"}
+        pip = str(wheels[-1])
+        code, output = _run([python, f"{pip}/pip", "install", "--no-index", "--no-warn-script-location", pip])
+        if code != 0:
+            return {"error": f"cannot bootstrap pip: {output.strip()[-400:]}"}
+    command = [python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse]
+    command += ["--disable-pip-version-check", "--no-input", "--no-warn-script-location", args["requirement"]]
+    code, output = _run(command)
+    if code != 0:
+        return {"error": "pip install failed: " + " | ".join(output.strip().splitlines()[-6:])}
+    marker.write_text(digest)
+    return {"installed": True, "python": python}
+
+
+def devices(args: dict[str, Any]) -> dict[str, Any]:
+    """OpenVINO's devices as seen by the worker's interpreter (run with the venv's Python)."""
+    try:
+        import openvino  # type: ignore[import-not-found]
+    except ImportError as error:
+        return {"error": f"openvino is not importable: {error}"}
+    core = openvino.Core()
+    names = {}
+    for device in core.available_devices:
+        try:
+            names[device] = str(core.get_property(device, "FULL_DEVICE_NAME"))
+        except Exception:  # a device that cannot describe itself is still listed
+            names[device] = device
+    return {"devices": list(core.available_devices), "names": names, "openvino": openvino.__version__}
+
+
+def _start_token(pid: int) -> str | None:
+    """Something that changes when a pid is reused: the process start time."""
+    try:
+        import psutil
+
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except ImportError:
+        pass
+    except Exception:
+        return None
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    if WINDOWS:
+        try:
+            import psutil
+
+            return bool(psutil.pid_exists(pid)) and psutil.Process(pid).status() != "zombie"
+        except ImportError:
+            output = _run(["tasklist", "/FI", f"PID eq {pid}", "/NH"])[1]
+            return str(pid) in output
+        except Exception:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+    return True
+
+
+def launch(args: dict[str, Any]) -> dict[str, Any]:
+    """Start argv detached (own session, output to the log), record pid + start time in the pid file."""
+    log = Path(args["log"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    environment = dict(os.environ)
+    environment.update(args.get("env", {}))
+    options: dict[str, Any] = {}
+    if WINDOWS:  # survive the SSH session: no console, own group, outside the session's job object
+        options["creationflags"] = 0x00000008 | 0x00000200 | 0x01000000
+    else:
+        options["start_new_session"] = True
+        cores = args.get("cores") or []
+        if cores and hasattr(os, "sched_setaffinity"):
+            options["preexec_fn"] = lambda: os.sched_setaffinity(0, cores)
+    with open(log, "ab") as output:
+        process = subprocess.Popen(
+            args["argv"], cwd=args["cwd"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+            env=environment, close_fds=True, **options,
+        )  # fmt: skip
+    record = {
+        "pid": process.pid,
+        "start": _start_token(process.pid),
+        "deployment": args["deployment"],
+        "argv": args["argv"],
+        "log": str(log),
+        "started": time.time(),
+    }
+    pidfile = Path(args["pidfile"])
+    temporary = pidfile.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, pidfile)
+    time.sleep(float(args.get("settle", 0.3)))
+    code = process.poll()
+    if code is not None:
+        return {"pid": process.pid, "exited": code, "log_tail": _tail(log, 2000)}
+    return {"pid": process.pid, "start": record["start"]}
+
+
+def _record(pidfile: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(pidfile.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+
+
+def _ours(record: dict[str, Any], deployment: str | None) -> str | None:
+    """Why the recorded process must be left alone, or None when it is the one we started."""
+    if deployment is not None and record.get("deployment") != deployment:
+        return f"started by another deployment ({record.get('deployment')})"
+    if not _alive(record["pid"]):
+        return "already exited"
+    if record.get("start") is not None and _start_token(record["pid"]) != record["start"]:
+        return "pid reused by another process"
+    return None
+
+
+def status(args: dict[str, Any]) -> dict[str, Any]:
+    result = {}
+    for name in args["pidfiles"]:
+        record = _record(_path(name))
+        reason = "no pid file" if record is None else _ours(record, args.get("deployment"))
+        result[name] = {"pid": record and record["pid"], "alive": reason is None, "reason": reason}
+    return {"status": result}
+
+
+def _signal(pid: int, number: int) -> None:
+    """Signal the process and, when it leads its own process group (as launched), its children too."""
+    try:
+        if not WINDOWS and os.getpgid(pid) == pid:
+            os.killpg(pid, number)
+        else:
+            os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+def stop(args: dict[str, Any]) -> dict[str, Any]:
+    """Terminate exactly the processes recorded in the pid files (TERM, then KILL after the timeout)."""
+    timeout = float(args.get("timeout", 10.0))
+    result = {}
+    for name in args["pidfiles"]:
+        pidfile = _path(name)
+        record = _record(pidfile)
+        if record is None:
+            result[name] = {"pid": None, "action": "none", "detail": "no pid file"}
+            continue
+        pid = record["pid"]
+        reason = _ours(record, args.get("deployment"))
+        if reason is not None:
+            if reason != f"started by another deployment ({record.get('deployment')})":
+                pidfile.unlink(missing_ok=True)
+            result[name] = {"pid": pid, "action": "none", "detail": reason}
+            continue
+        _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        action = "terminated"
+        if _alive(pid):
+            _signal(pid, signal.SIGTERM if WINDOWS else signal.SIGKILL)
+            action = "killed"
+            deadline = time.monotonic() + 5.0
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        pidfile.unlink(missing_ok=True)
+        result[name] = {
+            "pid": pid,
+            "action": action,
+            "detail": "gone" if not _alive(pid) else "still running",
+        }
+    return {"stopped": result}
+
+
+def _tail(path: Path, size: int) -> str:
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, path.stat().st_size - size))
+            return stream.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def tail(args: dict[str, Any]) -> dict[str, Any]:
+    return {"text": _tail(_path(args["path"]), int(args.get("bytes", 65536)))}
+
+
+OPERATIONS = {
+    "preflight": preflight,
+    "hashes": hashes,
+    "install": install,
+    "devices": devices,
+    "launch": launch,
+    "status": status,
+    "stop": stop,
+    "tail": tail,
+}
+
+
+def main(argv: list[str]) -> int:
+    operation, payload = argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
+    try:
+        result = OPERATIONS[operation](payload)
+    except Exception as error:  # reported to the operator as one line
+        result = {"error": f"{type(error).__name__}: {error}"}
+    sys.stdout.write(MARKER + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) > 2:  # also usable as `python remote_ops.py OPERATION JSON`
+    sys.exit(main(sys.argv))

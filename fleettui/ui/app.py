@@ -1,0 +1,366 @@
+"""Provides FleetApp, the one-screen TUI (deploy, monitor, chat, logs), and `run_app` for the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Input
+from textual.worker import Worker, WorkerState
+
+from fleettui.coordinator import GenerationParams
+from fleettui.fleet import Fleet
+from fleettui.states import ControllerEvent, Failed, LogLine, Progress, StageChanged, Telemetry
+from fleettui.ui.formatting import stats_text, truncate
+from fleettui.ui.messages import (
+    DeployProgressed,
+    LogWritten,
+    PaneLogHandler,
+    StageStateChanged,
+    TelemetrySampled,
+)
+from fleettui.ui.monitor import FleetMonitor, StageView
+from fleettui.ui.screens.help import HelpScreen
+from fleettui.ui.screens.quit import QuitChoice, QuitScreen
+from fleettui.ui.widgets.chat import ChatPane, ChatSession
+from fleettui.ui.widgets.deploy_panel import DeployPanel
+from fleettui.ui.widgets.fleet_panel import FleetPanel
+from fleettui.ui.widgets.log_pane import LogPane
+
+log = logging.getLogger(__name__)
+REDRAW_SECONDS = 0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
+ControllerFactory = Callable[..., Any]  # (fleet, on_event=...) -> FleetController or a look-alike
+
+
+def _session_keys() -> list[Binding]:
+    keys = []
+    for number in range(1, 10):
+        keys.append(
+            Binding(
+                str(number), f"switch_session({number})", "switch to session N", show=False, key_display="1…9"
+            )
+        )
+        keys.append(
+            Binding(
+                f"alt+{number}",
+                f"switch_session({number})",
+                "switch to session N (while typing)",
+                show=False,
+                priority=True,
+                key_display="alt+1…9",
+            )
+        )
+    return keys
+
+
+class FleetApp(App[int]):
+    """Deploys the fleet on mount, shows every stage live, and chats with several sessions at once."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "fleettui"
+    BINDINGS = [
+        Binding("d", "deploy", "deploy"),
+        Binding("ctrl+n", "new_session", "new session", priority=True),
+        Binding("n", "new_session", "new session", show=False),
+        Binding("ctrl+tab,ctrl+pagedown", "cycle_session(1)", "next session", priority=True),
+        Binding("ctrl+shift+tab,ctrl+pageup", "cycle_session(-1)", "previous session", priority=True),
+        *_session_keys(),
+        Binding("i", "focus_prompt", "type a prompt", show=False),
+        Binding("escape", "leave_prompt", "leave the prompt (then letter keys work)", show=False),
+        Binding("l", "fetch_logs", "fetch logs"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("f1", "help", "help", priority=True),
+        Binding("q", "request_quit", "quit"),
+        Binding("ctrl+q", "request_quit", "quit", priority=True),
+    ]
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        controller_factory: ControllerFactory,
+        params: GenerationParams | None = None,
+        auto_deploy: bool = True,
+    ) -> None:
+        super().__init__()
+        self.fleet = fleet
+        self.params = params or GenerationParams(
+            max_tokens=fleet.sessions.max_tokens,
+            temperature=fleet.sessions.temperature,
+            top_p=fleet.sessions.top_p,
+            seed=fleet.sessions.seed,
+        )
+        self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
+        self.auto_deploy = auto_deploy
+        self.coordinator: Any = None
+        self.monitor = FleetMonitor()
+        self.quit_choice: QuitChoice | None = None
+        self._log_handler = PaneLogHandler(self)
+        self.sub_title = "idle"
+
+    # -- layout -------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield FleetPanel(self.monitor, id="fleet")
+        with Horizontal(id="middle"):
+            yield ChatPane(id="chat")
+            with Vertical(id="side"):
+                yield DeployPanel([host.name for host in self.fleet.hosts], id="deploy")
+                yield LogPane(id="log")
+        yield Footer()
+
+    @property
+    def chat(self) -> ChatPane:
+        return self.query_one(ChatPane)
+
+    def on_mount(self) -> None:
+        logging.getLogger().addHandler(self._log_handler)
+        ranges = self._layer_ranges()
+        for index, host in enumerate(self.fleet.hosts):
+            layers = ranges[index] if ranges and index < len(ranges) else None
+            view = StageView(host.name, host.address, index, layers, host.device)
+            view.state = self.controller.states.get(host.name, view.state)
+            self.monitor.add(view)
+        self.set_interval(REDRAW_SECONDS, self.redraw_fleet)
+        self.query_one("#prompt", Input).focus()
+        if self.auto_deploy:
+            self.deploy()
+
+    def on_unmount(self) -> None:
+        logging.getLogger().removeHandler(self._log_handler)
+
+    def _layer_ranges(self) -> list[tuple[int, int]] | None:
+        try:
+            return [(int(start), int(end)) for start, end in self.controller.layer_ranges()]
+        except Exception as error:  # the plan is shown, not needed: a bad model file fails at deploy
+            log.warning("no layer plan: %s", error)
+            return None
+
+    def redraw_fleet(self) -> None:
+        for panel in self.query(FleetPanel):  # none while the app shuts down
+            panel.redraw()
+
+    # -- controller events (called by the controller, possibly from another thread) -------------------
+    def handle_controller_event(self, event: ControllerEvent) -> None:
+        if isinstance(event, Telemetry):
+            self.post_message(TelemetrySampled(event.name, event.sample))
+        elif isinstance(event, StageChanged):
+            self.post_message(StageStateChanged(event.name, event.state))
+        elif isinstance(event, Progress):
+            self.post_message(
+                DeployProgressed(event.name, event.step, event.done, event.total, event.message)
+            )
+        elif isinstance(event, LogLine):
+            self.post_message(LogWritten(event.source, event.text))
+
+    def on_telemetry_sampled(self, message: TelemetrySampled) -> None:
+        self.monitor.record(message.name, message.sample, known=message.name in self.controller.states)
+
+    def on_stage_state_changed(self, message: StageStateChanged) -> None:
+        self.monitor.set_state(message.name, message.state)
+        for panel in self.query(DeployPanel):  # none while the app shuts down
+            panel.show_state(message.name, message.state)
+        if isinstance(message.state, Failed):
+            log.error("%s failed: %s", message.name, message.state.reason)
+
+    def on_deploy_progressed(self, message: DeployProgressed) -> None:
+        for panel in self.query(DeployPanel):
+            panel.show_progress(message.name, message.step, message.done, message.total, message.text)
+
+    def on_log_written(self, message: LogWritten) -> None:
+        for pane in self.query(LogPane):  # none while the app shuts down
+            pane.write_line(message.source, message.text, message.level)
+
+    # -- workers ------------------------------------------------------------------------------------
+    @work(exclusive=True, group="fleet", exit_on_error=False, name="deploy")
+    async def deploy(self) -> None:
+        self.sub_title = "deploying…"
+        self.coordinator = await self.controller.start()
+        self.sub_title = "ready"
+        log.info("fleet ready: %d stages", len(self.fleet.hosts))
+
+    @work(exclusive=True, group="fleet", exit_on_error=False, name="stop")
+    async def stop_fleet(self, exit_after: bool = False) -> None:
+        self.sub_title = "stopping…"
+        for worker in self.workers:
+            if worker.group.startswith("chat-"):
+                worker.cancel()
+        self.coordinator = None
+        for line in await self.controller.stop():
+            log.info("%s", line)
+        self.sub_title = "stopped"
+        if exit_after:
+            self.exit(0)
+
+    @work(exclusive=True, group="logs", exit_on_error=False, name="fetch-logs")
+    async def fetch_logs(self) -> None:
+        fetched = await self.controller.fetch_logs()
+        for source, lines in fetched.items():
+            for line in lines:
+                self.post_message(LogWritten(source, line))
+
+    async def _chat(self, session: ChatSession, text: str) -> None:
+        """One reply in one session; several of these run at once (one worker group per session)."""
+        session.busy = True
+        self._draw_session_bar()
+        try:
+            reply = await session.begin_reply(text)
+            if session.handle is None:
+                session.handle = await self.coordinator.open_session(self.params.seed)
+
+            async def on_tokens(_tokens: list[int], delta: str) -> None:
+                await reply.write(delta)
+
+            generation = await self.coordinator.chat(session.handle, text, self.params, on_tokens)
+            stats = generation.stats
+            await reply.finish(
+                stats_text(stats.tokens, stats.tokens_per_second, stats.acceptance_rate, stats.mean_k)
+            )
+        finally:
+            session.busy = False
+            self._draw_session_bar()
+
+    def _draw_session_bar(self) -> None:
+        for pane in self.query(ChatPane):  # none while the app shuts down
+            pane.draw_bar()
+
+    async def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The one place background failures are handled."""
+        worker, state = event.worker, event.state
+        if state not in (WorkerState.ERROR, WorkerState.CANCELLED):
+            return
+        reason = truncate(str(worker.error) if worker.error else "cancelled", 200)
+        if worker.group == "fleet":
+            self.sub_title = (
+                f"{worker.name} failed" if state == WorkerState.ERROR else f"{worker.name} cancelled"
+            )
+            if state == WorkerState.ERROR:
+                log.error("%s failed: %s", worker.name, reason)
+                self.notify(reason, title=f"{worker.name} failed", severity="error")
+        elif worker.group.startswith("chat-"):
+            number = int(worker.group.removeprefix("chat-"))
+            sessions = [s for pane in self.query(ChatPane) for s in pane.sessions]
+            session = next((s for s in sessions if s.number == number), None)
+            if session is not None and session.replies and not session.replies[-1].done:
+                await session.replies[-1].finish(
+                    f"failed: {reason}" if state == WorkerState.ERROR else "cancelled", failed=True
+                )
+            if state == WorkerState.ERROR:
+                log.error("session %d: %s", number, reason)
+        elif state == WorkerState.ERROR:
+            log.error("%s failed: %s", worker.name, reason)
+
+    # -- actions ------------------------------------------------------------------------------------
+    def on_chat_pane_prompt_submitted(self, message: ChatPane.PromptSubmitted) -> None:
+        session = message.session
+        if self.coordinator is None:
+            self.notify("The fleet is not ready yet (d deploys it).", severity="warning")
+            return
+        if session.busy:
+            self.notify(
+                f"Session {session.number} is still answering; ctrl+n opens another.", severity="warning"
+            )
+            return
+        self.chat.clear_prompt()
+        self.run_worker(
+            self._chat(session, message.text),
+            name=f"chat-{session.number}",
+            group=f"chat-{session.number}",
+            exclusive=True,
+            exit_on_error=False,
+        )
+
+    def action_deploy(self) -> None:
+        if self.coordinator is not None:
+            self.notify("The fleet is already running.")
+            return
+        self.deploy()
+
+    async def action_new_session(self) -> None:
+        if len(self.chat.sessions) >= min(9, self.fleet.sessions.max_sessions):
+            self.notify(f"At most {min(9, self.fleet.sessions.max_sessions)} sessions.", severity="warning")
+            return
+        await self.chat.new_session()
+        self.query_one("#prompt", Input).focus()
+
+    def action_cycle_session(self, step: int) -> None:
+        self.chat.cycle(step)
+
+    def action_switch_session(self, number: int) -> None:
+        if not self.chat.switch_to(number):
+            self.bell()
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt", Input).focus()
+
+    def action_leave_prompt(self) -> None:
+        self.chat.active.focus()
+
+    def action_fetch_logs(self) -> None:
+        if not hasattr(self.controller, "fetch_logs"):
+            self.notify("This controller cannot fetch worker logs.", severity="warning")
+            return
+        self.fetch_logs()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.BINDINGS))
+
+    def action_request_quit(self) -> None:
+        if isinstance(self.screen, QuitScreen):
+            return
+        deploying = any(worker.group == "fleet" and worker.is_running for worker in self.workers)
+        running = self.coordinator is not None or deploying
+        self.push_screen(QuitScreen(running), self._quit_chosen)
+
+    def _quit_chosen(self, choice: QuitChoice | None) -> None:
+        if choice == "stop":
+            self.quit_choice = choice
+            self.stop_fleet(exit_after=True)
+        elif choice == "leave":
+            self.quit_choice = choice
+            log.info("leaving the fleet running")
+            self.exit(0)
+
+
+def generation_params(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
+    """Sampling settings from the fleet file, overridden by the command line (as `--ask` does)."""
+    sessions = fleet.sessions
+    return GenerationParams(
+        max_tokens=getattr(args, "max_tokens", None) or sessions.max_tokens,
+        temperature=sessions.temperature if getattr(args, "temperature", None) is None else args.temperature,
+        top_p=sessions.top_p if getattr(args, "top_p", None) is None else args.top_p,
+        seed=sessions.seed if getattr(args, "seed", None) is None else args.seed,
+        spec_k=0 if getattr(args, "no_spec", False) else getattr(args, "spec_k", None),
+    )
+
+
+def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
+    """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal."""
+    from fleettui.controller import FleetController, with_overrides
+
+    draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
+    fleet = with_overrides(
+        fleet, exact=getattr(args, "exact", False), draft=draft, k=getattr(args, "spec_k", None)
+    )
+    app = FleetApp(fleet, FleetController, generation_params(fleet, args))
+    root = logging.getLogger()
+    streams = [handler for handler in root.handlers if isinstance(handler, logging.StreamHandler)]
+    level = root.level
+    for handler in streams:  # a stderr handler would scribble over the screen
+        root.removeHandler(handler)
+    root.setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
+    try:
+        code = app.run()
+    finally:
+        root.setLevel(level)
+        for handler in streams:
+            root.addHandler(handler)
+        if app.quit_choice != "leave":
+            app.controller.launcher.kill_all()  # last resort after a crash; a no-op after a clean stop
+    return code if isinstance(code, int) else 0

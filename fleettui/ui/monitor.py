@@ -1,0 +1,133 @@
+"""Provides the fleet panel's model: per-stage state, last telemetry sample and one-minute histories (no UI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleettui.states import Failed, Idle, StageState, next_state
+from fleettui.ui.formatting import (
+    Series,
+    layers_text,
+    memory_text,
+    percent_text,
+    rate_text,
+    sparkline,
+    temperature_text,
+)
+
+SPARK_WIDTH = 8  # one character per 7.5 seconds of the last minute
+
+
+@dataclass
+class StageView:
+    """What the fleet panel knows about one stage (a fleet host, or the draft worker once it reports)."""
+
+    name: str
+    address: str = "—"
+    index: int | None = None
+    layers: tuple[int, int] | None = None
+    device: str = "—"
+    state: StageState = field(default_factory=Idle)
+    sample: dict[str, Any] | None = None
+    tokens: Series = field(default_factory=Series)
+    temperature: Series = field(default_factory=Series)
+
+    @property
+    def state_text(self) -> str:
+        if isinstance(self.state, Failed):
+            return f"failed: {self.state.reason}"
+        step = getattr(self.state, "step", "")
+        return f"{self.state.label} ({step})" if step else self.state.label
+
+    def record(self, sample: dict[str, Any]) -> None:
+        at = float(sample.get("time") or 0.0)
+        self.sample = sample
+        self.tokens.add(at, _number(sample.get("tokens_per_s")))
+        self.temperature.add(at, _number(sample.get("temp_c")))
+
+    def cells(self, spark_width: int = SPARK_WIDTH) -> dict[str, str]:
+        """The row's text, by column key (colours are the widget's business)."""
+        sample = self.sample or {}
+        tokens = _number(sample.get("tokens_per_s"))
+        temperature = _number(sample.get("temp_c"))
+        hop = _number(sample.get("hop_ms"))
+        stage = "draft" if sample.get("role") == "draft" else ("—" if self.index is None else str(self.index))
+        tokens_spark = sparkline(self.tokens.values(), spark_width) if len(self.tokens) else " " * spark_width
+        if temperature is None:
+            temperature_cell = temperature_text(None)
+        else:
+            temperature_cell = f"{temperature_text(temperature):>5} " + sparkline(
+                self.temperature.values(), spark_width, minimum=min(self.temperature.values()) - 1.0
+            )
+        return {
+            "name": self.name,
+            "address": self.address,
+            "stage": stage,
+            "layers": layers_text(self.layers),
+            "device": self.device,
+            "state": self.state_text,
+            "tokens": f"{rate_text(tokens):>6} {tokens_spark}",
+            "busy": percent_text(_number(sample.get("busy"))),
+            "queue": "—" if sample.get("queue") is None else str(sample["queue"]),
+            "hop": "n/a" if hop is None else f"{hop:.1f}",
+            "temperature": temperature_cell,
+            "memory": memory_text(_number(sample.get("rss_mb"))),
+        }
+
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("name", "name"),
+    ("address", "address"),
+    ("stage", "stage"),
+    ("layers", "layers"),
+    ("device", "device"),
+    ("state", "state"),
+    ("tokens", "tok/s (1 min)"),
+    ("busy", "busy"),
+    ("queue", "queue"),
+    ("hop", "hop ms"),
+    ("temperature", "temp (1 min)"),
+    ("memory", "memory"),
+)
+
+
+class FleetMonitor:
+    """All stages in fleet order; telemetry for names not in the fleet (the draft) adds a row."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, StageView] = {}
+        self.version = 0  # bumped on every change, so the panel redraws only when something moved
+
+    def add(self, view: StageView) -> None:
+        self.stages[view.name] = view
+        self.version += 1
+
+    def view(self, name: str) -> StageView:
+        if name not in self.stages:
+            self.add(StageView(name))
+        return self.stages[name]
+
+    def set_state(self, name: str, state: StageState) -> None:
+        self.view(name).state = state
+        self.version += 1
+
+    def record(self, name: str, sample: dict[str, Any], known: bool) -> None:
+        """A telemetry sample; `known` says the controller tracks this stage's state itself."""
+        view = self.view(name)
+        view.record(sample)
+        if not known:
+            view.state = next_state(view.state, sample)
+        self.version += 1
+
+    def serving(self) -> list[str]:
+        return [name for name, view in self.stages.items() if view.state.label == "serving"]
+
+
+def _number(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,1 @@
+"""Provides the modal screens of fleettui: help and quit."""

@@ -1,0 +1,1 @@
+"""Provides the widgets of the fleettui screen."""

@@ -1,0 +1,349 @@
+"""Provides the compute side of a stage: one compiled OpenVINO shard and its per-session KV caches (no sockets).
+
+Every session is an InferRequest of the same compiled model, so a further session costs only its KV cache.
+The cache is a ReadValue/Assign state that only appends: rejected speculative tokens stay in it and are
+hidden by a per-session attention mask over the physical slots (1 = attend), while positions stay logical.
+`compact` drops the masked slots with one copy per KV state when the waste grows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from remote_worker.manifest import ManifestError, load_manifest, verify_stage
+
+logger = logging.getLogger(__name__)
+
+# Reported as the plugin's effective settings (whatever the device answers of these).
+REPORTED_PROPERTIES = (
+    "INFERENCE_PRECISION_HINT",
+    "KV_CACHE_PRECISION",
+    "KEY_CACHE_PRECISION",
+    "VALUE_CACHE_PRECISION",
+    "INFERENCE_NUM_THREADS",
+    "NUM_STREAMS",
+    "PERFORMANCE_HINT",
+    "EXECUTION_DEVICES",
+)
+SHRINK_OUTPUT_BYTES = 4 << 20  # an output buffer above this is released after the step
+_KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "u4": 0.5}
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot serve; the message says why in one line."""
+
+
+@dataclass
+class Session:
+    request: Any  # openvino.InferRequest
+    cache_len: int = 0  # physical KV slots, masked ones included
+    mask: np.ndarray = None  # type: ignore[assignment]  # int64 over physical slots, with spare capacity
+    broken: str = ""  # why the state can no longer be trusted (a failed infer or compaction)
+
+    def __post_init__(self) -> None:
+        if self.mask is None:
+            self.mask = np.ones(256, np.int64)
+
+    def reserve(self, length: int) -> None:
+        if length > len(self.mask):
+            grown = np.ones(max(length, 2 * len(self.mask)), np.int64)
+            grown[: self.cache_len] = self.mask[: self.cache_len]
+            self.mask = grown
+
+
+def _text(value: object) -> str:
+    """A property value as plain text: "f32" rather than "<Type: 'float32'>", "CPU" rather than "['CPU']"."""
+    if hasattr(value, "get_type_name"):
+        return str(value.get_type_name())
+    if isinstance(value, (list, tuple)):
+        return ",".join(_text(item) for item in value)
+    return (
+        str(getattr(value, "name", value))
+        if hasattr(value, "name") and not isinstance(value, str)
+        else str(value)
+    )
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class StageEngine:
+    """One stage shard compiled once on a device, serving any number of sessions."""
+
+    def __init__(
+        self,
+        shard_dir: Path | str,
+        stage_index: int,
+        device: str = "CPU",
+        threads: int = 0,
+        inference_precision: str | None = None,
+        kv_cache_precision: str | None = None,
+        verify_hashes: bool = True,
+    ) -> None:
+        import openvino as ov
+
+        self.shard_dir = Path(shard_dir)
+        self.manifest = load_manifest(self.shard_dir)
+        if not 0 <= stage_index < len(self.manifest.stages):
+            raise ManifestError(
+                f"stage {stage_index}: the manifest has stages 0..{len(self.manifest.stages) - 1}"
+            )
+        if verify_hashes:
+            started = time.perf_counter()
+            verify_stage(self.shard_dir, self.manifest, stage_index)
+            logger.info(
+                "stage %d: file hashes verified in %.1f s", stage_index, time.perf_counter() - started
+            )
+        self.stage = self.manifest.stages[stage_index]
+        self.stage_index = stage_index
+        self.device = device
+        self._ov = ov
+        core = ov.Core()
+        model = core.read_model(str(self.shard_dir / self.stage.ir))
+        self.requested = self._properties(core, device, threads, inference_precision, kv_cache_precision)
+        started = time.perf_counter()
+        try:
+            self.compiled = core.compile_model(model, device, self.requested)
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise EngineError(f"compile on {device} failed: {first_line}") from None
+        self.compile_seconds = time.perf_counter() - started
+        names = {name for port in self.compiled.inputs for name in port.get_names()}
+        self.data_input = "input_ids" if self.stage.is_first else "hidden_states"
+        for needed in (self.data_input, "attention_mask", "position_ids"):
+            if needed not in names:
+                raise ManifestError(f"{self.stage.ir}: input {needed!r} is missing")
+        self.has_beam_idx = "beam_idx" in names
+        self.sessions: dict[int, Session] = {}
+        self._beam_idx = np.zeros(1, np.int32)
+        logger.info(
+            "stage %d layers %s compiled on %s in %.1f s: %s",
+            stage_index,
+            self.stage.layers,
+            device,
+            self.compile_seconds,
+            self.effective_properties(),
+        )
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _properties(
+        self,
+        core: Any,
+        device: str,
+        threads: int,
+        inference_precision: str | None,
+        kv_cache_precision: str | None,
+    ) -> dict[str, object]:
+        supported = set(core.get_property(device, "SUPPORTED_PROPERTIES"))
+        wanted: dict[str, object] = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+        if inference_precision:
+            wanted["INFERENCE_PRECISION_HINT"] = inference_precision
+        if kv_cache_precision:
+            wanted["KV_CACHE_PRECISION"] = kv_cache_precision
+        if threads > 0:
+            wanted["INFERENCE_NUM_THREADS"] = threads
+        properties = {}
+        for key, value in wanted.items():
+            if key in supported:
+                properties[key] = value
+            else:
+                logger.warning("%s does not support %s; using its default", device, key)
+        if device == "CPU" and threads == 1 and self.manifest.precision in ("fp32", "fp16"):
+            capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+            hint = inference_precision or ("bf16" if "BF16" in capabilities else "f32")
+            if hint == "bf16":
+                # The CPU plugin dies with SIGFPE in compile_model for this combination (field notes).
+                raise EngineError(
+                    "threads=1 with bf16 inference on fp32/fp16 weights crashes the CPU plugin; "
+                    "set inference_precision to f32 or f16"
+                )
+        return properties
+
+    def effective_properties(self) -> dict[str, str]:
+        """What the compiled model actually uses (as the plugin reports it)."""
+        found = {}
+        for key in REPORTED_PROPERTIES:
+            try:
+                found[key] = _text(self.compiled.get_property(key))
+            except RuntimeError:
+                continue
+        return found
+
+    @property
+    def is_first(self) -> bool:
+        return bool(self.stage.is_first)
+
+    @property
+    def is_last(self) -> bool:
+        return bool(self.stage.is_last)
+
+    # -------------------------------------------------------------------------------------- sessions
+    def has(self, session: int) -> bool:
+        return session in self.sessions
+
+    def open(self, session: int) -> None:
+        """Create a session with an empty cache; opening an open session resets it."""
+        if session in self.sessions:
+            self.reset(session)
+            return
+        self.sessions[session] = Session(self.compiled.create_infer_request())
+
+    def close(self, session: int) -> None:
+        """Forget a session and free its cache (closing an unknown session is a no-op)."""
+        self.sessions.pop(session, None)
+
+    def reset(self, session: int) -> None:
+        """Empty a session's cache (back to the zero-length state initializer)."""
+        state = self._session(session, allow_broken=True)
+        state.request.reset_state()
+        state.cache_len = 0
+        state.broken = ""
+
+    def cache_len(self, session: int) -> int:
+        return self._session(session, allow_broken=True).cache_len
+
+    def masked_slots(self, session: int) -> int:
+        state = self._session(session, allow_broken=True)
+        return int(state.cache_len - state.mask[: state.cache_len].sum())
+
+    def _session(self, session: int, allow_broken: bool = False) -> Session:
+        state = self.sessions.get(session)
+        if state is None:
+            raise EngineError(f"session {session} is not open on stage {self.stage_index}")
+        if state.broken and not allow_broken:
+            raise EngineError(f"session {session} needs a reset: {state.broken}")
+        return state
+
+    # ------------------------------------------------------------------------------------------ compute
+    def step(
+        self,
+        session: int,
+        pos0: int,
+        cache_len: int,
+        mask_ranges: np.ndarray,
+        data: np.ndarray,
+        keep_last: int = 0,
+    ) -> np.ndarray:
+        """Mask `mask_ranges`, feed n tokens (int64 [n]) or hidden states ([n, H]) and return the output.
+
+        The result is [n, H] hidden states or [n, V] logits (only the last `keep_last` rows when > 0). A small
+        result is a view of the request's output buffer, valid until this session's next step; a large one
+        is copied out and the buffer shrunk, so a long prefill does not leave every session holding
+        n x vocabulary floats (that buffer, not the KV cache, dominated the memory of an added session).
+        """
+        state = self._session(session)
+        if cache_len != state.cache_len:
+            raise EngineError(
+                f"session {session}: step expects {cache_len} cached slots, "
+                f"stage {self.stage_index} has {state.cache_len}"
+            )
+        ranges = np.asarray(mask_ranges, np.int64).reshape(-1, 2)
+        if len(ranges) and (
+            int(ranges.min()) < 0
+            or int(ranges[:, 1].max()) > cache_len
+            or bool(np.any(ranges[:, 1] <= ranges[:, 0]))
+        ):
+            raise EngineError(f"session {session}: mask ranges outside [0, {cache_len})")
+        n = int(data.shape[0])
+        if n == 0:
+            raise EngineError(f"session {session}: empty step")
+        inputs = {self.data_input: self._data(data, n)}
+        for start, end in ranges:
+            state.mask[start:end] = 0
+        state.reserve(cache_len + n)
+        state.mask[cache_len : cache_len + n] = 1
+        inputs["attention_mask"] = state.mask[: cache_len + n].reshape(1, -1)
+        inputs["position_ids"] = np.arange(pos0, pos0 + n, dtype=np.int64).reshape(1, n)
+        if self.has_beam_idx:
+            inputs["beam_idx"] = self._beam_idx
+        try:
+            outputs = state.request.infer(inputs, share_inputs=True, share_outputs=True)
+        except RuntimeError as error:
+            state.broken = (
+                f"inference failed: {str(error).strip().splitlines()[0] if str(error).strip() else error}"
+            )
+            raise EngineError(f"session {session}: {state.broken}") from None
+        state.cache_len = cache_len + n
+        output = outputs[0][0]
+        if 0 < keep_last < n:
+            output = output[n - keep_last :]
+        if outputs[0].nbytes > SHRINK_OUTPUT_BYTES:
+            output = output.copy()
+            port = self.compiled.outputs[0]
+            state.request.set_output_tensor(
+                0,
+                self._ov.Tensor(
+                    port.get_element_type(),
+                    [1, 1, outputs[0].shape[-1]],
+                ),
+            )
+        return output
+
+    def _data(self, data: np.ndarray, n: int) -> np.ndarray:
+        if self.is_first:
+            if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+                raise EngineError(f"stage {self.stage_index} is the first stage and takes token ids")
+            if int(data.max()) >= self.manifest.vocab_size or int(data.min()) < 0:
+                raise EngineError(f"token id outside the vocabulary of {self.manifest.vocab_size}")
+            return np.ascontiguousarray(data, np.int64).reshape(1, n)
+        if data.ndim != 2 or data.shape[1] != self.manifest.hidden_size:
+            raise EngineError(
+                f"stage {self.stage_index} takes hidden states [n, {self.manifest.hidden_size}], "
+                f"got {list(data.shape)}"
+            )
+        return np.ascontiguousarray(data, np.float32).reshape(1, n, -1)
+
+    def compact(self, session: int, cache_len: int) -> int:
+        """Drop the masked slots with one copy per KV state; returns the new physical length."""
+        state = self._session(session)
+        if cache_len != state.cache_len:
+            raise EngineError(
+                f"session {session}: compact expects {cache_len} cached slots, "
+                f"stage {self.stage_index} has {state.cache_len}"
+            )
+        keep = np.flatnonzero(state.mask[:cache_len])
+        if len(keep) == cache_len:
+            return cache_len
+        ov = self._ov
+        try:
+            for variable in state.request.query_state():
+                current = variable.state.data  # [1, kv_heads, slots, head_dim]
+                if current.shape[2] != cache_len:
+                    raise EngineError(
+                        f"state {variable.name}: {current.shape[2]} slots, expected {cache_len}"
+                    )
+                # A fresh tensor, never an ROI view of the old state (an ROI trim corrupted output).
+                variable.state = ov.Tensor(np.ascontiguousarray(current[:, :, keep, :]))
+        except (RuntimeError, EngineError) as error:
+            state.broken = f"compaction failed: {error}"
+            raise EngineError(f"session {session}: {state.broken}") from None
+        state.cache_len = len(keep)
+        state.mask[: state.cache_len] = 1
+        return state.cache_len
+
+    # ------------------------------------------------------------------------------------------ memory
+    def kv_bytes_per_slot(self) -> float:
+        """Bytes one physical slot costs across this stage's KV states (at the effective KV precision)."""
+        precision = self.effective_properties().get("KV_CACHE_PRECISION", "f32").lower()
+        per_value = _KV_BYTES.get(precision, 4)
+        return len(self.stage.state_names) * self.manifest.num_kv_heads * self.manifest.head_dim * per_value
+
+    def session_bytes(self, session: int | None = None) -> int:
+        """Logical KV bytes of one session, or of all sessions when `session` is None."""
+        states = (
+            [self._session(session, allow_broken=True)] if session is not None else self.sessions.values()
+        )
+        return int(sum(state.cache_len for state in states) * self.kv_bytes_per_slot())
+
+    def cache_slots(self) -> int:
+        return sum(state.cache_len for state in self.sessions.values())

@@ -1,0 +1,356 @@
+"""Provides the shard directory contract: the manifest that documents compiled pipeline-stage shards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+TENSOR_DTYPES = ("i64", "i32", "f32")
+
+
+class ManifestError(Exception):
+    """A shard directory or manifest that cannot be trusted; the message names the file or field."""
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Half-open range of decoder layers [start, end)."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ManifestError(f"layer range {name}: expected an integer, got {value!r}")
+        if self.start < 0 or self.end <= self.start:
+            raise ManifestError(f"layer range [{self.start}, {self.end}): must satisfy 0 <= start < end")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __contains__(self, layer: object) -> bool:
+        return isinstance(layer, int) and self.start <= layer < self.end
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    def is_last_of(self, num_layers: int) -> bool:
+        return self.end == num_layers
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named input or output tensor of a stage IR; string dimensions are symbolic (e.g. "n")."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    meaning: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TENSOR_DTYPES:
+            raise ManifestError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One compiled stage: its layers, IR file, tensors, KV state variables and file hashes."""
+
+    index: int
+    layers: LayerRange
+    num_layers: int
+    ir: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    state_names: tuple[str, ...]
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.layers.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.layers.is_last_of(self.num_layers)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to serve and check a set of compiled shards."""
+
+    format_version: int
+    model_name: str
+    source: str
+    source_hash: str
+    compiler_version: str
+    cache_key: str
+    precision: str
+    weight_group_size: int | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tokenizer: str
+    chat_template: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    stages: tuple[StageSpec, ...]
+    shared_files: dict[str, str]
+    created_at: str
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ManifestError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if not self.stages:
+            raise ManifestError("stages: at least one stage is required")
+        expected_start = 0
+        for position, stage in enumerate(self.stages):
+            if stage.index != position:
+                raise ManifestError(f"stages[{position}].index: expected {position}, got {stage.index}")
+            if stage.layers.start != expected_start:
+                raise ManifestError(f"stages[{position}].layers: {stage.layers} does not start at {expected_start}")
+            if stage.num_layers != self.num_layers:
+                raise ManifestError(f"stages[{position}].num_layers: {stage.num_layers} != {self.num_layers}")
+            expected_start = stage.layers.end
+        if expected_start != self.num_layers:
+            raise ManifestError(f"stages: layers end at {expected_start}, the model has {self.num_layers}")
+
+    @property
+    def splits(self) -> tuple[int, ...]:
+        """Stage boundaries, e.g. (0, 10, 20, 30)."""
+        return (0, *(stage.layers.end for stage in self.stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, origin: str = MANIFEST_NAME) -> Manifest:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ManifestError(f"{origin}: not valid JSON ({error})") from None
+        return cls.from_dict(data, origin)
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = MANIFEST_NAME) -> Manifest:
+        values = _fields(cls, data, origin)
+        if values["format_version"] != FORMAT_VERSION:
+            raise ManifestError(
+                f"{origin}: format_version {values['format_version']!r} is not supported (expected {FORMAT_VERSION})"
+            )
+        values["eos_token_ids"] = tuple(_list(values["eos_token_ids"], f"{origin}: eos_token_ids"))
+        values["stages"] = tuple(
+            _stage(item, f"{origin}: stages[{position}]")
+            for position, item in enumerate(_list(values["stages"], f"{origin}: stages"))
+        )
+        values["shared_files"] = _hashes(values["shared_files"], f"{origin}: shared_files")
+        if values["rope_scaling"] is not None and not isinstance(values["rope_scaling"], dict):
+            raise ManifestError(f"{origin}: rope_scaling must be an object or null")
+        _check_types(cls, values, origin)
+        try:
+            return cls(**values)
+        except ManifestError as error:
+            raise ManifestError(f"{origin}: {error}") from None
+
+
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "float": (float, int),
+    "int | None": (int, type(None)),
+}
+
+
+def _check_types(cls: type, values: dict[str, Any], origin: str) -> None:
+    for item in fields(cls):
+        allowed = _SCALAR_TYPES.get(str(item.type))
+        value = values[item.name]
+        if allowed is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise ManifestError(f"{origin}: {item.name}: expected {item.type}, got {value!r}")
+    if "rope_theta" in values:
+        values["rope_theta"] = float(values["rope_theta"])
+
+
+def _fields(cls: type, data: Any, origin: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ManifestError(f"{origin}: expected a JSON object")
+    names = [item.name for item in fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ManifestError(f"{origin}: unknown key {unknown[0]!r}")
+    missing = [name for name in names if name not in data]
+    if missing:
+        raise ManifestError(f"{origin}: missing key {missing[0]!r}")
+    return {name: data[name] for name in names}
+
+
+def _list(value: Any, origin: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{origin}: expected a list")
+    return value
+
+
+def _hashes(value: Any, origin: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(key, str) and isinstance(digest, str) and len(digest) == 64 for key, digest in value.items()
+    ):
+        raise ManifestError(f"{origin}: expected an object mapping relative paths to SHA-256 hex digests")
+    for key in value:
+        if Path(key).is_absolute() or ".." in Path(key).parts:
+            raise ManifestError(f"{origin}: path {key!r} must be relative and inside the shard directory")
+    return dict(value)
+
+
+def _tensor(data: Any, origin: str) -> TensorSpec:
+    values = _fields(TensorSpec, data, origin)
+    values["shape"] = tuple(_list(values["shape"], f"{origin}.shape"))
+    if not all(isinstance(dim, (int, str)) and not isinstance(dim, bool) for dim in values["shape"]):
+        raise ManifestError(f"{origin}.shape: dimensions must be integers or names")
+    _check_types(TensorSpec, values, origin)
+    try:
+        return TensorSpec(**values)
+    except ManifestError as error:
+        raise ManifestError(f"{origin}: {error}") from None
+
+
+def _stage(data: Any, origin: str) -> StageSpec:
+    values = _fields(StageSpec, data, origin)
+    layers = _fields(LayerRange, values["layers"], f"{origin}.layers")
+    try:
+        values["layers"] = LayerRange(**layers)
+    except ManifestError as error:
+        raise ManifestError(f"{origin}.layers: {error}") from None
+    for key in ("inputs", "outputs"):
+        values[key] = tuple(
+            _tensor(item, f"{origin}.{key}[{position}]")
+            for position, item in enumerate(_list(values[key], f"{origin}.{key}"))
+        )
+    values["state_names"] = tuple(_list(values["state_names"], f"{origin}.state_names"))
+    if not all(isinstance(name, str) for name in values["state_names"]):
+        raise ManifestError(f"{origin}.state_names: expected strings")
+    values["files"] = _hashes(values["files"], f"{origin}.files")
+    _check_types(StageSpec, values, origin)
+    if values["ir"] not in values["files"]:
+        raise ManifestError(f"{origin}.ir: {values['ir']!r} is not listed in files")
+    return StageSpec(**values)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {item.name: _plain(getattr(value, item.name)) for item in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def load_manifest(directory: Path) -> Manifest:
+    """Read and validate DIRECTORY/manifest.json (no file hashes are checked here; see verify_stage)."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: missing (not a compiled shard directory)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ManifestError(f"{path}: unreadable ({error})") from None
+    return Manifest.from_json(text, str(path))
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> Path:
+    """Write DIRECTORY/manifest.json atomically and return its path."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    handle, temporary = tempfile.mkstemp(prefix=".manifest-", dir=directory)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(manifest.to_json())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_files(directory: Path, hashes: dict[str, str]) -> None:
+    """Check that every listed file exists under DIRECTORY and has the recorded SHA-256."""
+    for relative, expected in hashes.items():
+        path = Path(directory) / relative
+        if not path.is_file():
+            raise ManifestError(f"{relative}: missing from {directory}")
+        found = sha256_file(path)
+        if found != expected:
+            raise ManifestError(f"{relative}: SHA-256 mismatch (expected {expected[:8]}…, found {found[:8]}…)")
+
+
+def verify_stage(directory: Path, manifest: Manifest, index: int) -> None:
+    """Check every file of stage INDEX against the manifest, raising ManifestError on the first problem."""
+    if not 0 <= index < len(manifest.stages):
+        raise ManifestError(f"stage {index}: the manifest has stages 0..{len(manifest.stages) - 1}")
+    verify_files(directory, manifest.stages[index].files)
+
+
+def verify_all(directory: Path, manifest: Manifest) -> None:
+    """Check the shared (tokenizer) files and every stage's files."""
+    verify_files(directory, manifest.shared_files)
+    for stage in manifest.stages:
+        verify_files(directory, stage.files)
+
+
+def even_split(num_layers: int, stages: int) -> tuple[LayerRange, ...]:
+    """Split NUM_LAYERS into STAGES contiguous ranges; the remainder goes to the earliest stages."""
+    if stages < 1:
+        raise ManifestError(f"stages: {stages} must be at least 1")
+    if stages > num_layers:
+        raise ManifestError(f"stages: {stages} is more than the model's {num_layers} layers")
+    base, remainder = divmod(num_layers, stages)
+    ranges = []
+    start = 0
+    for index in range(stages):
+        end = start + base + (1 if index < remainder else 0)
+        ranges.append(LayerRange(start, end))
+        start = end
+    return tuple(ranges)
+
+
+def ranges_from_splits(splits: list[int] | tuple[int, ...], num_layers: int) -> tuple[LayerRange, ...]:
+    """Turn boundaries like (0, 10, 20, 30) into layer ranges, checking they cover [0, num_layers)."""
+    points = list(splits)
+    if len(points) < 2 or points[0] != 0 or points[-1] != num_layers:
+        raise ManifestError(f"split {','.join(map(str, points))}: must start at 0 and end at {num_layers}")
+    if any(later <= earlier for earlier, later in zip(points, points[1:])):
+        raise ManifestError(f"split {','.join(map(str, points))}: boundaries must strictly increase")
+    return tuple(LayerRange(start, end) for start, end in zip(points, points[1:]))

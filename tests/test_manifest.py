@@ -1,0 +1,180 @@
+"""Tests the shard manifest contract: round trip, strict parsing, hash verification and even splits."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from remote_worker.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    LayerRange,
+    Manifest,
+    ManifestError,
+    StageSpec,
+    TensorSpec,
+    even_split,
+    load_manifest,
+    ranges_from_splits,
+    sha256_file,
+    verify_all,
+    verify_stage,
+    write_manifest,
+)
+
+
+def _stage_files(directory: Path, index: int) -> dict[str, str]:
+    files = {}
+    for name, content in (("openvino_model.xml", f"<xml {index}/>"), ("openvino_model.bin", f"weights {index}")):
+        path = directory / f"stage_{index}" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        files[f"stage_{index}/{name}"] = sha256_file(path)
+    return files
+
+
+def _manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Manifest:
+    tokenizer = directory / "tokenizer" / "tokenizer.json"
+    tokenizer.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.write_text("{}")
+    stages = []
+    for index, layers in enumerate(ranges_from_splits(splits, 30)):
+        first = TensorSpec("input_ids", "i64", (1, "n"), "ids") if layers.is_first else TensorSpec(
+            "hidden_states", "f32", (1, "n", 576), "hidden"
+        )
+        stages.append(
+            StageSpec(
+                index=index,
+                layers=layers,
+                num_layers=30,
+                ir=f"stage_{index}/openvino_model.xml",
+                inputs=(first, TensorSpec("attention_mask", "i64", (1, "cache_len + n"), "mask")),
+                outputs=(TensorSpec("logits", "f32", (1, "n", 49152), "logits"),),
+                state_names=tuple(f"layer{layer}.{kind}" for layer in range(layers.start, layers.end) for kind in "kv"),
+                files=_stage_files(directory, index),
+            )
+        )
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        model_name="smollm2-135m-instruct",
+        source="gguf:/x.gguf",
+        source_hash="ab" * 32,
+        compiler_version="2",
+        cache_key="0123456789abcdef",
+        precision="int4",
+        weight_group_size=64,
+        num_layers=30,
+        hidden_size=576,
+        vocab_size=49152,
+        num_attention_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0},
+        max_position_embeddings=8192,
+        tokenizer="tokenizer",
+        chat_template="{{ messages }}",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        pad_token_id=None,
+        stages=tuple(stages),
+        shared_files={"tokenizer/tokenizer.json": sha256_file(tokenizer)},
+        created_at="2026-11-30T08:00:00+00:00",
+    )
+
+
+def test_round_trip_through_the_directory(tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path)
+    path = write_manifest(tmp_path, manifest)
+    assert path == tmp_path / MANIFEST_NAME
+    loaded = load_manifest(tmp_path)
+    assert loaded == manifest
+    assert loaded.stages[0].is_first and not loaded.stages[0].is_last
+    assert loaded.stages[1].is_last and not loaded.stages[1].is_first
+    assert loaded.splits == (0, 16, 30)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    verify_all(tmp_path, loaded)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda data: data.update(surprise=1), "unknown key 'surprise'"),
+        (lambda data: data.pop("vocab_size"), "missing key 'vocab_size'"),
+        (lambda data: data.update(format_version=99), "format_version 99"),
+        (lambda data: data.update(precision="int3"), "precision: 'int3'"),
+        (lambda data: data.update(num_layers="30"), "num_layers"),
+        (lambda data: data["stages"][0].update(extra=True), "stages[0]: unknown key 'extra'"),
+        (lambda data: data["stages"][1]["layers"].update(start=17), "does not start at 16"),
+        (lambda data: data["stages"][0]["inputs"][0].update(dtype="f64"), "dtype 'f64'"),
+        (lambda data: data["stages"][0]["files"].update({"../escape": "0" * 64}), "must be relative"),
+        (lambda data: data["stages"][1]["layers"].update(end=29), "layers end at 29"),
+    ],
+)
+def test_strict_parsing_names_the_problem(tmp_path: Path, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(_manifest(tmp_path).to_json())
+    mutate(data)
+    with pytest.raises(ManifestError, match=re.escape(expected)):
+        Manifest.from_dict(data)
+
+
+def test_missing_and_corrupt_manifest_files(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="manifest.json: missing"):
+        load_manifest(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        load_manifest(tmp_path)
+
+
+def test_hash_mismatch_and_missing_file(tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path)
+    write_manifest(tmp_path, manifest)
+    verify_stage(tmp_path, manifest, 0)
+    (tmp_path / "stage_1" / "openvino_model.bin").write_text("tampered")
+    with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch \(expected \w{8}…, found \w{8}…\)$"):
+        verify_stage(tmp_path, manifest, 1)
+    verify_stage(tmp_path, manifest, 0)
+    (tmp_path / "stage_0" / "openvino_model.xml").unlink()
+    with pytest.raises(ManifestError, match=r"^stage_0/openvino_model\.xml: missing"):
+        verify_stage(tmp_path, manifest, 0)
+    with pytest.raises(ManifestError, match="stage 5"):
+        verify_stage(tmp_path, manifest, 5)
+
+
+def test_layer_range_is_half_open() -> None:
+    layers = LayerRange(10, 20)
+    assert len(layers) == 10 and 10 in layers and 20 not in layers
+    assert not layers.is_first and layers.is_last_of(20) and not layers.is_last_of(30)
+    assert LayerRange(0, 1).is_first
+    for start, end in ((5, 5), (-1, 3), (4, 2)):
+        with pytest.raises(ManifestError):
+            LayerRange(start, end)
+
+
+def test_even_split_gives_the_remainder_to_early_stages() -> None:
+    assert even_split(30, 1) == (LayerRange(0, 30),)
+    assert even_split(30, 3) == (LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30))
+    assert [len(item) for item in even_split(30, 4)] == [8, 8, 7, 7]
+    assert [len(item) for item in even_split(7, 7)] == [1] * 7
+    for stages in (0, 31):
+        with pytest.raises(ManifestError):
+            even_split(30, stages)
+
+
+def test_splits_must_cover_the_model() -> None:
+    assert ranges_from_splits([0, 10, 30], 30) == (LayerRange(0, 10), LayerRange(10, 30))
+    for splits in ([0, 10], [1, 30], [0, 20, 10, 30], [0, 10, 10, 30]):
+        with pytest.raises(ManifestError):
+            ranges_from_splits(splits, 30)
+
+
+def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
+    data = json.loads(_manifest(tmp_path).to_json())
+    stage = data["stages"][1]
+    assert stage["layers"] == {"start": 16, "end": 30}
+    assert stage["inputs"][0] == {"name": "hidden_states", "dtype": "f32", "shape": [1, "n", 576], "meaning": "hidden"}
+    assert replace(_manifest(tmp_path), pad_token_id=2).pad_token_id == 2

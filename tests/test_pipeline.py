@@ -1,0 +1,136 @@
+"""Integration tests of the runtime with the real parts: real shards of the real model, real ZeroMQ stage
+processes, exact arithmetic settings (fp32 weights, f32 inference, f32 KV cache, f32 wire).
+
+Every pipeline — any number of stages, speculation on or off, any number of interleaved users — must give
+greedy tokens identical to the unsplit model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleettui.controller import FleetController, with_overrides
+from fleettui.coordinator import GenerationParams
+from fleettui.deployment import free_port_block
+from fleettui.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
+from fleettui.planner import plan_fleet
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 48
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip, briefly.",
+]
+
+
+def make_fleet(cache: Path, stages: int, draft: str, k: int | str = "auto", encryption: str = "curve") -> Fleet:
+    base = load_fleet(DEFAULT_FLEET)
+    hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(stages))
+    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache),
+                    runtime=replace(base.runtime, encryption=encryption))
+    fleet = with_overrides(fleet, exact=True, draft=draft)
+    return replace(fleet, speculation=replace(fleet.speculation, k=k))
+
+
+async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tuple[list[list[int]], dict]:
+    controller = FleetController(fleet)
+    try:
+        coordinator = await controller.start()
+        sessions = [await coordinator.open_session() for _ in prompts]
+        params = GenerationParams(max_tokens=TOKENS)
+        calls = [coordinator.chat(s, p, params) for s, p in zip(sessions, prompts)]
+        if interleaved:
+            generations = await asyncio.gather(*calls)
+        else:
+            generations = [await call for call in calls]
+        pids = [w.process.pid for w in controller.launcher.workers.values()]
+        info = {"pids": pids, "stats": [g.stats for g in generations], "texts": [g.text for g in generations]}
+        return [list(g.token_ids) for g in generations], info
+    finally:
+        await controller.stop()
+
+
+@pytest.fixture(scope="session")
+def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shard-cache")
+
+
+@pytest.fixture(scope="session")
+def reference(shard_cache: Path) -> list[list[int]]:
+    """Greedy tokens of the unsplit model, one prompt at a time, no speculation."""
+    tokens, info = asyncio.run(run_prompts(make_fleet(shard_cache, 1, "none"), PROMPTS, interleaved=False))
+    assert "Paris" in info["texts"][0]
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("stages", "draft", "k", "users"),
+    [
+        (2, "none", "auto", 3),
+        (3, "none", "auto", 1),
+        (3, "self-int4", 3, 3),
+        (2, "self-int4", "auto", 1),
+        (2, "prompt-lookup", 4, 3),
+    ],
+)
+def test_exact_pipeline_matches_unsplit_model(shard_cache: Path, reference: list[list[int]], stages: int,
+                                              draft: str, k: int | str, users: int) -> None:
+    fleet = make_fleet(shard_cache, stages, draft, k)
+    tokens, info = asyncio.run(run_prompts(fleet, PROMPTS[:users], interleaved=users > 1))
+    assert tokens == reference[:users]
+    if draft == "self-int4" and k == 3:
+        stats = info["stats"]
+        assert sum(s.drafted for s in stats) > 0
+        assert 0 < sum(s.accepted for s in stats) <= sum(s.drafted for s in stats)
+    for pid in info["pids"]:  # clean shutdown: every worker process is gone
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_plaintext_links_work_and_match(shard_cache: Path, reference: list[list[int]]) -> None:
+    fleet = make_fleet(shard_cache, 2, "none", encryption="plaintext")
+    tokens, _ = asyncio.run(run_prompts(fleet, PROMPTS[:1], interleaved=False))
+    assert tokens == reference[:1]
+
+
+def test_ask_cli_json_gives_the_unsplit_tokens(shard_cache: Path, reference: list[list[int]],
+                                               tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.toml"
+    ports = [free_port_block(), free_port_block()]
+    fleet_file.write_text(
+        f'[model]\nname = "smollm2-135m-instruct"\nprecision = "int4"\nshards = "{shard_cache}"\n'
+        '[speculation]\ndraft = "self-int4"\nk = 2\n'
+        f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = {ports[1]}\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", PROMPTS[0], "--exact", "--json",
+         "--max-tokens", str(TOKENS)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["token_ids"] == reference[0]
+    planned = plan_fleet(load_fleet(fleet_file)).ranges
+    assert document["fleet"]["stages"] == [list(r) for r in planned] and len(planned) == 2
+    assert document["fleet"]["exact"] is True
+    assert "Paris" in document["text"]
+
+
+def test_bad_fleet_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "broken.toml"
+    fleet_file.write_text('[model]\nname = "smollm2-135m-instruct"\nprecison = "int4"\n[[hosts]]\nname = "a"\n')
+    result = subprocess.run([sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "hi"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "broken.toml:3" in lines[0] and "precison" in lines[0]

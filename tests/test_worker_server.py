@@ -1,0 +1,480 @@
+"""Tests for the stage worker as real processes: `python -m remote_worker` over real ZeroMQ on 127.0.0.1.
+
+Covers the daisy chain (Hello, Open, Step with speculative verify, Compact, Error forwarding), malformed and
+unexpected frames (dropped and counted, the worker keeps serving), CurveZMQ refusal of unknown keys, the
+draft's Propose, telemetry, exit codes, and clean shutdown leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from remote_worker import protocol
+from remote_worker.config import CurveKeys, Endpoint, StageConfig
+from remote_worker.protocol import Ack, Control, Decode, Error, Hello, Kind, Proposal, Propose, Result, Step
+from remote_worker.security import generate_keypair
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+NO_RANGES = np.zeros((0, 2), np.int64)
+START_TIMEOUT = 180.0
+REPLY_TIMEOUT = 30.0
+_USED_PORTS: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (probed by binding), never handed out twice in this run."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _USED_PORTS:
+            _USED_PORTS.add(port)
+            return port
+
+
+def shard_dir(stages: int) -> Path:
+    from shards import compiled
+
+    return compiled(stages, "fp32", os.environ.get("FLEETTUI_TEST_SHARD_CACHE"))  # type: ignore[arg-type]
+
+
+def stage_config(
+    name: str,
+    shards: Path,
+    index: int,
+    next_endpoint: Endpoint | None = None,
+    role: str = "stage",
+    curve: CurveKeys | None = None,
+) -> StageConfig:
+    return StageConfig(
+        name=name,
+        shard_dir=str(shards),
+        stage_index=index,
+        data_port=free_port(),
+        control_port=free_port(),
+        telemetry_port=free_port(),
+        result_port=None if next_endpoint else free_port(),
+        role=role,
+        next=next_endpoint,
+        inference_precision="f32",
+        kv_cache_precision="f32",
+        wire_dtype="f32",
+        curve=curve,
+        verify_hashes=True,
+    )
+
+
+class Worker:
+    """One `python -m remote_worker` process."""
+
+    def __init__(self, config: StageConfig, directory: Path) -> None:
+        self.config = config
+        self.path = directory / f"{config.name}.json"
+        self.path.write_text(config.to_json())
+        self.log = directory / f"{config.name}.log"
+        self.stdout = open(directory / f"{config.name}.out", "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "remote_worker", "--config", str(self.path), "--log", str(self.log)],
+            cwd=ROOT,
+            stdout=self.stdout,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def url(self, port: int) -> str:
+        return f"tcp://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.stdout.close()
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else "(no log)"
+
+
+class Client:
+    """The coordinator's side of the chain: PUSH into the first stage, PULL from the last, REQ for control."""
+
+    def __init__(self, first: Worker, last: Worker, keys: tuple[str, str] | None = None) -> None:
+        self.context = zmq.Context()
+        self.keys = keys
+        self.push = self._socket(zmq.PUSH, first)
+        self.push.connect(first.url(first.config.data_port))
+        self.pull = self._socket(zmq.PULL, last)
+        assert last.config.result_port is not None
+        self.pull.connect(last.url(last.config.result_port))
+
+    def _socket(self, kind: int, server: Worker) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.linger = 0
+        if self.keys is not None:
+            assert server.config.curve is not None
+            sock.curve_publickey, sock.curve_secretkey = (key.encode() for key in self.keys)
+            sock.curve_serverkey = server.config.curve.public_key.encode()
+        return sock
+
+    def control(
+        self, worker: Worker, request: dict[str, Any], timeout: float = REPLY_TIMEOUT
+    ) -> dict[str, Any] | None:
+        """One control request with a poll timeout (None when no answer came)."""
+        req = self._socket(zmq.REQ, worker)
+        req.connect(worker.url(worker.config.control_port))
+        try:
+            req.send_json(request)
+            if req.poll(int(timeout * 1000)):
+                return req.recv_json()
+            return None
+        finally:
+            req.close(linger=0)
+
+    def wait_ready(self, worker: Worker) -> dict[str, Any]:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if worker.process.poll() is not None:
+                pytest.fail(
+                    f"{worker.config.name} exited with {worker.process.returncode}:\n{worker.log_tail()}"
+                )
+            answer = self.control(worker, {"op": "ping"}, timeout=1.0)
+            if answer is not None and answer.get("state") == "ready":
+                return answer
+        pytest.fail(f"{worker.config.name} never became ready:\n{worker.log_tail()}")
+
+    def send(self, message: protocol.Message) -> None:
+        self.push.send_multipart(protocol.encode(message), copy=False)
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.push.send_multipart(frames)
+
+    def receive(self, timeout: float = REPLY_TIMEOUT) -> protocol.Message:
+        if not self.pull.poll(int(timeout * 1000)):
+            raise AssertionError("no message from the last stage")
+        return protocol.decode(self.pull.recv_multipart())
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+def _garbage() -> list[list[bytes]]:
+    valid = [bytes(frame) for frame in protocol.encode(Control(Kind.OPEN, 1, 1))]
+    return [
+        [b"hello"],
+        [b"XXXX" + valid[0][4:]],
+        [valid[0], b"unexpected payload"],
+        [os.urandom(protocol.HEADER.size), os.urandom(100)],
+        [bytes(f) for f in protocol.encode(Step(1, 1, 0, 0, NO_RANGES, tokens=np.array([1, 2], np.int64)))][
+            :-1
+        ],
+    ]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+@pytest.fixture(scope="module")
+def two_stage_shards() -> Path:
+    return shard_dir(2)
+
+
+@pytest.fixture()
+def chain(tmp_path: Path, two_stage_shards: Path):  # type: ignore[no-untyped-def]
+    last = Worker(stage_config("stage-1", two_stage_shards, 1), tmp_path)
+    first = Worker(
+        stage_config("stage-0", two_stage_shards, 0, Endpoint("127.0.0.1", last.config.data_port)), tmp_path
+    )
+    client = Client(first, last)
+    try:
+        yield first, last, client
+    finally:
+        client.close()
+        for worker in (first, last):
+            worker.stop()
+
+
+def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # type: ignore[no-untyped-def]
+    first, last, client = chain
+    for worker in (first, last):
+        ping = client.wait_ready(worker)
+        assert ping["stage"] == worker.config.stage_index and ping["role"] == "stage"
+        assert "PLAINTEXT" in ping["warning"] and ping["security"] == "plaintext"
+        assert "32" in ping["properties"]["INFERENCE_PRECISION_HINT"]
+    assert client.control(first, {"op": "ping"})["layers"] == [0, 15]  # type: ignore[index]
+
+    client.send(Hello(1))
+    ack = client.receive()
+    assert isinstance(ack, Ack) and ack.kind == Kind.HELLO and ack.value == 2
+    assert len(ack.trace) == 2 * protocol.TRACE_FIELDS and list(ack.trace[:: protocol.TRACE_FIELDS]) == [0, 1]
+
+    garbage = _garbage()
+    for frames in garbage:
+        client.send_raw(frames)
+    client.send(Result(1, 1, np.array([5], np.int64), 0))  # well formed, but no stage expects a Result
+    client.send(Control(Kind.OPEN, 1, 2))
+    assert isinstance(opened := client.receive(), Ack) and opened.kind == Kind.OPEN and opened.session == 1
+    assert client.control(first, {"op": "stats"})["dropped"] == len(garbage) + 1  # type: ignore[index]
+
+    # plain greedy decoding through both processes
+    from shards import chat_ids
+
+    prompt = np.array(chat_ids(Path(first.config.shard_dir), "What is the capital of France?"), np.int64)
+    client.send(Step(1, 3, 0, 0, NO_RANGES, tokens=prompt))
+    result = client.receive()
+    assert isinstance(result, Result) and result.accepted == 0 and len(result.tokens) == 1
+    greedy = [int(result.tokens[0])]
+    for index in range(6):
+        position = len(prompt) + index
+        client.send(
+            Step(1, 4 + index, position, position, NO_RANGES, tokens=np.array([greedy[-1]], np.int64))
+        )
+        reply = client.receive()
+        assert isinstance(reply, Result), reply
+        greedy.append(int(reply.tokens[0]))
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(first.config.shard_dir) / "tokenizer" / "tokenizer.json"))
+    assert "Paris" in tokenizer.decode(greedy)
+
+    # the same answer with speculation in session 2: one verify of 3 drafts (2 right, 1 wrong), then rollback
+    client.send(Control(Kind.OPEN, 2, 20))
+    assert isinstance(client.receive(), Ack)
+    client.send(Step(2, 21, 0, 0, NO_RANGES, tokens=prompt))
+    assert int(client.receive().tokens[0]) == greedy[0]  # type: ignore[union-attr]
+    drafts = np.array([greedy[1], greedy[2], (greedy[3] + 1) % 49152], np.int64)
+    start = len(prompt)
+    client.send(
+        Step(
+            2,
+            22,
+            start,
+            start,
+            NO_RANGES,
+            tokens=np.array([greedy[0], *drafts], np.int64),
+            decode=Decode(draft_tokens=drafts, top_logprobs=3),
+        )
+    )
+    verify = client.receive()
+    assert isinstance(verify, Result)
+    assert verify.accepted == 2 and verify.tokens.tolist() == greedy[1:4]
+    assert verify.top_ids.shape == (3, 3) and verify.top_ids[:, 0].tolist() == greedy[1:4]
+    # slot start+3 held the wrong draft: mask it, feed the correction at logical position start+3
+    client.send(
+        Step(
+            2,
+            23,
+            start + 3,
+            start + 4,
+            np.array([[start + 3, start + 4]], np.int64),
+            tokens=np.array([greedy[3]], np.int64),
+        )
+    )
+    assert int(client.receive().tokens[0]) == greedy[4]  # type: ignore[union-attr]
+    client.send(Control(Kind.COMPACT, 2, 24, cache_len=start + 5))
+    compacted = client.receive()
+    assert isinstance(compacted, Ack) and compacted.kind == Kind.COMPACT and compacted.value == start + 4
+    client.send(Step(2, 25, start + 4, start + 4, NO_RANGES, tokens=np.array([greedy[4]], np.int64)))
+    assert int(client.receive().tokens[0]) == greedy[5]  # type: ignore[union-attr]
+
+    # a step the first stage refuses comes back as an Error through the second stage
+    client.send(Step(1, 30, 0, 12345, NO_RANGES, tokens=np.array([1], np.int64)))
+    error = client.receive()
+    assert isinstance(error, Error) and error.stage == 0 and error.seq == 30 and "12345" in error.message
+    stats = client.control(last, {"op": "stats"})
+    assert stats is not None and stats["sessions"]["1"]["cache_len"] == len(prompt) + 6
+    assert stats["handled"]["Error"] == 1 and stats["handled"]["Step"] == 11
+
+    # telemetry: one JSON sample about once a second
+    subscriber = client.context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(last.url(last.config.telemetry_port))
+    assert subscriber.poll(5000), "no telemetry within 5 s"
+    sample = json.loads(subscriber.recv())
+    expected = {
+        "name",
+        "stage",
+        "state",
+        "time",
+        "steps_per_s",
+        "tokens_per_s",
+        "busy",
+        "queue",
+        "last_step_ms",
+        "rss_mb",
+        "temp_c",
+        "sessions",
+        "cache_slots",
+        "dropped",
+        "errors",
+    }
+    assert expected <= set(sample) and sample["name"] == "stage-1" and sample["sessions"] == 2
+
+    pids = [first.process.pid, last.process.pid]
+    for worker in (first, last):
+        assert client.control(worker, {"op": "shutdown"}) is not None
+    for worker in (first, last):
+        assert worker.process.wait(20) == 0
+    _assert_gone(pids)
+
+
+def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_shards: Path) -> None:
+    server_public, server_secret = generate_keypair()
+    coordinator = generate_keypair()
+    intruder = generate_keypair()
+    curve = CurveKeys(server_public, server_secret, (coordinator[0],))
+    worker = Worker(stage_config("curve-1", two_stage_shards, 1, curve=curve), tmp_path)
+    trusted, stranger = Client(worker, worker, coordinator), Client(worker, worker, intruder)
+    try:
+        ping = trusted.wait_ready(worker)
+        assert ping["security"] == "curve" and "warning" not in ping
+        hidden = np.zeros((2, 576), np.float32)
+        stranger.send(Control(Kind.OPEN, 1, 1))
+        stranger.send(Step(1, 2, 0, 0, NO_RANGES, hidden=hidden))
+        assert stranger.control(worker, {"op": "stats"}, timeout=2.0) is None  # refused: no answer at all
+        with pytest.raises(AssertionError, match="no message"):
+            stranger.receive(timeout=1.0)
+        stats = trusted.control(worker, {"op": "stats"})
+        assert stats is not None and stats["steps"] == 0 and stats["sessions"] == {} and stats["dropped"] == 0
+        assert stats["refused_clients"] >= 1
+
+        trusted.send(Control(Kind.OPEN, 1, 1))
+        trusted.send(Step(1, 2, 0, 0, NO_RANGES, hidden=hidden))
+        assert isinstance(trusted.receive(), Ack)
+        result = trusted.receive()
+        assert isinstance(result, Result) and len(result.tokens) == 1
+        assert trusted.control(worker, {"op": "stats"})["steps"] == 1  # type: ignore[index]
+
+        pid = worker.process.pid
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(20) == 0
+        _assert_gone([pid])
+    finally:
+        trusted.close()
+        stranger.close()
+        worker.stop()
+
+
+def test_draft_proposes_greedy_and_sampled_tokens(tmp_path: Path) -> None:
+    shards = shard_dir(1)
+    worker = Worker(stage_config("draft", shards, 0, role="draft"), tmp_path)
+    client = Client(worker, worker)
+    try:
+        client.wait_ready(worker)
+        prompt = np.array(
+            [1, 9690, 198, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+        )
+        for session in (1, 2, 3):
+            client.send(Control(Kind.OPEN, session, 0))
+            assert isinstance(client.receive(), Ack)
+        client.send(Step(1, 1, 0, 0, NO_RANGES, tokens=prompt))
+        greedy = [int(client.receive().tokens[0])]  # type: ignore[union-attr]
+        for index in range(4):
+            position = len(prompt) + index
+            client.send(Step(1, 2, position, position, NO_RANGES, tokens=np.array([greedy[-1]], np.int64)))
+            greedy.append(int(client.receive().tokens[0]))  # type: ignore[union-attr]
+
+        client.send(Propose(2, 5, 0, 0, NO_RANGES, prompt, k=4, support=0, decode=Decode()))
+        proposal = client.receive()
+        assert isinstance(proposal, Proposal) and proposal.tokens.tolist() == greedy[:4]
+        stats = client.control(worker, {"op": "stats"})
+        assert stats is not None and stats["sessions"]["2"]["cache_len"] == len(prompt) + 3
+
+        sampled = []
+        for session in (3, 1):
+            client.send(Control(Kind.RESET, session, 6))
+            assert isinstance(client.receive(), Ack)
+            uniforms = np.array([0.1, 0.7, 0.3, 0.9])
+            client.send(
+                Propose(
+                    session,
+                    7,
+                    0,
+                    0,
+                    NO_RANGES,
+                    prompt,
+                    k=4,
+                    support=8,
+                    decode=Decode(temperature=0.8, top_p=0.95, uniforms=uniforms),
+                )
+            )
+            reply = client.receive()
+            assert isinstance(reply, Proposal) and reply.ids.shape == (4, 8) and reply.probs.shape == (4, 8)
+            np.testing.assert_allclose(reply.probs.sum(axis=1), 1.0, rtol=1e-5)
+            assert all(
+                token in row for token, row in zip(reply.tokens.tolist(), reply.ids.tolist(), strict=True)
+            )
+            sampled.append(reply.tokens.tolist())
+        assert sampled[0] == sampled[1]  # the same uniforms give the same proposals
+
+        client.send(Propose(2, 8, 0, 12, NO_RANGES, prompt, k=2, support=0, decode=Decode()))
+        refused = client.receive()
+        assert isinstance(refused, Error) and "12" in refused.message
+    finally:
+        client.close()
+        worker.stop()
+
+
+def _run_worker(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "stage.json"
+    path.write_text(text)
+    return subprocess.run(
+        [sys.executable, "-m", "remote_worker", "--config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
+    done = _run_worker(
+        tmp_path,
+        json.dumps(
+            {
+                "name": "x",
+                "shard_dir": "/nowhere",
+                "stage_index": 0,
+                "data_port": 70000,
+                "control_port": 1,
+                "telemetry_port": 2,
+                "result_port": 3,
+            }
+        ),
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("remote_worker: config") and "data_port" in lines[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_shard_exits_3_with_one_line(tmp_path: Path) -> None:
+    config = StageConfig(
+        name="x",
+        shard_dir=str(tmp_path / "none"),
+        stage_index=0,
+        data_port=free_port(),
+        control_port=free_port(),
+        telemetry_port=free_port(),
+        result_port=free_port(),
+    )
+    done = _run_worker(tmp_path, config.to_json())
+    assert done.returncode == 3
+    assert "manifest.json" in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
