@@ -3,8 +3,10 @@
 One run, one model, one weight precision, the same compiled IR (the 1-stage shard for mono, GenAI and
 the 1-stage fleet; the planner's split for N stages), fixed chat prompts (one per user), EOS ignored so
 every row generates exactly its token budget. Rows: mono and the GenAI `LLMPipeline` anchor; the fleet
-with 1..N stages x users x speculation off/on; a one-way delay per hop (user-space proxies, `hop_delay`);
-and emulated PCs (each stage pinned to its own core with 1 inference thread against mono on one core).
+with 1..N stages x users x speculation off/on; a one-way delay per hop (user-space proxies, `hop_delay`,
+on each of the N + 1 data links of the ring coordinator -> stage 0 -> ... -> last stage -> coordinator; the
+draft stays local to the coordinator); and emulated PCs (each stage pinned to its own core with 1 inference
+thread, against mono pinned to one core with 1 thread).
 OpenVINO runs only in child processes (`remote_worker.mono`, `shard_compiler.anchors`, the stage workers).
 """
 
@@ -326,7 +328,8 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "logical_cpus": os.cpu_count(), "usable_cpus": sorted(os.sched_getaffinity(0)),
-                            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)}
+                            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+                            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
@@ -415,11 +418,14 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
                 "command": " ".join(["fleettui", *sys.argv[1:]]), "fleet": str(fleet.path) if fleet.path else None,
                 "model": fleet.model.name, "weights": fleet.model.precision, "exact": fleet.runtime.exact,
                 "draft": fleet.speculation.draft, "prompts": list(PROMPTS), "ignore_eos": True,
-                "wall_seconds": round(time.perf_counter() - started, 1)}
+                "wall_seconds": round(time.perf_counter() - started, 1),
+                "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
     doc = document(rows, machine, settings)
     report = sys.stderr if args.json == "-" else sys.stdout
+    load = machine.get("load_average_at_start", [0.0])[0]
     print(f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
-          f"per-stage split in ms per generated token", file=report)
+          f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
+          f"{load:.1f} at the start", file=report)
     print(format_table(rows), file=report)
     print("\ntargets:\n" + format_targets(targets(rows)), file=report)
     print("\n" + plot(rows), file=report)

@@ -95,8 +95,8 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
     if not seen or tokens <= 0:
         return None
     scale = 1000.0 / tokens
-    return [{"stage": key, "compute_ms": totals[key][0] * scale, "queue_ms": totals[key][1] * scale,
-             "wire_ms": totals[key][2] * scale} for key in order]
+    return [{"stage": key, "compute_ms": round(totals[key][0] * scale, 3), "queue_ms": round(totals[key][1] * scale, 3),
+             "wire_ms": round(totals[key][2] * scale, 3)} for key in order]
 
 
 # ------------------------------------------------------------------------------------------- ratios

@@ -12,15 +12,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleettui.coordinator import Coordinator, Generation, GenerationParams
-from fleettui.deployment import Deployment, build_deployment
+from fleettui.deployment import Deployment, Placement, build_deployment
 from fleettui.fleet import Fleet
 from fleettui.launcher import LaunchError, LocalLauncher
 from fleettui.speculation import Drafter, ModelDrafter, PromptLookupDrafter
 from fleettui.states import (
-    ControllerEvent, Failed, Idle, Loading, LogLine, Progress, Provisioning, Ready, StageChanged, StageState,
-    Telemetry, next_state,
+    ControllerEvent,
+    Failed,
+    Idle,
+    Loading,
+    LogLine,
+    Progress,
+    Provisioning,
+    Ready,
+    StageChanged,
+    StageState,
+    Telemetry,
+    next_state,
 )  # fmt: skip
-from fleettui.transport import TelemetryFeed, ZmqLink
+from fleettui.transport import TelemetryFeed, ZmqLink, wait_until_ready
 from remote_worker.config import Endpoint
 from remote_worker.manifest import Manifest, load_manifest
 
@@ -100,6 +110,7 @@ class FleetController:
         self.deployment: Deployment | None = None
         self.coordinator: Coordinator | None = None
         self._links: list[ZmqLink] = []
+        self.remote_report: object | None = None
         self._feed: TelemetryFeed | None = None
 
     # -- events -------------------------------------------------------------------------------------
@@ -166,27 +177,24 @@ class FleetController:
         if self.target is None:
             await self.prepare()
         assert self.target is not None
-        if any(not host.is_local for host in self.fleet.hosts):
-            raise ControllerError("SSH hosts are deployed with the provisioning library (fleettui --deploy)")
         ranges = [(s.layers.start, s.layers.end) for s in self.target.manifest.stages]
-        deployment = build_deployment(self.fleet, ranges, lambda host: str(self.target.directory),  # type: ignore[union-attr]
+        target_dir = self.target.directory
+        deployment = build_deployment(self.fleet, ranges, lambda host: str(target_dir),
                                       str(self.draft.directory) if self.draft else None)
-        if endpoint_map is not None:
-            deployment = replace(deployment, stages=tuple(
-                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
-                for p in deployment.stages))
         self.deployment = deployment
         workers = []
         for placement in deployment.placements:
-            self._set_state(placement.config.name, Loading())
-            workers.append(self.launcher.start(placement))
+            if placement.host.is_local:
+                self._set_state(placement.config.name, Loading())
+                workers.append(self.launcher.start(placement))
+        remote = [p for p in deployment.stages if not p.host.is_local]
         try:
-            replies = await asyncio.gather(*(self.launcher.wait_ready(w, deployment.keys, ready_timeout)
-                                             for w in workers))
-        except LaunchError as error:
+            waits = [self.launcher.wait_ready(w, deployment.keys, ready_timeout) for w in workers]
+            results = await asyncio.gather(self._deploy_remote(remote, ready_timeout), *waits)
+        except (LaunchError, ControllerError) as error:
             await self.stop()
             raise ControllerError(str(error)) from None
-        for worker, reply in zip(workers, replies):
+        for worker, reply in zip(workers, results[1:], strict=False):
             self._set_state(worker.placement.config.name, Ready())
             self._emit(LogLine(worker.placement.config.name, f"ready: {json.dumps(reply.get('properties', {}))}"))
         head, tail = deployment.stages[0], deployment.stages[-1]
@@ -211,6 +219,40 @@ class FleetController:
         self._feed = TelemetryFeed(urls, deployment.keys, self._on_sample)
         self._feed.start()
         return coordinator
+
+    async def _deploy_remote(self, placements: list[Placement], ready_timeout: float) -> None:
+        """Provision SSH hosts concurrently; raises when any stage could not be brought up."""
+        if not placements:
+            return
+        from fleettui.provision.cli import deploy_placements, rest_can_run
+
+        assert self.target is not None and self.deployment is not None
+        remote = {p.host.name for p in placements}
+
+        def on_event(event: object) -> None:
+            name, step = event.host, event.step  # type: ignore[attr-defined]
+            message = event.message  # type: ignore[attr-defined]
+            self._emit(Progress(name, step, event.bytes_done, event.bytes_total, message))  # type: ignore[attr-defined]
+            if message:
+                self._emit(LogLine(name, f"{step}: {message}"))
+            if name not in remote:
+                return
+            if step == "failed":
+                self._set_state(name, Failed(message or "deploy failed"))
+            elif step == "ready":
+                self._set_state(name, Loading())
+            elif step == "done":
+                self._set_state(name, Ready())
+            elif step != "skipped":
+                self._set_state(name, Provisioning(step))
+
+        report = await deploy_placements(self.fleet, self.deployment, self.target.directory, on_event,
+                                         ready_timeout)
+        self.remote_report = report
+        if not report.ok:
+            failed = {h.host for h in report.failed}
+            lines = "; ".join(f"{h.host}: {h.step}: {h.error}" for h in report.failed)
+            raise ControllerError(f"deploy failed on {len(failed)} host(s): {lines}. {rest_can_run(self.fleet, failed)}")
 
     def _drafter(self, deployment: Deployment) -> Drafter | None:
         draft = self.fleet.speculation.draft
@@ -244,6 +286,11 @@ class FleetController:
         self._links.clear()
         keys = self.deployment.keys if self.deployment else None
         report = await self.launcher.stop(keys)
+        if self.deployment is not None and any(not h.is_local for h in self.fleet.hosts):
+            from fleettui.provision.deploy import stop_fleet
+
+            stopped = await stop_fleet(self.fleet, self.deployment.id)
+            report.extend(stopped.summary().splitlines())
         for name in self.states:
             if not isinstance(self.states[name], Failed):
                 self._set_state(name, Idle())

@@ -27,13 +27,29 @@ class FleetConfigError(FleetError):
 class PlanError(FleetError):
     """The model does not fit the fleet, or a manual split is impossible.
 
-    ``host`` names the host the problem is about when there is one (so the caller can point at the
-    fleet file line of its ``layers`` key).
+    ``host`` and ``key`` name the host and its key the problem is about, when there is one;
+    ``located(path, line, label)`` gives the same error pointing at the fleet file (``path:line: label: ...``).
     """
 
-    def __init__(self, message: str, host: str | None = None) -> None:
+    def __init__(self, message: str, host: str | None = None, key: str | None = None) -> None:
+        self.message = message
         self.host = host
+        self.key = key
+        self.path: Path | None = None
+        self.line = 0
+        self.label: str | None = None
         super().__init__(message)
+
+    def located(self, path: Path | str, line: int, label: str) -> PlanError:
+        error = PlanError(self.message, self.host, self.key)
+        error.path, error.line, error.label = Path(path), line, label
+        return error
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return self.message
+        location = f"{self.path}:{self.line}" if self.line > 0 else str(self.path)
+        return f"{location}: {self.label}: {self.message}"
 
 
 class ProvisionError(FleetError):

@@ -6,12 +6,13 @@ import ipaddress
 import logging
 import re
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from fleettui.errors import FleetConfigError, PlanError
+from fleettui.toml_source import LineIndex, Section, show
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -165,108 +166,6 @@ def resolve_fleet(arg: str | None) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------------
-# Line numbers: tomllib reports none for keys, so the text is scanned for table headers and key lines.
-
-_HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\s\"']+?)\s*\]\]?\s*(#.*)?$")
-_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')\s*[=.]")
-_STRING = re.compile(r"\"\"\".*?\"\"\"|'''.*?'''|\"(?:\\.|[^\"\\])*\"|'[^']*'", re.S)
-
-
-class _LineIndex:
-    """Maps (table, array index, key) to the 1-based line it is written on."""
-
-    def __init__(self, text: str) -> None:
-        self.headers: dict[tuple[str, int], int] = {}
-        self.keys: dict[tuple[str, int, str], int] = {}
-        counts: dict[str, int] = {}
-        table, index, depth = "", 0, 0
-        for number, line in enumerate(text.splitlines(), start=1):
-            if depth == 0:
-                header = _HEADER.match(line)
-                if header:
-                    table = header.group(2).replace(" ", "").replace('"', "").replace("'", "")
-                    if header.group(1) == "[[":
-                        index = counts.get(table, -1) + 1
-                        counts[table] = index
-                    else:
-                        index = 0
-                    self.headers[(table, index)] = number
-                    continue
-                key = _KEY.match(line)
-                if key:
-                    self.keys.setdefault((table, index, key.group(1).strip("\"'")), number)
-            code = _STRING.sub('""', line).split("#", 1)[0]
-            depth = max(0, depth + code.count("[") + code.count("{") - code.count("]") - code.count("}"))
-
-    def line(self, table: str, index: int = 0, key: str | None = None) -> int:
-        if key is not None and (table, index, key) in self.keys:
-            return self.keys[(table, index, key)]
-        return self.headers.get((table, index), 1 if not table else 0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Validation helpers: each returns the typed value or raises FleetConfigError at the key's line.
-
-
-class _Section:
-    """One table of the fleet file being validated, with what is needed to point at its lines."""
-
-    def __init__(self, path: Path, lines: _LineIndex, table: str, index: int, label: str, data: Any) -> None:
-        self.path, self.lines, self.table, self.index, self.label = path, lines, table, index, label
-        if not isinstance(data, Mapping):
-            raise FleetConfigError(path, lines.line(table, index), label, "expected a table")
-        self.data: Mapping[str, Any] = data
-
-    def error(self, key: str | None, reason: str) -> FleetConfigError:
-        name = f"{self.label}.{key}" if key else self.label
-        return FleetConfigError(self.path, self.lines.line(self.table, self.index, key), name, reason)
-
-    def reject_unknown(self, known: tuple[str, ...]) -> None:
-        for key in self.data:
-            if key not in known:
-                raise self.error(key, f"unknown key (expected one of: {', '.join(known)})")
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-        if key not in self.data:
-            return default
-        value = self.data[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, bool) and bool not in kinds:
-            raise self.error(key, f"expected {_kind_name(kinds)}, got {_show(value)}")
-        if not isinstance(value, kinds):
-            raise self.error(key, f"expected {_kind_name(kinds)}, got {_show(value)}")
-        return value
-
-    def choice(self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False) -> str:
-        value = self.get(key, str, default)
-        value = value.upper() if upper else value
-        if value not in choices:
-            raise self.error(key, f"{_show(value)} is not one of: {' | '.join(choices)}")
-        return str(value)
-
-    def number(self, key: str, kind: type, default: Any, check: Callable[[Any], bool], rule: str) -> Any:
-        value = self.get(key, kind, default)
-        if not check(value):
-            raise self.error(key, f"{_show(value)} is out of range: {rule}")
-        return value
-
-
-def _kind_name(kinds: tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list"}
-    return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
-
-
-def _show(value: Any) -> str:
-    return (
-        f'"{value}"'
-        if isinstance(value, str)
-        else repr(value).replace("True", "true").replace("False", "false")
-    )
-
-
 def _local_path(value: str, base: Path) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else (base / path).resolve()
@@ -307,20 +206,20 @@ def load_fleet(path: Path) -> Fleet:
 
 
 def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
-    lines = _LineIndex(text)
+    lines = LineIndex(text)
     base = path.resolve().parent
-    top = _Section(path, lines, "", 0, "fleet", data)
+    top = Section(path, lines, "", 0, "fleet", data)
     top.reject_unknown(("model", "runtime", "speculation", "sessions", "hosts"))
     for table in ("model", "runtime", "speculation", "sessions"):
         if table in data and not isinstance(data[table], Mapping):
             raise FleetConfigError(path, lines.line("", 0, table), table, "expected a table [" + table + "]")
 
-    runtime = _runtime(_Section(path, lines, "runtime", 0, "runtime", data.get("runtime", {})))
-    model = _model(_Section(path, lines, "model", 0, "model", data.get("model", {})), base, runtime.exact)
+    runtime = _runtime(Section(path, lines, "runtime", 0, "runtime", data.get("runtime", {})))
+    model = _model(Section(path, lines, "model", 0, "model", data.get("model", {})), base, runtime.exact)
     speculation = _speculation(
-        _Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
+        Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
     )
-    sessions = _sessions(_Section(path, lines, "sessions", 0, "sessions", data.get("sessions", {})))
+    sessions = _sessions(Section(path, lines, "sessions", 0, "sessions", data.get("sessions", {})))
 
     raw_hosts = data.get("hosts", [])
     if not isinstance(raw_hosts, list) or not raw_hosts:
@@ -331,7 +230,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     for index, raw in enumerate(raw_hosts):
         name = raw.get("name") if isinstance(raw, Mapping) else None
         label = f"hosts[{name}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
-        sections.append(_Section(path, lines, "hosts", index, label, raw))
+        sections.append(Section(path, lines, "hosts", index, label, raw))
     hosts = _hosts(sections, base)
     if runtime.exact:
         logger.info("%s: exact = true: fp32 weights, f32 inference, f32 KV cache and f32 wire", path)
@@ -342,7 +241,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     return fleet
 
 
-def _model(section: _Section, base: Path, exact: bool) -> ModelSettings:
+def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
     from fleettui.planner import BUILTIN_SHAPES
 
     section.reject_unknown(("name", "precision", "shards"))
@@ -367,7 +266,7 @@ def _model(section: _Section, base: Path, exact: bool) -> ModelSettings:
     return ModelSettings(name, "fp32" if exact else precision, shards)
 
 
-def _runtime(section: _Section) -> RuntimeSettings:
+def _runtime(section: Section) -> RuntimeSettings:
     section.reject_unknown(("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact"))
     exact = section.get("exact", bool, False)
     inference = section.choice("inference_precision", INFERENCE_PRECISIONS, "auto")
@@ -379,26 +278,26 @@ def _runtime(section: _Section) -> RuntimeSettings:
     return RuntimeSettings(inference, kv_cache, wire, encryption, exact)
 
 
-def _speculation(section: _Section, base: Path) -> SpeculationSettings:
+def _speculation(section: Section, base: Path) -> SpeculationSettings:
     section.reject_unknown(("draft", "k", "max_k"))
     draft = section.get("draft", str, "self-int4")
     if draft not in BUILTIN_DRAFTS:
         candidate = _local_path(draft, base)
         if not candidate.exists():
             raise section.error(
-                "draft", f"{_show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path"
+                "draft", f"{show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path"
             )
         draft = str(candidate)
     max_k = section.number("max_k", int, 8, lambda v: 1 <= v <= MAX_K, f"1..{MAX_K}")
     k = section.get("k", (str, int), "auto")
     if isinstance(k, str) and k != "auto":
-        raise section.error("k", f'expected "auto" or an integer 0..{MAX_K}, got {_show(k)}')
+        raise section.error("k", f'expected "auto" or an integer 0..{MAX_K}, got {show(k)}')
     if isinstance(k, int) and not 0 <= k <= max_k:
         raise section.error("k", f"{k} is out of range: 0..max_k ({max_k})")
     return SpeculationSettings(draft, k, max_k)
 
 
-def _sessions(section: _Section) -> SessionSettings:
+def _sessions(section: Section) -> SessionSettings:
     section.reject_unknown(("max_sessions", "max_tokens", "temperature", "top_p", "seed"))
     return SessionSettings(
         max_sessions=section.number("max_sessions", int, 4, lambda v: 1 <= v <= 64, "1..64"),
@@ -415,32 +314,32 @@ _HOST_KEYS = (
 )  # fmt: skip
 
 
-def _host(section: _Section, base: Path) -> tuple[Host, bool]:
+def _host(section: Section, base: Path) -> tuple[Host, bool]:
     """One host and whether its base_port was given."""
     section.reject_unknown(_HOST_KEYS)
     if "name" not in section.data:
         raise section.error(None, "missing key name")
     name = section.get("name", str, "")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
-        raise section.error("name", f"{_show(name)} must be letters, digits, '.', '-' or '_'")
+        raise section.error("name", f"{show(name)} must be letters, digits, '.', '-' or '_'")
     transport = section.choice("transport", TRANSPORTS, "local")
     address = section.get("address", str, "127.0.0.1").strip()
     if not address:
         raise section.error("address", "must not be empty")
     if transport == "local" and not _is_loopback(address):
-        raise section.error("address", f'{_show(address)} is not this machine: use transport = "ssh"')
+        raise section.error("address", f'{show(address)} is not this machine: use transport = "ssh"')
     identity = section.get("identity_file", str, None)
     cores = section.get("cores", list, [])
     if not all(isinstance(core, int) and not isinstance(core, bool) and core >= 0 for core in cores):
-        raise section.error("cores", f"expected a list of CPU numbers (integers >= 0), got {_show(cores)}")
+        raise section.error("cores", f"expected a list of CPU numbers (integers >= 0), got {show(cores)}")
     if len(set(cores)) != len(cores):
-        raise section.error("cores", f"repeats a CPU number: {_show(cores)}")
+        raise section.error("cores", f"repeats a CPU number: {show(cores)}")
     layers = section.get("layers", list, None)
     if layers is not None:
         if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
-            raise section.error("layers", f"expected [start, end] (two integers), got {_show(layers)}")
+            raise section.error("layers", f"expected [start, end] (two integers), got {show(layers)}")
         if not 0 <= layers[0] < layers[1]:
-            raise section.error("layers", f"{_show(layers)} is empty or negative: need 0 <= start < end")
+            raise section.error("layers", f"{show(layers)} is empty or negative: need 0 <= start < end")
     user = section.get("user", str, None)
     host = Host(
         name=name,
@@ -471,7 +370,7 @@ def _machine(host: Host) -> str:
     return "local" if host.is_local or _is_loopback(host.address) else host.address.lower()
 
 
-def _hosts(sections: list[_Section], base: Path) -> tuple[Host, ...]:
+def _hosts(sections: list[Section], base: Path) -> tuple[Host, ...]:
     hosts: list[Host] = []
     explicit: list[bool] = []
     seen: dict[str, int] = {}
@@ -510,7 +409,7 @@ def _hosts(sections: list[_Section], base: Path) -> tuple[Host, ...]:
         while any(abs(port - other) < PORTS_PER_HOST for _, other in used):
             port += BASE_PORT_STEP
         used.append((index, port))
-        hosts[index] = _replace(host, base_port=port)
+        hosts[index] = replace(host, base_port=port)
     with_layers = [host.layers is not None for host in hosts]
     if any(with_layers) and not all(with_layers):
         index = with_layers.index(False) if with_layers[0] else with_layers.index(True)
@@ -529,13 +428,7 @@ def _hosts(sections: list[_Section], base: Path) -> tuple[Host, ...]:
     return tuple(hosts)
 
 
-def _replace(host: Host, **changes: Any) -> Host:
-    from dataclasses import replace
-
-    return replace(host, **changes)
-
-
-def _check_manual_split(fleet: Fleet, sections: list[_Section]) -> None:
+def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
     """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
     if not fleet.manual_layers:
         return

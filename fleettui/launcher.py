@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleettui.deployment import Placement, write_config
-from fleettui.transport import ClientKeys, control_request
+from fleettui.transport import ClientKeys, LinkError, control_request, wait_until_ready
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,18 @@ class LocalLauncher:
 
     async def wait_ready(self, worker: LocalWorker, keys: ClientKeys | None, timeout: float = 600.0) -> dict:
         """Handshake with the worker's control socket; fails fast if the process exits."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if worker.process.poll() is not None:
-                raise LaunchError(f"{worker.placement.config.name} exited with code {worker.process.returncode}: "
-                                  f"{worker.log_tail()}")
-            reply = await control_request(worker.placement.control_url, {"op": "ping"}, keys,
-                                          worker.placement.server_key, timeout=1.0)
-            if reply is not None and reply.get("state") == "ready":
-                return reply
-        raise LaunchError(f"{worker.placement.config.name} not ready after {timeout:.0f} s: {worker.log_tail()}")
+        name = worker.placement.config.name
+
+        def exited() -> str | None:
+            if worker.process.poll() is None:
+                return None
+            return f"{name} exited with code {worker.process.returncode}: {worker.log_tail()}"
+
+        try:
+            return await wait_until_ready(worker.placement.control_url, keys, worker.placement.server_key,
+                                          timeout, exited)
+        except LinkError as error:
+            raise LaunchError(f"{error} {'' if worker.process.poll() is not None else worker.log_tail()}".strip())
 
     async def stop(self, keys: ClientKeys | None, grace: float = 5.0) -> list[str]:
         """Ask every worker to shut down, then terminate what is left; returns one line per worker."""
@@ -100,18 +102,14 @@ class LocalLauncher:
         """Synchronous last resort (atexit, signal handlers)."""
         for worker in self.workers.values():
             _signal_group(worker.process, signal.SIGKILL)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
         self.workers.clear()
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _worker_environment() -> dict[str, str]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from fleettui.errors import PlanError
 
@@ -157,87 +156,12 @@ def shape_for_model(model: str) -> ModelShape | None:
     if path.is_file() and path.suffix == ".json":
         return ModelShape.from_config_file(path)
     if path.is_file() and path.suffix == ".gguf":
+        from fleettui.gguf_header import gguf_shape
+
         return gguf_shape(path)
     if path.exists():
         raise PlanError(f"{path}: neither a model folder with config.json, a config.json nor a .gguf file")
     return None
-
-
-# --- GGUF metadata (header only; no weights are read) -------------------------------------------------
-
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-
-
-def _gguf_value(stream: BinaryIO, kind: int) -> Any:
-    if kind in _GGUF_SCALARS:
-        fmt = _GGUF_SCALARS[kind]
-        return struct.unpack(fmt, stream.read(struct.calcsize(fmt)))[0]
-    if kind == 8:
-        (length,) = struct.unpack("<Q", stream.read(8))
-        return stream.read(length).decode("utf-8", "replace")
-    if kind == 9:
-        item_kind, count = struct.unpack("<IQ", stream.read(12))
-        if item_kind in _GGUF_SCALARS:  # skip numeric arrays without decoding them
-            stream.seek(count * struct.calcsize(_GGUF_SCALARS[item_kind]), 1)
-            return count
-        for _ in range(count):
-            _gguf_value(stream, item_kind)
-        return count
-    raise ValueError(f"unknown GGUF value type {kind}")
-
-
-def gguf_shape(path: Path) -> ModelShape:
-    """Read the architecture from a GGUF header (key/value metadata and tensor names)."""
-    try:
-        with open(path, "rb") as stream:
-            magic, _version, tensors, pairs = struct.unpack("<4sIQQ", stream.read(24))
-            if magic != b"GGUF":
-                raise ValueError("not a GGUF file")
-            meta = {}
-            for _ in range(pairs):
-                (length,) = struct.unpack("<Q", stream.read(8))
-                key = stream.read(length).decode("utf-8", "replace")
-                (kind,) = struct.unpack("<I", stream.read(4))
-                meta[key] = _gguf_value(stream, kind)
-            names = set()
-            for _ in range(tensors):
-                (length,) = struct.unpack("<Q", stream.read(8))
-                names.add(stream.read(length).decode("utf-8", "replace"))
-                (dims,) = struct.unpack("<I", stream.read(4))
-                stream.seek(8 * dims + 4 + 8, 1)
-    except (OSError, ValueError, struct.error) as error:
-        raise PlanError(f"{path}: cannot read GGUF metadata: {error}") from None
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise PlanError(f"{path}: unsupported architecture {arch!r} (supported: llama-style decoders)")
-    try:
-        heads = int(meta["llama.attention.head_count"])
-        hidden = int(meta["llama.embedding_length"])
-        return ModelShape(
-            name=str(meta.get("general.name") or path.stem),
-            num_layers=int(meta["llama.block_count"]),
-            hidden=hidden,
-            intermediate=int(meta["llama.feed_forward_length"]),
-            heads=heads,
-            kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-            head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
-            vocab=int(meta.get("llama.vocab_size") or meta["tokenizer.ggml.tokens"]),
-            tied_embeddings="output.weight" not in names,
-        )
-    except KeyError as error:
-        raise PlanError(f"{path}: GGUF metadata lacks {error.args[0]}") from None
 
 
 # --- plans -------------------------------------------------------------------------------------------
@@ -332,7 +256,7 @@ class _Budget:
 
 
 def _gb(value: float) -> str:
-    return f"{value / GIB:.1f} GB"
+    return f"{value / GIB:.1f} GB" if value >= 0.95 * GIB else f"{value / (1 << 20):.0f} MB"
 
 
 def check_manual_layers(shape: ModelShape, hosts: Sequence[Host]) -> None:
@@ -340,12 +264,13 @@ def check_manual_layers(shape: ModelShape, hosts: Sequence[Host]) -> None:
     expected = 0
     for host in hosts:
         if host.layers is None:
-            raise PlanError("set layers on all hosts or on none", host=host.name)
+            raise PlanError("set layers on all hosts or on none", host=host.name, key="layers")
         start, end = host.layers
         if start != expected or end <= start:
             raise PlanError(
                 f"[{start}, {end}) does not continue at layer {expected}: ranges must be contiguous",
                 host=host.name,
+                key="layers",
             )
         expected = end
     if expected != shape.num_layers:
@@ -353,6 +278,7 @@ def check_manual_layers(shape: ModelShape, hosts: Sequence[Host]) -> None:
             f"the split ends at layer {expected} but {shape.name} has {shape.num_layers} layers: "
             f"the last range must end at {shape.num_layers}",
             host=hosts[-1].name if hosts else None,
+            key="layers",
         )
 
 
@@ -392,6 +318,7 @@ def plan(
                     f"layers [{stage.start}, {stage.end}) need {_gb(stage.total_bytes)} "
                     f"but the host offers {_gb(stage.usable_bytes)} usable",
                     host=stage.host,
+                    key="layers",
                 )
         return Plan(shape, precision, kv_cache_precision, context_tokens, sessions, stages, True)
 
@@ -412,6 +339,7 @@ def plan(
                 f"({_gb(per_layer)}) plus runtime and activations ({_gb(RUNTIME_OVERHEAD + activations)}): "
                 "give it more memory, move it, or remove it",
                 host=host.name,
+                key="memory_gb",
             )
         capacity.append(layers)
     if sum(capacity) < shape.num_layers:
@@ -491,15 +419,44 @@ def _split(total: int, speeds: list[float], capacity: list[int], head_cost: list
 
 
 def plan_fleet(fleet: Fleet, shape: ModelShape | None = None, context_tokens: int = 4096) -> Plan:
-    """The plan of a loaded fleet with its precision, sessions and KV-cache settings."""
-    if shape is None:
-        shape = shape_for_model(fleet.model.name)
+    """The plan of a loaded fleet with its precision, sessions and KV-cache settings.
+
+    A refusal is a PlanError that points at the fleet file (``path:line: key: reason``).
+    """
+    try:
         if shape is None:
-            raise PlanError(f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json")
-    return plan(
-        shape, fleet.hosts, fleet.model.precision, context_tokens, fleet.sessions.max_sessions,
-        fleet.runtime.kv_cache_precision,
-    )  # fmt: skip
+            shape = shape_for_model(fleet.model.name)
+            if shape is None:
+                raise PlanError(
+                    f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json"
+                )
+        return plan(
+            shape, fleet.hosts, fleet.model.precision, context_tokens, fleet.sessions.max_sessions,
+            fleet.runtime.kv_cache_precision,
+        )  # fmt: skip
+    except PlanError as error:
+        if fleet.path is None or error.path is not None:
+            raise
+        raise _located(error, fleet) from None
+
+
+def _located(error: PlanError, fleet: Fleet) -> PlanError:
+    """The error pointing at the fleet file: the host's key, or the hosts / model table."""
+    from fleettui.toml_source import LineIndex
+
+    assert fleet.path is not None
+    try:
+        lines = LineIndex(fleet.path.read_text(encoding="utf-8"))
+    except OSError:
+        return error
+    names = [host.name for host in fleet.hosts]
+    if error.host in names:
+        index = names.index(error.host)
+        key = error.key or "memory_gb"
+        return error.located(fleet.path, lines.line("hosts", index, key), f"hosts[{error.host}].{key}")
+    if "offline" in error.message:
+        return error.located(fleet.path, lines.line("model", 0, "name"), "model.name")
+    return error.located(fleet.path, lines.line("hosts", 0), "hosts")
 
 
 def format_plan(plan: Plan) -> str:

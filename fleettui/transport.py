@@ -154,6 +154,23 @@ async def control_request(url: str, request: dict[str, Any], keys: ClientKeys | 
         socket.close(0)
 
 
+async def wait_until_ready(url: str, keys: ClientKeys | None, server_key: str | None, timeout: float,
+                           failure: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
+    """Ping a worker's control socket until it reports "ready" (its handshake); `failure()` aborts early."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        reason = failure()
+        if reason is not None:
+            raise LinkError(reason)
+        reply = await control_request(url, {"op": "ping"}, keys, server_key, timeout=1.0)
+        if reply is not None and reply.get("state") == "ready":
+            return reply
+        if reply is None:
+            continue  # the poll itself waited; a worker still compiling does not answer yet
+        await asyncio.sleep(0.2)  # answered "loading": ask again shortly
+    raise LinkError(f"{url}: not ready after {timeout:.0f} s")
+
+
 class TelemetryFeed:
     """Subscribes to every stage's telemetry socket and calls `on_sample(sample_dict)` for each report."""
 

@@ -171,7 +171,8 @@ class StageServer:
 
     def _drop(self, reason: str) -> None:
         self.stats.dropped += 1
-        logger.warning("dropped #%d: %s", self.stats.dropped, reason)
+        if self.stats.dropped <= 20 or self.stats.dropped % 1000 == 0:  # a flood must not flood the log too
+            logger.warning("dropped #%d: %s", self.stats.dropped, reason)
 
     def _publish(self) -> None:
         if self.telemetry is None:

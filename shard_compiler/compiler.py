@@ -37,7 +37,7 @@ from .sources import CompileError, ModelConfig
 
 logger = logging.getLogger(__name__)
 
-COMPILER_VERSION = "2"
+COMPILER_VERSION = "3"
 IR_NAME = "openvino_model.xml"
 
 

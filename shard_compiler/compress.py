@@ -44,7 +44,7 @@ def compress(model: Any, config: ModelConfig, precision: str, group: int | None)
     import nncf
 
     if precision == "int8":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return _share_duplicates(nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM))
     vocabulary = _vocabulary_nodes(model, config)
     ignored = nncf.IgnoredScope(names=vocabulary, validate=False) if vocabulary else None
     model = nncf.compress_weights(
@@ -58,4 +58,28 @@ def compress(model: Any, config: ModelConfig, precision: str, group: int | None)
     if vocabulary:
         # Only the embedding / lm_head weights are still float: this pass makes them int8.
         model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    return _share_duplicates(model)
+
+
+def _share_duplicates(model: Any, minimum_bytes: int = 1 << 16) -> Any:
+    """Merge identical large constants: NNCF compresses a tied embedding / lm_head weight twice."""
+    import hashlib
+
+    seen: dict[tuple[str, tuple[int, ...], str], Any] = {}
+    merged = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Constant" or op.get_byte_size() < minimum_bytes:
+            continue
+        data = op.get_data()
+        key = (op.get_element_type().get_type_name(), tuple(op.get_output_shape(0)),
+               hashlib.sha256(data.tobytes()).hexdigest())
+        if key in seen:
+            for target in op.output(0).get_target_inputs():
+                target.replace_source_output(seen[key].output(0))
+            merged += 1
+        else:
+            seen[key] = op
+    if merged:
+        logger.info("shared %d duplicated weight constants", merged)
+        model.validate_nodes_and_infer_types()
     return model

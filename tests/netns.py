@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -244,7 +245,7 @@ class SshHosts:
         for host in self.hosts:
             parts.append(
                 f'[[hosts]]\nname = "{host.name}"\ntransport = "ssh"\naddress = "{host.address}"\n'
-                f'ssh_port = {host.port}\nuser = "root"\nidentity_file = "{self.client_key}"\n'
+                f'ssh_port = {host.port}\nuser = "{getpass.getuser()}"\nidentity_file = "{self.client_key}"\n'
                 f'known_hosts = "{self.known_hosts}"\npython = "{python}"\nworkdir = "{host.workdir}"\n'
                 f"memory_gb = {memory_gb}\n{extra}\n"
             )

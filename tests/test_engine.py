@@ -166,6 +166,12 @@ def test_interleaved_sessions_equal_each_alone(chain: Chain, shard_dir: Path) ->
     sessions = [20, 21]
     for session in sessions:
         chain.open(session)
+    # session 20 first holds another conversation and is reset while session 21 is live
+    chain.step(20, 0, prompts[1][:7])
+    chain.step(21, 0, prompts[0][:5])
+    for engine in chain.engines:
+        engine.reset(20)
+        engine.reset(21)
     next_tokens = [
         int(chain.step(session, 0, prompt)[-1].argmax())
         for session, prompt in zip(sessions, prompts, strict=True)

@@ -10,13 +10,13 @@ import pytest
 
 from fleettui.errors import PlanError
 from fleettui.fleet import Host
+from fleettui.gguf_header import gguf_shape
 from fleettui.planner import (
     BUILTIN_SHAPES,
     GIB,
     ModelShape,
     check_manual_layers,
     format_plan,
-    gguf_shape,
     plan,
     shape_for_model,
 )
@@ -157,3 +157,23 @@ def test_shape_read_from_the_real_gguf_header() -> None:
         3,
     )
     assert (shape.head_dim, shape.vocab, shape.tied_embeddings) == (builtin.head_dim, builtin.vocab, True)
+
+
+def test_fleet_refusals_point_at_the_fleet_file(tmp_path: Path) -> None:
+    from fleettui.fleet import load_fleet
+    from fleettui.planner import plan_fleet
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[model]\nname = "llama-3.1-8b"\n\n'
+        '[[hosts]]\nname = "a"\nmemory_gb = 32\n\n'
+        '[[hosts]]\nname = "b"\nmemory_gb = 32\n\n'
+        '[[hosts]]\nname = "c"\nmemory_gb = 0.5\n'
+    )
+    with pytest.raises(PlanError) as small:
+        plan_fleet(load_fleet(path))
+    assert str(small.value).startswith(f"{path}:14: hosts[c].memory_gb: ")
+    path.write_text('[model]\nname = "llama-3.1-70b"\n\n[[hosts]]\nname = "a"\nmemory_gb = 16\n')
+    with pytest.raises(PlanError) as big:
+        plan_fleet(load_fleet(path))
+    assert str(big.value).startswith(f"{path}:4: hosts: llama-3.1-70b at int4 needs ")

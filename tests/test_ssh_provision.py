@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 import hashlib
 import json
 import os
@@ -144,7 +145,7 @@ async def test_wrong_key_is_a_clear_error(fleet: Fleet, ssh_hosts: SshHosts) -> 
     with pytest.raises(ProvisionError) as caught:
         await HostSession(host).open()
     message = str(caught.value)
-    assert message.startswith("host0: connect: authentication refused for root@")
+    assert message.startswith(f"host0: connect: authentication refused for {getpass.getuser()}@")
     assert str(ssh_hosts.other_key) in message
 
 
@@ -422,7 +423,9 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
         second = await deploy_placements(fleet, again, target.directory)
         assert second.ok, second.summary()
         for host in second.hosts:
-            assert host.shard_push is not None and host.shard_push.bytes_sent == 0 and not host.installed
+            assert host.shard_push is not None and host.shard_push.bytes_sent == 0
+            # reinstalled only when the worker's sources changed in between (other work in this tree)
+            assert host.installed == (host.wheelhouse != report.host(host.host).wheelhouse)
             assert not alive(report.host(host.host).pid)
     finally:
         stop = await stop_fleet(fleet)
@@ -434,3 +437,14 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
         if "remote_worker" in cmdline(pid)
     ]
     assert not left, f"stage processes left: {left}"
+
+
+def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
+    from fleettui.fleet import FLEETS_DIR
+    from fleettui.provision.cli import rest_can_run
+
+    office = load_fleet(FLEETS_DIR / "office.toml")
+    assert rest_can_run(office, {"pc-b"}).startswith("without pc-b the rest can run it: pc-a [0, ")
+    big = replace(office, model=replace(office.model, name="llama-3.1-70b"))
+    assert "pc-d [41, 80)" in rest_can_run(big, {"pc-b", "pc-c"})
+    assert "does not fit" in rest_can_run(big, {"pc-b", "pc-c", "pc-d"})

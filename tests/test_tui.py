@@ -143,11 +143,15 @@ async def test_a_failed_deploy_is_reported_and_d_retries():
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.sub_title == "deploy failed", 10, "the failure")
         assert app.coordinator is None
+        deploy = app.query_one("#deploy")
+        assert deploy.row("fleet").failed and deploy.row("fleet").detail == "shard compiler: no space left on device"
         app.controller.fail_start = None
         app.query_one(ChatPane).active.focus()
         await pilot.press("d")
         await wait_until(pilot, lambda: app.sub_title == "ready", 10, "the second deploy")
         assert app.controller.started == 2
+        await pilot.pause()
+        assert "fleet" not in [row.host_name for row in deploy.query("DeployRow")]
 
 
 async def test_prompt_streams_a_markdown_reply_with_its_statistics():
@@ -201,6 +205,27 @@ async def test_a_busy_session_refuses_a_second_prompt_and_sessions_switch_by_num
         await pilot.press("ctrl+pagedown")
         assert chat.active.number == 1
         app.coordinator.gate.set()
+
+
+async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
+    app = fake_app()
+    long_prompt = " ".join(f"word{index}" for index in range(80))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
+        session = app.query_one(ChatPane).active
+        for count in range(1, 4):
+            await pilot.press(*long_prompt, "enter")
+            await wait_until(pilot, lambda n=count: len(session.replies) == n and session.replies[-1].done, 20, "a reply")
+        await pilot.pause(0.1)
+        assert session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y  # followed the end
+        app.coordinator.gate = gate = asyncio.Event()
+        await pilot.press(*long_prompt, "enter")
+        await wait_until(pilot, lambda: len(session.replies) == 4, 10, "the fourth reply to start")
+        session.scroll_home(animate=False)  # the reader scrolls up while the reply streams
+        gate.set()
+        await wait_until(pilot, lambda: session.replies[-1].done, 20, "the fourth reply")
+        await pilot.pause(0.1)
+        assert session.scroll_y == 0 and session.max_scroll_y > 0
 
 
 async def test_help_screen_lists_the_keys():

@@ -335,6 +335,68 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
     _assert_gone(pids)
 
 
+def test_curve_chain_interleaves_sessions(tmp_path: Path, two_stage_shards: Path) -> None:
+    """Stage 0 is a CURVE client of stage 1; steps of two sessions sent back to back are all served."""
+    coordinator, keys0, keys1 = generate_keypair(), generate_keypair(), generate_keypair()
+    last = Worker(
+        stage_config("curve-b", two_stage_shards, 1, curve=CurveKeys(*keys1, (coordinator[0], keys0[0]))),
+        tmp_path,
+    )
+    first_curve = CurveKeys(*keys0, (coordinator[0],), next_server_key=keys1[0])
+    first = Worker(
+        stage_config(
+            "curve-a", two_stage_shards, 0, Endpoint("127.0.0.1", last.config.data_port), curve=first_curve
+        ),
+        tmp_path,
+    )
+    client = Client(first, last, coordinator)
+    try:
+        for worker in (first, last):
+            assert client.wait_ready(worker)["security"] == "curve"
+        client.send(Hello(1))
+        hello = client.receive()
+        assert isinstance(hello, Ack) and hello.value == 2
+
+        from shards import chat_ids
+
+        prompts = [
+            np.array(chat_ids(two_stage_shards, question), np.int64)
+            for question in ("What is the capital of France?", "Write a haiku about the sea.")
+        ]
+        sampling = Decode(temperature=0.8, top_p=0.9, uniforms=np.array([0.3, 0.6]))
+
+        def run(sessions: list[int], prompts: list[np.ndarray]) -> dict[int, list[int]]:
+            """Prefill every session, then one sampled step each, all sent before any reply is read."""
+            for session in sessions:
+                client.send(Control(Kind.RESET if session in opened else Kind.OPEN, session, 0))
+                opened.add(session)
+            for session, prompt in zip(sessions, prompts, strict=True):
+                client.send(Step(session, 1, 0, 0, NO_RANGES, tokens=prompt))
+            for session, prompt in zip(sessions, prompts, strict=True):
+                tail = np.array([7, 8], np.int64)
+                client.send(
+                    Step(session, 2, len(prompt), len(prompt), NO_RANGES, tokens=tail, decode=sampling)
+                )
+            results: dict[int, list[int]] = {session: [] for session in sessions}
+            for _ in range(len(sessions) * 3):
+                reply = client.receive()
+                if isinstance(reply, Result):
+                    results[reply.session] += reply.tokens.tolist()
+                else:
+                    assert isinstance(reply, Ack), reply
+            return results
+
+        opened: set[int] = set()
+        together = run([1, 2], prompts)
+        alone = {**run([3], prompts[:1]), **run([4], prompts[1:])}
+        assert together[1] == alone[3] and together[2] == alone[4]
+        assert len(together[1]) == len(together[2]) == 2
+    finally:
+        client.close()
+        for worker in (first, last):
+            worker.stop()
+
+
 def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_shards: Path) -> None:
     server_public, server_secret = generate_keypair()
     coordinator = generate_keypair()

@@ -177,15 +177,29 @@ async def deploy_command(fleet: Fleet, args: Any) -> int:
     print(report.summary(), file=sys.stderr)
     if failures:
         print("fleettui: deploy incomplete:\n  " + "\n  ".join(failures), file=sys.stderr)
-        print(
-            "fleettui: `--stop` stops the stages that did start; re-plan without the failed hosts",
-            file=sys.stderr,
-        )
+        print(f"fleettui: {rest_can_run(fleet, {host.host for host in report.failed})}", file=sys.stderr)
+        print("fleettui: `--stop` stops the stages that did start", file=sys.stderr)
         return 1
     print(
         f"deployed {len(deployment.placements)} stage(s), deployment {deployment.id}; state {state_path(fleet)}"
     )
     return 0
+
+
+def rest_can_run(fleet: Fleet, failed: set[str]) -> str:
+    """Whether the hosts that did not fail could still hold the model, as one line."""
+    from fleettui.errors import PlanError
+    from fleettui.planner import plan_fleet
+
+    rest = tuple(host for host in fleet.hosts if host.name not in failed)
+    if not rest:
+        return "no host is left to run the model"
+    try:
+        plan = plan_fleet(replace(fleet, hosts=tuple(replace(host, layers=None) for host in rest), path=None))
+    except PlanError as error:
+        return f"without {', '.join(sorted(failed))} the model does not fit: {error}"
+    ranges = ", ".join(f"{stage.host} [{stage.start}, {stage.end})" for stage in plan.stages)
+    return f"without {', '.join(sorted(failed))} the rest can run it: {ranges} (remove the failed hosts and deploy again)"
 
 
 def _save_state(

@@ -375,6 +375,7 @@ async def deploy_host(
             result = replace(result, step="install")
             installed, pushed = await session.install(wheelhouse)
             result = replace(result, installed=installed, wheelhouse_push=pushed, step="devices")
+            result = replace(result, wheelhouse=wheelhouse.digest)
             result = replace(result, preflight=await session.probe_devices())
             python = session.venv_python()
         result = replace(result, step="shard")

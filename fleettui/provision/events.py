@@ -116,6 +116,7 @@ class HostDeployment:
     preflight: Preflight | None = None
     paths: RemotePaths | None = None
     installed: bool = False  # False when the same wheelhouse was already installed
+    wheelhouse: str | None = None  # digest of the wheelhouse the host runs
     wheelhouse_push: PushResult | None = None
     shard_push: PushResult | None = None
     pid: int | None = None

@@ -163,7 +163,7 @@ async def build_wheelhouse(
     source_digest = _tree_digest(source)
     identity = json.dumps([source_digest, requirements, target.key(), target.platforms()]).encode()
     key = f"{target.key()}-{hashlib.sha256(identity).hexdigest()[:16]}"
-    lock = _locks.setdefault(key, asyncio.Lock())
+    lock = _locks.setdefault(f"{id(asyncio.get_running_loop())}-{key}", asyncio.Lock())  # one per event loop
     async with lock:
         directory = cache / key
         done = directory / "wheelhouse.json"

@@ -34,6 +34,7 @@ from fleettui.ui.widgets.fleet_panel import FleetPanel
 from fleettui.ui.widgets.log_pane import LogPane
 
 log = logging.getLogger(__name__)
+DEPLOY_ROW = "fleet"  # the deploy panel's row for failures of the deploy as a whole
 REDRAW_SECONDS = 0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
 ControllerFactory = Callable[..., Any]  # (fleet, on_event=...) -> FleetController or a look-alike
 
@@ -180,6 +181,8 @@ class FleetApp(App[int]):
     @work(exclusive=True, group="fleet", exit_on_error=False, name="deploy")
     async def deploy(self) -> None:
         self.sub_title = "deploying…"
+        for panel in self.query(DeployPanel):
+            panel.forget(DEPLOY_ROW)
         self.coordinator = await self.controller.start()
         self.sub_title = "ready"
         log.info("fleet ready: %d stages", len(self.fleet.hosts))
@@ -242,6 +245,8 @@ class FleetApp(App[int]):
             if state == WorkerState.ERROR:
                 log.error("%s failed: %s", worker.name, reason)
                 self.notify(reason, title=f"{worker.name} failed", severity="error")
+                for panel in self.query(DeployPanel):  # the whole-fleet reason, next to the hosts' rows
+                    panel.show_state(DEPLOY_ROW, Failed(reason))
         elif worker.group.startswith("chat-"):
             number = int(worker.group.removeprefix("chat-"))
             sessions = [s for pane in self.query(ChatPane) for s in pane.sessions]

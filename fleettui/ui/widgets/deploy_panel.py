@@ -90,6 +90,10 @@ class DeployPanel(VerticalScroll):
             self.mount(self._rows[name])
         return self._rows[name]
 
+    def forget(self, name: str) -> None:
+        if name in self._rows:
+            self._rows.pop(name).remove()
+
     def show_progress(self, name: str, step: str, done: float, total: float, text: str) -> None:
         self.row(name).show_progress(step, done, total, text)
 
