@@ -84,19 +84,12 @@ def _plan(fleet, args) -> int:  # type: ignore[no-untyped-def]
 
 
 async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
-    from fleettui.controller import ControllerError, FleetController, with_overrides
-    from fleettui.coordinator import GenerationParams
+    from fleettui.controller import ControllerError, FleetController, generation_params, with_overrides
 
     draft = "none" if args.no_spec else args.draft
     fleet = with_overrides(fleet, exact=args.exact, draft=draft, k=args.spec_k)
-    sessions = fleet.sessions
-    params = GenerationParams(
-        max_tokens=args.max_tokens or sessions.max_tokens,
-        temperature=sessions.temperature if args.temperature is None else args.temperature,
-        top_p=sessions.top_p if args.top_p is None else args.top_p,
-        seed=sessions.seed if args.seed is None else args.seed,
-        spec_k=0 if args.no_spec else args.spec_k,
-    )
+    params = generation_params(fleet, args.max_tokens, args.temperature, args.top_p, args.seed, args.no_spec,
+                               args.spec_k)
     controller = FleetController(fleet)
     streaming = args.json is None and sys.stdout.isatty()
 

@@ -149,7 +149,12 @@ class FleetController:
             self._emit(LogLine("shard_compiler", line))
             self._emit(Progress("compiler", "compile", message=line))
 
-        self.target = await compile_model(model.name, ranges, model.precision, model.shards, progress)
+        try:
+            self.target = await compile_model(model.name, ranges, model.precision, model.shards, progress)
+        except ControllerError as error:
+            for host in self.fleet.hosts:
+                self.fail(host.name, str(error))
+            raise
         draft = self.fleet.speculation.draft
         if draft == "self-int4":
             num_layers = self.target.manifest.num_layers
@@ -188,15 +193,23 @@ class FleetController:
                 self._set_state(placement.config.name, Loading())
                 workers.append(self.launcher.start(placement))
         remote = [p for p in deployment.stages if not p.host.is_local]
-        try:
-            waits = [self.launcher.wait_ready(w, deployment.keys, ready_timeout) for w in workers]
-            results = await asyncio.gather(self._deploy_remote(remote, ready_timeout), *waits)
-        except (LaunchError, ControllerError) as error:
+        waits = [self.launcher.wait_ready(w, deployment.keys, ready_timeout) for w in workers]
+        results = await asyncio.gather(self._deploy_remote(remote, ready_timeout), *waits, return_exceptions=True)
+        failures = []
+        for worker, outcome in zip([None, *workers], results):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome
+                failures.append(str(outcome))
+                if worker is not None:
+                    self.fail(worker.placement.config.name, str(outcome))
+            elif worker is not None:
+                self._set_state(worker.placement.config.name, Ready())
+                properties = json.dumps(outcome.get("properties", {}))  # type: ignore[union-attr]
+                self._emit(LogLine(worker.placement.config.name, f"ready: {properties}"))
+        if failures:
             await self.stop()
-            raise ControllerError(str(error)) from None
-        for worker, reply in zip(workers, results[1:], strict=False):
-            self._set_state(worker.placement.config.name, Ready())
-            self._emit(LogLine(worker.placement.config.name, f"ready: {json.dumps(reply.get('properties', {}))}"))
+            raise ControllerError("; ".join(failures))
         head, tail = deployment.stages[0], deployment.stages[-1]
         route = endpoint_map or (lambda endpoint: endpoint)
         head_url = route(Endpoint(head.connect_address, head.config.data_port)).url()
@@ -299,3 +312,45 @@ class FleetController:
 
     def fail(self, name: str, reason: str) -> None:
         self._set_state(name, Failed(reason))
+
+    async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]:
+        """The last lines of every worker's log: local files, and remote logs over SSH."""
+        logs = {name: worker.log_tail(lines).split(" | ") for name, worker in self.launcher.workers.items()}
+        remote = [host for host in self.fleet.hosts if not host.is_local]
+        if remote:
+            from fleettui.provision.deploy import fetch_log
+
+            texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
+            for host, text in zip(remote, texts):
+                logs[host.name] = (f"cannot fetch the log: {text}" if isinstance(text, BaseException)
+                                   else str(text)).splitlines()[-lines:]
+        return logs
+
+    async def detach(self) -> list[str]:
+        """Leave every worker running and let go of them (`fleettui --stop` finds them by their pid files)."""
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
+        for link in self._links:
+            await link.close()
+        self._links.clear()
+        self.coordinator = None
+        return self.launcher.detach()
+
+    def kill(self) -> None:
+        """Synchronous last resort (after a crash): kill every local worker this controller started."""
+        self.launcher.kill_all()
+
+
+def generation_params(fleet: Fleet, max_tokens: int | None = None, temperature: float | None = None,
+                      top_p: float | None = None, seed: int | None = None, no_spec: bool = False,
+                      spec_k: int | None = None) -> GenerationParams:
+    """Sampling settings from the fleet file, overridden by the command line."""
+    sessions = fleet.sessions
+    return GenerationParams(
+        max_tokens=max_tokens or sessions.max_tokens,
+        temperature=sessions.temperature if temperature is None else temperature,
+        top_p=sessions.top_p if top_p is None else top_p,
+        seed=sessions.seed if seed is None else seed,
+        spec_k=0 if no_spec else spec_k,
+    )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ class LocalWorker:
     process: subprocess.Popen[bytes]
     log_path: Path
     config_path: Path
+    pid_path: Path
 
     def log_tail(self, lines: int = 8) -> str:
         try:
@@ -54,7 +57,7 @@ class LocalLauncher:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True, env=_worker_environment(),
             )
-        worker = LocalWorker(placement, process, log_path, config_path)
+        worker = LocalWorker(placement, process, log_path, config_path, _record_pid(placement, process, log_path))
         self.workers[placement.config.name] = worker
         log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
         return worker
@@ -95,7 +98,14 @@ class LocalLauncher:
                     await asyncio.to_thread(worker.process.wait)
             _signal_group(worker.process, signal.SIGKILL)  # stray children of the group, if any
             report.append(f"{name}: pid {worker.process.pid} {how}")
+            worker.pid_path.unlink(missing_ok=True)
             del self.workers[name]
+        return report
+
+    def detach(self) -> list[str]:
+        """Forget the workers without stopping them; their pid files stay for `fleettui --stop`."""
+        report = [f"{name}: left running as pid {w.process.pid} ({w.pid_path})" for name, w in self.workers.items()]
+        self.workers.clear()
         return report
 
     def kill_all(self) -> None:
@@ -105,6 +115,29 @@ class LocalLauncher:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(5)
         self.workers.clear()
+
+
+def pid_file(placement: Placement) -> Path:
+    """Where a local worker's pid record lives: the same place `fleettui --deploy` / `--stop` use."""
+    return Path(placement.host.workdir).expanduser() / "run" / f"{placement.config.name}.pid"
+
+
+def _record_pid(placement: Placement, process: subprocess.Popen[bytes], log_path: Path) -> Path:
+    """Pid, start time and deployment of a started worker, so exactly it can be stopped later."""
+    import psutil
+
+    path = pid_file(placement)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        start: str | None = f"{psutil.Process(process.pid).create_time():.2f}"
+    except psutil.Error:
+        start = None
+    record = {"pid": process.pid, "start": start, "deployment": placement.config.deployment,
+              "argv": list(map(str, process.args)), "log": str(log_path), "started": time.time()}  # type: ignore[arg-type]
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, path)
+    return path
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:

@@ -304,7 +304,11 @@ class StageEngine:
         return np.ascontiguousarray(data, np.float32).reshape(1, n, -1)
 
     def compact(self, session: int, cache_len: int) -> int:
-        """Drop the masked slots with one copy per KV state; returns the new physical length."""
+        """Drop the masked slots with one copy per KV state; returns the new physical length.
+
+        Only ranges already sent with a step are masked: slots of a rejection whose ranges have not been
+        sent yet survive, shifted down by the number of masked slots before them.
+        """
         state = self._session(session)
         if cache_len != state.cache_len:
             raise EngineError(
@@ -323,7 +327,7 @@ class StageEngine:
                         f"state {variable.name}: {current.shape[2]} slots, expected {cache_len}"
                     )
                 # A fresh tensor, never an ROI view of the old state (an ROI trim corrupted output).
-                variable.state = ov.Tensor(np.ascontiguousarray(current[:, :, keep, :]))
+                variable.state = ov.Tensor(np.ascontiguousarray(current[:, :, keep, :]), shared_memory=True)
         except (RuntimeError, EngineError) as error:
             state.broken = f"compaction failed: {error}"
             raise EngineError(f"session {session}: {state.broken}") from None

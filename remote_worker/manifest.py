@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field, fields
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in TENSOR_DTYPES:
-            raise ManifestError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+            raise ManifestError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,9 @@ class Manifest:
             if stage.index != position:
                 raise ManifestError(f"stages[{position}].index: expected {position}, got {stage.index}")
             if stage.layers.start != expected_start:
-                raise ManifestError(f"stages[{position}].layers: {stage.layers} does not start at {expected_start}")
+                raise ManifestError(
+                    f"stages[{position}].layers: {stage.layers} does not start at {expected_start}"
+                )
             if stage.num_layers != self.num_layers:
                 raise ManifestError(f"stages[{position}].num_layers: {stage.num_layers} != {self.num_layers}")
             expected_start = stage.layers.end
@@ -217,7 +222,8 @@ def _list(value: Any, origin: str) -> list[Any]:
 
 def _hashes(value: Any, origin: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(
-        isinstance(key, str) and isinstance(digest, str) and len(digest) == 64 for key, digest in value.items()
+        isinstance(key, str) and isinstance(digest, str) and len(digest) == 64
+        for key, digest in value.items()
     ):
         raise ManifestError(f"{origin}: expected an object mapping relative paths to SHA-256 hex digests")
     for key in value:
@@ -313,7 +319,9 @@ def verify_files(directory: Path, hashes: dict[str, str]) -> None:
             raise ManifestError(f"{relative}: missing from {directory}")
         found = sha256_file(path)
         if found != expected:
-            raise ManifestError(f"{relative}: SHA-256 mismatch (expected {expected[:8]}…, found {found[:8]}…)")
+            raise ManifestError(
+                f"{relative}: SHA-256 mismatch (expected {expected[:8]}…, found {found[:8]}…)"
+            )
 
 
 def verify_stage(directory: Path, manifest: Manifest, index: int) -> None:
@@ -351,6 +359,6 @@ def ranges_from_splits(splits: list[int] | tuple[int, ...], num_layers: int) -> 
     points = list(splits)
     if len(points) < 2 or points[0] != 0 or points[-1] != num_layers:
         raise ManifestError(f"split {','.join(map(str, points))}: must start at 0 and end at {num_layers}")
-    if any(later <= earlier for earlier, later in zip(points, points[1:])):
+    if any(later <= earlier for earlier, later in pairwise(points)):
         raise ManifestError(f"split {','.join(map(str, points))}: boundaries must strictly increase")
-    return tuple(LayerRange(start, end) for start, end in zip(points, points[1:]))
+    return tuple(LayerRange(start, end) for start, end in pairwise(points))

@@ -14,7 +14,9 @@ def _split(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer boundaries") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of layer boundaries"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m shard_compiler",
         description="Compile an LLM into per-stage OpenVINO pipeline shards.",
     )
-    parser.add_argument("--model", required=True, help="smollm2-135m-instruct, a Hugging Face folder or a .gguf file")
+    parser.add_argument(
+        "--model", required=True, help="smollm2-135m-instruct, a Hugging Face folder or a .gguf file"
+    )
     plan = parser.add_mutually_exclusive_group()
     plan.add_argument("--stages", type=int, help="number of stages (even split, default 1)")
     plan.add_argument("--split", type=_split, help="layer boundaries, e.g. 0,10,20,30")
@@ -38,10 +42,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if arguments.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if arguments.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
     )
-    from . import CompileError, Progress, compile_shards
     from remote_worker.manifest import ManifestError
+
+    from . import CompileError, Progress, compile_shards
 
     def show(event: Progress) -> None:
         where = "" if event.stage is None else f"stage {event.stage} "

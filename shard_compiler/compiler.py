@@ -139,14 +139,20 @@ class PeakMemory:
         self.peak = max(self.peak, self._process.memory_info().rss)
 
 
-def _tensors(plan_: Plan, layers: LayerRange, inject_beam_idx: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def _tensors(
+    plan_: Plan, layers: LayerRange, inject_beam_idx: bool
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     config = plan_.config
-    hidden = TensorSpec("hidden_states", "f32", (1, "n", config.hidden_size), "hidden states from the previous stage")
+    hidden = TensorSpec(
+        "hidden_states", "f32", (1, "n", config.hidden_size), "hidden states from the previous stage"
+    )
     first = TensorSpec("input_ids", "i64", (1, "n"), "token ids of the n new tokens")
     inputs = [
         first if layers.is_first else hidden,
         TensorSpec(
-            "attention_mask", "i64", (1, "cache_len + n"),
+            "attention_mask",
+            "i64",
+            (1, "cache_len + n"),
             "1 = attend; covers every physical cache slot (0 for rejected ones) then the n new tokens",
         ),
         TensorSpec("position_ids", "i64", (1, "n"), "logical positions of the n new tokens (RoPE)"),
@@ -154,7 +160,9 @@ def _tensors(plan_: Plan, layers: LayerRange, inject_beam_idx: bool) -> tuple[tu
     if inject_beam_idx:
         inputs.append(TensorSpec("beam_idx", "i32", (1,), "always [0]; enables the fused KV-cache path"))
     if layers.is_last_of(config.num_layers):
-        output = TensorSpec("logits", "f32", (1, "n", config.vocab_size), "next-token logits for each new token")
+        output = TensorSpec(
+            "logits", "f32", (1, "n", config.vocab_size), "next-token logits for each new token"
+        )
     else:
         output = TensorSpec(
             "output_hidden_states", "f32", (1, "n", config.hidden_size), "hidden states for the next stage"
@@ -162,7 +170,9 @@ def _tensors(plan_: Plan, layers: LayerRange, inject_beam_idx: bool) -> tuple[tu
     return tuple(inputs), (output,)
 
 
-def _build_stage(plan_: Plan, reader: Any, index: int, directory: Path, report: Callable[[str, float], None]) -> StageSpec:
+def _build_stage(
+    plan_: Plan, reader: Any, index: int, directory: Path, report: Callable[[str, float], None]
+) -> StageSpec:
     import openvino as ov
     import torch
 
@@ -257,7 +267,9 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
     count = len(job.ranges)
     notify(Progress(None, "tokenizer", 0.0, str(job.source.path)))
     tokenizer_cache = root / "sources" / job.source_hash / f"tokenizer-v{COMPILER_VERSION}"
-    info = export_tokenizer_cached(job.source, job.config, job.raw_config, directory / "tokenizer", tokenizer_cache)
+    info = export_tokenizer_cached(
+        job.source, job.config, job.raw_config, directory / "tokenizer", tokenizer_cache
+    )
     if info.genai_error:
         logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
     notify(Progress(None, "weights", 0.02, "dequantising the GGUF once" if job.source.kind == "gguf" else ""))

@@ -71,8 +71,11 @@ def _share_duplicates(model: Any, minimum_bytes: int = 1 << 16) -> Any:
         if op.get_type_name() != "Constant" or op.get_byte_size() < minimum_bytes:
             continue
         data = op.get_data()
-        key = (op.get_element_type().get_type_name(), tuple(op.get_output_shape(0)),
-               hashlib.sha256(data.tobytes()).hexdigest())
+        key = (
+            op.get_element_type().get_type_name(),
+            tuple(op.get_output_shape(0)),
+            hashlib.sha256(data.tobytes()).hexdigest(),
+        )
         if key in seen:
             for target in op.output(0).get_target_inputs():
                 target.replace_source_output(seen[key].output(0))

@@ -85,7 +85,9 @@ def resolve(model: str) -> ModelSource:
         return ModelSource(path.stem, "gguf", path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CompileError(f"model {model!r}: folder has no config.json (not a Hugging Face model folder)")
+            raise CompileError(
+                f"model {model!r}: folder has no config.json (not a Hugging Face model folder)"
+            )
         return ModelSource(path.resolve().name, "hf", path.resolve())
     if path.exists():
         raise CompileError(f"model {model!r}: not a .gguf file or a Hugging Face folder")
@@ -161,7 +163,9 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
             data = json.loads((source.path / "config.json").read_text())
         except ValueError as error:
             raise CompileError(f"{source.path / 'config.json'}: not valid JSON ({error})") from None
-        _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path / "config.json"))
+        _check_architecture(
+            data.get("model_type"), data.get("architectures"), str(source.path / "config.json")
+        )
         return data
     architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]
     _check_architecture(architecture, None, str(source.path))
@@ -185,7 +189,9 @@ def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | No
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise CompileError(f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise CompileError(
+            f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     if rope_type == "default":
         return float(theta), None
     return float(theta), {"rope_type": rope_type, **merged}
@@ -197,7 +203,11 @@ def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
     heads = int(data["num_attention_heads"])
     eos = data.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    if data.get("sliding_window") and data.get("use_sliding_window", True) and data["model_type"] == "mistral":
+    if (
+        data.get("sliding_window")
+        and data.get("use_sliding_window", True)
+        and data["model_type"] == "mistral"
+    ):
         logger.warning("%s: sliding_window %s is ignored (full attention)", origin, data["sliding_window"])
     return ModelConfig(
         model_type=data["model_type"],

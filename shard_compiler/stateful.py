@@ -56,7 +56,9 @@ def make_stateful(model: Any, layers: LayerRange, kv_heads: int, head_dim: int) 
 
     apply_make_stateful_transformation(model, dict(cache_pairs(layers)))
     main = model.inputs[0]
-    batch = opset13.gather(opset13.shape_of(main, output_type="i64"), opset13.constant([0]), opset13.constant(0))
+    batch = opset13.gather(
+        opset13.shape_of(main, output_type="i64"), opset13.constant([0]), opset13.constant(0)
+    )
     rest = opset13.constant(np.array([kv_heads, 0, head_dim], dtype=np.int64))
     shape = opset13.concat([batch, rest], axis=0)
     found: dict[str, Any] = {}
@@ -66,8 +68,12 @@ def make_stateful(model: Any, layers: LayerRange, kv_heads: int, head_dim: int) 
             op.set_arguments([initial])
             found[op.get_variable_id()] = op
     model.validate_nodes_and_infer_types()
-    names = tuple(state_name(layer, kind) for layer in range(layers.start, layers.end) for kind in ("key", "value"))
+    names = tuple(
+        state_name(layer, kind) for layer in range(layers.start, layers.end) for kind in ("key", "value")
+    )
     missing = [name for name in names if name not in found]
     if missing or len(found) != len(names):
-        raise RuntimeError(f"make_stateful: variables {sorted(found)} do not match the expected {list(names)}")
+        raise RuntimeError(
+            f"make_stateful: variables {sorted(found)} do not match the expected {list(names)}"
+        )
     return names

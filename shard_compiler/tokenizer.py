@@ -32,7 +32,9 @@ def _load(source: ModelSource) -> Any:
             return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
         return AutoTokenizer.from_pretrained(str(source.path))
     except Exception as error:  # transformers raises many types here
-        raise CompileError(f"{source.path}: cannot load the tokenizer ({type(error).__name__}: {error})") from None
+        raise CompileError(
+            f"{source.path}: cannot load the tokenizer ({type(error).__name__}: {error})"
+        ) from None
 
 
 def _backend(source: ModelSource, loaded: Any) -> Any:
@@ -54,7 +56,9 @@ def _token(backend: Any, token_id: int | None) -> str | None:
     return None if token_id is None else backend.id_to_token(token_id)
 
 
-def export_tokenizer(source: ModelSource, config: ModelConfig, raw_config: dict[str, Any], directory: Path) -> TokenizerInfo:
+def export_tokenizer(
+    source: ModelSource, config: ModelConfig, raw_config: dict[str, Any], directory: Path
+) -> TokenizerInfo:
     """Write DIRECTORY/tokenizer.json (+ tokenizer_config.json, config.json, generation_config.json, GenAI IRs)."""
     directory.mkdir(parents=True, exist_ok=True)
     loaded = _load(source)
@@ -79,7 +83,10 @@ def export_tokenizer(source: ModelSource, config: ModelConfig, raw_config: dict[
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (directory / "config.json").write_text(json.dumps(raw_config, indent=2, default=str))
-    generation = {"bos_token_id": bos, "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None)}
+    generation = {
+        "bos_token_id": bos,
+        "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None),
+    }
     generation["pad_token_id"] = pad
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     genai_error = _export_genai(backend, tokenizer_config, directory)

@@ -89,7 +89,9 @@ class Attention(nn.Module):
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         batch = hidden.shape[0]
         query = self.q_proj(hidden).view(batch, -1, self.heads, self.head_dim).transpose(1, 2)  # (B, h, n, d)
-        key = self.k_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, n, d)
+        key = (
+            self.k_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim).transpose(1, 2)
+        )  # (B, kv, n, d)
         value = self.v_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim).transpose(1, 2)
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
@@ -125,7 +127,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(reader, f"{prefix}.mlp")
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
-        attended, key, value = self.self_attn(self.input_layernorm(hidden), mask, cos, sin, past_key, past_value)
+        attended, key, value = self.self_attn(
+            self.input_layernorm(hidden), mask, cos, sin, past_key, past_value
+        )
         hidden = hidden + attended
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, key, value
@@ -144,8 +148,12 @@ class StageModule(nn.Module):
         self.first = layers.is_first
         self.last = layers.is_last_of(config.num_layers)
         if self.first:
-            self.embed_tokens = nn.Embedding.from_pretrained(reader.get("model.embed_tokens.weight"), freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, reader, index) for index in range(layers.start, layers.end))
+            self.embed_tokens = nn.Embedding.from_pretrained(
+                reader.get("model.embed_tokens.weight"), freeze=True
+            )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, reader, index) for index in range(layers.start, layers.end)
+        )
         if self.last:
             self.norm = RMSNorm(reader.get("model.norm.weight"), config.rms_norm_eps)
             head_key = "lm_head.weight"
@@ -164,7 +172,9 @@ class StageModule(nn.Module):
         causal = key_slots[None, :] <= query_slots[:, None]  # (n, cache + n)
         allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, n, cache + n)
         mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min).to(torch.float32)
-        angles = position_ids[:, :, None].to(torch.float32) * self.inverse_frequencies[None, None, :]  # (B, n, d/2)
+        angles = (
+            position_ids[:, :, None].to(torch.float32) * self.inverse_frequencies[None, None, :]
+        )  # (B, n, d/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
         cos, sin = angles.cos(), angles.sin()
         presents = []
@@ -176,7 +186,9 @@ class StageModule(nn.Module):
         return (hidden, *presents)
 
 
-def example_inputs(config: ModelConfig, layers: LayerRange, new_tokens: int = 3, cache: int = 2) -> tuple[Any, ...]:
+def example_inputs(
+    config: ModelConfig, layers: LayerRange, new_tokens: int = 3, cache: int = 2
+) -> tuple[Any, ...]:
     if layers.is_first:
         main = torch.randint(0, config.vocab_size, (1, new_tokens), dtype=torch.int64)
     else:
@@ -203,13 +215,19 @@ def convert(module: StageModule, config: ModelConfig, layers: LayerRange) -> Any
         names += [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
         shapes += [kv_shape, kv_shape]
     if len(model.inputs) != len(names):
-        raise CompileError(f"stage {layers}: traced model has {len(model.inputs)} inputs, expected {len(names)}")
-    for port, name in zip(model.inputs, names):
+        raise CompileError(
+            f"stage {layers}: traced model has {len(model.inputs)} inputs, expected {len(names)}"
+        )
+    for port, name in zip(model.inputs, names, strict=True):
         port.get_tensor().set_names({name})
-    model.reshape({port: ov.PartialShape(shape) for port, shape in zip(model.inputs, shapes)})
+    model.reshape({port: ov.PartialShape(shape) for port, shape in zip(model.inputs, shapes, strict=True)})
     outputs = ["logits" if last else "output_hidden_states"]
     for layer in range(layers.start, layers.end):
         outputs += [f"present.{layer}.key", f"present.{layer}.value"]
-    for port, name in zip(model.outputs, outputs):
+    if len(model.outputs) != len(outputs):
+        raise CompileError(
+            f"stage {layers}: traced model has {len(model.outputs)} outputs, expected {len(outputs)}"
+        )
+    for port, name in zip(model.outputs, outputs, strict=True):
         port.get_tensor().set_names({name})
     return model

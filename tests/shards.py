@@ -110,7 +110,7 @@ class ChainRunner:
         data: Any = np.array([ids], dtype=np.int64)
         mask = np.ones((1, self.length + count), dtype=np.int64)
         positions = np.arange(self.length, self.length + count, dtype=np.int64)[None, :]
-        for request, names in zip(self.requests, self.names):
+        for request, names in zip(self.requests, self.names, strict=True):
             inputs = {"attention_mask": mask, "position_ids": positions}
             inputs["input_ids" if "input_ids" in names else "hidden_states"] = data
             if "beam_idx" in names:

@@ -29,7 +29,10 @@ from remote_worker.manifest import (
 
 def _stage_files(directory: Path, index: int) -> dict[str, str]:
     files = {}
-    for name, content in (("openvino_model.xml", f"<xml {index}/>"), ("openvino_model.bin", f"weights {index}")):
+    for name, content in (
+        ("openvino_model.xml", f"<xml {index}/>"),
+        ("openvino_model.bin", f"weights {index}"),
+    ):
         path = directory / f"stage_{index}" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
@@ -43,8 +46,10 @@ def _manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Manifes
     tokenizer.write_text("{}")
     stages = []
     for index, layers in enumerate(ranges_from_splits(splits, 30)):
-        first = TensorSpec("input_ids", "i64", (1, "n"), "ids") if layers.is_first else TensorSpec(
-            "hidden_states", "f32", (1, "n", 576), "hidden"
+        first = (
+            TensorSpec("input_ids", "i64", (1, "n"), "ids")
+            if layers.is_first
+            else TensorSpec("hidden_states", "f32", (1, "n", 576), "hidden")
         )
         stages.append(
             StageSpec(
@@ -54,7 +59,9 @@ def _manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Manifes
                 ir=f"stage_{index}/openvino_model.xml",
                 inputs=(first, TensorSpec("attention_mask", "i64", (1, "cache_len + n"), "mask")),
                 outputs=(TensorSpec("logits", "f32", (1, "n", 49152), "logits"),),
-                state_names=tuple(f"layer{layer}.{kind}" for layer in range(layers.start, layers.end) for kind in "kv"),
+                state_names=tuple(
+                    f"layer{layer}.{kind}" for layer in range(layers.start, layers.end) for kind in "kv"
+                ),
                 files=_stage_files(directory, index),
             )
         )
@@ -135,7 +142,10 @@ def test_hash_mismatch_and_missing_file(tmp_path: Path) -> None:
     write_manifest(tmp_path, manifest)
     verify_stage(tmp_path, manifest, 0)
     (tmp_path / "stage_1" / "openvino_model.bin").write_text("tampered")
-    with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch \(expected \w{8}…, found \w{8}…\)$"):
+    with pytest.raises(
+        ManifestError,
+        match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch \(expected \w{8}…, found \w{8}…\)$",
+    ):
         verify_stage(tmp_path, manifest, 1)
     verify_stage(tmp_path, manifest, 0)
     (tmp_path / "stage_0" / "openvino_model.xml").unlink()
@@ -176,5 +186,10 @@ def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
     data = json.loads(_manifest(tmp_path).to_json())
     stage = data["stages"][1]
     assert stage["layers"] == {"start": 16, "end": 30}
-    assert stage["inputs"][0] == {"name": "hidden_states", "dtype": "f32", "shape": [1, "n", 576], "meaning": "hidden"}
+    assert stage["inputs"][0] == {
+        "name": "hidden_states",
+        "dtype": "f32",
+        "shape": [1, "n", 576],
+        "meaning": "hidden",
+    }
     assert replace(_manifest(tmp_path), pad_token_id=2).pad_token_id == 2

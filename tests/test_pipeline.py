@@ -63,7 +63,13 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
 
 @pytest.fixture(scope="session")
 def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("shard-cache")
+    """A fresh cache per test run (CI compiles everything); FLEETTUI_TEST_CACHE reuses one while developing.
+
+    The compiler verifies every cached file's SHA-256 before reusing it, so a reused cache cannot make a
+    test pass that would fail on fresh shards.
+    """
+    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,10 @@ EXACT_TOKENS = 64
 def run_cli(*arguments: str, cache_root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "shard_compiler", *arguments, "--cache-root", str(cache_root)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
 
 
@@ -38,13 +41,17 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 def test_unknown_architecture_is_named(tmp_path: Path) -> None:
     folder = tmp_path / "tiny-gpt2"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     line = one_line_error(run_cli("--model", str(folder), "--precision", "fp32", cache_root=tmp_path))
     assert "unsupported architecture 'GPT2LMHeadModel'" in line and "config.json" in line
 
 
 def test_bad_precision_name(tmp_path: Path) -> None:
-    line = one_line_error(run_cli("--model", "smollm2-135m-instruct", "--precision", "int3", cache_root=tmp_path))
+    line = one_line_error(
+        run_cli("--model", "smollm2-135m-instruct", "--precision", "int3", cache_root=tmp_path)
+    )
     assert "precision 'int3'" in line and "int4" in line
 
 
@@ -55,7 +62,9 @@ def test_missing_model(tmp_path: Path) -> None:
 
 
 def test_bad_split(tmp_path: Path) -> None:
-    line = one_line_error(run_cli("--model", "smollm2-135m-instruct", "--split", "0,10,31", cache_root=tmp_path))
+    line = one_line_error(
+        run_cli("--model", "smollm2-135m-instruct", "--split", "0,10,31", cache_root=tmp_path)
+    )
     assert "0,10,31" in line and "30" in line
 
 
@@ -106,7 +115,7 @@ def test_chained_fp32_shards_equal_the_unsplit_model(
     manifest = load_manifest(fp32_shards[stages])
     assert [len(stage.layers) for stage in manifest.stages] == [30 // stages] * stages
     runner = ChainRunner(fp32_shards[stages], exact=True)
-    for prompt, expected in zip(PROMPTS, reference_tokens):
+    for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
         assert runner.greedy(chat_ids(fp32_shards[stages], prompt), EXACT_TOKENS) == expected, prompt
     assert all(len(tokens) == EXACT_TOKENS for tokens in reference_tokens)
 
@@ -127,12 +136,20 @@ def test_manifest_describes_the_stages(fp32_shards: dict[int, Path]) -> None:
         assert [port.get_any_name() for port in model.outputs] == [tensor.name for tensor in stage.outputs]
         variables = {op.get_variable_id() for op in model.get_ops() if op.get_type_name() == "ReadValue"}
         assert variables == set(stage.state_names) and len(stage.state_names) == 2 * len(stage.layers)
-        assert stage.state_names[0] == f"past_key_values.{stage.layers.start}.keypresent.{stage.layers.start}.key"
-        gathers = [op for op in model.get_ops() if op.get_type_name() == "Gather"
-                   and op.input_value(0).get_node().get_type_name() == "ReadValue"]
+        assert (
+            stage.state_names[0]
+            == f"past_key_values.{stage.layers.start}.keypresent.{stage.layers.start}.key"
+        )
+        gathers = [
+            op
+            for op in model.get_ops()
+            if op.get_type_name() == "Gather" and op.input_value(0).get_node().get_type_name() == "ReadValue"
+        ]
         assert len(gathers) == len(stage.state_names)  # the beam_idx Gather sits on every ReadValue
     first, middle, last = manifest.stages
-    assert [t.name for t in first.inputs][0] == "input_ids" and first.outputs[0].name == "output_hidden_states"
+    assert [t.name for t in first.inputs][0] == "input_ids" and first.outputs[
+        0
+    ].name == "output_hidden_states"
     assert [t.name for t in middle.inputs][0] == "hidden_states" and last.outputs[0].name == "logits"
 
 
@@ -147,8 +164,9 @@ def test_fp32_matches_transformers(fp32_shards: dict[int, Path]) -> None:
     ids = chat_ids(fp32_shards[1], PROMPTS[0])
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].numpy()
-        generated = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2,
-                                   pad_token_id=2)[0, len(ids):].tolist()
+        generated = model.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2
+        )[0, len(ids) :].tolist()
     runner = ChainRunner(fp32_shards[1], exact=True)
     logits = runner.step(ids)
     error = float(np.abs(logits - expected).max())
@@ -186,8 +204,13 @@ def test_unchanged_request_is_a_verified_no_op(fp32_shards: dict[int, Path], tmp
     directory = fp32_shards[1]
     before = {path: path.stat().st_mtime_ns for path in directory.rglob("*")}
     events = []
-    again = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=session_cache_root(),
-                           progress=events.append)
+    again = compile_shards(
+        "smollm2-135m-instruct",
+        stages=1,
+        precision="fp32",
+        cache_root=session_cache_root(),
+        progress=events.append,
+    )
     assert again == directory
     assert [event.step for event in events] == ["cached"]
     assert {path: path.stat().st_mtime_ns for path in directory.rglob("*")} == before
@@ -196,16 +219,31 @@ def test_unchanged_request_is_a_verified_no_op(fp32_shards: dict[int, Path], tmp
     copy = tmp_path / "copy"
     shutil.copytree(directory, copy)
     events.clear()
-    assert compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=session_cache_root(),
-                          out=copy, progress=events.append) == copy
+    assert (
+        compile_shards(
+            "smollm2-135m-instruct",
+            stages=1,
+            precision="fp32",
+            cache_root=session_cache_root(),
+            out=copy,
+            progress=events.append,
+        )
+        == copy
+    )
     assert [event.step for event in events] == ["cached"]
     weights = copy / "stage_0" / "openvino_model.bin"
     with open(weights, "r+b") as stream:
         stream.seek(4096)
         stream.write(b"\xff" * 16)
     events.clear()
-    compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=session_cache_root(),
-                   out=copy, progress=events.append)
+    compile_shards(
+        "smollm2-135m-instruct",
+        stages=1,
+        precision="fp32",
+        cache_root=session_cache_root(),
+        out=copy,
+        progress=events.append,
+    )
     steps = [event.step for event in events]
     assert "cached" not in steps and "save" in steps and steps[-1] == "done"
     verify_all(copy, load_manifest(copy))
@@ -224,6 +262,12 @@ def test_interrupted_compile_leaves_nothing_that_looks_valid(tmp_path: Path) -> 
 
     target = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        compile_shards("smollm2-135m-instruct", stages=2, precision="fp32", cache_root=session_cache_root(),
-                       out=target, progress=interrupt)
+        compile_shards(
+            "smollm2-135m-instruct",
+            stages=2,
+            precision="fp32",
+            cache_root=session_cache_root(),
+            out=target,
+            progress=interrupt,
+        )
     assert list(tmp_path.iterdir()) == []

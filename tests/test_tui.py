@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -16,6 +17,7 @@ from tui_fakes import FakeController, demo_fleet, sample
 from fleettui.coordinator import GenerationParams
 from fleettui.fleet import load_fleet
 from fleettui.states import Failed, Ready, Serving
+from fleettui.controller import generation_params
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
 from fleettui.ui.messages import DeployProgressed, TelemetrySampled
@@ -114,6 +116,19 @@ def test_help_rows_cover_every_app_binding():
     assert described == set(rows)
 
 
+def test_generation_params_take_the_fleet_defaults_and_command_line_overrides():
+    fleet = load_fleet("fleets/local.toml")
+    defaults = generation_params(fleet)
+    assert (defaults.max_tokens, defaults.temperature, defaults.spec_k) == (
+        fleet.sessions.max_tokens,
+        0.0,
+        None,
+    )
+    assert generation_params(fleet, 8, 0.7, 0.9, 3, no_spec=True) == GenerationParams(
+        max_tokens=8, temperature=0.7, top_p=0.9, seed=3, spec_k=0
+    )
+
+
 # -- the app with a fake controller -----------------------------------------------------------------------
 
 
@@ -144,7 +159,10 @@ async def test_a_failed_deploy_is_reported_and_d_retries():
         await wait_until(pilot, lambda: app.sub_title == "deploy failed", 10, "the failure")
         assert app.coordinator is None
         deploy = app.query_one("#deploy")
-        assert deploy.row("fleet").failed and deploy.row("fleet").detail == "shard compiler: no space left on device"
+        assert (
+            deploy.row("fleet").failed
+            and deploy.row("fleet").detail == "shard compiler: no space left on device"
+        )
         app.controller.fail_start = None
         app.query_one(ChatPane).active.focus()
         await pilot.press("d")
@@ -210,16 +228,23 @@ async def test_a_busy_session_refuses_a_second_prompt_and_sessions_switch_by_num
 async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
     app = fake_app()
     long_prompt = " ".join(f"word{index}" for index in range(80))
+
+    async def send() -> None:
+        app.query_one("#prompt", Input).value = long_prompt
+        await pilot.press("enter")
+
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
         session = app.query_one(ChatPane).active
         for count in range(1, 4):
-            await pilot.press(*long_prompt, "enter")
-            await wait_until(pilot, lambda n=count: len(session.replies) == n and session.replies[-1].done, 20, "a reply")
+            await send()
+            await wait_until(
+                pilot, lambda n=count: len(session.replies) == n and session.replies[-1].done, 20, "a reply"
+            )
         await pilot.pause(0.1)
         assert session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y  # followed the end
         app.coordinator.gate = gate = asyncio.Event()
-        await pilot.press(*long_prompt, "enter")
+        await send()
         await wait_until(pilot, lambda: len(session.replies) == 4, 10, "the fourth reply to start")
         session.scroll_home(animate=False)  # the reader scrolls up while the reply streams
         gate.set()
@@ -254,6 +279,17 @@ async def test_quit_does_what_the_operator_chose(key, stopped, exits):
             await pilot.pause()
             assert app.return_code is None
         assert app.controller.stopped == stopped
+
+
+async def test_logging_records_go_to_the_log_pane_not_the_terminal():
+    app = fake_app(auto_deploy=False)
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.query_one(LogPane)
+        before = pane.lines_written
+        logging.getLogger("fleettui.somewhere").warning("disk almost full")
+        await wait_until(pilot, lambda: pane.lines_written == before + 1, 10, "the record in the pane")
+        assert any("disk almost full" in line.text for line in pane.lines)
+    assert app._log_handler not in logging.getLogger().handlers
 
 
 async def test_fetched_logs_land_in_the_log_pane():
@@ -344,11 +380,12 @@ async def test_real_fleet_deploys_streams_the_ask_answer_and_stops_on_quit():
 
 @pytest.mark.slow
 async def test_real_fleet_serves_two_sessions_at_once():
-    app = real_app(48)
+    app = real_app(64)
     overlapped = False
+    served_both: set[str] = set()  # stages the fleet panel showed serving two sessions
     async with app.run_test(size=SIZE) as pilot:
         pids = await deployed(pilot, app)
-        await pilot.press(*"Tell me about the sea.", "enter", "ctrl+n", *"Name three colours.", "enter")
+        await pilot.press(*"Tell me about the sea.", "enter", "ctrl+n", *"Tell me about the sky.", "enter")
         chat = app.query_one(ChatPane)
 
         def both_streaming_or_done() -> bool:
@@ -356,9 +393,13 @@ async def test_real_fleet_serves_two_sessions_at_once():
             replies = [s.replies[-1] for s in chat.sessions if s.replies]
             if len(replies) == 2 and all(s.busy for s in chat.sessions) and all(r.chunks for r in replies):
                 overlapped = True  # both workers running and both replies growing at the same moment
+            for name, view in app.monitor.stages.items():
+                if isinstance(view.state, Serving) and view.state.sessions >= 2:
+                    served_both.add(name)
             return len(replies) == 2 and all(r.done for r in replies)
 
         await wait_until(pilot, both_streaming_or_done, REAL_TIMEOUT, "both replies")
         assert overlapped
+        assert {host.name for host in app.fleet.hosts} <= served_both
         assert all(s.replies[-1].text and "failed" not in s.replies[-1].classes for s in chat.sessions)
         await quit_stopping_the_fleet(pilot, app, pids)

@@ -540,3 +540,95 @@ def test_missing_shard_exits_3_with_one_line(tmp_path: Path) -> None:
     done = _run_worker(tmp_path, config.to_json())
     assert done.returncode == 3
     assert "manifest.json" in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
+
+
+class _FakeEngine:
+    """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output is chosen."""
+
+    is_first, is_last = True, False
+
+    def __init__(self, output: np.ndarray) -> None:
+        from remote_worker.manifest import LayerRange
+
+        self.output = output
+        self.sessions: dict[int, int] = {}
+        self.stage = type("Stage", (), {"layers": LayerRange(0, 15)})()
+
+    def effective_properties(self) -> dict[str, str]:
+        return {"INFERENCE_PRECISION_HINT": "f32"}
+
+    def open(self, session: int) -> None:
+        self.sessions[session] = 0
+
+    def has(self, session: int) -> bool:
+        return session in self.sessions
+
+    def step(
+        self,
+        session: int,
+        pos0: int,
+        cache_len: int,
+        ranges: np.ndarray,
+        data: np.ndarray,
+        keep_last: int = 0,
+    ):  # noqa: ANN201
+        self.sessions[session] += len(data)
+        return self.output[: len(data)]
+
+    def cache_len(self, session: int) -> int:
+        return self.sessions[session]
+
+    def masked_slots(self, session: int) -> int:
+        return 0
+
+    def cache_slots(self) -> int:
+        return sum(self.sessions.values())
+
+    def session_bytes(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("peak", "dtype"), [(3.0, np.float16), (1e6, np.float32)])
+def test_hidden_states_travel_as_f16_unless_they_overflow_it(peak: float, dtype: type) -> None:
+    import threading
+
+    from remote_worker.server import StageServer
+
+    downstream_port = free_port()
+    config = StageConfig(
+        name="fake",
+        shard_dir="/unused",
+        stage_index=0,
+        data_port=free_port(),
+        control_port=free_port(),
+        telemetry_port=free_port(),
+        next=Endpoint("127.0.0.1", downstream_port),
+        wire_dtype="f16",
+    )
+    output = np.full((2, 4), 0.5, np.float32)
+    output[1, 2] = peak
+    server = StageServer(config, _FakeEngine(output))
+    context = zmq.Context()
+    downstream = context.socket(zmq.PULL)
+    downstream.bind(f"tcp://127.0.0.1:{downstream_port}")
+    upstream = context.socket(zmq.PUSH)
+    upstream.connect(f"tcp://127.0.0.1:{config.data_port}")
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        upstream.send_multipart(protocol.encode(Control(Kind.OPEN, 1, 1)))
+        upstream.send_multipart(
+            protocol.encode(Step(1, 2, 0, 0, NO_RANGES, tokens=np.array([5, 6], np.int64)))
+        )
+        assert isinstance(protocol.decode(downstream.recv_multipart()), Control)
+        assert downstream.poll(10_000)
+        forwarded = protocol.decode(downstream.recv_multipart())
+        assert isinstance(forwarded, Step) and forwarded.hidden is not None
+        assert forwarded.hidden.dtype == dtype and float(forwarded.hidden.max()) == pytest.approx(peak)
+        assert forwarded.trace.shape == (protocol.TRACE_FIELDS,) and forwarded.trace[0] == 0
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()
+        context.destroy(linger=0)

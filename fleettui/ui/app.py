@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +71,9 @@ class FleetApp(App[int]):
         Binding("ctrl+n", "new_session", "new session", priority=True),
         Binding("n", "new_session", "new session", show=False),
         Binding("ctrl+tab,ctrl+pagedown", "cycle_session(1)", "next session", priority=True),
-        Binding("ctrl+shift+tab,ctrl+pageup", "cycle_session(-1)", "previous session", priority=True),
+        Binding(
+            "ctrl+shift+tab,ctrl+pageup", "cycle_session(-1)", "previous session", show=False, priority=True
+        ),
         *_session_keys(),
         Binding("i", "focus_prompt", "type a prompt", show=False),
         Binding("escape", "leave_prompt", "leave the prompt (then letter keys work)", show=False),
@@ -193,6 +196,9 @@ class FleetApp(App[int]):
         for worker in self.workers:
             if worker.group.startswith("chat-"):
                 worker.cancel()
+        for pane in self.query(ChatPane):  # the sessions die with the fleet; a redeploy opens new ones
+            for session in pane.sessions:
+                session.handle = None
         self.coordinator = None
         for line in await self.controller.stop():
             log.info("%s", line)
@@ -239,10 +245,8 @@ class FleetApp(App[int]):
             return
         reason = truncate(str(worker.error) if worker.error else "cancelled", 200)
         if worker.group == "fleet":
-            self.sub_title = (
-                f"{worker.name} failed" if state == WorkerState.ERROR else f"{worker.name} cancelled"
-            )
-            if state == WorkerState.ERROR:
+            if state == WorkerState.ERROR:  # a cancelled deploy was replaced by a stop: nothing to report
+                self.sub_title = f"{worker.name} failed"
                 log.error("%s failed: %s", worker.name, reason)
                 self.notify(reason, title=f"{worker.name} failed", severity="error")
                 for panel in self.query(DeployPanel):  # the whole-fleet reason, next to the hosts' rows
@@ -333,27 +337,19 @@ class FleetApp(App[int]):
             self.exit(0)
 
 
-def generation_params(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
-    """Sampling settings from the fleet file, overridden by the command line (as `--ask` does)."""
-    sessions = fleet.sessions
-    return GenerationParams(
-        max_tokens=getattr(args, "max_tokens", None) or sessions.max_tokens,
-        temperature=sessions.temperature if getattr(args, "temperature", None) is None else args.temperature,
-        top_p=sessions.top_p if getattr(args, "top_p", None) is None else args.top_p,
-        seed=sessions.seed if getattr(args, "seed", None) is None else args.seed,
-        spec_k=0 if getattr(args, "no_spec", False) else getattr(args, "spec_k", None),
-    )
-
-
 def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
     """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal."""
-    from fleettui.controller import FleetController, with_overrides
+    from fleettui.controller import FleetController, generation_params, with_overrides
 
     draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
     fleet = with_overrides(
         fleet, exact=getattr(args, "exact", False), draft=draft, k=getattr(args, "spec_k", None)
     )
-    app = FleetApp(fleet, FleetController, generation_params(fleet, args))
+    params = generation_params(
+        fleet, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
+        getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
+    )  # fmt: skip
+    app = FleetApp(fleet, FleetController, params)
     root = logging.getLogger()
     streams = [handler for handler in root.handlers if isinstance(handler, logging.StreamHandler)]
     level = root.level
@@ -367,5 +363,8 @@ def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
         for handler in streams:
             root.addHandler(handler)
         if app.quit_choice != "leave":
-            app.controller.launcher.kill_all()  # last resort after a crash; a no-op after a clean stop
+            app.controller.kill()  # last resort after a crash; a no-op after a clean stop
+    if app.quit_choice == "leave":
+        for line in app.controller.launcher.detach():
+            print(f"fleettui: {line}; `fleettui --stop` stops it", file=sys.stderr)
     return code if isinstance(code, int) else 0
