@@ -273,6 +273,7 @@ def plot(rows: Sequence[Row], width: int = 100) -> str:
     try:
         import plotext
 
+        plotext.terminal.limit(False, False)  # the chart's own size, not the terminal's (stdout may be a file)
         figure = plotext.figure
         figure.clear()
         figure.draw(figure.bar(names, values, orientation="h", labeled=True, width=0.6))

@@ -186,6 +186,10 @@ class FleetController:
         target_dir = self.target.directory
         deployment = build_deployment(self.fleet, ranges, lambda host: str(target_dir),
                                       str(self.draft.directory) if self.draft else None)
+        if endpoint_map is not None:  # every stage's downstream link too, not only the coordinator's ends
+            deployment = replace(deployment, stages=tuple(
+                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
+                for p in deployment.stages))
         self.deployment = deployment
         workers = []
         for placement in deployment.placements:

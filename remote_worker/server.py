@@ -302,7 +302,8 @@ class StageServer:
         )
         if not self.engine.is_last:
             # astype copies: the engine's output buffer is reused by the session's next step
-            hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
+            with np.errstate(over="ignore"):  # an overflow is detected just below
+                hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
             if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
                 hidden = output.astype(
                     np.float32

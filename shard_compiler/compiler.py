@@ -207,6 +207,17 @@ def _build_stage(
     return StageSpec(index, layers, config.num_layers, relative[0], inputs, outputs, state_names, files)
 
 
+def _release_memory() -> None:
+    """Hand freed heap back to the OS between stages, so one stage's peak does not carry into the next."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _shared_hashes(directory: Path) -> dict[str, str]:
     return {
         str(path.relative_to(directory)): sha256_file(path)
@@ -272,9 +283,11 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
     )
     if info.genai_error:
         logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
-    notify(Progress(None, "weights", 0.02, "dequantising the GGUF once" if job.source.kind == "gguf" else ""))
+    fresh = (
+        job.source.kind == "gguf" and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
+    )
+    notify(Progress(None, "weights", 0.02, "dequantising the GGUF once into the cache" if fresh else ""))
     weights = sources.weights_directory(job.source, root, job.source_hash)
-    reader = sources.WeightReader(weights)
     specs = []
     for index in range(count):
 
@@ -283,8 +296,10 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
 
         started = time.perf_counter()
         with PeakMemory() as memory:
-            specs.append(_build_stage(job, reader, index, directory, report))
+            # A fresh reader per stage: its memory-mapped pages are released with it.
+            specs.append(_build_stage(job, sources.WeightReader(weights), index, directory, report))
         seconds = time.perf_counter() - started
+        _release_memory()
         size = sum((directory / name).stat().st_size for name in specs[-1].files)
         message = f"{seconds:.1f} s, peak RSS {memory.peak / 2**20:.0f} MiB, IR {size / 2**20:.1f} MiB"
         logger.info("stage %d %s: %s", index, job.ranges[index], message)

@@ -91,8 +91,27 @@ def resolve(model: str) -> ModelSource:
         return ModelSource(path.resolve().name, "hf", path.resolve())
     if path.exists():
         raise CompileError(f"model {model!r}: not a .gguf file or a Hugging Face folder")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and not model.endswith(".gguf"):
+        return ModelSource(model.split("/")[1], "hf", _download(model))
     names = ", ".join(BUILTIN_MODELS)
     raise CompileError(f"model {model!r}: no such file or folder, and not a built-in model ({names})")
+
+
+def _download(repository: str) -> Path:
+    """A Hugging Face hub id, fetched (config, safetensors, tokenizer) into the hub's own cache."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            repository,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
+        )
+    except Exception as error:  # offline, unknown id, gated model: all one line for the user
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CompileError(
+            f"model {repository!r}: no such local file or folder, and the Hugging Face hub failed ({first})"
+        ) from None
+    return Path(folder)
 
 
 def _gguf_field(reader: Any, key: str) -> Any:

@@ -225,4 +225,8 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
                 assert part["compute_ms"] > 0 and part["queue_ms"] >= 0 and part["wire_ms"] >= 0
             if row["spec_k"] != 0:
                 assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
+            if row["hop_delay_ms"] and row["users"] == 1 and row["spec_k"] == 0:
+                # one round trip per token crosses the N + 1 delayed links of the ring
+                wire = sum(part["wire_ms"] for part in row["stage_breakdown"])
+                assert wire >= 0.9 * (row["stages"] + 1) * row["hop_delay_ms"], row
     assert "tok/s" in done.stdout  # the table

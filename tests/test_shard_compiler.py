@@ -61,10 +61,11 @@ def test_missing_model(tmp_path: Path) -> None:
     assert str(missing) in line and "no such file" in line
 
 
-def test_bad_split(tmp_path: Path) -> None:
-    line = one_line_error(
-        run_cli("--model", "smollm2-135m-instruct", "--split", "0,10,31", cache_root=tmp_path)
-    )
+def test_bad_split() -> None:
+    from shards import session_cache_root
+
+    arguments = ("--model", "smollm2-135m-instruct", "--split", "0,10,31")
+    line = one_line_error(run_cli(*arguments, cache_root=session_cache_root()))
     assert "0,10,31" in line and "30" in line
 
 
@@ -271,3 +272,76 @@ def test_interrupted_compile_leaves_nothing_that_looks_valid(tmp_path: Path) -> 
             progress=interrupt,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- other Llama-family checkpoints
+TINY_ROPE_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def tiny_checkpoint(folder: Path, kind: str) -> Path:
+    """A randomly initialised 4-layer HF checkpoint (safetensors) with SmolLM2's tokenizer files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if kind == "llama3":
+        model = LlamaForCausalLM(
+            LlamaConfig(**common, rope_parameters=TINY_ROPE_LLAMA3, tie_word_embeddings=False)
+        )
+    else:  # qwen2: q/k/v biases, tied embeddings
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                **common,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                tie_word_embeddings=True,
+            )
+        )
+        with torch.no_grad():
+            for layer in model.model.layers:  # random init leaves biases at 0: make them matter
+                for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    projection.bias.normal_(0, 0.5)
+    model.eval().save_pretrained(folder)
+    tokenizer = compiled(1, "fp32") / "tokenizer"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_hf_folder_checkpoints_match_transformers(tmp_path: Path, kind: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shard_compiler.compiler import compile_shards
+
+    folder = tiny_checkpoint(tmp_path / kind, kind)
+    directory = compile_shards(str(folder), stages=2, precision="fp32", cache_root=tmp_path / "cache")
+    manifest = load_manifest(directory)
+    assert [len(stage.layers) for stage in manifest.stages] == [2, 2]
+    assert (manifest.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama3" else None)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 33, 34, 35]
+    runner = ChainRunner(directory, exact=True)
+    logits = [runner.step(ids[:6]), runner.step(ids[6:9]), runner.step(ids[9:])]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+    error = float(np.abs(np.concatenate(logits) - expected).max())
+    print(f"{kind}: max abs logit error vs transformers over prefill + 2 cached steps: {error:.2e}")
+    assert error <= 1e-4 * max(1.0, float(np.abs(expected).max()))

@@ -43,6 +43,8 @@ SLEEPER = "import time; time.sleep(600)"
 @pytest.fixture(scope="module")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     reason = available()
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"CI must run the real-sshd tests: {reason}")  # .ci/test installs openssh-server as root
     if reason:
         pytest.skip(reason)
     with SshHosts(2, tmp_path_factory.mktemp("sshd")) as hosts:
@@ -448,3 +450,33 @@ def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
     big = replace(office, model=replace(office.model, name="llama-3.1-70b"))
     assert "pc-d [41, 80)" in rest_can_run(big, {"pc-b", "pc-c"})
     assert "does not fit" in rest_can_run(big, {"pc-b", "pc-c", "pc-d"})
+
+
+@pytest.mark.slow
+def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    """`fleettui FLEET --ask` on SSH hosts (deploy, answer, stop) equals `fleettui fleets/local.toml --ask`."""
+    import json
+    import subprocess
+    import sys
+
+    from fleettui.fleet import DEFAULT_FLEET
+
+    path = tmp_path / "office.toml"
+    path.write_text(ssh_hosts.fleet_toml(memory_gb=4.0))
+    question = "What is the capital of France?"
+
+    def ask(fleet_file: Path) -> dict:
+        result = subprocess.run(
+            [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", question, "--json", "--no-spec",
+             "--max-tokens", "24"],
+            capture_output=True, text=True, timeout=1200,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    remote, local = ask(path), ask(DEFAULT_FLEET)
+    assert remote["fleet"]["stages"] == local["fleet"]["stages"]
+    assert remote["token_ids"] == local["token_ids"] and "Paris" in remote["text"]
+    left = [pid for host in ssh_hosts.hosts for pid in ssh_hosts.namespace_pids(host)
+            if "remote_worker" in cmdline(pid)]
+    assert not left, f"stage processes left after --ask: {left}"

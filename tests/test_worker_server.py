@@ -27,7 +27,6 @@ from remote_worker.config import CurveKeys, Endpoint, StageConfig
 from remote_worker.protocol import Ack, Control, Decode, Error, Hello, Kind, Proposal, Propose, Result, Step
 from remote_worker.security import generate_keypair
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 NO_RANGES = np.zeros((0, 2), np.int64)
 START_TIMEOUT = 180.0
@@ -211,6 +210,7 @@ def chain(tmp_path: Path, two_stage_shards: Path):  # type: ignore[no-untyped-de
             worker.stop()
 
 
+@pytest.mark.slow
 def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # type: ignore[no-untyped-def]
     first, last, client = chain
     for worker in (first, last):
@@ -335,6 +335,7 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
     _assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_curve_chain_interleaves_sessions(tmp_path: Path, two_stage_shards: Path) -> None:
     """Stage 0 is a CURVE client of stage 1; steps of two sessions sent back to back are all served."""
     coordinator, keys0, keys1 = generate_keypair(), generate_keypair(), generate_keypair()
@@ -397,6 +398,7 @@ def test_curve_chain_interleaves_sessions(tmp_path: Path, two_stage_shards: Path
             worker.stop()
 
 
+@pytest.mark.slow
 def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_shards: Path) -> None:
     server_public, server_secret = generate_keypair()
     coordinator = generate_keypair()
@@ -434,6 +436,7 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
         worker.stop()
 
 
+@pytest.mark.slow
 def test_draft_proposes_greedy_and_sampled_tokens(tmp_path: Path) -> None:
     shards = shard_dir(1)
     worker = Worker(stage_config("draft", shards, 0, role="draft"), tmp_path)
@@ -506,6 +509,7 @@ def _run_worker(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
     done = _run_worker(
         tmp_path,
@@ -527,6 +531,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_missing_shard_exits_3_with_one_line(tmp_path: Path) -> None:
     config = StageConfig(
         name="x",
