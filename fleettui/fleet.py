@@ -45,7 +45,7 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = Path("~/.cache/fleettui/shards").expanduser()  # compiled-shard cache root
+    shards: Path = Path("~/.cache/fleettui").expanduser()  # cache root: compiled shards go to <root>/shards/<key>
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
                 "name", f"no such file or folder {candidate} and not a builtin model ({builtins})"
             )
     precision = section.choice("precision", PRECISIONS, ModelSettings.precision)
-    shards = _local_path(section.get("shards", str, "~/.cache/fleettui/shards"), base)
+    shards = _local_path(section.get("shards", str, "~/.cache/fleettui"), base)
     return ModelSettings(name, "fp32" if exact else precision, shards)
 
 

@@ -112,8 +112,9 @@ class ZmqLink:
         self._pending[seq] = future
         frames = protocol.encode(message)
         self.bytes_sent += sum(len(f) for f in frames)
-        await self._push.send_multipart(frames, copy=False)
         try:
+            # bounded too: a PUSH whose peer refused our CURVE key has no pipe and would block forever
+            await asyncio.wait_for(self._push.send_multipart(frames, copy=False), timeout or self._timeout)
             return await asyncio.wait_for(future, timeout or self._timeout)
         except asyncio.TimeoutError:
             raise LinkError(f"no answer from the pipeline within {timeout or self._timeout:.0f} s") from None

@@ -7,6 +7,7 @@ draft's Propose, telemetry, exit codes, and clean shutdown leaving no process be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -117,6 +118,7 @@ class Client:
         self.context = zmq.Context()
         self.keys = keys
         self.push = self._socket(zmq.PUSH, first)
+        self.push.sndtimeo = 10_000  # a refused CURVE client loses its pipe: a send would block forever
         self.push.connect(first.url(first.config.data_port))
         self.pull = self._socket(zmq.PULL, last)
         assert last.config.result_port is not None
@@ -410,8 +412,9 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
         ping = trusted.wait_ready(worker)
         assert ping["security"] == "curve" and "warning" not in ping
         hidden = np.zeros((2, 576), np.float32)
-        stranger.send(Control(Kind.OPEN, 1, 1))
-        stranger.send(Step(1, 2, 0, 0, NO_RANGES, hidden=hidden))
+        for message in (Control(Kind.OPEN, 1, 1), Step(1, 2, 0, 0, NO_RANGES, hidden=hidden)):
+            with contextlib.suppress(zmq.Again):  # once refused, the stranger has nowhere to send
+                stranger.push.send_multipart(protocol.encode(message), zmq.NOBLOCK)
         assert stranger.control(worker, {"op": "stats"}, timeout=2.0) is None  # refused: no answer at all
         with pytest.raises(AssertionError, match="no message"):
             stranger.receive(timeout=1.0)
