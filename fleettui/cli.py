@@ -20,9 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--ask", metavar="QUESTION", help="answer one prompt headless through the whole fleet")
-    mode.add_argument("--plan", action="store_true", help="show the stage plan (layer ranges, memory) and exit")
+    mode.add_argument(
+        "--plan", action="store_true", help="show the stage plan (layer ranges, memory) and exit"
+    )
     mode.add_argument("--bench", action="store_true", help="measure the fleet against one PC, headless")
-    mode.add_argument("--deploy", action="store_true", help="deploy the fleet (SSH hosts too) and leave it running")
+    mode.add_argument(
+        "--deploy", action="store_true", help="deploy the fleet (SSH hosts too) and leave it running"
+    )
     mode.add_argument("--stop", action="store_true", help="stop what the last --deploy started")
     parser.add_argument("--max-tokens", type=int, help="stop after this many new tokens")
     spec = parser.add_mutually_exclusive_group()
@@ -32,20 +36,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, help="0 = greedy (default from the fleet file)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling threshold")
     parser.add_argument("--seed", type=int, help="sampling seed")
-    parser.add_argument("--exact", action="store_true",
-                        help="exact arithmetic: fp32 weights, f32 inference and f32 KV cache on every stage and the draft")
-    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                        help="print JSON (token_ids, stats) instead of text; with --bench, write the rows to FILE")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="exact arithmetic: fp32 weights, f32 inference and f32 KV cache on every stage and the draft",
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print JSON (token_ids, stats) instead of text; with --bench, write the rows to FILE",
+    )
     parser.add_argument("--quick", action="store_true", help="with --bench: the small smoke-test profile")
-    parser.add_argument("--model-config", type=Path, help="with --plan: a Hugging Face config.json to plan for")
+    parser.add_argument(
+        "--model-config", type=Path, help="with --plan: a Hugging Face config.json to plan for"
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     try:
         from fleettui.fleet import load_fleet, resolve_fleet
 
@@ -88,8 +105,9 @@ async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
 
     draft = "none" if args.no_spec else args.draft
     fleet = with_overrides(fleet, exact=args.exact, draft=draft, k=args.spec_k)
-    params = generation_params(fleet, args.max_tokens, args.temperature, args.top_p, args.seed, args.no_spec,
-                               args.spec_k)
+    params = generation_params(
+        fleet, args.max_tokens, args.temperature, args.top_p, args.seed, args.no_spec, args.spec_k
+    )
     controller = FleetController(fleet)
     streaming = args.json is None and sys.stdout.isatty()
 
@@ -113,31 +131,41 @@ async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
             "token_ids": list(generation.token_ids),
             "prompt_tokens": stats.prompt_tokens,
             "stats": {
-                "tokens": stats.tokens, "seconds": round(stats.seconds, 4),
-                "tokens_per_second": round(stats.tokens_per_second, 2), "ttft_s": round(stats.ttft, 4),
-                "rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
-                "acceptance_rate": stats.acceptance_rate, "mean_k": round(stats.mean_k, 2),
+                "tokens": stats.tokens,
+                "seconds": round(stats.seconds, 4),
+                "tokens_per_second": round(stats.tokens_per_second, 2),
+                "ttft_s": round(stats.ttft, 4),
+                "rounds": stats.rounds,
+                "drafted": stats.drafted,
+                "accepted": stats.accepted,
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_k": round(stats.mean_k, 2),
                 "finish_reason": stats.finish_reason,
             },
             "fleet": {
                 "stages": [[s.layers.start, s.layers.end] for s in manifest.stages],
-                "precision": manifest.precision, "exact": fleet.runtime.exact,
-                "draft": fleet.speculation.draft, "encryption": fleet.runtime.encryption,
+                "precision": manifest.precision,
+                "exact": fleet.runtime.exact,
+                "draft": fleet.speculation.draft,
+                "encryption": fleet.runtime.encryption,
             },
         }
         text = json.dumps(document, indent=2)
         if args.json == "-":
             print(text)
         else:
-            Path(args.json).write_text(text + "\n")
+            Path(args.json).write_text(text + "\n")  # noqa: ASYNC240 - once, after the fleet has stopped
         return 0
     if streaming:
         print()
     else:
         print(generation.text)
     rate = stats.acceptance_rate
-    print(f"[{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, first token {stats.ttft * 1000:.0f} ms, "
-          f"acceptance {'n/a' if rate is None else f'{rate:.0%}'}, mean K {stats.mean_k:.1f}]", file=sys.stderr)
+    print(
+        f"[{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, first token {stats.ttft * 1000:.0f} ms, "
+        f"acceptance {'n/a' if rate is None else f'{rate:.0%}'}, mean K {stats.mean_k:.1f}]",
+        file=sys.stderr,
+    )
     return 0
 
 

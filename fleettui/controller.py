@@ -14,7 +14,7 @@ from pathlib import Path
 from fleettui.coordinator import Coordinator, Generation, GenerationParams
 from fleettui.deployment import Deployment, Placement, build_deployment
 from fleettui.fleet import Fleet
-from fleettui.launcher import LaunchError, LocalLauncher
+from fleettui.launcher import LocalLauncher
 from fleettui.speculation import Drafter, ModelDrafter, PromptLookupDrafter
 from fleettui.states import (
     ControllerEvent,
@@ -30,7 +30,8 @@ from fleettui.states import (
     Telemetry,
     next_state,
 )  # fmt: skip
-from fleettui.transport import TelemetryFeed, ZmqLink, wait_until_ready
+from fleettui.transport import TelemetryFeed, ZmqLink
+from remote_worker import protocol
 from remote_worker.config import Endpoint
 from remote_worker.manifest import Manifest, load_manifest
 
@@ -47,12 +48,14 @@ class CompiledModel:
     manifest: Manifest
 
 
-def with_overrides(fleet: Fleet, exact: bool | None = None, draft: str | None = None,
-                   k: int | None = None) -> Fleet:
+def with_overrides(
+    fleet: Fleet, exact: bool | None = None, draft: str | None = None, k: int | None = None
+) -> Fleet:
     """The fleet with command-line overrides applied (`--exact`, `--no-spec`, `--spec-k`)."""
     if exact:
-        runtime = replace(fleet.runtime, inference_precision="f32", kv_cache_precision="f32", wire_dtype="f32",
-                          exact=True)
+        runtime = replace(
+            fleet.runtime, inference_precision="f32", kv_cache_precision="f32", wire_dtype="f32", exact=True
+        )
         fleet = replace(fleet, runtime=runtime, model=replace(fleet.model, precision="fp32"))
     if draft is not None or k is not None:
         speculation = fleet.speculation
@@ -64,14 +67,31 @@ def with_overrides(fleet: Fleet, exact: bool | None = None, draft: str | None = 
     return fleet
 
 
-async def compile_model(model: str, ranges: list[tuple[int, int]], precision: str, cache_root: Path,
-                        on_progress: Callable[[str], None] | None = None) -> CompiledModel:
+async def compile_model(
+    model: str,
+    ranges: list[tuple[int, int]],
+    precision: str,
+    cache_root: Path,
+    on_progress: Callable[[str], None] | None = None,
+) -> CompiledModel:
     """Run the shard compiler in a child process (it needs torch; the operator side must not import it)."""
     split = ",".join(str(bound) for bound in [ranges[0][0], *(end for _, end in ranges)])
-    command = [sys.executable, "-m", "shard_compiler", "--model", model, "--split", split,
-               "--precision", precision, "--cache-root", str(cache_root)]
-    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
-                                                   stderr=asyncio.subprocess.PIPE)
+    command = [
+        sys.executable,
+        "-m",
+        "shard_compiler",
+        "--model",
+        model,
+        "--split",
+        split,
+        "--precision",
+        precision,
+        "--cache-root",
+        str(cache_root),
+    ]
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     assert process.stdout is not None and process.stderr is not None
     errors: list[str] = []
 
@@ -97,8 +117,12 @@ async def compile_model(model: str, ranges: list[tuple[int, int]], precision: st
 class FleetController:
     """Owns one running fleet: its shards, worker processes, links, coordinator and live stage states."""
 
-    def __init__(self, fleet: Fleet, on_event: Callable[[ControllerEvent], None] | None = None,
-                 run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        on_event: Callable[[ControllerEvent], None] | None = None,
+        run_dir: Path | None = None,
+    ) -> None:
         self.fleet = fleet
         self._on_event = on_event or (lambda event: None)
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="fleettui-run-"))
@@ -111,6 +135,7 @@ class FleetController:
         self.coordinator: Coordinator | None = None
         self._links: list[ZmqLink] = []
         self.remote_report: object | None = None
+        self.hops_ms: dict[str, float] = {}
         self._feed: TelemetryFeed | None = None
 
     # -- events -------------------------------------------------------------------------------------
@@ -125,8 +150,22 @@ class FleetController:
             self.states[name] = state
             self._emit(StageChanged(name, state))
 
+    def _observe_hops(self, result: protocol.Result, received: float) -> None:
+        """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in ms."""
+        trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
+        if self.deployment is None or len(trace) != len(self.deployment.stages):
+            return
+        arrivals = [*trace[1:, 1], received]
+        for (stage, _received, _started, _finished, sent), arrival in zip(trace, arrivals, strict=False):
+            name = self.deployment.stages[int(stage)].config.name
+            sample = (arrival - sent) * 1000.0
+            previous = self.hops_ms.get(name)
+            self.hops_ms[name] = sample if previous is None else 0.8 * previous + 0.2 * sample
+
     def _on_sample(self, sample: dict) -> None:
         name = str(sample.get("name", ""))
+        if name in self.hops_ms:
+            sample = {**sample, "hop_ms": round(self.hops_ms[name], 2)}
         self.telemetry[name] = sample
         if name in self.states:
             self._set_state(name, next_state(self.states[name], sample))
@@ -164,7 +203,9 @@ class FleetController:
             if (path / "manifest.json").exists():
                 self.draft = CompiledModel(path, load_manifest(path))
             else:
-                self.draft = await compile_model(draft, [(0, self._layers_of(path))], "int4", model.shards, progress)
+                self.draft = await compile_model(
+                    draft, [(0, self._layers_of(path))], "int4", model.shards, progress
+                )
 
     @staticmethod
     def _layers_of(path: Path) -> int:
@@ -172,8 +213,9 @@ class FleetController:
 
         return ModelShape.from_config_file(path / "config.json").num_layers
 
-    async def start(self, ready_timeout: float = 600.0,
-                    endpoint_map: Callable[[Endpoint], Endpoint] | None = None) -> Coordinator:
+    async def start(
+        self, ready_timeout: float = 600.0, endpoint_map: Callable[[Endpoint], Endpoint] | None = None
+    ) -> Coordinator:
         """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator.
 
         `endpoint_map` reroutes every data link of the chain (coordinator -> stage 0 -> ... -> coordinator),
@@ -184,12 +226,22 @@ class FleetController:
         assert self.target is not None
         ranges = [(s.layers.start, s.layers.end) for s in self.target.manifest.stages]
         target_dir = self.target.directory
-        deployment = build_deployment(self.fleet, ranges, lambda host: str(target_dir),
-                                      str(self.draft.directory) if self.draft else None)
+        deployment = build_deployment(
+            self.fleet,
+            ranges,
+            lambda host: str(target_dir),
+            str(self.draft.directory) if self.draft else None,
+        )
         if endpoint_map is not None:  # every stage's downstream link too, not only the coordinator's ends
-            deployment = replace(deployment, stages=tuple(
-                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
-                for p in deployment.stages))
+            deployment = replace(
+                deployment,
+                stages=tuple(
+                    replace(p, config=replace(p.config, next=endpoint_map(p.config.next)))
+                    if p.config.next
+                    else p
+                    for p in deployment.stages
+                ),
+            )
         self.deployment = deployment
         workers = []
         for placement in deployment.placements:
@@ -198,9 +250,11 @@ class FleetController:
                 workers.append(self.launcher.start(placement))
         remote = [p for p in deployment.stages if not p.host.is_local]
         waits = [self.launcher.wait_ready(w, deployment.keys, ready_timeout) for w in workers]
-        results = await asyncio.gather(self._deploy_remote(remote, ready_timeout), *waits, return_exceptions=True)
+        results = await asyncio.gather(
+            self._deploy_remote(remote, ready_timeout), *waits, return_exceptions=True
+        )
         failures = []
-        for worker, outcome in zip([None, *workers], results):
+        for worker, outcome in zip([None, *workers], results, strict=False):
             if isinstance(outcome, BaseException):
                 if not isinstance(outcome, Exception):
                     raise outcome
@@ -231,6 +285,7 @@ class FleetController:
         stages = await coordinator.hello()
         if stages != len(deployment.stages):
             raise ControllerError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+        coordinator.result_observers.append(self._observe_hops)
         self.coordinator = coordinator
         urls = [(p.telemetry_url, p.server_key) for p in deployment.placements]
         self._feed = TelemetryFeed(urls, deployment.keys, self._on_sample)
@@ -263,13 +318,16 @@ class FleetController:
             elif step != "skipped":
                 self._set_state(name, Provisioning(step))
 
-        report = await deploy_placements(self.fleet, self.deployment, self.target.directory, on_event,
-                                         ready_timeout)
+        report = await deploy_placements(
+            self.fleet, self.deployment, self.target.directory, on_event, ready_timeout
+        )
         self.remote_report = report
         if not report.ok:
             failed = {h.host for h in report.failed}
             lines = "; ".join(f"{h.host}: {h.step}: {h.error}" for h in report.failed)
-            raise ControllerError(f"deploy failed on {len(failed)} host(s): {lines}. {rest_can_run(self.fleet, failed)}")
+            raise ControllerError(
+                f"deploy failed on {len(failed)} host(s): {lines}. {rest_can_run(self.fleet, failed)}"
+            )
 
     def _drafter(self, deployment: Deployment) -> Drafter | None:
         draft = self.fleet.speculation.draft
@@ -278,13 +336,22 @@ class FleetController:
         if draft == "prompt-lookup":
             return PromptLookupDrafter()
         assert deployment.draft is not None
-        link = ZmqLink(deployment.draft.data_url, deployment.draft.result_url, deployment.keys,
-                       deployment.draft.server_key, deployment.draft.server_key)
+        link = ZmqLink(
+            deployment.draft.data_url,
+            deployment.draft.result_url,
+            deployment.keys,
+            deployment.draft.server_key,
+            deployment.draft.server_key,
+        )
         self._links.append(link)
         return ModelDrafter(link, name=draft)
 
-    async def ask(self, question: str, params: GenerationParams,
-                  on_tokens: Callable[[list[int], str], None] | None = None) -> Generation:
+    async def ask(
+        self,
+        question: str,
+        params: GenerationParams,
+        on_tokens: Callable[[list[int], str], None] | None = None,
+    ) -> Generation:
         """One prompt through the whole fleet in a fresh session."""
         coordinator = self.coordinator or await self.start()
         session = await coordinator.open_session(params.seed)
@@ -295,12 +362,7 @@ class FleetController:
 
     async def stop(self) -> list[str]:
         """Stop exactly the workers this controller started; returns what it did, one line each."""
-        if self._feed is not None:
-            await self._feed.stop()
-            self._feed = None
-        for link in self._links:
-            await link.close()
-        self._links.clear()
+        await self._release()
         keys = self.deployment.keys if self.deployment else None
         report = await self.launcher.stop(keys)
         if self.deployment is not None and any(not h.is_local for h in self.fleet.hosts):
@@ -314,6 +376,15 @@ class FleetController:
         self.coordinator = None
         return report
 
+    async def _release(self) -> None:
+        """Close the telemetry feed and every link (the workers are not touched)."""
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
+        for link in self._links:
+            await link.close()
+        self._links.clear()
+
     def fail(self, name: str, reason: str) -> None:
         self._set_state(name, Failed(reason))
 
@@ -325,19 +396,15 @@ class FleetController:
             from fleettui.provision.deploy import fetch_log
 
             texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
-            for host, text in zip(remote, texts):
-                logs[host.name] = (f"cannot fetch the log: {text}" if isinstance(text, BaseException)
-                                   else str(text)).splitlines()[-lines:]
+            for host, text in zip(remote, texts, strict=False):
+                logs[host.name] = (
+                    f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
+                ).splitlines()[-lines:]
         return logs
 
     async def detach(self) -> list[str]:
         """Leave every worker running and let go of them (`fleettui --stop` finds them by their pid files)."""
-        if self._feed is not None:
-            await self._feed.stop()
-            self._feed = None
-        for link in self._links:
-            await link.close()
-        self._links.clear()
+        await self._release()
         self.coordinator = None
         return self.launcher.detach()
 
@@ -346,9 +413,15 @@ class FleetController:
         self.launcher.kill_all()
 
 
-def generation_params(fleet: Fleet, max_tokens: int | None = None, temperature: float | None = None,
-                      top_p: float | None = None, seed: int | None = None, no_spec: bool = False,
-                      spec_k: int | None = None) -> GenerationParams:
+def generation_params(
+    fleet: Fleet,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    no_spec: bool = False,
+    spec_k: int | None = None,
+) -> GenerationParams:
     """Sampling settings from the fleet file, overridden by the command line."""
     sessions = fleet.sessions
     return GenerationParams(

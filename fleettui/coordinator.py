@@ -98,8 +98,15 @@ class Session:
 class Coordinator:
     """Drives a pipeline (`target` link) and an optional drafter for many concurrent sessions."""
 
-    def __init__(self, target: Link, chat_format: ChatFormat | None, drafter: Drafter | None = None,
-                 max_k: int = 8, compaction_ratio: float = 0.5, compaction_minimum: int = 64) -> None:
+    def __init__(
+        self,
+        target: Link,
+        chat_format: ChatFormat | None,
+        drafter: Drafter | None = None,
+        max_k: int = 8,
+        compaction_ratio: float = 0.5,
+        compaction_minimum: int = 64,
+    ) -> None:
         self.target = target
         self.chat_format = chat_format
         self.drafter = drafter
@@ -109,6 +116,8 @@ class Coordinator:
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
+        # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
+        self.result_observers: list[Callable[[protocol.Result, float], None]] = []
 
     async def hello(self, timeout: float = 30.0) -> int:
         """End-to-end handshake through every stage; returns the number of stages that answered."""
@@ -131,8 +140,13 @@ class Coordinator:
         if self.drafter is not None:
             await self.drafter.close(session.id)
 
-    async def chat(self, session: Session, user_text: str, params: GenerationParams,
-                   on_tokens: TokenCallback | None = None) -> Generation:
+    async def chat(
+        self,
+        session: Session,
+        user_text: str,
+        params: GenerationParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> Generation:
         """Add a user turn, generate the assistant's reply with the chat template, remember both."""
         if self.chat_format is None:
             raise RuntimeError("this pipeline has no tokenizer")
@@ -142,8 +156,13 @@ class Coordinator:
         session.messages.append(ChatMessage("assistant", generation.text))
         return generation
 
-    async def generate(self, session: Session, prompt: list[int], params: GenerationParams,
-                       on_tokens: TokenCallback | None = None) -> Generation:
+    async def generate(
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> Generation:
         """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares."""
         if session.busy:
             raise RuntimeError(f"session {session.id} is already generating")
@@ -153,8 +172,9 @@ class Coordinator:
         finally:
             session.busy = False
 
-    async def _generate(self, session: Session, prompt: list[int], params: GenerationParams,
-                        on_tokens: TokenCallback | None) -> Generation:
+    async def _generate(
+        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback | None
+    ) -> Generation:
         stats = GenerationStats(prompt_tokens=len(prompt))
         stream = TextStream(self.chat_format, params.stop) if self.chat_format is not None else None
         eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
@@ -171,8 +191,10 @@ class Coordinator:
             await self._step(session, feed, None)
         while len(generated) < params.max_tokens:
             await self._maybe_compact(session)
-            k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)),
-                    params.max_tokens - len(generated) - 1)
+            k = min(
+                self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)),
+                params.max_tokens - len(generated) - 1,
+            )
             if params.spec_k is not None:
                 k = min(params.spec_k, self.max_k, params.max_tokens - len(generated) - 1)
             draft_started = time.perf_counter()
@@ -184,9 +206,15 @@ class Coordinator:
             verify_started = time.perf_counter()
             feed = session.ledger.plan(session.history + list(draft.tokens))
             uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
-            decode = protocol.Decode(sampling.temperature, sampling.top_p, sampling.top_k,
-                                     np.array(draft.tokens, np.int64), draft.ids.astype(np.int64),
-                                     draft.probs.astype(np.float32), uniforms)
+            decode = protocol.Decode(
+                sampling.temperature,
+                sampling.top_p,
+                sampling.top_k,
+                np.array(draft.tokens, np.int64),
+                draft.ids.astype(np.int64),
+                draft.probs.astype(np.float32),
+                uniforms,
+            )
             result = await self._step(session, feed, decode)
             verify_seconds = time.perf_counter() - verify_started
             self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds)
@@ -233,11 +261,21 @@ class Coordinator:
         return Generation(tuple(generated), text, stats)
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
-        step = protocol.Step(session.id, 0, feed.pos0, feed.cache_len, feed.ranges_array(),
-                             tokens=np.array(feed.tokens, np.int64), decode=decode)
+        step = protocol.Step(
+            session.id,
+            0,
+            feed.pos0,
+            feed.cache_len,
+            feed.ranges_array(),
+            tokens=np.array(feed.tokens, np.int64),
+            decode=decode,
+        )
         reply = await self.target.request(step)
         if not isinstance(reply, protocol.Result):
             raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
+        received = time.time()
+        for observe in self.result_observers:
+            observe(reply, received)
         session.ledger.commit(feed)
         return reply
 
@@ -245,7 +283,9 @@ class Coordinator:
         ledger = session.ledger
         if not ledger.needs_compaction(self.compaction_ratio, self.compaction_minimum):
             return
-        reply = await self.target.request(protocol.Control(protocol.Kind.COMPACT, session.id, 0, ledger.cache_len))
+        reply = await self.target.request(
+            protocol.Control(protocol.Kind.COMPACT, session.id, 0, ledger.cache_len)
+        )
         ledger.compact()
         if not isinstance(reply, protocol.Ack) or reply.value != ledger.cache_len:
             raise RuntimeError(f"compaction of session {session.id} disagrees with the stages")

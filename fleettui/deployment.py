@@ -94,8 +94,13 @@ def _precision(value: str, exact: bool) -> str | None:
     return None if value == "auto" else value
 
 
-def build_deployment(fleet: Fleet, ranges: list[tuple[int, int]], shard_dir: Callable[[Host], str],
-                     draft_dir: str | None = None, draft_host: Host | None = None) -> Deployment:
+def build_deployment(
+    fleet: Fleet,
+    ranges: list[tuple[int, int]],
+    shard_dir: Callable[[Host], str],
+    draft_dir: str | None = None,
+    draft_host: Host | None = None,
+) -> Deployment:
     """Worker configurations for every host (one stage each, in fleet order) and the optional draft.
 
     `shard_dir(host)` is where that host's worker finds the compiled shards (a remote path for SSH
@@ -121,18 +126,28 @@ def build_deployment(fleet: Fleet, ranges: list[tuple[int, int]], shard_dir: Cal
             curve = CurveKeys(public, secret, tuple(allowed), next_key)
         next_endpoint = None
         if following is not None:
-            next_endpoint = Endpoint(LOCALHOST if following.is_local and host.is_local else following.address,
-                                     following.data_port)
+            next_endpoint = Endpoint(
+                LOCALHOST if following.is_local and host.is_local else following.address, following.data_port
+            )
         config = StageConfig(
-            name=host.name, shard_dir=shard_dir(host), stage_index=index,
-            data_port=host.data_port, control_port=host.control_port, telemetry_port=host.telemetry_port,
-            result_port=host.result_port if last else None, role="stage",
+            name=host.name,
+            shard_dir=shard_dir(host),
+            stage_index=index,
+            data_port=host.data_port,
+            control_port=host.control_port,
+            telemetry_port=host.telemetry_port,
+            result_port=host.result_port if last else None,
+            role="stage",
             bind_address=LOCALHOST if host.is_local else "0.0.0.0",
-            next=next_endpoint, device=host.device, threads=host.threads,
+            next=next_endpoint,
+            device=host.device,
+            threads=host.threads,
             inference_precision=_precision(runtime.inference_precision, runtime.exact),
             kv_cache_precision=_precision(runtime.kv_cache_precision, runtime.exact),
             wire_dtype="f32" if runtime.exact else runtime.wire_dtype,
-            curve=curve, cpu_cores=host.cores, deployment=deployment_id,
+            curve=curve,
+            cpu_cores=host.cores,
+            deployment=deployment_id,
             extra={"layers": list(ranges[index])} if index < len(ranges) else {},
         )
         placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
@@ -145,12 +160,22 @@ def build_deployment(fleet: Fleet, ranges: list[tuple[int, int]], shard_dir: Cal
             public, secret = generate_keypair()
             curve = CurveKeys(public, secret, (coordinator[0],), None)
         config = StageConfig(
-            name="draft", shard_dir=draft_dir, stage_index=0, data_port=host.data_port,
-            control_port=host.control_port, telemetry_port=host.telemetry_port, result_port=host.result_port,
-            role="draft", bind_address=LOCALHOST, device="CPU", threads=host.threads,
+            name="draft",
+            shard_dir=draft_dir,
+            stage_index=0,
+            data_port=host.data_port,
+            control_port=host.control_port,
+            telemetry_port=host.telemetry_port,
+            result_port=host.result_port,
+            role="draft",
+            bind_address=LOCALHOST,
+            device="CPU",
+            threads=host.threads,
             inference_precision=_precision(runtime.inference_precision, runtime.exact),
             kv_cache_precision=_precision(runtime.kv_cache_precision, runtime.exact),
-            curve=curve, cpu_cores=host.cores, deployment=deployment_id,
+            curve=curve,
+            cpu_cores=host.cores,
+            deployment=deployment_id,
         )
         draft = Placement(host, config, LOCALHOST)
     keys = ClientKeys(*coordinator) if coordinator is not None else None

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -54,10 +54,15 @@ class LocalLauncher:
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [self.python, "-m", "remote_worker", "--config", str(config_path)],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True, env=_worker_environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=_worker_environment(),
             )
-        worker = LocalWorker(placement, process, log_path, config_path, _record_pid(placement, process, log_path))
+        worker = LocalWorker(
+            placement, process, log_path, config_path, _record_pid(placement, process, log_path)
+        )
         self.workers[placement.config.name] = worker
         log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
         return worker
@@ -72,18 +77,25 @@ class LocalLauncher:
             return f"{name} exited with code {worker.process.returncode}: {worker.log_tail()}"
 
         try:
-            return await wait_until_ready(worker.placement.control_url, keys, worker.placement.server_key,
-                                          timeout, exited)
+            return await wait_until_ready(
+                worker.placement.control_url, keys, worker.placement.server_key, timeout, exited
+            )
         except LinkError as error:
-            raise LaunchError(f"{error} {'' if worker.process.poll() is not None else worker.log_tail()}".strip())
+            tail = "" if worker.process.poll() is not None else worker.log_tail()
+            raise LaunchError(f"{error} {tail}".strip()) from None
 
     async def stop(self, keys: ClientKeys | None, grace: float = 5.0) -> list[str]:
         """Ask every worker to shut down, then terminate what is left; returns one line per worker."""
         report = []
         for name, worker in list(self.workers.items()):
             if worker.process.poll() is None:
-                await control_request(worker.placement.control_url, {"op": "shutdown"}, keys,
-                                      worker.placement.server_key, timeout=1.0)
+                await control_request(
+                    worker.placement.control_url,
+                    {"op": "shutdown"},
+                    keys,
+                    worker.placement.server_key,
+                    timeout=1.0,
+                )
             how = "exited"
             try:
                 await asyncio.to_thread(worker.process.wait, grace)
@@ -104,7 +116,9 @@ class LocalLauncher:
 
     def detach(self) -> list[str]:
         """Forget the workers without stopping them; their pid files stay for `fleettui --stop`."""
-        report = [f"{name}: left running as pid {w.process.pid} ({w.pid_path})" for name, w in self.workers.items()]
+        report = [
+            f"{name}: left running as pid {w.process.pid} ({w.pid_path})" for name, w in self.workers.items()
+        ]
         self.workers.clear()
         return report
 
@@ -132,8 +146,14 @@ def _record_pid(placement: Placement, process: subprocess.Popen[bytes], log_path
         start: str | None = f"{psutil.Process(process.pid).create_time():.2f}"
     except psutil.Error:
         start = None
-    record = {"pid": process.pid, "start": start, "deployment": placement.config.deployment,
-              "argv": list(map(str, process.args)), "log": str(log_path), "started": time.time()}  # type: ignore[arg-type]
+    record = {
+        "pid": process.pid,
+        "start": start,
+        "deployment": placement.config.deployment,
+        "argv": [str(part) for part in process.args],  # type: ignore[union-attr]
+        "log": str(log_path),
+        "started": time.time(),
+    }  # type: ignore[arg-type]
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(record))
     os.replace(temporary, path)

@@ -33,7 +33,9 @@ class Draft:
     def deterministic(tokens: list[int]) -> Draft:
         """Proposals with probability 1 (prompt lookup): exact under the acceptance rule."""
         count = len(tokens)
-        return Draft(tuple(tokens), np.array(tokens, np.int64).reshape(count, 1), np.ones((count, 1), np.float32))
+        return Draft(
+            tuple(tokens), np.array(tokens, np.int64).reshape(count, 1), np.ones((count, 1), np.float32)
+        )
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ class Drafter(Protocol):
 
     async def close(self, session: int) -> None: ...
 
-    async def propose(self, session: int, history: list[int], k: int, sampling: Sampling,
-                      rng: np.random.Generator) -> Draft: ...
+    async def propose(
+        self, session: int, history: list[int], k: int, sampling: Sampling, rng: np.random.Generator
+    ) -> Draft: ...
 
 
 class PromptLookupDrafter:
@@ -74,8 +77,9 @@ class PromptLookupDrafter:
     async def close(self, session: int) -> None:
         return None
 
-    async def propose(self, session: int, history: list[int], k: int, sampling: Sampling,
-                      rng: np.random.Generator) -> Draft:
+    async def propose(
+        self, session: int, history: list[int], k: int, sampling: Sampling, rng: np.random.Generator
+    ) -> Draft:
         return Draft.deterministic(lookup(history, k, self.max_ngram))
 
 
@@ -112,20 +116,37 @@ class ModelDrafter:
         if self._ledgers.pop(session, None) is not None:
             await self.link.request(protocol.Control(protocol.Kind.CLOSE, session, 0))
 
-    async def propose(self, session: int, history: list[int], k: int, sampling: Sampling,
-                      rng: np.random.Generator) -> Draft:
+    async def propose(
+        self, session: int, history: list[int], k: int, sampling: Sampling, rng: np.random.Generator
+    ) -> Draft:
         ledger = self._ledgers[session]
         if ledger.needs_compaction():
-            ack = await self.link.request(protocol.Control(protocol.Kind.COMPACT, session, 0, ledger.cache_len))
+            ack = await self.link.request(
+                protocol.Control(protocol.Kind.COMPACT, session, 0, ledger.cache_len)
+            )
             ledger.compact()
             assert isinstance(ack, protocol.Ack) and ack.value == ledger.cache_len
         feed = ledger.plan(history)
         support = GREEDY_SUPPORT if sampling.greedy else SAMPLING_SUPPORT
-        decode = protocol.Decode(sampling.temperature, sampling.top_p, sampling.top_k,
-                                 uniforms=rng.random(k) if not sampling.greedy else np.zeros(0))
-        reply = await self.link.request(protocol.Propose(
-            session, 0, feed.pos0, feed.cache_len, feed.ranges_array(), np.array(feed.tokens, np.int64),
-            k, support, decode))
+        decode = protocol.Decode(
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            uniforms=rng.random(k) if not sampling.greedy else np.zeros(0),
+        )
+        reply = await self.link.request(
+            protocol.Propose(
+                session,
+                0,
+                feed.pos0,
+                feed.cache_len,
+                feed.ranges_array(),
+                np.array(feed.tokens, np.int64),
+                k,
+                support,
+                decode,
+            )
+        )
         if not isinstance(reply, protocol.Proposal):
             raise TypeError(f"draft answered {type(reply).__name__}")
         tokens = tuple(int(t) for t in reply.tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -57,8 +58,15 @@ class ZmqLink:
     Many requests may be in flight at once (one per session): this is what keeps every stage busy.
     """
 
-    def __init__(self, head: str, tail: str, keys: ClientKeys | None = None, head_key: str | None = None,
-                 tail_key: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        head: str,
+        tail: str,
+        keys: ClientKeys | None = None,
+        head_key: str | None = None,
+        tail_key: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
         import zmq
         import zmq.asyncio
 
@@ -97,7 +105,9 @@ class ZmqLink:
             future = self._pending.pop(getattr(message, "seq", -1), None)
             if future is None or future.done():
                 self.dropped += 1
-                log.warning("dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?"))
+                log.warning(
+                    "dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?")
+                )
                 continue
             if isinstance(message, protocol.Error):
                 future.set_exception(StageFailure(message.stage, message.message))
@@ -124,10 +134,8 @@ class ZmqLink:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # closing: the reader's fate is moot
                 await self._reader
-            except (asyncio.CancelledError, Exception):  # noqa: S110 - closing; the reader's fate is moot
-                pass
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(LinkError("link closed"))
@@ -135,8 +143,13 @@ class ZmqLink:
         self._pull.close(0)
 
 
-async def control_request(url: str, request: dict[str, Any], keys: ClientKeys | None = None,
-                          server_key: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
+async def control_request(
+    url: str,
+    request: dict[str, Any],
+    keys: ClientKeys | None = None,
+    server_key: str | None = None,
+    timeout: float = 2.0,
+) -> dict[str, Any] | None:
     """One JSON request to a worker's control socket; None when it does not answer within `timeout`."""
     import zmq
     import zmq.asyncio
@@ -155,8 +168,13 @@ async def control_request(url: str, request: dict[str, Any], keys: ClientKeys | 
         socket.close(0)
 
 
-async def wait_until_ready(url: str, keys: ClientKeys | None, server_key: str | None, timeout: float,
-                           failure: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
+async def wait_until_ready(
+    url: str,
+    keys: ClientKeys | None,
+    server_key: str | None,
+    timeout: float,
+    failure: Callable[[], str | None] = lambda: None,
+) -> dict[str, Any]:
     """Ping a worker's control socket until it reports "ready" (its handshake); `failure()` aborts early."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
@@ -175,8 +193,12 @@ async def wait_until_ready(url: str, keys: ClientKeys | None, server_key: str | 
 class TelemetryFeed:
     """Subscribes to every stage's telemetry socket and calls `on_sample(sample_dict)` for each report."""
 
-    def __init__(self, urls: list[tuple[str, str | None]], keys: ClientKeys | None,
-                 on_sample: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        urls: list[tuple[str, str | None]],
+        keys: ClientKeys | None,
+        on_sample: Callable[[dict[str, Any]], None],
+    ) -> None:
         self._urls = urls
         self._keys = keys
         self._on_sample = on_sample
@@ -217,7 +239,5 @@ class TelemetryFeed:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: S110 - stopping
-                pass

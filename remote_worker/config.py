@@ -73,9 +73,13 @@ class StageConfig:
         if self.role not in ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
         if self.inference_precision not in (None, *INFERENCE_PRECISIONS):
-            raise ConfigError(f"inference_precision: {self.inference_precision!r} is not one of {INFERENCE_PRECISIONS}")
+            raise ConfigError(
+                f"inference_precision: {self.inference_precision!r} is not one of {INFERENCE_PRECISIONS}"
+            )
         if self.kv_cache_precision not in (None, *KV_CACHE_PRECISIONS):
-            raise ConfigError(f"kv_cache_precision: {self.kv_cache_precision!r} is not one of {KV_CACHE_PRECISIONS}")
+            raise ConfigError(
+                f"kv_cache_precision: {self.kv_cache_precision!r} is not one of {KV_CACHE_PRECISIONS}"
+            )
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"wire_dtype: {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         for name in ("data_port", "control_port", "telemetry_port", "result_port"):

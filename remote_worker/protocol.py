@@ -18,9 +18,10 @@ its first token, never the full mask.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -197,13 +198,24 @@ Message = Union[Hello, Control, Step, Propose, Ack, Result, Proposal, Error]
 TRACE_FIELDS = 5  # per stage: stage index, received, started, finished, sent (time.time() seconds)
 
 
-def _header(kind: int, flags: int = 0, session: int = 0, seq: int = 0, pos0: int = 0, cache_len: int = 0,
-            n: int = 0, width: int = 0, count_a: int = 0, count_b: int = 0) -> bytes:
+def _header(
+    kind: int,
+    flags: int = 0,
+    session: int = 0,
+    seq: int = 0,
+    pos0: int = 0,
+    cache_len: int = 0,
+    n: int = 0,
+    width: int = 0,
+    count_a: int = 0,
+    count_b: int = 0,
+) -> bytes:
     return HEADER.pack(MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
 
 
 def _raw(array: np.ndarray, dtype: type) -> memoryview:
-    return memoryview(np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8))
+    flat: Any = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8)
+    return memoryview(flat)
 
 
 def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
@@ -211,10 +223,22 @@ def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         return [b"", b"", b"", b"", b""]
     k = len(decode.draft_tokens)
     support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
-    spec = DECODE.pack(float(decode.temperature), float(decode.top_p), int(decode.top_k), k, support,
-                       int(decode.top_logprobs), len(decode.uniforms))
-    return [spec, _raw(decode.draft_tokens, np.int64), _raw(decode.draft_ids, np.int64),
-            _raw(decode.draft_probs, np.float32), _raw(decode.uniforms, np.float64)]
+    spec = DECODE.pack(
+        float(decode.temperature),
+        float(decode.top_p),
+        int(decode.top_k),
+        k,
+        support,
+        int(decode.top_logprobs),
+        len(decode.uniforms),
+    )
+    return [
+        spec,
+        _raw(decode.draft_tokens, np.int64),
+        _raw(decode.draft_ids, np.int64),
+        _raw(decode.draft_probs, np.float32),
+        _raw(decode.uniforms, np.float64),
+    ]
 
 
 def encode(message: Message) -> list[bytes | memoryview]:
@@ -235,28 +259,72 @@ def encode(message: Message) -> list[bytes | memoryview]:
             # anything that is not float16 travels as float32, as the flag promises
             flags = FLAG_F16 if hidden.dtype == np.float16 else 0
             width, data = int(hidden.shape[1]), _raw(hidden, np.float16 if flags else np.float32)
-        header = _header(Kind.STEP, flags, message.session, message.seq, message.pos0, message.cache_len,
-                         message.n, width, len(message.mask_ranges))
+        header = _header(
+            Kind.STEP,
+            flags,
+            message.session,
+            message.seq,
+            message.pos0,
+            message.cache_len,
+            message.n,
+            width,
+            len(message.mask_ranges),
+        )
         return [header, ranges, data, *_decode_frames(message.decode), _raw(message.trace, np.float64)]
     if isinstance(message, Propose):
-        header = _header(Kind.PROPOSE, 0, message.session, message.seq, message.pos0, message.cache_len,
-                         len(message.tokens), 0, len(message.mask_ranges), message.k | (message.support << 16))
-        return [header, _raw(message.mask_ranges.reshape(-1, 2), np.int64), _raw(message.tokens, np.int64),
-                *_decode_frames(message.decode)]
+        header = _header(
+            Kind.PROPOSE,
+            0,
+            message.session,
+            message.seq,
+            message.pos0,
+            message.cache_len,
+            len(message.tokens),
+            0,
+            len(message.mask_ranges),
+            message.k | (message.support << 16),
+        )
+        return [
+            header,
+            _raw(message.mask_ranges.reshape(-1, 2), np.int64),
+            _raw(message.tokens, np.int64),
+            *_decode_frames(message.decode),
+        ]
     if isinstance(message, Ack):
-        header = _header(Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value)
+        header = _header(
+            Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value
+        )
         return [header, _raw(message.trace, np.float64)]
     if isinstance(message, Result):
         top = message.top_ids.shape[1] if message.top_ids.ndim == 2 else 0
-        header = _header(Kind.RESULT, 0, message.session, message.seq, n=len(message.tokens),
-                         count_a=message.accepted, count_b=top)
-        return [header, _raw(message.tokens, np.int64), _raw(message.top_ids, np.int64),
-                _raw(message.top_logprobs, np.float32), _raw(message.trace, np.float64)]
+        header = _header(
+            Kind.RESULT,
+            0,
+            message.session,
+            message.seq,
+            n=len(message.tokens),
+            count_a=message.accepted,
+            count_b=top,
+        )
+        return [
+            header,
+            _raw(message.tokens, np.int64),
+            _raw(message.top_ids, np.int64),
+            _raw(message.top_logprobs, np.float32),
+            _raw(message.trace, np.float64),
+        ]
     if isinstance(message, Proposal):
         support = message.ids.shape[1] if message.ids.ndim == 2 else 0
-        header = _header(Kind.PROPOSAL, 0, message.session, message.seq, n=len(message.tokens), count_a=support)
-        return [header, _raw(message.tokens, np.int64), _raw(message.ids, np.int64),
-                _raw(message.probs, np.float32), _raw(message.trace, np.float64)]
+        header = _header(
+            Kind.PROPOSAL, 0, message.session, message.seq, n=len(message.tokens), count_a=support
+        )
+        return [
+            header,
+            _raw(message.tokens, np.int64),
+            _raw(message.ids, np.int64),
+            _raw(message.probs, np.float32),
+            _raw(message.trace, np.float64),
+        ]
     if isinstance(message, Error):
         text = message.message.encode("utf-8")[:MAX_TEXT]
         return [_header(Kind.ERROR, 0, message.session, message.seq, count_a=message.stage), text]
@@ -294,7 +362,9 @@ def _parse_decode(frames: list[bytes | memoryview], max_tokens: int, proposals: 
         raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
     allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1))
     if n_uniforms not in allowed_uniforms:
-        raise ProtocolError(f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}")
+        raise ProtocolError(
+            f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}"
+        )
     draft_tokens = _array(tokens, np.int64, k, "draft tokens")
     draft_ids = _array(ids, np.int64, k * support, "draft ids").reshape(k, support)
     draft_probs = _array(probs, np.float32, k * support, "draft probs").reshape(k, support)
@@ -319,14 +389,16 @@ def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
     return ranges
 
 
-def decode(frames: list[bytes | memoryview]) -> Message:
+def decode(frames: Sequence[bytes | memoryview]) -> Message:
     """Validate and parse one multipart message; raises ProtocolError with a one-line reason."""
     if not frames:
         raise ProtocolError("empty message")
     head = frames[0]
     if len(head) != HEADER.size:
         raise ProtocolError(f"header: {len(head)} bytes, expected {HEADER.size}")
-    magic, version, kind_value, flags, session, seq, pos0, cache_len, n, width, count_a, count_b = HEADER.unpack(head)
+    magic, version, kind_value, flags, session, seq, pos0, cache_len, n, width, count_a, count_b = (
+        HEADER.unpack(head)
+    )
     if magic != MAGIC:
         raise ProtocolError("header: bad magic")
     if version != VERSION:
@@ -410,7 +482,8 @@ def decode(frames: list[bytes | memoryview]) -> Message:
     raise ProtocolError(f"header: kind {kind.name} is not a message")  # pragma: no cover
 
 
-def append_trace(trace: np.ndarray, stage: int, received: float, started: float, finished: float,
-                 sent: float) -> np.ndarray:
+def append_trace(
+    trace: np.ndarray, stage: int, received: float, started: float, finished: float, sent: float
+) -> np.ndarray:
     """The trace with one more stage record (the stages append as the message travels)."""
     return np.concatenate([trace, np.array([stage, received, started, finished, sent], np.float64)])

@@ -81,7 +81,7 @@ class FakePipeline:
             visible = sorted((p, t) for t, p, valid in slots if valid)
             logits.append(_model(visible))
         decode = message.decode or protocol.Decode()
-        scored = np.stack(logits[-decode.n_score:])
+        scored = np.stack(logits[-decode.n_score :])
         tokens, accepted, _, _ = decoding.score(scored, decode)
         return protocol.Result(message.session, message.seq, tokens, accepted)
 
@@ -121,7 +121,7 @@ def _plain_greedy(prompt: list[int], count: int) -> list[int]:
     sequence = list(prompt)
     for _ in range(count):
         sequence.append(int(np.argmax(_model(list(enumerate(sequence))))))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 9, 1], list(range(1, 16)) * 20]
@@ -171,8 +171,9 @@ async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
     coordinator = Coordinator(pipeline, None, NoisyDrafter(4), max_k=3)
     coordinator.policy.fixed_k = 3
     sessions = [await coordinator.open_session() for _ in PROMPTS]
-    results = await asyncio.gather(*(coordinator.generate(s, p, GenerationParams(max_tokens=30))
-                                     for s, p in zip(sessions, PROMPTS)))
+    results = await asyncio.gather(
+        *(coordinator.generate(s, p, GenerationParams(max_tokens=30)) for s, p in zip(sessions, PROMPTS))
+    )
     for prompt, generation in zip(PROMPTS, results):
         assert list(generation.token_ids) == _plain_greedy(prompt, 30)
     assert pipeline.max_in_flight == len(PROMPTS)
@@ -180,8 +181,9 @@ async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
 
 async def test_compaction_keeps_output_exact() -> None:
     pipeline = FakePipeline()
-    coordinator = Coordinator(pipeline, None, NoisyDrafter(2), max_k=6, compaction_ratio=0.1,
-                              compaction_minimum=4)
+    coordinator = Coordinator(
+        pipeline, None, NoisyDrafter(2), max_k=6, compaction_ratio=0.1, compaction_minimum=4
+    )
     coordinator.policy.fixed_k = 6
     session = await coordinator.open_session()
     generation = await coordinator.generate(session, [5, 4, 3], GenerationParams(max_tokens=60))
@@ -236,7 +238,9 @@ def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_
     slow_draft = KPolicy(None, max_k=8)
     for _ in range(40):
         for k in (0, 3):
-            slow_draft.record_round(k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k)
+            slow_draft.record_round(
+                k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k
+            )
     assert slow_draft.choose() == 0
     slow_hops = KPolicy(None, max_k=8)
     for _ in range(40):

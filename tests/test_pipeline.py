@@ -34,11 +34,17 @@ PROMPTS = [
 ]
 
 
-def make_fleet(cache: Path, stages: int, draft: str, k: int | str = "auto", encryption: str = "curve") -> Fleet:
+def make_fleet(
+    cache: Path, stages: int, draft: str, k: int | str = "auto", encryption: str = "curve"
+) -> Fleet:
     base = load_fleet(DEFAULT_FLEET)
     hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(stages))
-    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache),
-                    runtime=replace(base.runtime, encryption=encryption))
+    fleet = replace(
+        base,
+        hosts=hosts,
+        model=replace(base.model, shards=cache),
+        runtime=replace(base.runtime, encryption=encryption),
+    )
     fleet = with_overrides(fleet, exact=True, draft=draft)
     return replace(fleet, speculation=replace(fleet.speculation, k=k))
 
@@ -90,8 +96,9 @@ def reference(shard_cache: Path) -> list[list[int]]:
         (2, "prompt-lookup", 4, 3),
     ],
 )
-def test_exact_pipeline_matches_unsplit_model(shard_cache: Path, reference: list[list[int]], stages: int,
-                                              draft: str, k: int | str, users: int) -> None:
+def test_exact_pipeline_matches_unsplit_model(
+    shard_cache: Path, reference: list[list[int]], stages: int, draft: str, k: int | str, users: int
+) -> None:
     fleet = make_fleet(shard_cache, stages, draft, k)
     tokens, info = asyncio.run(run_prompts(fleet, PROMPTS[:users], interleaved=users > 1))
     assert tokens == reference[:users]
@@ -109,8 +116,9 @@ def test_plaintext_links_work_and_match(shard_cache: Path, reference: list[list[
     assert tokens == reference[:1]
 
 
-def test_ask_cli_json_gives_the_unsplit_tokens(shard_cache: Path, reference: list[list[int]],
-                                               tmp_path: Path) -> None:
+def test_ask_cli_json_gives_the_unsplit_tokens(
+    shard_cache: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
     fleet_file = tmp_path / "fleet.toml"
     ports = [free_port_block(), free_port_block()]
     fleet_file.write_text(
@@ -119,9 +127,23 @@ def test_ask_cli_json_gives_the_unsplit_tokens(shard_cache: Path, reference: lis
         f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = {ports[1]}\n'
     )
     result = subprocess.run(
-        [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", PROMPTS[0], "--exact", "--json",
-         "--max-tokens", str(TOKENS)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "fleettui",
+            str(fleet_file),
+            "--ask",
+            PROMPTS[0],
+            "--exact",
+            "--json",
+            "--max-tokens",
+            str(TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
@@ -134,9 +156,16 @@ def test_ask_cli_json_gives_the_unsplit_tokens(shard_cache: Path, reference: lis
 
 def test_bad_fleet_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     fleet_file = tmp_path / "broken.toml"
-    fleet_file.write_text('[model]\nname = "smollm2-135m-instruct"\nprecison = "int4"\n[[hosts]]\nname = "a"\n')
-    result = subprocess.run([sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "hi"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    fleet_file.write_text(
+        '[model]\nname = "smollm2-135m-instruct"\nprecison = "int4"\n[[hosts]]\nname = "a"\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "broken.toml:3" in lines[0] and "precison" in lines[0]

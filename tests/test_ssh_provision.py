@@ -453,7 +453,9 @@ def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
 
 
 @pytest.mark.slow
-def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
     """`fleettui FLEET --ask` on SSH hosts (deploy, answer, stop) equals `fleettui fleets/local.toml --ask`."""
     import json
     import subprocess
@@ -477,6 +479,10 @@ def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(ssh_hosts: Ss
     remote, local = ask(path), ask(DEFAULT_FLEET)
     assert remote["fleet"]["stages"] == local["fleet"]["stages"]
     assert remote["token_ids"] == local["token_ids"] and "Paris" in remote["text"]
-    left = [pid for host in ssh_hosts.hosts for pid in ssh_hosts.namespace_pids(host)
-            if "remote_worker" in cmdline(pid)]
+    left = [
+        pid
+        for host in ssh_hosts.hosts
+        for pid in ssh_hosts.namespace_pids(host)
+        if "remote_worker" in cmdline(pid)
+    ]
     assert not left, f"stage processes left after --ask: {left}"
