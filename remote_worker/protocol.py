@@ -344,7 +344,7 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(frame, dtype=np.float64).copy()
 
 
-def _parse_decode(frames: list[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
+def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
     """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
     spec, tokens, ids, probs, uniforms = frames
     if len(spec) == 0:
