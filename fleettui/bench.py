@@ -141,6 +141,40 @@ def bench_fleet(fleet: Fleet, stages: int, pinned: bool) -> Fleet:
     return replace(fleet, hosts=tuple(hosts))
 
 
+class CpuWitness:
+    """How much of the machine other programs used during a measurement (this bench's process tree excluded).
+
+    The bench often shares its machine; a row measured while something else ran is slower for that reason
+    alone, so every row reports the share of all CPUs that was busy outside this bench.
+    """
+
+    def __init__(self) -> None:
+        self.busy, self.ours, self.started = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        import psutil
+
+        times = psutil.cpu_times()
+        busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+        me = psutil.Process()
+        own = me.cpu_times()
+        ours = own.user + own.system + own.children_user + own.children_system
+        for child in me.children(recursive=True):
+            try:
+                times_of_child = child.cpu_times()
+            except psutil.Error:
+                continue
+            ours += times_of_child.user + times_of_child.system
+        return busy, ours, time.monotonic()
+
+    def others(self) -> float:
+        """Share (0..1) of all CPUs busy outside this process tree since construction."""
+        busy, ours, now = self._read()
+        capacity = (now - self.started) * len(os.sched_getaffinity(0))
+        return max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity)) if capacity > 0 else 0.0
+
+
 class TraceRecorder:
     """A Link that passes requests through and keeps each Result's per-stage trace (for the time split)."""
 
@@ -185,6 +219,7 @@ async def _measure(coordinator: Any, spec: RowSpec, prompts: list[list[int]], to
     sessions = [await coordinator.open_session() for _ in range(spec.users)]
     recorder.trips.clear()
     try:
+        witness = CpuWitness()
         started = time.perf_counter()
         generations = await asyncio.wait_for(asyncio.gather(*(
             coordinator.generate(session, prompts[index % len(prompts)], params)
@@ -204,7 +239,7 @@ async def _measure(coordinator: Any, spec: RowSpec, prompts: list[list[int]], to
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_k": sum(k_values) / len(k_values) if k_values else 0.0,
         "stage_breakdown": stage_breakdown(recorder.trips, total),
-        "details": {"drafted": drafted, "accepted": accepted,
+        "details": {"others_cpu": witness.others(), "drafted": drafted, "accepted": accepted,
                     "draft_ms_per_token": 1000 * sum(s.draft_seconds for s in stats) / max(total, 1),
                     "finish": sorted({s.finish_reason for s in stats})},
     }
@@ -302,7 +337,9 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
         command += ["--inference-precision", runtime.inference_precision]
     if runtime.kv_cache_precision != "auto":
         command += ["--kv-cache-precision", runtime.kv_cache_precision]
+    witness = CpuWitness()
     done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
         row.status = f"failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
@@ -425,7 +462,8 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
     load = machine.get("load_average_at_start", [0.0])[0]
     print(f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
           f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
-          f"{load:.1f} at the start", file=report)
+          f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
+          file=report)
     print(format_table(rows), file=report)
     print("\ntargets:\n" + format_targets(targets(rows)), file=report)
     print("\n" + plot(rows), file=report)

@@ -107,7 +107,7 @@ class NoisyDrafter:
 
     async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
         tokens, sequence = [], list(history)
-        for index in range(k):
+        for _index in range(k):
             self.calls += 1
             best = int(np.argmax(_model(list(enumerate(sequence)))))
             if self.calls % self.wrong_every == 0:
@@ -172,9 +172,9 @@ async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
     coordinator.policy.fixed_k = 3
     sessions = [await coordinator.open_session() for _ in PROMPTS]
     results = await asyncio.gather(
-        *(coordinator.generate(s, p, GenerationParams(max_tokens=30)) for s, p in zip(sessions, PROMPTS))
+        *(coordinator.generate(s, p, GenerationParams(max_tokens=30)) for s, p in zip(sessions, PROMPTS, strict=False))
     )
-    for prompt, generation in zip(PROMPTS, results):
+    for prompt, generation in zip(PROMPTS, results, strict=False):
         assert list(generation.token_ids) == _plain_greedy(prompt, 30)
     assert pipeline.max_in_flight == len(PROMPTS)
 

@@ -55,7 +55,7 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
         coordinator = await controller.start()
         sessions = [await coordinator.open_session() for _ in prompts]
         params = GenerationParams(max_tokens=TOKENS)
-        calls = [coordinator.chat(s, p, params) for s, p in zip(sessions, prompts)]
+        calls = [coordinator.chat(s, p, params) for s, p in zip(sessions, prompts, strict=False)]
         if interleaved:
             generations = await asyncio.gather(*calls)
         else:

@@ -14,10 +14,10 @@ from textual.pilot import Pilot
 from textual.widgets import Input, Markdown
 from tui_fakes import FakeController, demo_fleet, sample
 
+from fleettui.controller import generation_params
 from fleettui.coordinator import GenerationParams
 from fleettui.fleet import load_fleet
 from fleettui.states import Failed, Ready, Serving
-from fleettui.controller import generation_params
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
 from fleettui.ui.messages import DeployProgressed, TelemetrySampled
