@@ -148,7 +148,7 @@ def test_ask_cli_json_gives_the_unsplit_tokens(
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["token_ids"] == reference[0]
-    planned = plan_fleet(load_fleet(fleet_file)).ranges
+    planned = plan_fleet(with_overrides(load_fleet(fleet_file), exact=True)).ranges  # --exact: fp32 weights
     assert document["fleet"]["stages"] == [list(r) for r in planned] and len(planned) == 2
     assert document["fleet"]["exact"] is True
     assert "Paris" in document["text"]

@@ -407,7 +407,11 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
         await link.close()
         # the same fleet file with the hosts made local gives the same greedy tokens
         local_fleet = replace(
-            fleet, hosts=tuple(replace(h, transport="local", address="127.0.0.1") for h in fleet.hosts)
+            fleet,
+            hosts=tuple(
+                replace(h, transport="local", address="127.0.0.1", workdir=str(tmp_path / "local"))
+                for h in fleet.hosts
+            ),
         )
         local_fleet = replace(
             local_fleet,
