@@ -1,0 +1,34 @@
+"""Shared test fixtures: no worker process outlives the test that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+
+def _worker_children() -> list[psutil.Process]:
+    children = psutil.Process(os.getpid()).children(recursive=True)
+    found = []
+    for child in children:
+        try:
+            if "remote_worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers() -> Iterator[None]:
+    """Kill stage workers a failed test left behind, so they cannot hold ports for the next test."""
+    yield
+    for process in _worker_children():
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            process.kill()
+    psutil.wait_procs(_worker_children(), timeout=5)
