@@ -156,8 +156,14 @@ class ModelDrafter:
 
 @dataclass
 class _LinearCost:
-    """Least-squares fit of seconds = a + b * size over the recent samples."""
+    """Least-squares fit of seconds = a + b * size over the recent samples.
 
+    Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
+    takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
+    K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
+    """
+
+    proportional: bool = False
     window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     def add(self, size: float, seconds: float) -> None:
@@ -169,8 +175,9 @@ class _LinearCost:
         sizes = np.array([s for s, _ in self.window])
         times = np.array([t for _, t in self.window])
         if np.ptp(sizes) == 0:
-            slope = 0.0 if sizes[0] == 0 else 0.0
-            return float(times.mean()) + slope * (size - sizes[0])
+            if self.proportional and sizes[0] > 0:
+                return float(times.mean()) * size / float(sizes[0])
+            return float(times.mean())
         slope, intercept = np.polyfit(sizes, times, 1)
         return float(intercept + max(slope, 0.0) * size)
 
@@ -191,7 +198,7 @@ class KPolicy:
         self._accepted = 1.0  # decayed pseudo-counts: prior alpha = 0.5
         self._rejected = 1.0
         self._verify = _LinearCost()
-        self._draft = _LinearCost()
+        self._draft = _LinearCost(proportional=True)
         self._rounds_since_probe = 0
         self.last_choice = 0
 

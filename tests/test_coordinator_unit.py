@@ -251,3 +251,14 @@ def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_
 
 def test_sampling_property() -> None:
     assert Sampling().greedy and not Sampling(temperature=0.7).greedy
+
+
+def test_policy_does_not_extrapolate_a_single_draft_measurement_as_free() -> None:
+    """Measurements at K=3 only of a draft almost as slow as the target must not make K=8 look cheap."""
+    policy = KPolicy(None, max_k=8)
+    policy.record_round(0, 0, draft_seconds=0.0, verify_seconds=0.015)
+    for _ in range(8):
+        policy.record_round(3, 3, draft_seconds=0.042, verify_seconds=0.015)
+    assert policy.alpha > 0.85
+    # draft(K) ~ 14 ms x K against a 15 ms verify: at most K = 1 breaks even (a flat draft cost would say K = 8)
+    assert policy.choose() <= 1
