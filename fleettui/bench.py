@@ -56,6 +56,8 @@ FULL_TOKENS = 128
 WARMUP_TOKENS = 8
 ROW_TIMEOUT = 900.0
 K_SWEEP = (2, 4, 8)
+FULL_REPEATS = 3  # full profile: each row measured 3 times, the fastest kept (all rates are in the JSON)
+BUSY_MACHINE = 0.15  # a row during which other programs kept more of the CPUs busy is measured once more
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,15 @@ async def _measure(coordinator: Any, spec: RowSpec, prompts: list[list[int]], to
     }
 
 
+def best_of(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest of repeated measurements (other programs only ever slow a run down), with all their rates."""
+    best = max(attempts, key=lambda attempt: attempt["aggregate_tok_s"])
+    best["details"]["runs_tok_s"] = [round(attempt["aggregate_tok_s"], 2) for attempt in attempts]
+    return best
+
+
 async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devices: list[str],
-                          progress: Any) -> list[Row]:
+                          progress: Any, repeats: int = 1) -> list[Row]:
     """Start one fleet for rows sharing stages/pinning/delay, measure each row, stop it."""
     from fleettui.chat_format import ChatMessage
     from fleettui.controller import ControllerError, FleetController
@@ -300,7 +309,11 @@ async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devic
                 continue
             drafter = coordinator.drafter
             try:
-                for key, value in (await _measure(coordinator, spec, prompts, tokens, recorder)).items():
+                attempts = [await _measure(coordinator, spec, prompts, tokens, recorder) for _ in range(repeats)]
+                if min(a["details"]["others_cpu"] for a in attempts) > BUSY_MACHINE:  # all disturbed: once more
+                    attempts.append(await _measure(coordinator, spec, prompts, tokens, recorder))
+                measured = best_of(attempts)
+                for key, value in measured.items():
                     setattr(row, key, value)
                 row.details.update({"encryption": variant.runtime.encryption, "wire": variant.runtime.wire_dtype,
                                     "draft": "none" if spec.spec_k == 0 else spec.draft or variant.speculation.draft})
@@ -391,7 +404,8 @@ def machine_info() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ run
-async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any) -> tuple[list[Row], dict]:
+async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any,
+                    repeats: int = 1) -> tuple[list[Row], dict]:
     from fleettui.chat_format import ChatFormat, ChatMessage
     from fleettui.controller import FleetController, compile_model
 
@@ -406,16 +420,31 @@ async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: A
         prompt = ChatFormat(single.directory, single.manifest).encode_chat([ChatMessage("user", PROMPTS[0])])
         for spec in baselines:
             progress(spec.name, row=True)
-            results[spec] = await run_baseline(spec, single.directory, prompt, tokens, fleet)
+            attempts = [await run_baseline(spec, single.directory, prompt, tokens, fleet) for _ in range(repeats)]
+            measured = [a for a in attempts if a.ok]
+            results[spec] = max(measured, key=lambda a: a.aggregate_tok_s) if measured else attempts[0]
+            results[spec].details["runs_tok_s"] = [round(a.aggregate_tok_s, 2) for a in measured]
             outcome = results[spec]
             progress(f"{outcome.aggregate_tok_s:.1f} tok/s" if outcome.ok else outcome.status, result=True)
     groups: dict[tuple[int, bool, float], list[RowSpec]] = {}
+    # (the anchors measured while the machine was busy get a second chance after the fleet rows)
     for spec in specs:
         if spec.kind == "fleet":
             groups.setdefault(spec.group, []).append(spec)
     for members in groups.values():
-        rows = await run_fleet_group(fleet, members, tokens, machine["openvino_devices"], progress)
+        rows = await run_fleet_group(fleet, members, tokens, machine["openvino_devices"], progress, repeats)
         results.update(zip(members, rows, strict=True))
+    for spec in baselines:
+        first = results[spec]
+        if first.ok and first.details.get("others_cpu", 0.0) > BUSY_MACHINE and repeats == 1:
+            second = await run_baseline(spec, single.directory, prompt, tokens, fleet)
+            progress(f"{spec.name} measured again (other programs used {first.details['others_cpu']:.0%} of the "
+                     f"CPUs the first time): {f'{second.aggregate_tok_s:.1f} tok/s' if second.ok else second.status}")
+            if second.ok and second.aggregate_tok_s > first.aggregate_tok_s:
+                second.details["runs_tok_s"] = first.details.get("runs_tok_s", []) + [round(second.aggregate_tok_s, 2)]
+                results[spec] = second
+            else:
+                first.details.setdefault("runs_tok_s", []).append(round(second.aggregate_tok_s, 2))
     ordered = [results[spec] for spec in specs]
     add_ratios(ordered)
     return ordered, machine
@@ -450,8 +479,9 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
     specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec)
     progress = Progress(len(specs))
     started = time.perf_counter()
-    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress))
-    settings = {"profile": "quick" if args.quick else "full", "tokens_per_user": tokens,
+    repeats = 1 if args.quick else FULL_REPEATS
+    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    settings = {"profile": "quick" if args.quick else "full", "tokens_per_user": tokens, "repeats": repeats,
                 "command": " ".join(["fleettui", *sys.argv[1:]]), "fleet": str(fleet.path) if fleet.path else None,
                 "model": fleet.model.name, "weights": fleet.model.precision, "exact": fleet.runtime.exact,
                 "draft": fleet.speculation.draft, "prompts": list(PROMPTS), "ignore_eos": True,

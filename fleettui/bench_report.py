@@ -211,7 +211,7 @@ def breakdown_text(breakdown: list[dict[str, float]] | None) -> str:
 
 
 COLUMNS = ("row", "st", "users", "K", "hop ms", "precision w/inf/kv", "tokens", "tok/s", "tok/s/user",
-           "TTFT ms", "accept", "x mono", "x GenAI", "others", "per stage ms/token: compute/wire/queue")
+           "TTFT ms", "accept", "x mono", "x GenAI", "spread", "others", "per stage ms/token: compute/wire/queue")
 
 
 def k_text(row: Row) -> str:
@@ -221,15 +221,22 @@ def k_text(row: Row) -> str:
     return str(row.spec_k)
 
 
+def spread(row: Row) -> float | None:
+    """(fastest - slowest) / fastest over a row's repeated measurements; None for a single one."""
+    runs = row.details.get("runs_tok_s") or []
+    return (max(runs) - min(runs)) / max(runs) if len(runs) > 1 and max(runs) > 0 else None
+
+
 def table_cells(row: Row) -> list[str]:
     if not row.ok:
         return [row.name, str(row.stages), str(row.users), k_text(row), _number(row.hop_delay_ms, 0),
-                precision_text(row.precision), row.status, "", "", "", "", "", "", "", ""]
+                precision_text(row.precision), row.status, "", "", "", "", "", "", "", "", ""]
     return [
         row.name, str(row.stages), str(row.users), k_text(row), _number(row.hop_delay_ms, 0),
         precision_text(row.precision), str(row.tokens), _number(row.aggregate_tok_s), _number(row.per_user_tok_s),
         _number(row.ttft_s, 0, 1000.0), _number(row.acceptance_rate, 0, 100.0, "%"), _number(row.vs_mono, 2, 1, "x"),
-        _number(row.vs_genai, 2, 1, "x"), _number(row.details.get("others_cpu"), 0, 100.0, "%"),
+        _number(row.vs_genai, 2, 1, "x"), _number(spread(row), 0, 100.0, "%"),
+        _number(row.details.get("others_cpu"), 0, 100.0, "%"),
         breakdown_text(row.stage_breakdown),
     ]
 
@@ -244,7 +251,7 @@ def format_table(rows: Sequence[Row]) -> str:
                 continue  # a skip reason spills over the columns to its right
             widths[index] = max(widths[index], len(cell))
     rendered = []
-    numeric = [False, True, True, False, True, False, True, True, True, True, True, True, True, True, False]
+    numeric = [False, True, True, False, True, False, True, True, True, True, True, True, True, True, True, False]
     for number, line in enumerate(cells):
         parts = [c.rjust(w) if numeric[i] and number else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         if number and not line[6].isdigit():
