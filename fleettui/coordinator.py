@@ -217,7 +217,8 @@ class Coordinator:
             )
             result = await self._step(session, feed, decode)
             verify_seconds = time.perf_counter() - verify_started
-            self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds)
+            catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
+            self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds, catch_up)
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += result.accepted

@@ -24,6 +24,7 @@ class Draft:
     tokens: tuple[int, ...]
     ids: np.ndarray  # int64 [K, support]
     probs: np.ndarray  # float32 [K, support]
+    fed: int = 0  # tokens the draft had to catch up on before proposing (large after a new prompt)
 
     @staticmethod
     def empty() -> Draft:
@@ -151,7 +152,7 @@ class ModelDrafter:
             raise TypeError(f"draft answered {type(reply).__name__}")
         tokens = tuple(int(t) for t in reply.tokens)
         ledger.commit(feed, extra=tokens[:-1])
-        return Draft(tokens, reply.ids, reply.probs)
+        return Draft(tokens, reply.ids, reply.probs, fed=len(feed.tokens))
 
 
 @dataclass
@@ -206,13 +207,19 @@ class KPolicy:
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
-    def record_round(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def record_round(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                     catch_up: bool = False) -> None:
+        """Learn from one round. `catch_up` rounds (the first after a new prompt, which also prefilled the
+        target or the draft) still teach acceptance but not costs: counting a prefill as the cost of a plain
+        decode step would make K = 0 look slow forever, since K = 0 would then never be tried again."""
         if k > 0:
             decay = 0.97
             self._accepted = self._accepted * decay + accepted
             self._rejected = self._rejected * decay + (1 if accepted < k else 0)
-            self._draft.add(k, draft_seconds)
-        self._verify.add(k + 1, verify_seconds)
+            if not catch_up:
+                self._draft.add(k, draft_seconds)
+        if not catch_up:
+            self._verify.add(k + 1, verify_seconds)
 
     def expected_rate(self, k: int, free_draft: bool = False) -> float | None:
         verify = self._verify.predict(k + 1)

@@ -262,3 +262,13 @@ def test_policy_does_not_extrapolate_a_single_draft_measurement_as_free() -> Non
     assert policy.alpha > 0.85
     # draft(K) ~ 14 ms x K against a 15 ms verify: at most K = 1 breaks even (a flat draft cost would say K = 8)
     assert policy.choose() <= 1
+
+
+async def test_prefill_rounds_do_not_teach_the_policy_decode_costs() -> None:
+    pipeline = FakePipeline()
+    coordinator = Coordinator(pipeline, None, NoisyDrafter(1000), max_k=4)
+    session = await coordinator.open_session()
+    await coordinator.generate(session, PROMPTS[2][:100], GenerationParams(max_tokens=1))
+    assert coordinator.policy.expected_rate(0) is None  # the only round fed the whole prompt
+    await coordinator.generate(session, PROMPTS[2][:100], GenerationParams(max_tokens=3))
+    assert coordinator.policy.expected_rate(0) is not None
