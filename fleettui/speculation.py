@@ -207,8 +207,9 @@ class KPolicy:
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
-    def record_round(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                     catch_up: bool = False) -> None:
+    def record_round(
+        self, k: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up: bool = False
+    ) -> None:
         """Learn from one round. `catch_up` rounds (the first after a new prompt, which also prefilled the
         target or the draft) still teach acceptance but not costs: counting a prefill as the cost of a plain
         decode step would make K = 0 look slow forever, since K = 0 would then never be tried again."""

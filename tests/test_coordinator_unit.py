@@ -172,7 +172,10 @@ async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
     coordinator.policy.fixed_k = 3
     sessions = [await coordinator.open_session() for _ in PROMPTS]
     results = await asyncio.gather(
-        *(coordinator.generate(s, p, GenerationParams(max_tokens=30)) for s, p in zip(sessions, PROMPTS, strict=False))
+        *(
+            coordinator.generate(s, p, GenerationParams(max_tokens=30))
+            for s, p in zip(sessions, PROMPTS, strict=False)
+        )
     )
     for prompt, generation in zip(PROMPTS, results, strict=False):
         assert list(generation.token_ids) == _plain_greedy(prompt, 30)
