@@ -10,6 +10,7 @@ from tui_fakes import FakeController, demo_fleet
 from fleettui.coordinator import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.widgets.chat import ChatPane
+from fleettui.ui.widgets.log_pane import LogPane
 
 SIZE = (140, 45)
 
@@ -33,9 +34,22 @@ async def settle(pilot: Pilot, condition, what: str) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
-async def deployed_with_one_answer(pilot: Pilot) -> None:
+DEPLOY_LOG_LINES = 4  # what the fake deploy logs: cached shards, two stages ready, the failed laptop
+
+
+async def deployed(pilot: Pilot) -> None:
+    """The fake deploy finished, all its log lines are in and the fleet table is drawn (no timer races)."""
     app = pilot.app
     await settle(pilot, lambda: app.sub_title == "ready", "the fake deploy")
+    log_pane = app.query_one(LogPane)
+    await settle(pilot, lambda: log_pane.lines_written >= DEPLOY_LOG_LINES, "the deploy's log lines")
+    app.redraw_fleet()
+    await pilot.pause()
+
+
+async def deployed_with_one_answer(pilot: Pilot) -> None:
+    app = pilot.app
+    await deployed(pilot)
     await pilot.press(*"What is the capital of France?", "enter")
     session = app.query_one(ChatPane).active
     await settle(pilot, lambda: session.replies and session.replies[-1].done, "the reply")
@@ -60,7 +74,7 @@ class TestMainScreen:
 class TestHelpScreen:
     def test_help_lists_the_keys(self, snap_compare):
         async def open_help(pilot: Pilot) -> None:
-            await settle(pilot, lambda: pilot.app.sub_title == "ready", "the fake deploy")
+            await deployed(pilot)
             await pilot.press("f1")
 
         assert snap_compare(snapshot_app(), terminal_size=SIZE, run_before=open_help)
@@ -69,7 +83,7 @@ class TestHelpScreen:
 class TestQuitDialog:
     def test_quit_asks_about_the_fleet(self, snap_compare):
         async def ask_to_quit(pilot: Pilot) -> None:
-            await settle(pilot, lambda: pilot.app.sub_title == "ready", "the fake deploy")
+            await deployed(pilot)
             await pilot.press("ctrl+q")
 
         assert snap_compare(snapshot_app(), terminal_size=SIZE, run_before=ask_to_quit)
