@@ -201,6 +201,7 @@ class KPolicy:
         self._verify = _LinearCost()
         self._draft = _LinearCost(proportional=True)
         self._rounds_since_probe = 0
+        self._probe_interval = probe_every
         self.last_choice = 0
 
     @property
@@ -247,8 +248,13 @@ class KPolicy:
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
             self._rounds_since_probe = 0 if choice else self._rounds_since_probe + 1
-            if choice == 0 and self._rounds_since_probe >= self.probe_every:
+            if choice:
+                self._probe_interval = self.probe_every
+            elif self._rounds_since_probe >= self._probe_interval:
+                # A probe makes a costly draft catch up on everything since its last use: back off while
+                # probes keep confirming K = 0, so exploring stays a small share of the work.
                 self._rounds_since_probe = 0
+                self._probe_interval = min(2 * self._probe_interval, 512)
                 choice = min(2, self.max_k)
         self.last_choice = choice
         return choice

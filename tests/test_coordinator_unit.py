@@ -275,3 +275,13 @@ async def test_prefill_rounds_do_not_teach_the_policy_decode_costs() -> None:
     assert coordinator.policy.expected_rate(0) is None  # the only round fed the whole prompt
     await coordinator.generate(session, PROMPTS[2][:100], GenerationParams(max_tokens=3))
     assert coordinator.policy.expected_rate(0) is not None
+
+
+def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
+    policy = KPolicy(None, max_k=8, probe_every=4)
+    for _ in range(10):
+        policy.record_round(0, 0, draft_seconds=0.0, verify_seconds=0.015)
+        policy.record_round(3, 1, draft_seconds=0.060, verify_seconds=0.018)
+    probes = [index for index in range(60) if policy.choose() > 0]
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:], strict=False)]
+    assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]
