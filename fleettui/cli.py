@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        from fleettui.fleet import load_fleet, resolve_fleet
+        from fleettui.config.fleet import load_fleet, resolve_fleet
 
         fleet = load_fleet(resolve_fleet(args.fleet))
         if args.spec_k is not None and not 0 <= args.spec_k <= 16:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ask is not None:
             return asyncio.run(_ask(fleet, args))
         if args.bench:
-            from fleettui.bench import run_bench_cli
+            from fleettui.bench.runner import run_bench_cli
 
             return run_bench_cli(fleet, args)
         if args.deploy or args.stop:
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(fleet, args) -> int:  # type: ignore[no-untyped-def]
-    from fleettui.planner import ModelShape, format_plan, plan_fleet
+    from fleettui.planning.planner import format_plan, plan_fleet
+    from fleettui.planning.shape import ModelShape
 
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
     print(format_plan(plan_fleet(fleet, shape)))
@@ -104,7 +105,12 @@ def _plan(fleet, args) -> int:  # type: ignore[no-untyped-def]
 
 
 async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
-    from fleettui.controller import ControllerError, FleetController, generation_params, with_overrides
+    from fleettui.control.controller import (
+        ControllerError,
+        FleetController,
+        generation_params,
+        with_overrides,
+    )
 
     draft = "none" if args.no_spec else args.draft
     fleet = with_overrides(fleet, exact=args.exact, draft=draft, k=args.spec_k)

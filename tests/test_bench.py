@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleettui.bench import RowSpec, plan_rows
-from fleettui.bench_report import (
+from fleettui.bench.hop_delay import HopDelay
+from fleettui.bench.report import (
     JSON_FIELDS,
     Row,
     Trip,
@@ -26,8 +26,8 @@ from fleettui.bench_report import (
     stage_breakdown,
     targets,
 )
-from fleettui.fleet import DEFAULT_FLEET, load_fleet
-from fleettui.hop_delay import HopDelay
+from fleettui.bench.runner import RowSpec, plan_rows
+from fleettui.config.fleet import DEFAULT_FLEET, load_fleet
 from remote_worker.config import Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,14 +145,51 @@ def test_stage_breakdown_splits_the_round_trip() -> None:
 # --------------------------------------------------------------------------------- rows, table, JSON
 def _rows() -> list[Row]:
     precision = {"weights": "int4", "inference": "bf16", "kv_cache": "u8"}
-    mono = Row("mono", "mono", precision=precision, tokens=32, seconds=1.0, aggregate_tok_s=32.0, per_user_tok_s=32.0)
-    genai = Row("genai", "genai", precision=precision, tokens=32, seconds=0.8, aggregate_tok_s=40.0, per_user_tok_s=40.0)
-    fleet = Row("fleet 2st 2u spec auto", "fleet", 2, 2, "auto", 0.0, precision=precision, tokens=64, seconds=1.0,
-                aggregate_tok_s=64.0, per_user_tok_s=32.0, ttft_s=0.05, acceptance_rate=0.5,
-                stage_breakdown=[{"stage": 0, "compute_ms": 10.0, "queue_ms": 1.0, "wire_ms": 2.0}])
-    plain = Row("fleet 2st 2u nospec", "fleet", 2, 2, 0, 0.0, precision=precision, tokens=64, seconds=1.6,
-                aggregate_tok_s=40.0, per_user_tok_s=20.0, ttft_s=0.05)
-    gpu = Row("mono GPU", "mono", status="skipped: device GPU is not available here", details={"device": "GPU"})
+    mono = Row(
+        "mono", "mono", precision=precision, tokens=32, seconds=1.0, aggregate_tok_s=32.0, per_user_tok_s=32.0
+    )
+    genai = Row(
+        "genai",
+        "genai",
+        precision=precision,
+        tokens=32,
+        seconds=0.8,
+        aggregate_tok_s=40.0,
+        per_user_tok_s=40.0,
+    )
+    fleet = Row(
+        "fleet 2st 2u spec auto",
+        "fleet",
+        2,
+        2,
+        "auto",
+        0.0,
+        precision=precision,
+        tokens=64,
+        seconds=1.0,
+        aggregate_tok_s=64.0,
+        per_user_tok_s=32.0,
+        ttft_s=0.05,
+        acceptance_rate=0.5,
+        stage_breakdown=[{"stage": 0, "compute_ms": 10.0, "queue_ms": 1.0, "wire_ms": 2.0}],
+    )
+    plain = Row(
+        "fleet 2st 2u nospec",
+        "fleet",
+        2,
+        2,
+        0,
+        0.0,
+        precision=precision,
+        tokens=64,
+        seconds=1.6,
+        aggregate_tok_s=40.0,
+        per_user_tok_s=20.0,
+        ttft_s=0.05,
+    )
+    gpu = Row(
+        "mono GPU", "mono", status="skipped: device GPU is not available here", details={"device": "GPU"}
+    )
     return [mono, genai, fleet, plain, gpu]
 
 
@@ -206,8 +243,22 @@ def test_profiles() -> None:
 @pytest.mark.slow
 def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    done = subprocess.run([sys.executable, "-m", "fleettui", "--bench", "--quick", str(ROOT / "fleets/local.toml"),
-                           "--json", str(out)], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleettui",
+            "--bench",
+            "--quick",
+            str(ROOT / "fleets/local.toml"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["versions"]["openvino"] and doc["settings"]["profile"] == "quick"

@@ -37,7 +37,16 @@ def offenders(package: str, forbidden: tuple[str, ...], skip: str | None = None)
 
 
 def test_remote_worker_needs_only_openvino_numpy_pyzmq_psutil() -> None:
-    forbidden = ("textual", "torch", "transformers", "optimum", "nncf", "fleettui", "shard_compiler", "asyncssh")
+    forbidden = (
+        "textual",
+        "torch",
+        "transformers",
+        "optimum",
+        "nncf",
+        "fleettui",
+        "shard_compiler",
+        "asyncssh",
+    )
     assert offenders("remote_worker", forbidden) == []
 
 
@@ -55,17 +64,22 @@ def test_the_domain_is_reachable_without_the_tui() -> None:
 
 def test_shard_compiler_uses_only_the_manifest_contract_of_remote_worker() -> None:
     uses = {name for names in imported_modules("shard_compiler").values() for name in names}
-    assert {name for name in uses if name.startswith("remote_worker")} <= {"remote_worker.manifest", "remote_worker"}
+    assert {name for name in uses if name.startswith("remote_worker")} <= {
+        "remote_worker.manifest",
+        "remote_worker",
+    }
     assert not any(name.split(".")[0] in ("fleettui", "textual") for name in uses)
 
 
 def test_fleettui_help_is_instant_no_heavy_import() -> None:
     probe = (
-        "import sys, fleettui.cli, fleettui.controller, fleettui.coordinator, fleettui.fleet, fleettui.planner;"
+        "import sys, fleettui.cli, fleettui.control.controller, fleettui.runtime.coordinator, fleettui.config.fleet, fleettui.planning.planner;"
         "heavy = [m for m in ('openvino', 'torch', 'transformers', 'textual', 'asyncssh') if m in sys.modules];"
         "print(heavy)"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 

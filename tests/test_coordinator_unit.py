@@ -13,9 +13,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from fleettui.coordinator import Coordinator, GenerationParams
-from fleettui.ledger import CacheLedger
-from fleettui.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
+from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.ledger import CacheLedger
+from fleettui.runtime.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
 from remote_worker import decoding, protocol
 
 VOCAB = 17

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fleettui.config.fleet import DEFAULT_FLEET, FLEETS_DIR, Fleet, load_fleet, resolve_fleet
 from fleettui.errors import FleetConfigError
-from fleettui.fleet import DEFAULT_FLEET, FLEETS_DIR, Fleet, load_fleet, resolve_fleet
 
 HOST = '[[hosts]]\nname = "{name}"\n'
 
@@ -200,3 +200,8 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
     assert str(error) == f"{tmp_path / 'absent.toml'}: fleet: no such fleet file"
     with pytest.raises(FleetConfigError, match="no such fleet file"):
         resolve_fleet(str(tmp_path / "absent.toml"))
+
+
+def test_the_embedded_default_is_the_published_local_fleet() -> None:
+    """The wheel ships fleettui/config/local.toml; the repository shows it as fleets/local.toml."""
+    assert DEFAULT_FLEET.read_text() == (FLEETS_DIR / "local.toml").read_text()

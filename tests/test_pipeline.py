@@ -18,11 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fleettui.controller import FleetController, with_overrides
-from fleettui.coordinator import GenerationParams
-from fleettui.deployment import free_port_block
-from fleettui.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
-from fleettui.planner import plan_fleet
+from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
+from fleettui.control.controller import FleetController, with_overrides
+from fleettui.control.deployment import free_port_block
+from fleettui.planning.planner import plan_fleet
+from fleettui.runtime.coordinator import GenerationParams
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,18 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from fleettui.config.fleet import Host
 from fleettui.errors import PlanError
-from fleettui.fleet import Host
-from fleettui.gguf_header import gguf_shape
-from fleettui.planner import (
-    BUILTIN_SHAPES,
-    GIB,
-    ModelShape,
-    check_manual_layers,
-    format_plan,
-    plan,
-    shape_for_model,
-)
+from fleettui.planning.gguf_header import gguf_shape
+from fleettui.planning.models import shape_for_model
+from fleettui.planning.planner import format_plan, plan
+from fleettui.planning.shape import BUILTIN_SHAPES, GIB, ModelShape, check_manual_layers
 
 LLAMA_70B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -160,8 +154,8 @@ def test_shape_read_from_the_real_gguf_header() -> None:
 
 
 def test_fleet_refusals_point_at_the_fleet_file(tmp_path: Path) -> None:
-    from fleettui.fleet import load_fleet
-    from fleettui.planner import plan_fleet
+    from fleettui.config.fleet import load_fleet
+    from fleettui.planning.planner import plan_fleet
 
     path = tmp_path / "fleet.toml"
     path.write_text(

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fleettui.config.fleet import Fleet, Host, load_fleet
 from fleettui.errors import ProvisionError
-from fleettui.fleet import Fleet, Host, load_fleet
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netns import SshHosts, available  # noqa: E402
@@ -378,13 +378,13 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:
     """The real model's 2-stage pipeline deployed over SSH answers like the same split run locally."""
-    from fleettui.chat_format import ChatFormat
-    from fleettui.controller import FleetController, compile_model
-    from fleettui.coordinator import Coordinator, GenerationParams
-    from fleettui.deployment import build_deployment
-    from fleettui.planner import plan_fleet
+    from fleettui.control.controller import FleetController, compile_model
+    from fleettui.control.deployment import build_deployment
+    from fleettui.planning.planner import plan_fleet
     from fleettui.provision.cli import deploy_placements
-    from fleettui.transport import ZmqLink
+    from fleettui.runtime.chat_format import ChatFormat
+    from fleettui.runtime.coordinator import Coordinator, GenerationParams
+    from fleettui.runtime.transport import ZmqLink
 
     path = tmp_path / "ssh.toml"
     path.write_text('[speculation]\ndraft = "none"\n\n' + ssh_hosts.fleet_toml(memory_gb=4.0))
@@ -446,7 +446,7 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
 
 
 def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
-    from fleettui.fleet import FLEETS_DIR
+    from fleettui.config.fleet import FLEETS_DIR
     from fleettui.provision.cli import rest_can_run
 
     office = load_fleet(FLEETS_DIR / "office.toml")
@@ -465,7 +465,7 @@ def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
     import subprocess
     import sys
 
-    from fleettui.fleet import DEFAULT_FLEET
+    from fleettui.config.fleet import DEFAULT_FLEET
 
     path = tmp_path / "office.toml"
     path.write_text(ssh_hosts.fleet_toml(memory_gb=4.0))

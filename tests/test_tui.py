@@ -14,10 +14,10 @@ from textual.pilot import Pilot
 from textual.widgets import Input, Markdown
 from tui_fakes import FakeController, demo_fleet, sample
 
-from fleettui.controller import generation_params
-from fleettui.coordinator import GenerationParams
-from fleettui.fleet import load_fleet
-from fleettui.states import Failed, Ready, Serving
+from fleettui.config.fleet import load_fleet
+from fleettui.control.controller import generation_params
+from fleettui.control.states import Failed, Ready, Serving
+from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
 from fleettui.ui.messages import DeployProgressed, TelemetrySampled
@@ -309,8 +309,8 @@ PROMPT = "What is the capital of France?"
 
 def real_fleet():
     """fleets/local.toml with fixed K=3 (so two runs verify the same drafts) on free ports."""
-    from fleettui.controller import with_overrides
-    from fleettui.deployment import free_port_block
+    from fleettui.control.controller import with_overrides
+    from fleettui.control.deployment import free_port_block
 
     fleet = with_overrides(load_fleet("fleets/local.toml"), k=3)
     hosts = tuple(replace(host, base_port=free_port_block()) for host in fleet.hosts)
@@ -318,14 +318,14 @@ def real_fleet():
 
 
 def real_app(max_tokens: int = 32) -> FleetApp:
-    from fleettui.controller import FleetController
+    from fleettui.control.controller import FleetController
 
     return FleetApp(real_fleet(), FleetController, GenerationParams(max_tokens=max_tokens, spec_k=3))
 
 
 async def reference_answer(prompt: str, max_tokens: int) -> str:
     """What `FleetController.ask` (the `--ask` path) answers, on its own fleet."""
-    from fleettui.controller import FleetController
+    from fleettui.control.controller import FleetController
 
     controller = FleetController(real_fleet())
     try:

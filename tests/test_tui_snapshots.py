@@ -7,7 +7,7 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 from tui_fakes import FakeController, demo_fleet
 
-from fleettui.coordinator import GenerationParams
+from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.widgets.chat import ChatPane
 from fleettui.ui.widgets.log_pane import LogPane

@@ -7,9 +7,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleettui.coordinator import GenerationParams, GenerationStats
-from fleettui.fleet import Fleet, Host, load_fleet
-from fleettui.states import (
+from fleettui.config.fleet import Fleet, Host, load_fleet
+from fleettui.control.states import (
     ControllerEvent,
     Failed,
     Idle,
@@ -23,6 +22,7 @@ from fleettui.states import (
     StageState,
     Telemetry,
 )
+from fleettui.runtime.coordinator import GenerationParams, GenerationStats
 
 SAMPLE_TIME = 1_800_000_000.0  # a fixed wall clock for the samples
 

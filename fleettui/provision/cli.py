@@ -20,8 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from fleettui.config.fleet import Fleet, Host
 from fleettui.errors import FleetError, ProvisionError
-from fleettui.fleet import Fleet, Host
 from fleettui.provision.events import DeployReport, HostStop, ProvisionEvent, StoppedProcess, StopReport
 from fleettui.provision.remote import PosixShell, run_operation
 
@@ -72,7 +72,7 @@ def _print_event(event: ProvisionEvent) -> None:
 
 async def wait_handshake(placement: Any, keys: Any, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
     """Ping the stage's control socket until it reports ready (CurveZMQ-authenticated when keys are set)."""
-    from fleettui.transport import control_request
+    from fleettui.runtime.transport import control_request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -87,7 +87,7 @@ async def wait_handshake(placement: Any, keys: Any, timeout: float = READY_TIMEO
 
 async def _launch_local(placement: Any, deployment: Any) -> tuple[str, int]:
     """Start one local stage (or the draft) detached, through the same launch operation as SSH hosts."""
-    from fleettui.deployment import write_config
+    from fleettui.control.deployment import write_config
 
     run, pidfile, log = _local_files(placement.host)
     config = write_config(placement, run)
@@ -125,7 +125,7 @@ async def deploy_placements(
     ready_timeout: float = READY_TIMEOUT,
     options: Any = None,
 ) -> DeployReport:
-    """Deploy the SSH placements of a ``fleettui.deployment.Deployment`` and wait for their handshakes.
+    """Deploy the SSH placements of a ``fleettui.control.deployment.Deployment`` and wait for their handshakes.
 
     Each SSH host gets the stage of ``shard_dir`` its placement names, its config with ``shard_dir``
     replaced by the remote copy, and is launched detached; it counts as deployed once its control socket
@@ -148,8 +148,8 @@ async def deploy_placements(
 
 
 async def deploy_command(fleet: Fleet, args: Any) -> int:
-    from fleettui.controller import FleetController, with_overrides
-    from fleettui.deployment import build_deployment
+    from fleettui.control.controller import FleetController, with_overrides
+    from fleettui.control.deployment import build_deployment
 
     draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
     fleet = with_overrides(
@@ -189,7 +189,7 @@ async def deploy_command(fleet: Fleet, args: Any) -> int:
 def rest_can_run(fleet: Fleet, failed: set[str]) -> str:
     """Whether the hosts that did not fail could still hold the model, as one line."""
     from fleettui.errors import PlanError
-    from fleettui.planner import plan_fleet
+    from fleettui.planning.planner import plan_fleet
 
     rest = tuple(host for host in fleet.hosts if host.name not in failed)
     if not rest:
@@ -242,9 +242,9 @@ def _save_state(
 
 
 def saved_deployment(fleet: Fleet) -> Any:
-    """The deployment recorded by the last ``--deploy`` of this fleet file (a fleettui.deployment.Deployment)."""
-    from fleettui.deployment import Deployment, Placement
-    from fleettui.transport import ClientKeys
+    """The deployment recorded by the last ``--deploy`` of this fleet file (a fleettui.control.deployment.Deployment)."""
+    from fleettui.control.deployment import Deployment, Placement
+    from fleettui.runtime.transport import ClientKeys
     from remote_worker.config import StageConfig
 
     path = state_path(fleet)
@@ -289,7 +289,7 @@ async def stop_command(fleet: Fleet, args: Any) -> int:
 
 def run_provision_cli(fleet: Fleet, args: Any) -> int:
     """Entry point of ``--deploy`` / ``--stop`` (exit 0 when every host did what was asked)."""
-    from fleettui.controller import ControllerError
+    from fleettui.control.controller import ControllerError
 
     try:
         return asyncio.run(

@@ -19,8 +19,8 @@ from typing import Any
 
 import asyncssh
 
+from fleettui.config.fleet import Fleet, Host
 from fleettui.errors import ProvisionError
-from fleettui.fleet import Fleet, Host
 from fleettui.provision.events import (
     DeployReport,
     HostDeployment,

@@ -9,8 +9,8 @@ from typing import Any
 
 import asyncssh
 
+from fleettui.config.fleet import Host
 from fleettui.errors import ProvisionError
-from fleettui.fleet import Host
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input
 from textual.worker import Worker, WorkerState
 
-from fleettui.coordinator import GenerationParams
-from fleettui.fleet import Fleet
-from fleettui.states import ControllerEvent, Failed, LogLine, Progress, StageChanged, Telemetry
+from fleettui.config.fleet import Fleet
+from fleettui.control.states import ControllerEvent, Failed, LogLine, Progress, StageChanged, Telemetry
+from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.formatting import stats_text, truncate
 from fleettui.ui.messages import (
     DeployProgressed,
@@ -339,7 +339,7 @@ class FleetApp(App[int]):
 
 def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
     """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal."""
-    from fleettui.controller import FleetController, generation_params, with_overrides
+    from fleettui.control.controller import FleetController, generation_params, with_overrides
 
     draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
     fleet = with_overrides(

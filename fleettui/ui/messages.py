@@ -8,7 +8,7 @@ from typing import Any
 
 from textual.message import Message
 
-from fleettui.states import StageState
+from fleettui.control.states import StageState
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleettui.states import Failed, Idle, StageState, next_state
+from fleettui.control.states import Failed, Idle, StageState, next_state
 from fleettui.ui.formatting import (
     Series,
     layers_text,

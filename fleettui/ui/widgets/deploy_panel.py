@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Label, ProgressBar
 
-from fleettui.states import Failed, StageState
+from fleettui.control.states import Failed, StageState
 from fleettui.ui.formatting import TransferRate, transfer_text, truncate
 
 DETAIL_WIDTH = 60

@@ -11,12 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fleettui.coordinator import Coordinator, Generation, GenerationParams
-from fleettui.deployment import Deployment, Placement, build_deployment
-from fleettui.fleet import Fleet
-from fleettui.launcher import LocalLauncher
-from fleettui.speculation import Drafter, ModelDrafter, PromptLookupDrafter
-from fleettui.states import (
+from fleettui.config.fleet import Fleet
+from fleettui.control.deployment import Deployment, Placement, build_deployment
+from fleettui.control.launcher import LocalLauncher
+from fleettui.control.states import (
     ControllerEvent,
     Failed,
     Idle,
@@ -30,7 +28,9 @@ from fleettui.states import (
     Telemetry,
     next_state,
 )  # fmt: skip
-from fleettui.transport import TelemetryFeed, ZmqLink
+from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams
+from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
+from fleettui.runtime.transport import TelemetryFeed, ZmqLink
 from remote_worker import protocol
 from remote_worker.config import Endpoint
 from remote_worker.manifest import Manifest, load_manifest
@@ -173,7 +173,7 @@ class FleetController:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def layer_ranges(self) -> list[tuple[int, int]]:
-        from fleettui.planner import plan_fleet
+        from fleettui.planning.planner import plan_fleet
 
         return [tuple(r) for r in plan_fleet(self.fleet).ranges]  # type: ignore[misc]
 
@@ -209,7 +209,7 @@ class FleetController:
 
     @staticmethod
     def _layers_of(path: Path) -> int:
-        from fleettui.planner import ModelShape
+        from fleettui.planning.shape import ModelShape
 
         return ModelShape.from_config_file(path / "config.json").num_layers
 
@@ -219,7 +219,7 @@ class FleetController:
         """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator.
 
         `endpoint_map` reroutes every data link of the chain (coordinator -> stage 0 -> ... -> coordinator),
-        e.g. through the hop-delay proxies of `fleettui.bench`; control and telemetry links stay direct.
+        e.g. through the hop-delay proxies of `fleettui.bench.runner`; control and telemetry links stay direct.
         """
         if self.target is None:
             await self.prepare()
@@ -275,7 +275,7 @@ class FleetController:
         link = ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)
         self._links.append(link)
         drafter = self._drafter(deployment)
-        from fleettui.chat_format import ChatFormat
+        from fleettui.runtime.chat_format import ChatFormat
 
         chat_format = ChatFormat(self.target.directory, self.target.manifest)
         coordinator = Coordinator(link, chat_format, drafter, max_k=self.fleet.speculation.max_k)

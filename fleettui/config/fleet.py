@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
-from fleettui.toml_source import LineIndex, Section, show
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,8 +21,8 @@ else:  # pragma: no cover - Python 3.10
 
 logger = logging.getLogger(__name__)
 
-FLEETS_DIR = Path(__file__).resolve().parent.parent / "fleets"
-DEFAULT_FLEET = FLEETS_DIR / "local.toml"
+FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
+DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"  # ships in the wheel; a copy of fleets/local.toml
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
@@ -45,7 +45,9 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = Path("~/.cache/fleettui").expanduser()  # cache root: compiled shards go to <root>/shards/<key>
+    shards: Path = Path(
+        "~/.cache/fleettui"
+    ).expanduser()  # cache root: compiled shards go to <root>/shards/<key>
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
-    from fleettui.planner import BUILTIN_SHAPES
+    from fleettui.planning.shape import BUILTIN_SHAPES
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
@@ -432,7 +434,8 @@ def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
     """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
     if not fleet.manual_layers:
         return
-    from fleettui.planner import check_manual_layers, shape_for_model
+    from fleettui.planning.models import shape_for_model
+    from fleettui.planning.shape import check_manual_layers
 
     try:
         shape = shape_for_model(fleet.model.name)

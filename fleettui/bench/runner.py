@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fleettui.bench_report import (
+from fleettui.bench.report import (
     Row,
     Trip,
     add_ratios,
@@ -37,7 +37,7 @@ from fleettui.bench_report import (
     stage_breakdown,
     targets,
 )
-from fleettui.fleet import Fleet, Host
+from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,11 @@ class RowSpec:
     @property
     def name(self) -> str:
         if self.kind != "fleet":
-            return self.kind + (" 1core" if self.pinned else "") + (f" {self.device}" if self.device != "CPU" else "")
+            return (
+                self.kind
+                + (" 1core" if self.pinned else "")
+                + (f" {self.device}" if self.device != "CPU" else "")
+            )
         spec = "nospec" if self.spec_k == 0 else f"spec {self.spec_k}" + (" lookup" if self.draft else "")
         delay = f" @{self.hop_delay_ms:g}ms" if self.hop_delay_ms else ""
         return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}"
@@ -95,27 +99,48 @@ def plan_rows(fleet: Fleet, quick: bool, spec_k: int | None = None, no_spec: boo
     k: int | str = spec_k if spec_k is not None else fleet.speculation.k
     on = [k] if speculate and k != 0 else []
     if quick:
-        return [RowSpec("mono"), RowSpec("genai"), RowSpec("fleet", 1), RowSpec("fleet", stages),
-                RowSpec("fleet", stages, users, on[0] if on else 0), RowSpec("fleet", stages, hop_delay_ms=10.0)]
-    rows = [RowSpec("mono"), RowSpec("genai"), RowSpec("mono", pinned=True), RowSpec("genai", pinned=True),
-            RowSpec("mono", device="GPU")]
+        return [
+            RowSpec("mono"),
+            RowSpec("genai"),
+            RowSpec("fleet", 1),
+            RowSpec("fleet", stages),
+            RowSpec("fleet", stages, users, on[0] if on else 0),
+            RowSpec("fleet", stages, hop_delay_ms=10.0),
+        ]
+    rows = [
+        RowSpec("mono"),
+        RowSpec("genai"),
+        RowSpec("mono", pinned=True),
+        RowSpec("genai", pinned=True),
+        RowSpec("mono", device="GPU"),
+    ]
     user_counts = sorted({1, min(2, users), users})
     for count in range(1, stages + 1):
         for users_now in user_counts:
             rows += [RowSpec("fleet", count, users_now, spec) for spec in [0, *on]]
     if speculate:
-        rows += [RowSpec("fleet", stages, 1, fixed) for fixed in K_SWEEP
-                 if fixed <= fleet.speculation.max_k and fixed != k]
+        rows += [
+            RowSpec("fleet", stages, 1, fixed)
+            for fixed in K_SWEEP
+            if fixed <= fleet.speculation.max_k and fixed != k
+        ]
     # prompt lookup: a free drafter, the honest contrast to a self-draft as large as the target
     rows += [RowSpec("fleet", stages, 1, "auto", draft="prompt-lookup")] if speculate else []
     for delay in (10.0, 50.0):
         rows.append(RowSpec("fleet", stages, 1, 0, delay))
         rows += [RowSpec("fleet", stages, 1, spec, delay) for spec in on]
-        rows += [RowSpec("fleet", stages, users, spec, delay) for spec in on] or [RowSpec("fleet", stages, users, 0, delay)]
+        rows += [RowSpec("fleet", stages, users, spec, delay) for spec in on] or [
+            RowSpec("fleet", stages, users, 0, delay)
+        ]
         if speculate and delay == 50.0:
-            rows += [RowSpec("fleet", stages, count, "auto", delay, draft="prompt-lookup") for count in (1, users)]
-    rows += [RowSpec("fleet", 1, 1, 0, pinned=True), RowSpec("fleet", stages, 1, 0, pinned=True),
-             RowSpec("fleet", stages, 2, 0, pinned=True)]
+            rows += [
+                RowSpec("fleet", stages, count, "auto", delay, draft="prompt-lookup") for count in (1, users)
+            ]
+    rows += [
+        RowSpec("fleet", 1, 1, 0, pinned=True),
+        RowSpec("fleet", stages, 1, 0, pinned=True),
+        RowSpec("fleet", stages, 2, 0, pinned=True),
+    ]
     rows += [RowSpec("fleet", stages, 2, spec, pinned=True) for spec in on]
     return rows
 
@@ -123,7 +148,7 @@ def plan_rows(fleet: Fleet, quick: bool, spec_k: int | None = None, no_spec: boo
 # --------------------------------------------------------------------------------------- fleet rows
 def bench_fleet(fleet: Fleet, stages: int, pinned: bool) -> Fleet:
     """The fleet's first STAGES hosts, all local on fresh ports; pinned = one core and 1 thread each."""
-    from fleettui.deployment import free_port_block
+    from fleettui.control.deployment import free_port_block
 
     cores = sorted(os.sched_getaffinity(0))
     hosts: list[Host] = []
@@ -134,11 +159,16 @@ def bench_fleet(fleet: Fleet, stages: int, pinned: bool) -> Fleet:
         while taken & set(range(base, base + 4)):
             base = free_port_block()
         taken.update(range(base, base + 4))
-        host = Host(name=f"{'pc' if pinned else 'stage'}-{index}", base_port=base, device=template.device,
-                    memory_gb=template.memory_gb, speed=template.speed,
-                    threads=1 if pinned else template.threads,
-                    cores=(cores[index % len(cores)],) if pinned else (),
-                    layers=template.layers if fleet.manual_layers and stages == len(fleet.hosts) else None)
+        host = Host(
+            name=f"{'pc' if pinned else 'stage'}-{index}",
+            base_port=base,
+            device=template.device,
+            memory_gb=template.memory_gb,
+            speed=template.speed,
+            threads=1 if pinned else template.threads,
+            cores=(cores[index % len(cores)],) if pinned else (),
+            layers=template.layers if fleet.manual_layers and stages == len(fleet.hosts) else None,
+        )
         hosts.append(host)
     return replace(fleet, hosts=tuple(hosts))
 
@@ -158,7 +188,9 @@ class CpuWitness:
         import psutil
 
         times = psutil.cpu_times()
-        busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+        busy = sum(
+            getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal")
+        )
         me = psutil.Process()
         own = me.cpu_times()
         ours = own.user + own.system + own.children_user + own.children_system
@@ -174,7 +206,9 @@ class CpuWitness:
         """Share (0..1) of all CPUs busy outside this process tree since construction."""
         busy, ours, now = self._read()
         capacity = (now - self.started) * len(os.sched_getaffinity(0))
-        return max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity)) if capacity > 0 else 0.0
+        return (
+            max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity)) if capacity > 0 else 0.0
+        )
 
 
 class TraceRecorder:
@@ -202,30 +236,42 @@ def _precision_from(properties: list[dict[str, Any]], weights: str, runtime: Any
         values = sorted({short_precision(p[key]) for p in properties if key in p})
         return ",".join(values) if values else fallback
 
-    return short_precisions({"weights": weights,
-                             "inference": find("INFERENCE_PRECISION_HINT", runtime.inference_precision),
-                             "kv_cache": find("KV_CACHE_PRECISION", runtime.kv_cache_precision)})
+    return short_precisions(
+        {
+            "weights": weights,
+            "inference": find("INFERENCE_PRECISION_HINT", runtime.inference_precision),
+            "kv_cache": find("KV_CACHE_PRECISION", runtime.kv_cache_precision),
+        }
+    )
 
 
-async def _measure(coordinator: Any, spec: RowSpec, prompts: list[list[int]], tokens: int,
-                   recorder: TraceRecorder) -> dict[str, Any]:
-    from fleettui.coordinator import GenerationParams
-    from fleettui.speculation import KPolicy, PromptLookupDrafter
+async def _measure(
+    coordinator: Any, spec: RowSpec, prompts: list[list[int]], tokens: int, recorder: TraceRecorder
+) -> dict[str, Any]:
+    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.speculation import KPolicy, PromptLookupDrafter
 
     if spec.draft == "prompt-lookup":  # the free drafter, on the same running fleet, for this row only
         coordinator.drafter = PromptLookupDrafter()
     if spec.spec_k == "auto":
         coordinator.policy = KPolicy(None if coordinator.drafter is not None else 0, coordinator.max_k)
-    params = GenerationParams(max_tokens=tokens, ignore_eos=True,
-                              spec_k=None if spec.spec_k == "auto" else int(spec.spec_k))
+    params = GenerationParams(
+        max_tokens=tokens, ignore_eos=True, spec_k=None if spec.spec_k == "auto" else int(spec.spec_k)
+    )
     sessions = [await coordinator.open_session() for _ in range(spec.users)]
     recorder.trips.clear()
     try:
         witness = CpuWitness()
         started = time.perf_counter()
-        generations = await asyncio.wait_for(asyncio.gather(*(
-            coordinator.generate(session, prompts[index % len(prompts)], params)
-            for index, session in enumerate(sessions))), ROW_TIMEOUT)
+        generations = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    coordinator.generate(session, prompts[index % len(prompts)], params)
+                    for index, session in enumerate(sessions)
+                )
+            ),
+            ROW_TIMEOUT,
+        )
         wall = time.perf_counter() - started
     finally:
         for session in sessions:
@@ -235,15 +281,21 @@ async def _measure(coordinator: Any, spec: RowSpec, prompts: list[list[int]], to
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     k_values = [k for s in stats for k in s.k_values]
     return {
-        "tokens": total, "seconds": wall, "aggregate_tok_s": total / wall if wall > 0 else 0.0,
+        "tokens": total,
+        "seconds": wall,
+        "aggregate_tok_s": total / wall if wall > 0 else 0.0,
         "per_user_tok_s": sum(s.tokens_per_second for s in stats) / len(stats),
         "ttft_s": sum(s.ttft for s in stats) / len(stats),
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_k": sum(k_values) / len(k_values) if k_values else 0.0,
         "stage_breakdown": stage_breakdown(recorder.trips, total),
-        "details": {"others_cpu": witness.others(), "drafted": drafted, "accepted": accepted,
-                    "draft_ms_per_token": 1000 * sum(s.draft_seconds for s in stats) / max(total, 1),
-                    "finish": sorted({s.finish_reason for s in stats})},
+        "details": {
+            "others_cpu": witness.others(),
+            "drafted": drafted,
+            "accepted": accepted,
+            "draft_ms_per_token": 1000 * sum(s.draft_seconds for s in stats) / max(total, 1),
+            "finish": sorted({s.finish_reason for s in stats}),
+        },
     }
 
 
@@ -254,14 +306,15 @@ def best_of(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devices: list[str],
-                          progress: Any, repeats: int = 1) -> list[Row]:
+async def run_fleet_group(
+    fleet: Fleet, specs: list[RowSpec], tokens: int, devices: list[str], progress: Any, repeats: int = 1
+) -> list[Row]:
     """Start one fleet for rows sharing stages/pinning/delay, measure each row, stop it."""
-    from fleettui.chat_format import ChatMessage
-    from fleettui.controller import ControllerError, FleetController
-    from fleettui.coordinator import GenerationParams
-    from fleettui.hop_delay import HopDelay
-    from fleettui.states import LogLine
+    from fleettui.bench.hop_delay import HopDelay
+    from fleettui.control.controller import ControllerError, FleetController
+    from fleettui.control.states import LogLine
+    from fleettui.runtime.chat_format import ChatMessage
+    from fleettui.runtime.coordinator import GenerationParams
 
     first = specs[0]
     rows = [Row(s.name, "fleet", s.stages, s.users, s.spec_k, s.hop_delay_ms, s.pinned) for s in specs]
@@ -269,14 +322,16 @@ async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devic
     missing = sorted({h.device for h in variant.hosts} - {d.split(".")[0] for d in devices} - {"AUTO"})
     if missing:
         for row in rows:
-            row.status = f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
+            row.status = (
+                f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
+            )
         return rows
     properties: list[dict[str, Any]] = []
 
     def on_event(event: Any) -> None:
         if isinstance(event, LogLine) and event.text.startswith("ready: "):
             try:
-                reply = json.loads(event.text[len("ready: "):])
+                reply = json.loads(event.text[len("ready: ") :])
             except ValueError:
                 return
             if isinstance(reply, dict) and event.source != "draft":
@@ -285,8 +340,10 @@ async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devic
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
     controller = FleetController(variant, on_event=on_event)
     try:
-        progress(f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
-                 f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)")
+        progress(
+            f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
+            f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)"
+        )
         coordinator = await controller.start(endpoint_map=hops)
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)
@@ -299,7 +356,9 @@ async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devic
         warm = [0] + ([2] if coordinator.drafter is not None else [])
         for k in warm:  # first inferences allocate; keep them out of the rows
             session = await coordinator.open_session()
-            await coordinator.generate(session, prompts[0], GenerationParams(WARMUP_TOKENS, ignore_eos=True, spec_k=k))
+            await coordinator.generate(
+                session, prompts[0], GenerationParams(WARMUP_TOKENS, ignore_eos=True, spec_k=k)
+            )
             await coordinator.close_session(session)
         for spec, row in zip(specs, rows, strict=True):
             progress(spec.name, row=True)
@@ -309,14 +368,23 @@ async def run_fleet_group(fleet: Fleet, specs: list[RowSpec], tokens: int, devic
                 continue
             drafter = coordinator.drafter
             try:
-                attempts = [await _measure(coordinator, spec, prompts, tokens, recorder) for _ in range(repeats)]
-                if min(a["details"]["others_cpu"] for a in attempts) > BUSY_MACHINE:  # all disturbed: once more
+                attempts = [
+                    await _measure(coordinator, spec, prompts, tokens, recorder) for _ in range(repeats)
+                ]
+                if (
+                    min(a["details"]["others_cpu"] for a in attempts) > BUSY_MACHINE
+                ):  # all disturbed: once more
                     attempts.append(await _measure(coordinator, spec, prompts, tokens, recorder))
                 measured = best_of(attempts)
                 for key, value in measured.items():
                     setattr(row, key, value)
-                row.details.update({"encryption": variant.runtime.encryption, "wire": variant.runtime.wire_dtype,
-                                    "draft": "none" if spec.spec_k == 0 else spec.draft or variant.speculation.draft})
+                row.details.update(
+                    {
+                        "encryption": variant.runtime.encryption,
+                        "wire": variant.runtime.wire_dtype,
+                        "draft": "none" if spec.spec_k == 0 else spec.draft or variant.speculation.draft,
+                    }
+                )
                 progress(f"{row.aggregate_tok_s:.1f} tok/s", result=True)
             except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
                 row.status = f"failed: {type(error).__name__}: {error}"
@@ -341,8 +409,20 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process."""
     row = Row(spec.name, spec.kind, 1, 1, 0, 0.0, spec.pinned, details={"device": spec.device})
     module = "remote_worker.mono" if spec.kind == "mono" else "shard_compiler.anchors"
-    command = [sys.executable, "-m", module, "--shard", str(shard_dir), "--prompt-ids", ",".join(map(str, prompt)),
-               "--tokens", str(tokens), "--device", spec.device, "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        module,
+        "--shard",
+        str(shard_dir),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--tokens",
+        str(tokens),
+        "--device",
+        spec.device,
+        "--json",
+    ]
     if spec.pinned:
         command += ["--threads", "1", "--cores", str(sorted(os.sched_getaffinity(0))[0])]
     runtime = fleet.runtime
@@ -351,7 +431,9 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     if runtime.kv_cache_precision != "auto":
         command += ["--kv-cache-precision", runtime.kv_cache_precision]
     witness = CpuWitness()
-    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
+    )
     row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
@@ -376,16 +458,26 @@ def machine_info() -> dict[str, Any]:
 
     import psutil
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "logical_cpus": os.cpu_count(), "usable_cpus": sorted(os.sched_getaffinity(0)),
-                            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-                            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": sorted(os.sched_getaffinity(0)),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                            if line.startswith("model name")), platform.processor())
-        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-        info["cpu_flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+        info["cpu"] = next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+            platform.processor(),
+        )
+        flags = next(
+            (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+        )
+        info["cpu_flags"] = [
+            f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
+        ]
     except OSError:
         info["cpu"] = platform.processor()
     versions: dict[str, str | None] = {}
@@ -395,19 +487,26 @@ def machine_info() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[package] = None
     info["versions"] = versions
-    probe = subprocess.run([sys.executable, "-m", "remote_worker.mono", "--probe"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-m", "remote_worker.mono", "--probe"], capture_output=True, text=True
+    )
     info["openvino_devices"] = json.loads(probe.stdout)["devices"] if probe.returncode == 0 else ["CPU"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+    )
     info["git_commit"] = commit.stdout.strip() or None
     return info
 
 
 # ------------------------------------------------------------------------------------------------ run
-async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any,
-                    repeats: int = 1) -> tuple[list[Row], dict]:
-    from fleettui.chat_format import ChatFormat, ChatMessage
-    from fleettui.controller import FleetController, compile_model
+async def run_bench(
+    fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any, repeats: int = 1
+) -> tuple[list[Row], dict]:
+    from fleettui.control.controller import FleetController, compile_model
+    from fleettui.runtime.chat_format import ChatFormat, ChatMessage
 
     machine = await asyncio.to_thread(machine_info)
     results: dict[RowSpec, Row] = {}
@@ -420,7 +519,9 @@ async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: A
         prompt = ChatFormat(single.directory, single.manifest).encode_chat([ChatMessage("user", PROMPTS[0])])
         for spec in baselines:
             progress(spec.name, row=True)
-            attempts = [await run_baseline(spec, single.directory, prompt, tokens, fleet) for _ in range(repeats)]
+            attempts = [
+                await run_baseline(spec, single.directory, prompt, tokens, fleet) for _ in range(repeats)
+            ]
             measured = [a for a in attempts if a.ok]
             results[spec] = max(measured, key=lambda a: a.aggregate_tok_s) if measured else attempts[0]
             results[spec].details["runs_tok_s"] = [round(a.aggregate_tok_s, 2) for a in measured]
@@ -438,10 +539,14 @@ async def run_bench(fleet: Fleet, specs: list[RowSpec], tokens: int, progress: A
         first = results[spec]
         if first.ok and first.details.get("others_cpu", 0.0) > BUSY_MACHINE and repeats == 1:
             second = await run_baseline(spec, single.directory, prompt, tokens, fleet)
-            progress(f"{spec.name} measured again (other programs used {first.details['others_cpu']:.0%} of the "
-                     f"CPUs the first time): {f'{second.aggregate_tok_s:.1f} tok/s' if second.ok else second.status}")
+            progress(
+                f"{spec.name} measured again (other programs used {first.details['others_cpu']:.0%} of the "
+                f"CPUs the first time): {f'{second.aggregate_tok_s:.1f} tok/s' if second.ok else second.status}"
+            )
             if second.ok and second.aggregate_tok_s > first.aggregate_tok_s:
-                second.details["runs_tok_s"] = first.details.get("runs_tok_s", []) + [round(second.aggregate_tok_s, 2)]
+                second.details["runs_tok_s"] = first.details.get("runs_tok_s", []) + [
+                    round(second.aggregate_tok_s, 2)
+                ]
                 results[spec] = second
             else:
                 first.details.setdefault("runs_tok_s", []).append(round(second.aggregate_tok_s, 2))
@@ -469,7 +574,7 @@ class Progress:
 
 def run_bench_cli(fleet: Fleet, args: Any) -> int:
     """`fleettui --bench FLEET [--quick] [--json FILE|-] [--exact] [--spec-k K | --no-spec] [--max-tokens N]`."""
-    from fleettui.controller import with_overrides
+    from fleettui.control.controller import with_overrides
     from fleettui.errors import FleetError
 
     fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
@@ -481,19 +586,30 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
     started = time.perf_counter()
     repeats = 1 if args.quick else FULL_REPEATS
     rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
-    settings = {"profile": "quick" if args.quick else "full", "tokens_per_user": tokens, "repeats": repeats,
-                "command": " ".join(["fleettui", *sys.argv[1:]]), "fleet": str(fleet.path) if fleet.path else None,
-                "model": fleet.model.name, "weights": fleet.model.precision, "exact": fleet.runtime.exact,
-                "draft": fleet.speculation.draft, "prompts": list(PROMPTS), "ignore_eos": True,
-                "wall_seconds": round(time.perf_counter() - started, 1),
-                "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+    settings = {
+        "profile": "quick" if args.quick else "full",
+        "tokens_per_user": tokens,
+        "repeats": repeats,
+        "command": " ".join(["fleettui", *sys.argv[1:]]),
+        "fleet": str(fleet.path) if fleet.path else None,
+        "model": fleet.model.name,
+        "weights": fleet.model.precision,
+        "exact": fleet.runtime.exact,
+        "draft": fleet.speculation.draft,
+        "prompts": list(PROMPTS),
+        "ignore_eos": True,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
     doc = document(rows, machine, settings)
     report = sys.stderr if args.json == "-" else sys.stdout
     load = machine.get("load_average_at_start", [0.0])[0]
-    print(f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
-          f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
-          f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
-          file=report)
+    print(
+        f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
+        f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
+        f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
+        file=report,
+    )
     print(format_table(rows), file=report)
     print("\ntargets:\n" + format_targets(targets(rows)), file=report)
     print("\n" + plot(rows), file=report)

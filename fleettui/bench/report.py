@@ -12,8 +12,21 @@ import numpy as np
 
 from remote_worker.protocol import TRACE_FIELDS
 
-JSON_FIELDS = ("name", "stages", "users", "spec_k", "hop_delay_ms", "precision", "tokens", "seconds",
-               "aggregate_tok_s", "per_user_tok_s", "ttft_s", "acceptance_rate", "stage_breakdown")
+JSON_FIELDS = (
+    "name",
+    "stages",
+    "users",
+    "spec_k",
+    "hop_delay_ms",
+    "precision",
+    "tokens",
+    "seconds",
+    "aggregate_tok_s",
+    "per_user_tok_s",
+    "ttft_s",
+    "acceptance_rate",
+    "stage_breakdown",
+)
 
 
 @dataclass
@@ -95,8 +108,15 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
     if not seen or tokens <= 0:
         return None
     scale = 1000.0 / tokens
-    return [{"stage": key, "compute_ms": round(totals[key][0] * scale, 3), "queue_ms": round(totals[key][1] * scale, 3),
-             "wire_ms": round(totals[key][2] * scale, 3)} for key in order]
+    return [
+        {
+            "stage": key,
+            "compute_ms": round(totals[key][0] * scale, 3),
+            "queue_ms": round(totals[key][1] * scale, 3),
+            "wire_ms": round(totals[key][2] * scale, 3),
+        }
+        for key in order
+    ]
 
 
 # ------------------------------------------------------------------------------------------- ratios
@@ -114,7 +134,9 @@ def add_ratios(rows: Sequence[Row]) -> None:
             continue
         mono, genai = baseline(rows, "mono", row.pinned), baseline(rows, "genai", row.pinned)
         row.vs_mono = row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
-        row.vs_genai = row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
+        row.vs_genai = (
+            row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
+        )
 
 
 def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
@@ -129,38 +151,112 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def check(name: str, goal: float | None, over: Row | None, under: Row | None) -> None:
-        ratio = over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
+        ratio = (
+            over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
+        )
         met = None if ratio is None or goal is None else ratio >= goal
-        found.append({"target": name, "goal": goal, "ratio": ratio, "met": met,
-                      "rows": [over.name if over else None, under.name if under else None]})
+        found.append(
+            {
+                "target": name,
+                "goal": goal,
+                "ratio": ratio,
+                "met": met,
+                "rows": [over.name if over else None, under.name if under else None],
+            }
+        )
 
-    check("1-stage fleet >= 1.0x GenAI", 1.0, _find(rows, kind="fleet", stages=1, users=1, spec_k=0,
-                                                      hop_delay_ms=0.0, pinned=False),
-          baseline(rows, "genai", False))
+    check(
+        "1-stage fleet >= 1.0x GenAI",
+        1.0,
+        _find(rows, kind="fleet", stages=1, users=1, spec_k=0, hop_delay_ms=0.0, pinned=False),
+        baseline(rows, "genai", False),
+    )
     pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
     if pcs >= 2:
-        check(f"{pcs} emulated PCs x 2 users >= 1.85x mono (1 core)", 1.85,
-              _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True), baseline(rows, "mono", True))
+        check(
+            f"{pcs} emulated PCs x 2 users >= 1.85x mono (1 core)",
+            1.85,
+            _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
+            baseline(rows, "mono", True),
+        )
     for row in rows:
-        if row.kind == "fleet" and row.ok and row.spec_k == "auto" and row.hop_delay_ms == 0 and not row.pinned:
-            plain = _find(rows, kind="fleet", stages=row.stages, users=row.users, spec_k=0, hop_delay_ms=0.0,
-                          pinned=False)
+        if (
+            row.kind == "fleet"
+            and row.ok
+            and row.spec_k == "auto"
+            and row.hop_delay_ms == 0
+            and not row.pinned
+        ):
+            plain = _find(
+                rows,
+                kind="fleet",
+                stages=row.stages,
+                users=row.users,
+                spec_k=0,
+                hop_delay_ms=0.0,
+                pinned=False,
+            )
             draft = ", prompt lookup" if "lookup" in row.name else ""
-            check(f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{draft})", 0.98, row, plain)
+            check(
+                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{draft})",
+                0.98,
+                row,
+                plain,
+            )
     stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == 50 and r.ok), default=0)
     delays = sorted({r.hop_delay_ms for r in rows if r.kind == "fleet" and r.ok and not r.pinned})
     for delay in delays if stages else []:
         naive = _find(rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False)
-        for label, candidate in (("fleet's draft", _find(rows, kind="fleet", stages=stages, users=1, spec_k="auto",
-                                                   hop_delay_ms=delay, pinned=False, name=_name(rows, stages, 1, delay))),
-                           ("prompt lookup", _find(rows, kind="fleet", stages=stages, users=1, spec_k="auto",
-                                                   hop_delay_ms=delay, name=_name(rows, stages, 1, delay, True)))):
+        for label, candidate in (
+            (
+                "fleet's draft",
+                _find(
+                    rows,
+                    kind="fleet",
+                    stages=stages,
+                    users=1,
+                    spec_k="auto",
+                    hop_delay_ms=delay,
+                    pinned=False,
+                    name=_name(rows, stages, 1, delay),
+                ),
+            ),
+            (
+                "prompt lookup",
+                _find(
+                    rows,
+                    kind="fleet",
+                    stages=stages,
+                    users=1,
+                    spec_k="auto",
+                    hop_delay_ms=delay,
+                    name=_name(rows, stages, 1, delay, True),
+                ),
+            ),
+        ):
             if candidate is not None:
-                check(f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
-                      1.5 if delay == 50 else None, candidate, naive)
-        full = max((r for r in rows if r.ok and r.kind == "fleet" and r.stages == stages and r.hop_delay_ms == delay
-                    and r.users > 1 and r.spec_k != 0 and not r.pinned and "lookup" not in r.name),
-                   key=lambda r: r.users, default=None)
+                check(
+                    f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
+                    1.5 if delay == 50 else None,
+                    candidate,
+                    naive,
+                )
+        full = max(
+            (
+                r
+                for r in rows
+                if r.ok
+                and r.kind == "fleet"
+                and r.stages == stages
+                and r.hop_delay_ms == delay
+                and r.users > 1
+                and r.spec_k != 0
+                and not r.pinned
+                and "lookup" not in r.name
+            ),
+            key=lambda r: r.users,
+            default=None,
+        )
         check(f"full stack vs naive at {delay:g} ms/hop", 4.0 if delay == 50 else None, full, naive)
     return found
 
@@ -168,28 +264,48 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
 def _name(rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False) -> str | None:
     """The name of the adaptive-spec row with the fleet's draft (or prompt lookup) for these settings."""
     for row in rows:
-        if (row.kind == "fleet" and row.stages == stages and row.users == users and row.hop_delay_ms == delay
-                and row.spec_k == "auto" and not row.pinned and ("lookup" in row.name) == lookup):
+        if (
+            row.kind == "fleet"
+            and row.stages == stages
+            and row.users == users
+            and row.hop_delay_ms == delay
+            and row.spec_k == "auto"
+            and not row.pinned
+            and ("lookup" in row.name) == lookup
+        ):
             return row.name
     return None
 
 
 # -------------------------------------------------------------------------------------------- text
-_PRECISION_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "f32", "f32": "f32", "float16": "f16",
-                    "f16": "f16", "uint8_t": "u8", "u8": "u8", "int8_t": "i8", "i8": "i8", "u4": "u4"}
+_PRECISION_NAMES = {
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float32": "f32",
+    "f32": "f32",
+    "float16": "f16",
+    "f16": "f16",
+    "uint8_t": "u8",
+    "u8": "u8",
+    "int8_t": "i8",
+    "i8": "i8",
+    "u4": "u4",
+}
 
 
 def short_precision(value: object) -> str:
     """'bf16' for OpenVINO's "<Type: 'bfloat16'>" (and the like); other text unchanged, lower case."""
     text = str(value).strip().lower()
     if text.startswith("<type:"):
-        text = text[len("<type:"):].strip(" '>\"")
+        text = text[len("<type:") :].strip(" '>\"")
     return _PRECISION_NAMES.get(text, text)
 
 
 def short_precisions(precision: dict[str, Any]) -> dict[str, str]:
-    return {key: ",".join(short_precision(v) for v in str(value).split(",")) if key != "weights" else str(value)
-            for key, value in precision.items()}
+    return {
+        key: ",".join(short_precision(v) for v in str(value).split(",")) if key != "weights" else str(value)
+        for key, value in precision.items()
+    }
 
 
 def precision_text(precision: dict[str, str]) -> str:
@@ -207,11 +323,29 @@ def _number(value: float | None, digits: int = 1, scale: float = 1.0, suffix: st
 def breakdown_text(breakdown: list[dict[str, float]] | None) -> str:
     if not breakdown:
         return "-"
-    return " | ".join(f"{part['compute_ms']:.1f}/{part['wire_ms']:.1f}/{part['queue_ms']:.1f}" for part in breakdown)
+    return " | ".join(
+        f"{part['compute_ms']:.1f}/{part['wire_ms']:.1f}/{part['queue_ms']:.1f}" for part in breakdown
+    )
 
 
-COLUMNS = ("row", "st", "users", "K", "hop ms", "precision w/inf/kv", "tokens", "tok/s", "tok/s/user",
-           "TTFT ms", "accept", "x mono", "x GenAI", "spread", "others", "per stage ms/token: compute/wire/queue")
+COLUMNS = (
+    "row",
+    "st",
+    "users",
+    "K",
+    "hop ms",
+    "precision w/inf/kv",
+    "tokens",
+    "tok/s",
+    "tok/s/user",
+    "TTFT ms",
+    "accept",
+    "x mono",
+    "x GenAI",
+    "spread",
+    "others",
+    "per stage ms/token: compute/wire/queue",
+)
 
 
 def k_text(row: Row) -> str:
@@ -229,13 +363,39 @@ def spread(row: Row) -> float | None:
 
 def table_cells(row: Row) -> list[str]:
     if not row.ok:
-        return [row.name, str(row.stages), str(row.users), k_text(row), _number(row.hop_delay_ms, 0),
-                precision_text(row.precision), row.status, "", "", "", "", "", "", "", "", ""]
+        return [
+            row.name,
+            str(row.stages),
+            str(row.users),
+            k_text(row),
+            _number(row.hop_delay_ms, 0),
+            precision_text(row.precision),
+            row.status,
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+        ]
     return [
-        row.name, str(row.stages), str(row.users), k_text(row), _number(row.hop_delay_ms, 0),
-        precision_text(row.precision), str(row.tokens), _number(row.aggregate_tok_s), _number(row.per_user_tok_s),
-        _number(row.ttft_s, 0, 1000.0), _number(row.acceptance_rate, 0, 100.0, "%"), _number(row.vs_mono, 2, 1, "x"),
-        _number(row.vs_genai, 2, 1, "x"), _number(spread(row), 0, 100.0, "%"),
+        row.name,
+        str(row.stages),
+        str(row.users),
+        k_text(row),
+        _number(row.hop_delay_ms, 0),
+        precision_text(row.precision),
+        str(row.tokens),
+        _number(row.aggregate_tok_s),
+        _number(row.per_user_tok_s),
+        _number(row.ttft_s, 0, 1000.0),
+        _number(row.acceptance_rate, 0, 100.0, "%"),
+        _number(row.vs_mono, 2, 1, "x"),
+        _number(row.vs_genai, 2, 1, "x"),
+        _number(spread(row), 0, 100.0, "%"),
         _number(row.details.get("others_cpu"), 0, 100.0, "%"),
         breakdown_text(row.stage_breakdown),
     ]
@@ -251,9 +411,29 @@ def format_table(rows: Sequence[Row]) -> str:
                 continue  # a skip reason spills over the columns to its right
             widths[index] = max(widths[index], len(cell))
     rendered = []
-    numeric = [False, True, True, False, True, False, True, True, True, True, True, True, True, True, True, False]
+    numeric = [
+        False,
+        True,
+        True,
+        False,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
     for number, line in enumerate(cells):
-        parts = [c.rjust(w) if numeric[i] and number else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        parts = [
+            c.rjust(w) if numeric[i] and number else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         if number and not line[6].isdigit():
             parts = parts[:6] + [line[6]]  # a skip or failure reason: it runs to the end of the line
         rendered.append("  ".join(parts).rstrip())
@@ -266,7 +446,9 @@ def format_targets(found: Sequence[dict[str, Any]]) -> str:
     lines = []
     for item in found:
         ratio = "n/a (rows missing)" if item["ratio"] is None else f"{item['ratio']:.2f}x"
-        verdict = {True: "met", False: "NOT met", None: "(no target)" if item["goal"] is None else "-"}[item["met"]]
+        verdict = {True: "met", False: "NOT met", None: "(no target)" if item["goal"] is None else "-"}[
+            item["met"]
+        ]
         lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}")
     return "\n".join(lines)
 
@@ -281,7 +463,9 @@ def plot(rows: Sequence[Row], width: int = 100) -> str:
     try:
         import plotext
 
-        plotext.terminal.limit(False, False)  # the chart's own size, not the terminal's (stdout may be a file)
+        plotext.terminal.limit(
+            False, False
+        )  # the chart's own size, not the terminal's (stdout may be a file)
         figure = plotext.figure
         figure.clear()
         figure.draw(figure.bar(names, values, orientation="h", labeled=True, width=0.6))
@@ -292,14 +476,20 @@ def plot(rows: Sequence[Row], width: int = 100) -> str:
     except Exception:  # noqa: BLE001 - the plot is decoration; never lose the results over it
         top = max(values) or 1.0
         label = max(len(name) for name in names)
-        return "\n".join(f"{name:>{label}} {'#' * int(round(value / top * (width - label - 10)))} {value}"
-                         for name, value in zip(names[::-1], values[::-1], strict=True))
+        return "\n".join(
+            f"{name:>{label}} {'#' * int(round(value / top * (width - label - 10)))} {value}"
+            for name, value in zip(names[::-1], values[::-1], strict=True)
+        )
 
 
 def document(rows: Sequence[Row], machine: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The JSON document: settings, the machine and versions, every row, and the targets."""
-    return {"settings": settings, "machine": machine, "rows": [row.to_dict() for row in rows],
-            "targets": targets(rows)}
+    return {
+        "settings": settings,
+        "machine": machine,
+        "rows": [row.to_dict() for row in rows],
+        "targets": targets(rows),
+    }
 
 
 def dumps(doc: dict[str, Any]) -> str:

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
-from fleettui.ledger import CacheLedger
-from fleettui.transport import Link
+from fleettui.runtime.ledger import CacheLedger
+from fleettui.runtime.transport import Link
 from remote_worker import protocol
 
 GREEDY_SUPPORT = 0

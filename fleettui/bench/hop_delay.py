@@ -80,13 +80,17 @@ class DelayProxy:
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            target_reader, target_writer = await asyncio.open_connection(self.target.address, self.target.port)
+            target_reader, target_writer = await asyncio.open_connection(
+                self.target.address, self.target.port
+            )
         except OSError:  # the peer is not listening (yet): ZeroMQ reconnects by itself
             client_writer.close()
             return
         delay = self.delay_ms / 1000.0
-        pumps = [asyncio.create_task(_pump(client_reader, target_writer, delay)),
-                 asyncio.create_task(_pump(target_reader, client_writer, delay))]
+        pumps = [
+            asyncio.create_task(_pump(client_reader, target_writer, delay)),
+            asyncio.create_task(_pump(target_reader, client_writer, delay)),
+        ]
         self._tasks.update(pumps)
         try:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleettui.fleet import Fleet, Host
-from fleettui.transport import ClientKeys
+from fleettui.config.fleet import Fleet, Host
+from fleettui.runtime.transport import ClientKeys
 from remote_worker.config import CurveKeys, Endpoint, StageConfig
 
 LOCALHOST = "127.0.0.1"

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleettui.chat_format import ChatFormat, ChatMessage, TextStream
-from fleettui.ledger import CacheLedger, Feed
-from fleettui.speculation import Draft, Drafter, KPolicy, Sampling
-from fleettui.transport import Link
+from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
+from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.speculation import Draft, Drafter, KPolicy, Sampling
+from fleettui.runtime.transport import Link
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleettui.deployment import Placement, write_config
-from fleettui.transport import ClientKeys, LinkError, control_request, wait_until_ready
+from fleettui.control.deployment import Placement, write_config
+from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
 
 log = logging.getLogger(__name__)
 

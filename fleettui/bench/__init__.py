@@ -1,0 +1,1 @@
+"""Provides `fleettui bench`: the fleet measured against one PC, side by side in one run."""

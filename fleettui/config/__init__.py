@@ -1,0 +1,1 @@
+"""Provides the fleet file: TOML parsed into frozen, validated settings."""

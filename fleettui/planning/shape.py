@@ -1,0 +1,169 @@
+"""Provides the shape of a Llama-style decoder (what the planner needs) and the builtin model shapes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fleettui.errors import PlanError
+
+GIB = 1 << 30
+PRECISION_ORDER = ("fp32", "fp16", "int8", "int4")
+KV_BYTES = {"auto": 2.0, "f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0}  # auto: f16 (upper bound of CPU u8)
+
+
+class LayeredHost(Protocol):
+    """A host with an optional manual layer range (the fleet's `Host`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layers(self) -> tuple[int, int] | None: ...
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a Llama-style decoder."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
+        """From a Hugging Face ``config.json`` dictionary (Llama, Mistral, Qwen2, SmolLM)."""
+        if isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+        missing = [
+            key
+            for key in (
+                "num_hidden_layers",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "vocab_size",
+            )
+            if not isinstance(config.get(key), int)
+        ]
+        if missing:
+            raise PlanError(f"model config lacks {', '.join(missing)}: not a Llama-style decoder config")
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        architectures = config.get("architectures") or [config.get("model_type", "model")]
+        return cls(
+            name=name or str(config.get("_name_or_path") or architectures[0]),
+            num_layers=config["num_hidden_layers"],
+            hidden=hidden,
+            intermediate=config["intermediate_size"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_config_file(cls, path: Path) -> ModelShape:
+        try:
+            config = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise PlanError(f"{path}: cannot read model config: {error}") from None
+        if not isinstance(config, dict):
+            raise PlanError(f"{path}: model config is not a JSON object")
+        return cls.from_config(
+            config, name=Path(path).parent.name if Path(path).name == "config.json" else None
+        )
+
+    @property
+    def group_size(self) -> int:
+        """INT4 group size: 128 where every input width divides by it, else 64 or 32 (as the compiler does)."""
+        widths = (self.hidden, self.intermediate, self.heads * self.head_dim)
+        return next((group for group in (128, 64, 32) if all(w % group == 0 for w in widths)), 0)
+
+    def matrix_bytes(self, rows: int, columns: int, precision: str) -> float:
+        """Bytes of one weight matrix [rows, columns] (columns = input width) with its scales."""
+        count = rows * columns
+        if precision == "fp32":
+            return 4.0 * count
+        if precision == "fp16":
+            return 2.0 * count
+        if precision == "int8":
+            return count + 3.0 * rows  # u8 weights + f16 scale + u8 zero point per output channel
+        if precision == "int4":
+            group = self.group_size
+            return count / 2 + (2.0 * count / group if group else 2.0 * rows)  # + f16 scale per group
+        raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
+
+    def layer_bytes(self, precision: str) -> float:
+        """Weights of one decoder layer (attention, MLP, two f32 norms)."""
+        attention = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return (
+            self.matrix_bytes(attention, self.hidden, precision)
+            + 2 * self.matrix_bytes(kv, self.hidden, precision)
+            + self.matrix_bytes(self.hidden, attention, precision)
+            + 2 * self.matrix_bytes(self.intermediate, self.hidden, precision)
+            + self.matrix_bytes(self.hidden, self.intermediate, precision)
+            + 2 * 4.0 * self.hidden
+        )
+
+    def embedding_bytes(self, precision: str) -> float:
+        """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision does)."""
+        return self.matrix_bytes(self.vocab, self.hidden, "int8" if precision == "int4" else precision)
+
+    def head_bytes(self, precision: str) -> float:
+        """Final norm + lm_head (a separate copy of a tied embedding unless the stage also holds it)."""
+        return self.embedding_bytes(precision) + 4.0 * self.hidden
+
+    def kv_bytes_per_token(self, kv_cache_precision: str = "auto") -> float:
+        """K and V of one layer for one token."""
+        if kv_cache_precision not in KV_BYTES:
+            raise PlanError(f"unknown KV-cache precision {kv_cache_precision!r}")
+        return 2.0 * self.kv_heads * self.head_dim * KV_BYTES[kv_cache_precision]
+
+    def parameter_count(self) -> int:
+        attention = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        layer = 2 * attention * self.hidden + 2 * kv * self.hidden + 3 * self.hidden * self.intermediate
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.num_layers * layer + embeddings
+
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 14336, 32, 8, 128, 128256, False),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256, False),
+}
+
+
+def check_manual_layers(shape: ModelShape, hosts: Sequence[LayeredHost]) -> None:
+    """A manual split must be given on every host, contiguous from 0 and end at num_layers."""
+    expected = 0
+    for host in hosts:
+        if host.layers is None:
+            raise PlanError("set layers on all hosts or on none", host=host.name, key="layers")
+        start, end = host.layers
+        if start != expected or end <= start:
+            raise PlanError(
+                f"[{start}, {end}) does not continue at layer {expected}: ranges must be contiguous",
+                host=host.name,
+                key="layers",
+            )
+        expected = end
+    if expected != shape.num_layers:
+        raise PlanError(
+            f"the split ends at layer {expected} but {shape.name} has {shape.num_layers} layers: "
+            f"the last range must end at {shape.num_layers}",
+            host=hosts[-1].name if hosts else None,
+            key="layers",
+        )

@@ -1,0 +1,1 @@
+"""Provides the runtime: coordinator, links to the stages, KV ledger, speculation, chat format."""
