@@ -312,7 +312,6 @@ async def run_fleet_group(
     """Start one fleet for rows sharing stages/pinning/delay, measure each row, stop it."""
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.control.states import LogLine
     from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.coordinator import GenerationParams
 
@@ -326,25 +325,19 @@ async def run_fleet_group(
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
         return rows
-    properties: list[dict[str, Any]] = []
-
-    def on_event(event: Any) -> None:
-        if isinstance(event, LogLine) and event.text.startswith("ready: "):
-            try:
-                reply = json.loads(event.text[len("ready: ") :])
-            except ValueError:
-                return
-            if isinstance(reply, dict) and event.source != "draft":
-                properties.append(reply)
-
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
-    controller = FleetController(variant, on_event=on_event)
+    controller = FleetController(variant)
     try:
         progress(
             f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
             f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)"
         )
-        coordinator = await controller.start(endpoint_map=hops)
+        coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
+        properties = [
+            dict(reply.get("properties") or {})  # type: ignore[call-overload]
+            for name, reply in controller.ready_replies.items()
+            if name != "draft"
+        ]
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)
         coordinator.target = recorder

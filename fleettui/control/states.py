@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -84,3 +85,27 @@ class Telemetry:
 
 
 ControllerEvent = Union[StageChanged, Progress, LogLine, Telemetry]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a running fleet serves: the model, its context length and split, and how it computes."""
+
+    name: str
+    context_length: int
+    stages: tuple[tuple[int, int], ...]
+    precision: str
+    draft: str
+    exact: bool
+
+
+def fleet_phase(states: Mapping[str, StageState]) -> str:
+    """What the fleet as a whole is doing, from its stages' states alone: idle, starting, ready or failed."""
+    values = list(states.values())
+    if any(isinstance(state, Failed) for state in values):
+        return "failed"
+    if values and all(isinstance(state, (Ready, Serving)) for state in values):
+        return "ready"
+    if all(isinstance(state, Idle) for state in values):
+        return "idle"
+    return "starting"
