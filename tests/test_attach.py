@@ -169,6 +169,17 @@ def test_sigterm_to_ask_and_two_quick_ctrl_c_leave_no_orphan(fleet_file: Path) -
         no_orphan(fleet_file)
 
 
+def drain(terminal: int, condition: Callable[[], bool], timeout: float) -> None:
+    """Read (and drop) the TUI's output until `condition()` holds, so it never blocks writing the screen."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        if select.select([terminal], [], [], 0.1)[0]:
+            try:
+                os.read(terminal, 65536)
+            except OSError:
+                time.sleep(0.1)
+
+
 def test_sighup_to_the_tui_leaves_no_orphan(fleet_file: Path) -> None:
     parent, child = pty.openpty()
     environment = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
@@ -178,16 +189,11 @@ def test_sighup_to_the_tui_leaves_no_orphan(fleet_file: Path) -> None:
     )  # fmt: skip
     os.close(child)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(our_workers()) < 3 and time.monotonic() < deadline:
-            if select.select([parent], [], [], 0.1)[0]:
-                try:
-                    os.read(parent, 65536)  # keep the terminal drained
-                except OSError:
-                    break
+        drain(parent, lambda: len(our_workers()) == 3, TIMEOUT)
         assert len(our_workers()) == 3
         process.send_signal(signal.SIGHUP)
-        process.wait(120)
+        drain(parent, lambda: process.poll() is not None, 120)
+        assert process.poll() is not None, "the TUI did not exit on SIGHUP"
     finally:
         if process.poll() is None:
             process.kill()
