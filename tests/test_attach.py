@@ -95,7 +95,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     pids = set(record.pids().values())
     assert len(pids) == 3 and our_workers() == pids  # two stages and the draft
     run_dir = Path(record.run_dir or "")
-    assert run_dir.is_dir() and oct(run_dir.stat().st_mode)[-3:] == "700"
+    assert run_dir.is_dir() and oct(run_dir.stat().st_mode)[-3:] == "700"  # noqa: ASYNC240
 
     again = fleettui("deploy", str(fleet_file))
     assert again.returncode == 0 and "already deployed" in again.stdout and our_workers() == pids
@@ -113,7 +113,9 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     listed = json.loads(status.stdout)
     assert listed["deployment"] == record.id and listed["alive"] is True
     assert {w["name"] for w in listed["workers"]} == {"a", "b", "draft"}
-    assert {w["pid"] for w in listed["workers"]} == pids and {w["state"] for w in listed["workers"]} == {"ready"}
+    assert {w["pid"] for w in listed["workers"]} == pids and {w["state"] for w in listed["workers"]} == {
+        "ready"
+    }
 
     app = FleetApp(load_fleet(fleet_file), FleetController, GenerationParams(max_tokens=8))
     async with app.run_test(size=(140, 45)) as pilot:
@@ -139,7 +141,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     assert stopped.returncode == 0, stopped.stderr
     eventually(lambda: not our_workers(), 30, "every worker to exit")
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
-    assert store.load(load_fleet(fleet_file)) is None and not run_dir.exists()
+    assert store.load(load_fleet(fleet_file)) is None and not run_dir.exists()  # noqa: ASYNC240
     status = fleettui("status", str(fleet_file))
     assert status.returncode == 3 and "not deployed" in status.stdout
 
@@ -165,7 +167,9 @@ def test_sigterm_to_ask_and_two_quick_ctrl_c_leave_no_orphan(fleet_file: Path) -
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        assert process.returncode in (128 + signals[0], 130, 1), process.stderr.read() if process.stderr else ""
+        assert process.returncode in (128 + signals[0], 130, 1), (
+            process.stderr.read() if process.stderr else ""
+        )
         no_orphan(fleet_file)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleettui.config.fleet import Fleet
 from remote_worker.manifest import Manifest, load_manifest
 
 
@@ -73,3 +74,24 @@ async def compile_model(
     last = output[-1]
     directory = Path(json.loads(last)["out"] if last.startswith("{") else last)
     return CompiledModel(directory, load_manifest(directory))
+
+
+async def compile_fleet(
+    fleet: Fleet, ranges: list[tuple[int, int]], on_progress: Callable[[str], None] | None = None
+) -> tuple[CompiledModel, CompiledModel | None]:
+    """The target shards for `ranges` and the draft model the fleet speculates with (None without one)."""
+    model = fleet.model
+    target = await compile_model(model.name, ranges, model.precision, model.shards, on_progress)
+    draft = fleet.speculation.draft
+    if draft in ("none", "prompt-lookup"):
+        return target, None
+    if draft == "self-int4":
+        layers = [(0, target.manifest.num_layers)]
+        return target, await compile_model(model.name, layers, "int4", model.shards, on_progress)
+    path = Path(draft)
+    if (path / "manifest.json").exists():
+        return target, CompiledModel(path, load_manifest(path))
+    from fleettui.planning.shape import ModelShape
+
+    layers = [(0, ModelShape.from_config_file(path / "config.json").num_layers)]
+    return target, await compile_model(draft, layers, "int4", model.shards, on_progress)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,7 +12,7 @@ from fleettui.control.compile import CompiledModel
 from fleettui.control.deployment import Deployment
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
-from fleettui.runtime.transport import TelemetryFeed, ZmqLink
+from fleettui.runtime.transport import TelemetryFeed, ZmqLink, control_request
 from remote_worker import protocol
 from remote_worker.config import Endpoint
 
@@ -108,3 +110,51 @@ def _observe_hops(
         sample = (arrival - sent) * 1000.0
         previous = hops.get(name)
         hops[name] = sample if previous is None else 0.8 * previous + 0.2 * sample
+
+
+class Lease:
+    """Workers started for one command live on a lease this process renews; they exit when it lapses.
+
+    Any control request renews it, so the watcher pings every few seconds; `end()` sets 0 (no lease) when
+    the workers are handed to a deployment record. Workers that predate the op answer an error: ignored.
+    """
+
+    RENEW_SECONDS = 5.0
+
+    def __init__(self, deployment: Deployment, seconds: float) -> None:
+        self.deployment = deployment
+        self.seconds = seconds
+        self._task: asyncio.Task[None] | None = None
+
+    async def _send(self, seconds: float) -> None:
+        request = {"op": "lease", "seconds": seconds}
+        keys = self.deployment.keys
+        await asyncio.gather(
+            *(
+                control_request(p.control_url, request, keys, p.server_key, 1.0)
+                for p in self.deployment.placements
+            ),
+            return_exceptions=True,
+        )
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.RENEW_SECONDS)
+            await self._send(self.seconds)
+
+    async def start(self) -> None:
+        await self._send(self.seconds)
+        self._task = asyncio.get_running_loop().create_task(self._renew(), name="lease-watcher")
+
+    async def cancel(self) -> None:
+        """Stop renewing (the lease then lapses unless the workers are stopped or handed over first)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def end(self) -> None:
+        """No lease any more: the workers stay until stopped."""
+        await self.cancel()
+        await self._send(0)

@@ -9,7 +9,6 @@ record (`fleettui stop` finds them) and `stop()` stops exactly this deployment's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -19,8 +18,8 @@ from pathlib import Path
 from fleettui.config.fleet import Fleet
 from fleettui.control import store
 from fleettui.control.api import SessionHandle
-from fleettui.control.compile import CompiledModel, CompileError, compile_model
-from fleettui.control.connection import Connection, connect
+from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
+from fleettui.control.connection import Connection, Lease, connect
 from fleettui.control.deployment import Deployment, Placement, build_deployment
 from fleettui.control.launcher import (
     Launched,
@@ -29,8 +28,8 @@ from fleettui.control.launcher import (
     SshLauncher,
     StageLauncher,
     check_ports,
+    fetch_logs,
     kill_now,
-    log_tail,
     remove_folders,
     stop_local,
     stop_remote,
@@ -50,17 +49,20 @@ from fleettui.control.states import (
     StageState,
     Telemetry,
     next_state,
+    provision_state,
 )  # fmt: skip
-from fleettui.control.store import DeploymentRecord, ProcessId, Settings, StageRecord
+from fleettui.control.store import DeploymentRecord, Settings
+from fleettui.provision.events import ProvisionEvent
 from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
 
-__all__ = ["ControllerError", "FleetController", "generation_params", "with_overrides"]
+__all__ = [
+    "ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0  # a worker started for one command exits this long after its controller vanished
-RENEW_SECONDS = 5.0
 
 
 class ControllerError(RuntimeError):
@@ -92,7 +94,7 @@ class FleetController:
         self.launched: list[Launched] = []
         self.ready_replies: dict[str, dict[str, object]] = {}
         self._connection: Connection | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._lease: Lease | None = None
 
     # -- events -------------------------------------------------------------------------------------
     def _emit(self, event: ControllerEvent) -> None:
@@ -155,29 +157,13 @@ class FleetController:
         """Compile (or find in the cache) the target shards and the draft model."""
         for host in self.fleet.hosts:
             self._set_state(host.name, Provisioning("compile"))
-        model = self.fleet.model
 
         def progress(line: str) -> None:
             self._emit(LogLine("shard_compiler", line))
             self._emit(Progress("compiler", "compile", message=line))
 
         try:
-            self.target = await compile_model(
-                model.name, self.layer_ranges(), model.precision, model.shards, progress
-            )
-            draft = self.fleet.speculation.draft
-            if draft == "self-int4":
-                layers = [(0, self.target.manifest.num_layers)]
-                self.draft = await compile_model(model.name, layers, "int4", model.shards, progress)
-            elif draft not in ("none", "prompt-lookup"):
-                path = Path(draft)
-                if (path / "manifest.json").exists():
-                    self.draft = CompiledModel(path, load_manifest(path))
-                else:
-                    from fleettui.planning.shape import ModelShape
-
-                    layers = [(0, ModelShape.from_config_file(path / "config.json").num_layers)]
-                    self.draft = await compile_model(draft, layers, "int4", model.shards, progress)
+            self.target, self.draft = await compile_fleet(self.fleet, self.layer_ranges(), progress)
         except CompileError as error:
             for host in self.fleet.hosts:
                 self.fail(host.name, str(error))
@@ -322,8 +308,8 @@ class FleetController:
             store.save(self.record)
         await self._connect(deployment, endpoint_map)
         if self.lease > 0:
-            await self._send_lease(self.lease)
-            self._watcher = asyncio.get_running_loop().create_task(self._renew(), name="lease-watcher")
+            self._lease = Lease(deployment, self.lease)
+            await self._lease.start()
         return self._connection.coordinator  # type: ignore[union-attr]
 
     async def _bring_up(self, launcher: StageLauncher, launched: Launched, timeout: float) -> None:
@@ -342,47 +328,23 @@ class FleetController:
         self.launched.append(launched)
         self.ready_replies[placement.config.name] = await launcher.handshake(launched, 30.0)
 
-    def _on_provision(self, event: object) -> None:
-        name, step, message = event.host, event.step, event.message  # type: ignore[attr-defined]
-        self._emit(Progress(name, step, event.bytes_done, event.bytes_total, message))  # type: ignore[attr-defined]
+    def _on_provision(self, event: ProvisionEvent) -> None:
+        name, step, message = event.host, event.step, event.message
+        self._emit(Progress(name, step, event.bytes_done, event.bytes_total, message))
         if message:
             self._emit(LogLine(name, f"{step}: {message}"))
-        if step == "failed":
-            self._set_state(name, Failed(message or "deploy failed"))
-        elif step == "ready":
-            self._set_state(name, Loading())
-        elif step == "done":
-            self._set_state(name, Ready())
-        elif step != "skipped":
-            self._set_state(name, Provisioning(step))
+        state = provision_state(step, message)
+        if state is not None:
+            self._set_state(name, state)
 
     def _record(self, deployment: Deployment, owner: int | None) -> DeploymentRecord:
-        launched = {each.placement.config.name: each for each in self.launched}
-        stages = []
-        for placement in deployment.placements:
-            known = launched.get(placement.config.name)
-            running = known.placement if known else placement
-            stages.append(
-                StageRecord(
-                    placement.host.name,
-                    placement.host.is_local,
-                    placement.connect_address,
-                    running.config,
-                    known.process if known else None,
-                )
-            )
         assert self.target is not None
-        return DeploymentRecord(
-            id=deployment.id,
-            fleet_path=store.fleet_key(self.base_fleet) or "",
-            fleet_hash=store.fleet_hash(self.base_fleet),
-            settings=self.settings,
-            target_dir=str(self.target.directory),
-            draft_dir=str(self.draft.directory) if self.draft else None,
-            keys=deployment.keys,
-            stages=tuple(stages),
-            run_dir=str(store.paths.state_dir() / "runs" / deployment.id),
-            owner=ProcessId.of(owner) if owner is not None else None,
+        running = {
+            each.placement.config.name: (each.placement.config, each.process) for each in self.launched
+        }
+        draft = str(self.draft.directory) if self.draft else None
+        return store.record_of(
+            self.base_fleet, self.settings, deployment, running, str(self.target.directory), draft, owner
         )
 
     async def _connect(
@@ -398,35 +360,11 @@ class FleetController:
         for placement in deployment.stages:
             self._set_state(placement.config.name, Ready())
 
-    async def _send_lease(self, seconds: float) -> None:
-        """Lease every worker to this controller (0: no lease); workers that predate the op answer an error."""
-        from fleettui.runtime.transport import control_request
-
-        if self.deployment is None:
-            return
-        request = {"op": "lease", "seconds": seconds}
-        keys = self.deployment.keys
-        await asyncio.gather(
-            *(
-                control_request(p.control_url, request, keys, p.server_key, 1.0)
-                for p in self.deployment.placements
-            ),
-            return_exceptions=True,
-        )
-
-    async def _renew(self) -> None:
-        """Any control request renews a lease: ping every worker every few seconds while this process lives."""
-        while True:
-            await asyncio.sleep(RENEW_SECONDS)
-            await self._send_lease(self.lease)
-
     async def _release(self) -> None:
         """Stop the lease watcher, close the telemetry feed and every link (the workers are not touched)."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-            self._watcher = None
+        if self._lease is not None:
+            await self._lease.cancel()
+            self._lease = None
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
@@ -476,8 +414,8 @@ class FleetController:
         """Leave every worker running for the record (lease off); `fleettui stop` or an attach finds them."""
         if self.deployment is None:
             return []
-        if self.lease > 0 and not self.attached:
-            await self._send_lease(0)
+        if self._lease is not None:
+            await self._lease.end()
         await self._release()
         lines = []
         if self.record is not None:
@@ -557,21 +495,6 @@ class FleetController:
 
     async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]:
         """The last lines of every worker's log: local files, and remote logs over SSH."""
-        from fleettui.control.launcher import log_folder
-
-        logs: dict[str, list[str]] = {}
-        if self.deployment is not None:
-            for placement in self.deployment.placements:
-                if placement.host.is_local:
-                    path = log_folder(self.deployment.id) / f"{placement.config.name}.log"
-                    logs[placement.config.name] = log_tail(path, lines)
-        remote = [host for host in self.fleet.hosts if not host.is_local]
-        if remote:
-            from fleettui.provision.deploy import fetch_log
-
-            texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
-            for host, text in zip(remote, texts, strict=False):
-                logs[host.name] = (
-                    f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
-                ).splitlines()[-lines:]
-        return logs
+        if self.deployment is None:
+            return {}
+        return await fetch_logs(self.fleet, self.deployment, lines)

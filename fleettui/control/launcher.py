@@ -25,7 +25,7 @@ from fleettui.config import paths
 from fleettui.config.fleet import Fleet
 from fleettui.control.deployment import Deployment, Placement, write_config
 from fleettui.control.store import ProcessId
-from fleettui.provision.events import DeployReport, HostDeployment
+from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent
 from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class SshLauncher:
     fleet: Fleet
     shard_dir: Path
     keys: ClientKeys | None
-    on_event: Callable[[object], None] | None = None
+    on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
     reports: dict[str, HostDeployment] = field(default_factory=dict)
 
@@ -267,7 +267,7 @@ class SshLauncher:
             config,
             placement.config.deployment,
             DeployOptions(deployment=placement.config.deployment),
-            self.on_event,  # type: ignore[arg-type]
+            self.on_event,
             ready,
         )
         self.reports[host.name] = result
@@ -298,3 +298,21 @@ async def stop_remote(fleet: Fleet, placement: Placement) -> str:
         return f"{placement.config.name}: cannot stop: {outcome.error}"
     done = ", ".join(f"pid {p.pid} {p.action}" for p in outcome.processes) or "nothing running"
     return f"{placement.config.name}: {done}"
+
+
+async def fetch_logs(fleet: Fleet, deployment: Deployment, lines: int = 20) -> dict[str, list[str]]:
+    """The last lines of every worker's log: local files of the deployment, and remote logs over SSH."""
+    logs: dict[str, list[str]] = {}
+    for placement in deployment.placements:
+        if placement.host.is_local:
+            path = paths.log_dir() / deployment.id / f"{placement.config.name}.log"
+            logs[placement.config.name] = log_tail(path, lines)
+    remote = [host for host in fleet.hosts if not host.is_local]
+    if remote:
+        from fleettui.provision.deploy import fetch_log
+
+        texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
+        for host, text in zip(remote, texts, strict=False):
+            message = f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
+            logs[host.name] = message.splitlines()[-lines:]
+    return logs

@@ -109,3 +109,14 @@ def fleet_phase(states: Mapping[str, StageState]) -> str:
     if all(isinstance(state, Idle) for state in values):
         return "idle"
     return "starting"
+
+
+def provision_state(step: str, message: str = "") -> StageState | None:
+    """The state a deploy step of an SSH host implies (None: no change)."""
+    if step == "failed":
+        return Failed(message or "deploy failed")
+    if step == "ready":
+        return Loading()
+    if step == "done":
+        return Ready()
+    return None if step == "skipped" else Provisioning(step)

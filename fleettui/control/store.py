@@ -241,3 +241,35 @@ def busy_owner(record: DeploymentRecord) -> ProcessId | None:
     if owner is None or owner.pid == os.getpid() or not owner.alive():
         return None
     return owner
+
+
+def record_of(
+    fleet: Fleet,
+    settings: Settings,
+    deployment: Deployment,
+    running: Mapping[str, tuple[StageConfig, ProcessId | None]],
+    target_dir: str,
+    draft_dir: str | None,
+    owner: int | None,
+) -> DeploymentRecord:
+    """The record of `deployment`; `running` gives each launched worker's real config and process."""
+    stages = []
+    for placement in deployment.placements:
+        config, process = running.get(placement.config.name, (placement.config, None))
+        stages.append(
+            StageRecord(
+                placement.host.name, placement.host.is_local, placement.connect_address, config, process
+            )
+        )
+    return DeploymentRecord(
+        id=deployment.id,
+        fleet_path=fleet_key(fleet) or "",
+        fleet_hash=fleet_hash(fleet),
+        settings=settings,
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        keys=deployment.keys,
+        stages=tuple(stages),
+        run_dir=str(paths.state_dir() / "runs" / deployment.id),
+        owner=ProcessId.of(owner) if owner is not None else None,
+    )
