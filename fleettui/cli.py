@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(run=module.run, parser=parser)
     return parser
 
 

@@ -52,7 +52,5 @@ def script(parser: argparse.ArgumentParser) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleettui.cli import build_parser
-
-    print(script(build_parser()), end="")
+    print(script(args.parser), end="")
     return 0

@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fleettui.model.shape import ModelShape
     from fleettui.planning.planner import format_plan, plan_fleet
-    from fleettui.planning.shape import ModelShape
 
     fleet = options.load(args)
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None

@@ -246,7 +246,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
-    from fleettui.planning.shape import BUILTIN_SHAPES
+    from fleettui.model.shape import BUILTIN_SHAPES
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
@@ -436,8 +436,8 @@ def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
     """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
     if not fleet.manual_layers:
         return
-    from fleettui.planning.models import shape_for_model
-    from fleettui.planning.shape import check_manual_layers
+    from fleettui.model.builtin import shape_for_model
+    from fleettui.model.shape import check_manual_layers
 
     try:
         shape = shape_for_model(fleet.model.name)

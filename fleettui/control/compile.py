@@ -91,7 +91,7 @@ async def compile_fleet(
     path = Path(draft)
     if (path / "manifest.json").exists():
         return target, CompiledModel(path, load_manifest(path))
-    from fleettui.planning.shape import ModelShape
+    from fleettui.model.shape import ModelShape
 
     layers = [(0, ModelShape.from_config_file(path / "config.json").num_layers)]
     return target, await compile_model(draft, layers, "int4", model.shards, on_progress)

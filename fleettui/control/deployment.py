@@ -28,7 +28,7 @@ def free_port_block(count: int = 4, host: str = LOCALHOST) -> int:
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind((host, 0))
-            base = probe.getsockname()[1]
+            base = int(probe.getsockname()[1])
         if base + count >= 65535:
             continue
         if all(_port_free(host, base + offset) for offset in range(count)):

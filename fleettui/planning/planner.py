@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fleettui.errors import PlanError
-from fleettui.planning.models import shape_for_model
-from fleettui.planning.shape import (
+from fleettui.model.builtin import shape_for_model
+from fleettui.model.shape import (
     GIB,
     PRECISION_ORDER,
     ModelShape,
