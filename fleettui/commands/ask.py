@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         raise FleetError("the prompt is empty")
     fleet = options.load(args)
     settings = options.settings(args)
+    options.sampling(fleet, args)  # refuse bad sampling settings before anything starts
 
     async def main() -> int:
         return await _ask(fleet, settings, prompt, args)
