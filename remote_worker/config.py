@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_VERSION = 1
+# The vocabularies, defined once here (the contract): fleettui's fleet file adds "auto" where it plans.
+WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")  # widest first: the planner steps down this order
 INFERENCE_PRECISIONS = ("f32", "f16", "bf16")
 KV_CACHE_PRECISIONS = ("f32", "f16", "u8")
 WIRE_DTYPES = ("f16", "f32")
+ENCRYPTIONS = ("curve", "plaintext")
+DEVICES = ("CPU", "GPU", "NPU", "AUTO")
 ROLES = ("stage", "draft")
 
 

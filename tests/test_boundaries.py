@@ -113,7 +113,13 @@ LAYERS: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 # The wire and shard contract: the only parts of remote_worker that fleettui may use.
-CONTRACT = {"remote_worker", "remote_worker.protocol", "remote_worker.config", "remote_worker.manifest"}
+CONTRACT = {
+    "remote_worker",
+    "remote_worker.protocol",
+    "remote_worker.config",
+    "remote_worker.manifest",
+    "remote_worker.replies",
+}
 
 
 def _package(path: str) -> str:

@@ -41,7 +41,11 @@ def test_two_old_modes_are_refused() -> None:
 
 
 def test_flags_that_do_not_apply_to_a_subcommand_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["stop", "f.toml", "--max-tokens", "3"], ["plan", "f.toml", "--exact"], ["status", "--quick"]):
+    for argv in (
+        ["stop", "f.toml", "--max-tokens", "3"],
+        ["plan", "f.toml", "--exact"],
+        ["status", "--quick"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(argv)
         assert exit_info.value.code == 2
@@ -82,7 +86,11 @@ def test_plan_json_and_a_closed_pipe_end_quietly() -> None:
     plan = json.loads(result.stdout)
     assert plan["stages"] and plan["stages"][0]["layers"][0] == 0
     piped = subprocess.run(
-        f"{sys.executable} -m fleettui plan | head -c 10", shell=True, capture_output=True, text=True, cwd=ROOT
+        f"{sys.executable} -m fleettui plan | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert piped.returncode == 0 and piped.stderr == "" and len(piped.stdout) == 10
 

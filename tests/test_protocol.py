@@ -278,3 +278,40 @@ def test_random_garbage_never_escapes_as_another_exception() -> None:
                 target[int(rng.integers(len(target)))] = int(rng.integers(256))
         with contextlib.suppress(ProtocolError):  # anything else escaping fails the test
             decode([bytes(frame) for frame in frames])
+
+
+# -- the typed control plane: telemetry samples and ping replies are validated like data frames ----------
+
+
+def test_telemetry_samples_and_ping_replies_are_validated_and_keep_unknown_fields() -> None:
+    import math
+
+    from remote_worker.replies import PingReply, ReplyError, TelemetrySample
+
+    good = {
+        "name": "a", "stage": 0, "role": "stage", "state": "ready", "time": 1.0, "steps_per_s": 2.0,
+        "tokens_per_s": 3.0, "busy": 0.5, "queue": 1, "last_step_ms": 4.0, "rss_mb": 300.0, "temp_c": None,
+        "sessions": 2, "cache_slots": 64, "dropped": 0, "errors": 0, "pid": 7, "lease_left": 12.5,
+    }  # fmt: skip
+    sample = TelemetrySample.parse(good)
+    assert sample.sessions == 2 and sample.temp_c is None and sample.extra == {"lease_left": 12.5}
+    assert TelemetrySample.parse(sample.to_dict()) == sample
+    for broken in (
+        {**good, "busy": math.nan},
+        {**good, "state": "asleep"},
+        {**good, "queue": "1"},
+        {key: value for key, value in good.items() if key != "sessions"},
+        [good],
+    ):
+        with pytest.raises(ReplyError):
+            TelemetrySample.parse(broken)
+    reply = PingReply.parse(
+        {"state": "ready", "stage": 1, "name": "b", "pid": 9, "role": "stage", "deployment": "d1",
+         "properties": {"INFERENCE_PRECISION_HINT": "f32"}, "layers": [15, 30], "busy_since": None}
+    )  # fmt: skip
+    assert reply.layers == (15, 30) and reply.properties["INFERENCE_PRECISION_HINT"] == "f32"
+    assert reply.extra == {"busy_since": None}
+    with pytest.raises(ReplyError):
+        PingReply.parse(
+            {"state": "ready", "stage": 1, "name": "b", "pid": "9", "role": "stage", "deployment": "x"}
+        )

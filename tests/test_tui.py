@@ -103,7 +103,8 @@ def test_monitor_derives_the_state_of_stages_the_controller_does_not_track():
 
 
 def test_newer_telemetry_of_the_same_stage_supersedes_a_queued_one():
-    older, newer, other = (TelemetrySampled("a", {}), TelemetrySampled("a", {}), TelemetrySampled("b", {}))
+    a, b = sample("a", 0, 0), sample("b", 1, 0)
+    older, newer, other = (TelemetrySampled("a", a), TelemetrySampled("a", a), TelemetrySampled("b", b))
     assert older.can_replace(newer) and not older.can_replace(other)
     assert not older.can_replace(DeployProgressed("a", "shard", 1, 2, ""))
 

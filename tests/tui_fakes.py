@@ -22,6 +22,7 @@ from fleettui.control.states import (
     StageChanged,
     StageState,
     Telemetry,
+    TelemetrySample,
 )
 from fleettui.runtime.coordinator import GenerationParams, GenerationStats
 
@@ -36,7 +37,7 @@ def demo_fleet(path: str = "fleets/local.toml") -> Fleet:
     return replace(fleet, hosts=fleet.hosts + (office, laptop))
 
 
-def sample(name: str, index: int, second: int, **overrides: Any) -> dict[str, Any]:
+def sample(name: str, index: int, second: int, **overrides: Any) -> TelemetrySample:
     """A telemetry sample with values that vary smoothly (and reproducibly) with `second`."""
     wave = (second * 7 + index * 3) % 20
     values = {
@@ -59,7 +60,7 @@ def sample(name: str, index: int, second: int, **overrides: Any) -> dict[str, An
         "hop_ms": 0.4 + index / 10,
     }
     values.update(overrides)
-    return values
+    return TelemetrySample.parse(values)
 
 
 @dataclass
@@ -136,7 +137,7 @@ class FakeController:
         self.fleet = fleet
         self._on_event = on_event or (lambda event: None)
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
-        self.samples: dict[str, dict[str, Any]] = {}
+        self.samples: dict[str, TelemetrySample] = {}
         self.coordinator = FakeCoordinator()
         self.attached = False
         self.detached = 0
@@ -183,13 +184,14 @@ class FakeController:
             )
         await asyncio.sleep(0)
 
-    def _sample(self, values: dict[str, Any]) -> None:
-        self.samples[values["name"]] = values
-        if values["name"] in self.states and not isinstance(self.states[values["name"]], Failed):
-            state = Serving(1) if values["name"] == self.fleet.hosts[0].name else Ready()
-            if self.states[values["name"]] != state:
-                self._set(values["name"], state)
-        self._on_event(Telemetry(values["name"], values))
+    def _sample(self, values: TelemetrySample) -> None:
+        name = values.name
+        self.samples[name] = values
+        if name in self.states and not isinstance(self.states[name], Failed):
+            state = Serving(1) if name == self.fleet.hosts[0].name else Ready()
+            if self.states[name] != state:
+                self._set(name, state)
+        self._on_event(Telemetry(name, values))
 
     async def stop(self) -> list[str]:
         self.stopped += 1
@@ -220,7 +222,7 @@ class FakeController:
     async def close_session(self, session: Any) -> None:
         await self.coordinator.close_session(session)
 
-    def telemetry(self) -> dict[str, dict[str, Any]]:
+    def telemetry(self) -> dict[str, TelemetrySample]:
         return self.samples
 
     def model_info(self) -> ModelInfo:

@@ -290,10 +290,8 @@ async def run_fleet_group(
             f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)"
         )
         coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
-        properties = [
-            dict(reply.get("properties") or {})  # type: ignore[call-overload]
-            for name, reply in controller.ready_replies.items()
-            if name != "draft"
+        properties: list[dict[str, Any]] = [
+            dict(reply.properties) for name, reply in controller.ready_replies.items() if name != "draft"
         ]
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)

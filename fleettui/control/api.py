@@ -11,6 +11,7 @@ from typing import Protocol
 from fleettui.config.fleet import Fleet
 from fleettui.control.states import ModelInfo, StageState
 from fleettui.runtime.coordinator import GenerationParams, GenerationStats
+from remote_worker.replies import TelemetrySample
 
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
 
@@ -72,7 +73,7 @@ class FleetControl(Protocol):
 
     async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]: ...
 
-    def telemetry(self) -> Mapping[str, Mapping[str, object]]:
+    def telemetry(self) -> Mapping[str, TelemetrySample]:
         """The latest sample of every worker."""
 
     def model_info(self) -> ModelInfo | None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.compile import CompiledModel
@@ -15,6 +15,7 @@ from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDraf
 from fleettui.runtime.transport import TelemetryFeed, ZmqLink, control_request
 from remote_worker import protocol
 from remote_worker.config import Endpoint
+from remote_worker.replies import TelemetrySample
 
 
 @dataclass
@@ -38,7 +39,7 @@ async def connect(
     deployment: Deployment,
     target: CompiledModel,
     endpoint_map: Callable[[Endpoint], Endpoint] | None,
-    on_sample: Callable[[dict[str, object]], None],
+    on_sample: Callable[[TelemetrySample], None],
 ) -> Connection:
     """Link to the chain's head and tail (and the draft), check the chain with Hello, follow telemetry."""
     from fleettui.runtime.chat_format import ChatFormat
@@ -58,9 +59,8 @@ async def connect(
         coordinator.policy.fixed_k = k if drafter is not None else 0
     hops: dict[str, float] = {}
 
-    def sample_with_hop(sample: dict[str, object]) -> None:
-        name = str(sample.get("name", ""))
-        on_sample({**sample, "hop_ms": round(hops[name], 2)} if name in hops else sample)
+    def sample_with_hop(sample: TelemetrySample) -> None:
+        on_sample(replace(sample, hop_ms=round(hops[sample.name], 2)) if sample.name in hops else sample)
 
     feed = TelemetryFeed(
         [(p.telemetry_url, p.server_key) for p in deployment.placements], deployment.keys, sample_with_hop

@@ -56,6 +56,7 @@ from fleettui.provision.events import ProvisionEvent
 from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
+from remote_worker.replies import PingReply, TelemetrySample
 
 __all__ = [
     "ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides",
@@ -85,14 +86,14 @@ class FleetController:
         self._on_event = on_event or (lambda event: None)
         self.lease = lease
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
-        self.samples: dict[str, dict[str, object]] = {}
+        self.samples: dict[str, TelemetrySample] = {}
         self.target: CompiledModel | None = None
         self.draft: CompiledModel | None = None
         self.deployment: Deployment | None = None
         self.record: DeploymentRecord | None = None
         self.attached = False  # True: serving a deployment another command launched
         self.launched: list[Launched] = []
-        self.ready_replies: dict[str, dict[str, object]] = {}
+        self.ready_replies: dict[str, PingReply] = {}
         self._connection: Connection | None = None
         self._lease: Lease | None = None
 
@@ -111,8 +112,8 @@ class FleetController:
     def fail(self, name: str, reason: str) -> None:
         self._set_state(name, Failed(reason))
 
-    def _on_sample(self, sample: dict[str, object]) -> None:
-        name = str(sample.get("name", ""))
+    def _on_sample(self, sample: TelemetrySample) -> None:
+        name = sample.name
         self.samples[name] = sample
         if name in self.states:
             self._set_state(name, next_state(self.states[name], sample))
@@ -123,7 +124,7 @@ class FleetController:
     def coordinator(self) -> Coordinator | None:
         return self._connection.coordinator if self._connection else None
 
-    def telemetry(self) -> Mapping[str, Mapping[str, object]]:
+    def telemetry(self) -> Mapping[str, TelemetrySample]:
         return self.samples
 
     def worker_pids(self) -> dict[str, int]:
@@ -321,7 +322,7 @@ class FleetController:
             raise
         self.ready_replies[name] = reply
         self._set_state(name, Ready())
-        self._emit(LogLine(name, f"ready (pid {reply.get('pid')})"))
+        self._emit(LogLine(name, f"ready (pid {reply.pid})"))
 
     async def _bring_up_remote(self, launcher: SshLauncher, placement: Placement) -> None:
         launched = await launcher.start(placement)

@@ -27,6 +27,7 @@ from fleettui.control.deployment import Deployment, Placement, write_config
 from fleettui.control.store import ProcessId
 from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent
 from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
+from remote_worker.replies import PingReply
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class StageLauncher(Protocol):
 
     async def start(self, placement: Placement) -> Launched: ...
 
-    async def handshake(self, launched: Launched, timeout: float) -> dict[str, object]: ...
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply: ...
 
     async def stop(self, launched: Launched) -> str: ...
 
@@ -60,12 +61,10 @@ async def handshake(
     keys: ClientKeys | None,
     timeout: float,
     failure: Callable[[], str | None] = lambda: None,
-) -> dict[str, object]:
+) -> PingReply:
     """The one handshake: ping the stage's control socket until it says ready (CurveZMQ when keyed)."""
     try:
-        return dict(
-            await wait_until_ready(placement.control_url, keys, placement.server_key, timeout, failure)
-        )
+        return await wait_until_ready(placement.control_url, keys, placement.server_key, timeout, failure)
     except LinkError as error:
         raise LaunchError(f"{placement.config.name}: {error}") from None
 
@@ -138,7 +137,7 @@ class LocalLauncher:
     async def start(self, placement: Placement) -> Launched:
         return spawn(placement, self.python)
 
-    async def handshake(self, launched: Launched, timeout: float) -> dict[str, object]:
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply:
         def exited() -> str | None:
             if launched.popen is None or launched.popen.poll() is None:
                 return None
@@ -275,7 +274,7 @@ class SshLauncher:
             raise LaunchError(str(ProvisionError(host.name, result.step, result.error or "failed")))
         return Launched(configured.get("placement", placement), None)
 
-    async def handshake(self, launched: Launched, timeout: float) -> dict[str, object]:
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply:
         return await handshake(launched.placement, self.keys, timeout)
 
     async def stop(self, launched: Launched) -> str:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
+
+from remote_worker.replies import TelemetrySample
+
+__all__ = ["TelemetrySample"]  # re-exported: the UI reads samples through the control layer
 
 
 @dataclass(frozen=True)
@@ -44,15 +48,13 @@ class Failed:
 StageState = Union[Idle, Provisioning, Loading, Ready, Serving, Failed]
 
 
-def next_state(current: StageState, sample: dict[str, Any] | None) -> StageState:
+def next_state(current: StageState, sample: TelemetrySample | None) -> StageState:
     """The state a telemetry sample implies (a failure stays until the stage is redeployed)."""
     if isinstance(current, Failed) or sample is None:
         return current
-    if sample.get("state") != "ready":
+    if sample.state != "ready":
         return Loading()
-    sessions = int(sample.get("sessions") or 0)
-    busy = float(sample.get("busy") or 0.0)
-    return Serving(sessions) if sessions and busy > 0.0 else Ready()
+    return Serving(sample.sessions) if sample.sessions and sample.busy > 0.0 else Ready()
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class LogLine:
 @dataclass(frozen=True)
 class Telemetry:
     name: str
-    sample: dict[str, Any]
+    sample: TelemetrySample
 
 
 ControllerEvent = Union[StageChanged, Progress, LogLine, Telemetry]

@@ -8,7 +8,7 @@ from typing import Any
 
 from textual.message import Message
 
-from fleettui.control.states import StageState
+from fleettui.control.states import StageState, TelemetrySample
 
 
 @dataclass
@@ -22,7 +22,7 @@ class TelemetrySampled(Message):
     """About one sample a second per stage; a newer sample of the same stage supersedes a queued one."""
 
     name: str
-    sample: dict[str, Any]
+    sample: TelemetrySample
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, TelemetrySampled) and message.name == self.name
