@@ -16,7 +16,7 @@ from tui_fakes import FakeController, demo_fleet, sample
 
 from fleettui.config.fleet import load_fleet
 from fleettui.control.controller import generation_params
-from fleettui.control.states import Failed, Ready, Serving
+from fleettui.control.states import Failed, Progress, Ready, Serving
 from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
@@ -106,7 +106,7 @@ def test_newer_telemetry_of_the_same_stage_supersedes_a_queued_one():
     a, b = sample("a", 0, 0), sample("b", 1, 0)
     older, newer, other = (TelemetrySampled("a", a), TelemetrySampled("a", a), TelemetrySampled("b", b))
     assert older.can_replace(newer) and not older.can_replace(other)
-    assert not older.can_replace(DeployProgressed("a", "shard", 1, 2, ""))
+    assert not older.can_replace(DeployProgressed(Progress("a", "shard", 1, 2, "")))
 
 
 def test_help_rows_cover_every_app_binding():

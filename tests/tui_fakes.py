@@ -171,7 +171,7 @@ class FakeController:
             self._set(name, Ready())
             self._on_event(LogLine(name, "ready: stage up"))
         if remote:
-            self._on_event(Progress(remote[0], "shard", 12e6, 40e6))
+            self._on_event(Progress(remote[0], "shard", 12_000_000, 40_000_000))
             self._set(remote[0], Provisioning("shard"))
         if len(remote) > 1:
             self._set(remote[1], Failed("connect: [Errno 113] No route to host"))

@@ -19,14 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleettui.commands.running import run as run_loop
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.control.states import LogLine, Progress
+    from fleettui.control.states import LogLine, ProvisionEvent
 
     fleet = options.load(args)
 
     def show(event: object) -> None:
         if isinstance(event, LogLine) and event.source != "shard_compiler":
             print(f"[{event.source}] {event.text}", file=sys.stderr, flush=True)
-        elif isinstance(event, Progress) and event.step == "compile" and args.verbose:
+        elif isinstance(event, ProvisionEvent) and event.step == "compile" and args.verbose:
             print(f"[compile] {event.message}", file=sys.stderr, flush=True)
 
     controller = FleetController(fleet, on_event=show, settings=options.settings(args))

@@ -331,7 +331,7 @@ class FleetController:
 
     def _on_provision(self, event: ProvisionEvent) -> None:
         name, step, message = event.host, event.step, event.message
-        self._emit(Progress(name, step, event.bytes_done, event.bytes_total, message))
+        self._emit(event)
         if message:
             self._emit(LogLine(name, f"{step}: {message}"))
         state = provision_state(step, message)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Union
 
+from fleettui.provision.events import ProvisionEvent, Step
 from remote_worker.replies import TelemetrySample
 
 __all__ = ["TelemetrySample"]  # re-exported: the UI reads samples through the control layer
@@ -64,17 +65,6 @@ class StageChanged:
 
 
 @dataclass(frozen=True)
-class Progress:
-    """A step of preparing or deploying a host (bytes for transfers, a fraction for compiles)."""
-
-    name: str
-    step: str
-    done: float = 0.0
-    total: float = 0.0
-    message: str = ""
-
-
-@dataclass(frozen=True)
 class LogLine:
     source: str
     text: str
@@ -86,7 +76,8 @@ class Telemetry:
     sample: TelemetrySample
 
 
-ControllerEvent = Union[StageChanged, Progress, LogLine, Telemetry]
+Progress = ProvisionEvent  # the one deploy event, for compile steps too
+ControllerEvent = Union[StageChanged, ProvisionEvent, LogLine, Telemetry]
 
 
 @dataclass(frozen=True)
@@ -113,7 +104,7 @@ def fleet_phase(states: Mapping[str, StageState]) -> str:
     return "starting"
 
 
-def provision_state(step: str, message: str = "") -> StageState | None:
+def provision_state(step: Step, message: str = "") -> StageState | None:
     """The state a deploy step of an SSH host implies (None: no change)."""
     if step == "failed":
         return Failed(message or "deploy failed")

@@ -164,9 +164,7 @@ class FleetApp(App[int]):
         elif isinstance(event, StageChanged):
             self.post_message(StageStateChanged(event.name, event.state))
         elif isinstance(event, Progress):
-            self.post_message(
-                DeployProgressed(event.name, event.step, event.done, event.total, event.message)
-            )
+            self.post_message(DeployProgressed(event))
         elif isinstance(event, LogLine):
             self.post_message(LogWritten(event.source, event.text))
 
@@ -182,7 +180,8 @@ class FleetApp(App[int]):
 
     def on_deploy_progressed(self, message: DeployProgressed) -> None:
         for panel in self.query(DeployPanel):
-            panel.show_progress(message.name, message.step, message.done, message.total, message.text)
+            event = message.event
+            panel.show_progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
 
     def on_log_written(self, message: LogWritten) -> None:
         for pane in self.query(LogPane):  # none while the app shuts down

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleettui.control.states import Failed, Idle, StageState, TelemetrySample, next_state
+from fleettui.control.states import (
+    Failed,
+    Idle,
+    Provisioning,
+    Serving,
+    StageState,
+    TelemetrySample,
+    next_state,
+)
 from fleettui.ui.formatting import (
     Series,
     layers_text,
@@ -36,7 +44,7 @@ class StageView:
     def state_text(self) -> str:
         if isinstance(self.state, Failed):
             return f"failed: {self.state.reason}"
-        step = getattr(self.state, "step", "")
+        step = self.state.step if isinstance(self.state, Provisioning) else ""
         return f"{self.state.label} ({step})" if step else self.state.label
 
     def record(self, sample: TelemetrySample) -> None:
@@ -120,4 +128,4 @@ class FleetMonitor:
         self.version += 1
 
     def serving(self) -> list[str]:
-        return [name for name, view in self.stages.items() if view.state.label == "serving"]
+        return [name for name, view in self.stages.items() if isinstance(view.state, Serving)]
