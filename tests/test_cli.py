@@ -111,3 +111,28 @@ def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(capsys: pytest.Cap
         "fleettui: --spec-k: 40 is out of range 0..16",
         "fleettui: --max-tokens: 0 must be at least 1",
     ]
+
+
+def test_a_start_on_held_ports_fails_at_once_naming_the_port_and_its_holder(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    from fleettui.control.deployment import free_port_block
+
+    base = free_port_block()
+    path = tmp_path / "fleet.toml"
+    path.write_text(f'[[hosts]]\nname = "a"\nbase_port = {base}\n')
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 1))
+        holder.listen()
+        result = run("ask", str(path), "Hi")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"fleettui: port {base + 1} of a is held by pid {os.getpid()} ({' '.join(psutil_cmdline())})"
+    )
+
+
+def psutil_cmdline() -> list[str]:
+    import psutil
+
+    return psutil.Process().cmdline()[:6]

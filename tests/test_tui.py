@@ -410,3 +410,12 @@ async def test_real_fleet_serves_two_sessions_at_once():
         assert {host.name for host in app.fleet.hosts} <= served_both
         assert all(s.replies[-1].text and "failed" not in s.replies[-1].classes for s in chat.sessions)
         await quit_stopping_the_fleet(pilot, app, pids)
+
+
+def test_what_next_is_a_function_of_the_stage_states():
+    from fleettui.control.states import Idle, Loading, next_step
+
+    assert next_step({"a": Idle(), "b": Idle()}) == "launch"
+    assert next_step({"a": Ready(), "b": Loading()}) == "wait"
+    assert next_step({"a": Ready(), "b": Serving(2)}) == "serve"
+    assert next_step({"a": Serving(1), "b": Failed("lost")}) == "recover"

@@ -183,7 +183,7 @@ class FleetController:
         `endpoint_map` reroutes every data link of the chain (e.g. through the bench's hop-delay proxies);
         such a fleet is never attached to nor recorded.
         """
-        if self.coordinator is not None:
+        if self.coordinator is not None:  # connected already (a failed stage is recovery's business)
             return self.coordinator
         if attach and endpoint_map is None and await self.attach():
             assert self.coordinator is not None
@@ -256,6 +256,13 @@ class FleetController:
     async def _launch(
         self, ready_timeout: float, endpoint_map: Callable[[Endpoint], Endpoint] | None, record: bool
     ) -> Coordinator:
+        local_hosts = [host for host in self.fleet.hosts if host.is_local]
+        try:
+            check_ports(local_hosts)  # before anything is compiled or started
+        except LaunchError as error:
+            for host in local_hosts:
+                self.fail(host.name, str(error))
+            raise ControllerError(str(error)) from None
         if self.target is None:
             await self.prepare()
         assert self.target is not None
@@ -275,12 +282,6 @@ class FleetController:
             deployment = replace(deployment, stages=stages)
         self.deployment = deployment
         local = [p for p in deployment.placements if p.host.is_local]
-        try:
-            check_ports(local)
-        except LaunchError as error:
-            for placement in local:
-                self.fail(placement.config.name, str(error))
-            raise ControllerError(str(error)) from None
         local_launcher = LocalLauncher(deployment.keys)
         for placement in local:
             self._set_state(placement.config.name, Loading())

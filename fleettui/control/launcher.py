@@ -16,13 +16,13 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 from fleettui.config import paths
-from fleettui.config.fleet import Fleet
+from fleettui.config.fleet import Fleet, Host
 from fleettui.control.deployment import Deployment, Placement, write_config
 from fleettui.control.store import ProcessId
 from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent
@@ -89,17 +89,13 @@ def port_holder(port: int) -> str | None:
     return None
 
 
-def check_ports(placements: list[Placement]) -> None:
-    """Fail at once, naming the port and its holder, when a local stage's port is taken."""
-    for placement in placements:
-        config = placement.config
-        ports = [config.data_port, config.control_port, config.telemetry_port, config.result_port]
-        for port in ports:
-            if port is None:
-                continue
+def check_ports(hosts: Sequence[Host]) -> None:
+    """Fail at once, naming the port and its holder, when a port of a local stage is taken."""
+    for host in hosts:
+        for port in (host.data_port, host.control_port, host.telemetry_port, host.result_port):
             holder = port_holder(port)
             if holder is not None:
-                raise LaunchError(f"port {port} of {config.name} is held by {holder}")
+                raise LaunchError(f"port {port} of {host.name} is held by {holder}")
 
 
 def run_folder(deployment: str) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Literal, Union
 
 from fleettui.provision.events import ProvisionEvent, Step
 from remote_worker.replies import TelemetrySample
@@ -92,16 +92,20 @@ class ModelInfo:
     exact: bool
 
 
-def fleet_phase(states: Mapping[str, StageState]) -> str:
-    """What the fleet as a whole is doing, from its stages' states alone: idle, starting, ready or failed."""
+NextStep = Literal["launch", "wait", "serve", "recover"]
+
+
+def next_step(states: Mapping[str, StageState]) -> NextStep:
+    """What to do next, from the stages' states alone: launch (all idle), wait (some provisioning or loading),
+    serve (all ready or serving) or recover (a stage failed)."""
     values = list(states.values())
     if any(isinstance(state, Failed) for state in values):
-        return "failed"
+        return "recover"
     if values and all(isinstance(state, (Ready, Serving)) for state in values):
-        return "ready"
+        return "serve"
     if all(isinstance(state, Idle) for state in values):
-        return "idle"
-    return "starting"
+        return "launch"
+    return "wait"
 
 
 def provision_state(step: Step, message: str = "") -> StageState | None:

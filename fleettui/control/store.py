@@ -215,16 +215,6 @@ def with_owner(record: DeploymentRecord, owner: int | None) -> DeploymentRecord:
     return replace(record, owner=ProcessId.of(owner) if owner is not None else None)
 
 
-def all_records() -> list[DeploymentRecord]:
-    found = []
-    for path in sorted(paths.deployments_dir().glob("*.json")):
-        try:
-            found.append(DeploymentRecord.from_json(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
-
-
 def staleness(record: DeploymentRecord, fleet: Fleet) -> str | None:
     """Why the record no longer describes a running fleet of this file, or None when it does (local check)."""
     dead = [s.name for s in record.stages if s.local and s.process is not None and not s.process.alive()]

@@ -15,7 +15,15 @@ from textual.worker import Worker, WorkerState
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.api import ControlFactory, FleetControl
-from fleettui.control.states import ControllerEvent, Failed, LogLine, Progress, StageChanged, Telemetry
+from fleettui.control.states import (
+    ControllerEvent,
+    Failed,
+    LogLine,
+    Progress,
+    StageChanged,
+    Telemetry,
+    next_step,
+)
 from fleettui.control.store import Settings
 from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.formatting import stats_text, truncate
@@ -295,7 +303,7 @@ class FleetApp(App[int]):
         )
 
     def action_deploy(self) -> None:
-        if self.ready:
+        if self.ready and next_step(self.controller.states) in ("serve", "wait"):
             self.notify("The fleet is already running.")
             return
         self.deploy()
