@@ -108,6 +108,9 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     legacy = fleettui(str(fleet_file), "--ask", "Say hi.", "--max-tokens", "4")
     assert legacy.returncode == 0 and our_workers() == pids
 
+    logs = fleettui("logs", str(fleet_file), "-n", "5")
+    assert logs.returncode == 0
+    assert {"[a]", "[b]", "[draft]"} <= {line.split(" ", 1)[0] for line in logs.stdout.splitlines()}
     status = fleettui("status", str(fleet_file), "--json")
     assert status.returncode == 0, status.stdout + status.stderr
     listed = json.loads(status.stdout)
