@@ -9,6 +9,7 @@ from fleettui.config.fleet import Fleet
 from fleettui.control import store
 from fleettui.control.store import DeploymentRecord
 from fleettui.runtime.transport import control_request
+from remote_worker.replies import PingReply, ReplyError
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,20 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
         if stage.process is not None and not stage.process.alive():
             state = "exited"
         else:
-            reply = await control_request(
+            answer = await control_request(
                 placement.control_url, {"op": "ping"}, record.keys, placement.server_key, 2.0
             )
-            if reply is None:
-                state = "no answer"
-            elif reply.get("deployment") != record.id:
-                state = f"another deployment ({reply.get('deployment')}) answers"
+            try:
+                reply = None if answer is None else PingReply.parse(answer)
+            except ReplyError as error:
+                reply, state = None, f"a malformed answer ({error})"
             else:
-                state = str(reply.get("state", "?"))
-                pid = pid if pid is not None else _int(reply.get("pid"))
+                state = "no answer"
+            if reply is not None and reply.deployment != record.id:
+                state = f"another deployment ({reply.deployment}) answers"
+            elif reply is not None:
+                state = reply.state
+                pid = pid if pid is not None else reply.pid
         return WorkerStatus(stage.name, stage.role, stage.host, stage.connect_address, ports, pid, state)
 
     workers = tuple(await asyncio.gather(*(one(stage) for stage in record.stages)))
@@ -90,7 +95,3 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
         )
     owner = store.busy_owner(record)
     return StatusReport(record, workers, stale, owner.pid if owner else None)
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) else None
