@@ -220,6 +220,8 @@ def staleness(record: DeploymentRecord, fleet: Fleet) -> str | None:
     dead = [s.name for s in record.stages if s.local and s.process is not None and not s.process.alive()]
     if dead:
         return f"deployment {record.id} is stale: {', '.join(dead)} no longer running"
+    if record.owner is not None and not record.owner.alive():  # its workers' lease is lapsing
+        return f"deployment {record.id} is stale: the process that started it (pid {record.owner.pid}) exited"
     if record.fleet_hash and fleet_hash(fleet) != record.fleet_hash:
         return f"deployment {record.id} is stale: {record.fleet_path} changed since it was deployed"
     return None
