@@ -91,7 +91,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     deployed = fleettui("deploy", str(fleet_file))
     assert deployed.returncode == 0, deployed.stderr
     record = store.load(load_fleet(fleet_file))
-    assert record is not None and record.owner is None
+    assert record is not None and record.owner is None and record.holder is None
     pids = set(record.pids().values())
     assert len(pids) == 3 and our_workers() == pids  # two stages and the draft
     run_dir = Path(record.run_dir or "")
@@ -138,7 +138,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
         await wait_until(pilot, lambda: app.return_code is not None, 60, "the app to detach and exit")
     assert our_workers() == pids
     left = store.load(load_fleet(fleet_file))
-    assert left is not None and left.owner is None and left.id == record.id
+    assert left is not None and left.owner is None and left.holder is None and left.id == record.id
 
     stopped = fleettui("stop", str(fleet_file))
     assert stopped.returncode == 0, stopped.stderr

@@ -64,3 +64,12 @@ def test_stale_records_say_why_and_only_their_own_record_is_removed(tmp_path: Pa
 def test_a_pid_reused_by_another_process_is_not_the_recorded_one() -> None:
     me = ProcessId.of(os.getpid())
     assert me.alive() and not ProcessId(os.getpid(), (me.started or 0) - 100).alive()
+
+
+def test_a_dead_attached_process_frees_the_fleet_without_making_it_stale(tmp_path: Path) -> None:
+    path = a_fleet(tmp_path)
+    deployed = store.handed_over(a_record(path, ProcessId.of(os.getpid()), owner=os.getpid()))
+    held = store.held_by(deployed, dead_process().pid)
+    assert store.staleness(held, load_fleet(path)) is None and store.busy_owner(held) is None
+    parent = store.held_by(deployed, os.getppid())
+    assert store.busy_owner(parent) == ProcessId.of(os.getppid())

@@ -225,7 +225,7 @@ class FleetController:
         self.fleet = apply(self.base_fleet, found.settings)
         self.deployment = deployment
         self.target = CompiledModel(Path(found.target_dir), load_manifest(Path(found.target_dir)))
-        self.record = store.with_owner(found, os.getpid())
+        self.record = store.held_by(found, os.getpid())
         store.save(self.record)
         self.attached = True
         self._emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
@@ -421,7 +421,9 @@ class FleetController:
         await self._release()
         lines = []
         if self.record is not None:
-            self.record = store.with_owner(self.record, None)
+            self.record = (
+                store.handed_over(self.record) if not self.attached else store.held_by(self.record, None)
+            )
             path = store.save(self.record)
             lines.append(
                 f"deployment {self.record.id} left running ({len(self.record.stages)} workers), record {path}"

@@ -97,7 +97,8 @@ class DeploymentRecord:
     stages: tuple[StageRecord, ...]
     run_dir: str | None
     created: float = field(default_factory=time.time)
-    owner: ProcessId | None = None  # the process that holds the fleet now (None: deployed, free to attach)
+    owner: ProcessId | None = None  # the process that started it and keeps its lease (None: deployed)
+    holder: ProcessId | None = None  # the process using it now (the owner or an attached one)
 
     def deployment(self, fleet: Fleet) -> Deployment:
         """The placements again (hosts from the fleet file where it still names them)."""
@@ -123,6 +124,7 @@ class DeploymentRecord:
             "run_dir": self.run_dir,
             "created": self.created,
             "owner": vars(self.owner) if self.owner else None,
+            "holder": vars(self.holder) if self.holder else None,
             "stages": [
                 {
                     "host": s.host,
@@ -163,6 +165,7 @@ class DeploymentRecord:
             run_dir=document["run_dir"],
             created=float(document["created"]),
             owner=ProcessId(**document["owner"]) if document["owner"] else None,
+            holder=ProcessId(**document["holder"]) if document.get("holder") else None,
         )
 
 
@@ -211,8 +214,14 @@ def remove(record: DeploymentRecord) -> None:
         path.unlink(missing_ok=True)
 
 
-def with_owner(record: DeploymentRecord, owner: int | None) -> DeploymentRecord:
-    return replace(record, owner=ProcessId.of(owner) if owner is not None else None)
+def held_by(record: DeploymentRecord, holder: int | None) -> DeploymentRecord:
+    """The record while `holder` uses the fleet (None: free to attach)."""
+    return replace(record, holder=ProcessId.of(holder) if holder is not None else None)
+
+
+def handed_over(record: DeploymentRecord) -> DeploymentRecord:
+    """The record of a fleet left running: no owner (no lease), nobody holding it."""
+    return replace(record, owner=None, holder=None)
 
 
 def staleness(record: DeploymentRecord, fleet: Fleet) -> str | None:
@@ -229,10 +238,10 @@ def staleness(record: DeploymentRecord, fleet: Fleet) -> str | None:
 
 def busy_owner(record: DeploymentRecord) -> ProcessId | None:
     """The other live process that holds this fleet now, if any."""
-    owner = record.owner
-    if owner is None or owner.pid == os.getpid() or not owner.alive():
+    holder = record.holder
+    if holder is None or holder.pid == os.getpid() or not holder.alive():
         return None
-    return owner
+    return holder
 
 
 def record_of(
@@ -264,4 +273,5 @@ def record_of(
         stages=tuple(stages),
         run_dir=str(paths.state_dir() / "runs" / deployment.id),
         owner=ProcessId.of(owner) if owner is not None else None,
+        holder=ProcessId.of(owner) if owner is not None else None,
     )
