@@ -195,13 +195,13 @@ class FleetController:
         found = store.load(self.base_fleet)
         if found is None:
             return False
-        reason = store.staleness(found, self.base_fleet)
         owner = store.busy_owner(found)
-        if reason is None and owner is not None:
+        if owner is not None:  # even a stale fleet is that process's to recover or stop
             raise ControllerError(
                 f"{found.fleet_path} is in use by pid {owner.pid} (deployment {found.id}); "
                 "wait for it, or `fleettui stop` the fleet"
             )
+        reason = store.staleness(found, self.base_fleet)
         if reason is None:
             self._check_settings(found)
             deployment = found.deployment(apply(self.base_fleet, found.settings))
