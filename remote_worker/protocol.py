@@ -393,9 +393,19 @@ def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposa
         return None
     if len(spec) != DECODE.size:
         raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
-    (temperature, top_p, top_k, k, support, top_logprobs, n_uniforms, frequency, presence, repetition, n_ids) = (
-        DECODE.unpack(spec)
-    )
+    (
+        temperature,
+        top_p,
+        top_k,
+        k,
+        support,
+        top_logprobs,
+        n_uniforms,
+        frequency,
+        presence,
+        repetition,
+        n_ids,
+    ) = DECODE.unpack(spec)
     if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
         raise ProtocolError(f"decode: temperature {temperature} out of range")
     if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):

@@ -234,7 +234,9 @@ def test_repetition_penalty_follows_hf_over_the_whole_context() -> None:
     assert penalize(logits, Decode()) is logits  # no penalty: no copy
 
 
-def _sequential_penalized_greedy(logits: np.ndarray, base: dict[int, int], seen: set[int], **p: float) -> list:
+def _sequential_penalized_greedy(
+    logits: np.ndarray, base: dict[int, int], seen: set[int], **p: float
+) -> list:
     """Plain decoding, one token at a time, each position penalized by what was emitted before it."""
     counts, context, tokens = dict(base), set(seen), []
     for row in logits:

@@ -232,8 +232,13 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
         client.send_raw(frames)
     client.send(Result(1, 1, np.array([5], np.int64), 0))  # well formed, but no stage expects a Result
     client.send(Control(Kind.OPEN, 1, 2))
+    # a sound header with a bad body is answered (so the coordinator fails fast); the rest is dropped
+    refusals = [client.receive(), client.receive()]
+    assert all(isinstance(r, Error) and r.stage == 0 and r.session == 1 and r.seq == 1 for r in refusals)
+    assert "open" in refusals[0].message and "step" in refusals[1].message  # type: ignore[union-attr]
     assert isinstance(opened := client.receive(), Ack) and opened.kind == Kind.OPEN and opened.session == 1
-    assert client.control(first, {"op": "stats"})["dropped"] == len(garbage) + 1  # type: ignore[index]
+    stats = client.control(first, {"op": "stats"})
+    assert stats is not None and stats["dropped"] == len(garbage) - 2 + 1 and stats["rejected"] == 2
 
     # plain greedy decoding through both processes
     from shards import chat_ids
@@ -302,7 +307,7 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
     assert isinstance(error, Error) and error.stage == 0 and error.seq == 30 and "12345" in error.message
     stats = client.control(last, {"op": "stats"})
     assert stats is not None and stats["sessions"]["1"]["cache_len"] == len(prompt) + 6
-    assert stats["handled"]["Error"] == 1 and stats["handled"]["Step"] == 11
+    assert stats["handled"]["Error"] == 3 and stats["handled"]["Step"] == 11
 
     # telemetry: one JSON sample about once a second
     subscriber = client.context.socket(zmq.SUB)
@@ -554,6 +559,7 @@ class _FakeEngine:
     """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output is chosen."""
 
     is_first, is_last = True, False
+    hidden_size = 4
 
     def __init__(self, output: np.ndarray) -> None:
         from remote_worker.manifest import LayerRange
@@ -570,6 +576,9 @@ class _FakeEngine:
 
     def has(self, session: int) -> bool:
         return session in self.sessions
+
+    def mark_broken(self, session: int, reason: str) -> None:
+        self.broken = reason
 
     def step(
         self,
