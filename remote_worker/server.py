@@ -40,6 +40,8 @@ from remote_worker.telemetry import StageStats, encode_sample, rss_megabytes
 logger = logging.getLogger(__name__)
 
 MAX_QUEUE = 4096  # messages waiting, whatever their size; beyond this new ones are refused
+MAX_MESSAGE_BYTES = 512 << 20  # larger data messages make ZeroMQ drop the connection; smaller ones over
+# the inbox's byte budget are refused with an Error
 CONTROL_MAX_MESSAGE = 16 << 20  # ZeroMQ drops the connection of a peer sending more (no reply possible)
 SMALL_MAX_MESSAGE = 64 << 10  # telemetry PUB and a bound result PUSH only ever receive subscriptions
 SEND_TIMEOUT_MS = 10_000  # a send that cannot complete (no coordinator) errors instead of hanging
@@ -107,7 +109,7 @@ class StageServer:
     def bind(self) -> None:
         """Create and bind/connect every socket (call after the engine compiled)."""
         config = self.config
-        self.data = self._socket(zmq.PULL, "data", config.max_queue_bytes)
+        self.data = self._socket(zmq.PULL, "data", MAX_MESSAGE_BYTES)
         self.data.rcvhwm = 64
         self.security.server(self.data)
         self.data.bind(self._url(config.data_port))

@@ -278,7 +278,13 @@ class FleetController:
         from fleettui.runtime.chat_format import ChatFormat
 
         chat_format = ChatFormat(self.target.directory, self.target.manifest)
-        coordinator = Coordinator(link, chat_format, drafter, max_k=self.fleet.speculation.max_k)
+        coordinator = Coordinator(
+            link,
+            chat_format,
+            drafter,
+            max_k=self.fleet.speculation.max_k,
+            context_length=self.target.manifest.max_position_embeddings,
+        )
         k = self.fleet.speculation.k
         if isinstance(k, int):
             coordinator.policy.fixed_k = k if drafter is not None else 0
