@@ -425,7 +425,26 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
             stranger.receive(timeout=1.0)
         stats = trusted.control(worker, {"op": "stats"})
         assert stats is not None and stats["steps"] == 0 and stats["sessions"] == {} and stats["dropped"] == 0
-        assert stats["refused_clients"] >= 1
+        assert stats["refused_clients"] >= 1 and stats["refused"] >= 1  # ZAP refusals fail the handshake too
+
+        # a peer with the wrong server key fails the CURVE handshake before ZAP: counted and logged as well
+        stranger.close()
+        before = trusted.control(worker, {"op": "ping"})["refused"]  # type: ignore[index]
+        impostor = zmq.Context()
+        wrong = impostor.socket(zmq.PUSH)
+        wrong.linger = 0
+        wrong.curve_publickey, wrong.curve_secretkey = (key.encode() for key in coordinator)
+        wrong.curve_serverkey = generate_keypair()[0].encode()
+        wrong.connect(worker.url(worker.config.data_port))
+        try:
+            deadline = time.monotonic() + 30
+            while "HANDSHAKE_FAILED_PROTOCOL" not in worker.log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ping = trusted.control(worker, {"op": "ping"})
+            assert ping is not None and ping["refused"] > before
+            assert "refused a peer on data" in worker.log.read_text()
+        finally:
+            impostor.destroy(linger=0)
 
         trusted.send(Control(Kind.OPEN, 1, 1))
         trusted.send(Step(1, 2, 0, 0, NO_RANGES, hidden=hidden))
