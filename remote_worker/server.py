@@ -472,7 +472,8 @@ class StageServer:
             self.stats.errors += 1
             reason = _one_line(error)
             session = getattr(message, "session", 0)
-            logger.error("%s session %d seq %d failed: %s", kind, session, message.seq, reason)
+            if _rarely(self.stats.errors):
+                logger.error("%s session %d seq %d failed: %s", kind, session, message.seq, reason)
             self._send(protocol.Error(session, message.seq, self.config.stage_index, reason))
         finally:
             self.stats.busy_seconds += time.time() - started
