@@ -22,7 +22,9 @@ else:  # pragma: no cover - Python 3.10
 logger = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
-DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"  # ships in the wheel; a copy of fleets/local.toml
+DEFAULT_FLEET = (
+    Path(__file__).resolve().parent / "local.toml"
+)  # ships in the wheel; a copy of fleets/local.toml
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class Generation:
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
 
 
-def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, object]:
+def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
     """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
 
     The last stage adds the verify window's draft tokens itself, position by position (exact under
