@@ -26,7 +26,7 @@ from typing import Any, Union
 import numpy as np
 
 MAGIC = b"FLTW"
-VERSION = 1
+VERSION = 2  # 2: Decode carries penalties (three floats, unique context ids and their counts)
 MAX_TOKENS_PER_STEP = 1 << 16
 MAX_MASK_RANGES = 1 << 14
 MAX_DRAFT = 64
@@ -34,11 +34,16 @@ MAX_SUPPORT = 1024
 MAX_TOP = 32
 MAX_TRACE = 256
 MAX_TEXT = 4096
+MAX_PENALTY_IDS = 1 << 18
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
 
 # magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
 HEADER = struct.Struct("<4sHBBIIIIIIII")
-# temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms
-DECODE = struct.Struct("<ffIHHHH")
+# temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms,
+# frequency_penalty, presence_penalty, repetition_penalty, n_penalty_ids
+DECODE = struct.Struct("<ffIHHHHfffI")
+DECODE_FRAMES = 7  # spec, draft tokens, draft ids, draft probs, uniforms, penalty ids, penalty counts
 
 FLAG_F16 = 1  # hidden payload is float16 (else float32)
 
@@ -61,6 +66,20 @@ class ProtocolError(ValueError):
     """A frame that must be dropped; the message says why in one line."""
 
 
+class RequestError(ProtocolError):
+    """A request whose header is sound but whose body is not: it is answered with an Error, not dropped.
+
+    `kind`, `session` and `seq` come from the validated header, so the refusal can travel down the chain to
+    the coordinator and fail the request at once instead of leaving it to time out.
+    """
+
+    def __init__(self, reason: str, kind: Kind, session: int, seq: int) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.session = session
+        self.seq = seq
+
+
 @dataclass(frozen=True)
 class Decode:
     """What the last stage must compute from the logits of a Step's trailing positions.
@@ -71,6 +90,12 @@ class Decode:
     [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed.
     temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
     position of the untempered distribution.
+
+    Penalties are applied to the logits before greedy choice, sampling and acceptance. `penalty_ids` are the
+    sorted unique token ids of the context before the scored window (prompt + reply so far) and
+    `penalty_counts` how often each occurs in the reply so far; position j also counts draft tokens 0..j-1.
+    `repetition_penalty` (HF/CTRL) applies to every context id, `frequency_penalty` x count and
+    `presence_penalty` (OpenAI) to the ids with a count above 0.
     """
 
     temperature: float = 0.0
@@ -81,6 +106,15 @@ class Decode:
     draft_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
     uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    penalty_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -220,7 +254,7 @@ def _raw(array: np.ndarray, dtype: type) -> memoryview:
 
 def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
     if decode is None:
-        return [b"", b"", b"", b"", b""]
+        return [b""] * DECODE_FRAMES
     k = len(decode.draft_tokens)
     support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
     spec = DECODE.pack(
@@ -231,6 +265,10 @@ def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         support,
         int(decode.top_logprobs),
         len(decode.uniforms),
+        float(decode.frequency_penalty),
+        float(decode.presence_penalty),
+        float(decode.repetition_penalty),
+        len(decode.penalty_ids),
     )
     return [
         spec,
@@ -238,6 +276,8 @@ def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         _raw(decode.draft_ids, np.int64),
         _raw(decode.draft_probs, np.float32),
         _raw(decode.uniforms, np.float64),
+        _raw(decode.penalty_ids, np.int64),
+        _raw(decode.penalty_counts, np.int32),
     ]
 
 
@@ -346,14 +386,26 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
 
 def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
     """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
-    spec, tokens, ids, probs, uniforms = frames
+    spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
             raise ProtocolError("decode: arrays without a decode header")
         return None
     if len(spec) != DECODE.size:
         raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
-    temperature, top_p, top_k, k, support, top_logprobs, n_uniforms = DECODE.unpack(spec)
+    (
+        temperature,
+        top_p,
+        top_k,
+        k,
+        support,
+        top_logprobs,
+        n_uniforms,
+        frequency,
+        presence,
+        repetition,
+        n_ids,
+    ) = DECODE.unpack(spec)
     if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
         raise ProtocolError(f"decode: temperature {temperature} out of range")
     if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):
@@ -377,7 +429,34 @@ def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposa
         raise ProtocolError("decode: negative draft proposal id")
     if draft_probs.size and not bool(np.all(np.isfinite(draft_probs) & (draft_probs >= 0.0))):
         raise ProtocolError("decode: draft probabilities must be finite and non-negative")
-    return Decode(temperature, top_p, top_k, draft_tokens, draft_ids, draft_probs, u, top_logprobs)
+    for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+        if not (np.isfinite(value) and abs(value) <= MAX_PENALTY):
+            raise ProtocolError(f"decode: {name} {value} out of range")
+    if not (np.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+        raise ProtocolError(f"decode: repetition_penalty {repetition} out of range")
+    if n_ids > MAX_PENALTY_IDS:
+        raise ProtocolError(f"decode: {n_ids} penalty ids is too many")
+    context_ids = _array(penalty_ids, np.int64, n_ids, "penalty ids")
+    counts = _array(penalty_counts, np.int32, n_ids, "penalty counts")
+    if n_ids and (int(context_ids[0]) < 0 or bool(np.any(np.diff(context_ids) <= 0))):
+        raise ProtocolError("decode: penalty ids must be unique, sorted and non-negative")
+    if n_ids and int(counts.min()) < 0:
+        raise ProtocolError("decode: negative penalty count")
+    return Decode(
+        temperature,
+        top_p,
+        top_k,
+        draft_tokens,
+        draft_ids,
+        draft_probs,
+        u,
+        top_logprobs,
+        frequency,
+        presence,
+        repetition,
+        context_ids,
+        counts,
+    )
 
 
 def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
@@ -408,10 +487,37 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     except ValueError:
         raise ProtocolError(f"header: unknown kind {kind_value}") from None
     body = frames[1:]
+    if kind in _REQUESTS:
+        try:
+            return _request(kind, body, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+        except ProtocolError as error:  # the header is sound: say so to whoever sent it
+            raise RequestError(str(error), kind, session, seq) from None
+    return _reply(kind, body, session, seq, n, count_a, count_b)
 
+
+_REQUESTS = frozenset({Kind.HELLO, Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT, Kind.STEP, Kind.PROPOSE})
+
+
+def _expect(kind: Kind, body: Sequence[bytes | memoryview], count: int) -> None:
+    if len(body) != count:
+        raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+
+
+def _request(
+    kind: Kind,
+    body: Sequence[bytes | memoryview],
+    flags: int,
+    session: int,
+    seq: int,
+    pos0: int,
+    cache_len: int,
+    n: int,
+    width: int,
+    count_a: int,
+    count_b: int,
+) -> Message:
     def expect(count: int) -> None:
-        if len(body) != count:
-            raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+        _expect(kind, body, count)
 
     if kind == Kind.HELLO:
         expect(1)
@@ -420,7 +526,7 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         expect(0)
         return Control(kind, session, seq, cache_len)
     if kind == Kind.STEP:
-        expect(8)
+        expect(3 + DECODE_FRAMES)
         if not 0 < n <= MAX_TOKENS_PER_STEP:
             raise ProtocolError(f"step: {n} tokens")
         ranges = _ranges(body[0], count_a)
@@ -435,10 +541,11 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             dtype = np.float16 if flags & FLAG_F16 else np.float32
             hidden = _array(body[1], dtype, n * width, "hidden").reshape(n, width)
             tokens = None
-        step_decode = _parse_decode(body[2:7], n - 1)
-        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, _trace(body[7]))
+        step_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
+        trace = _trace(body[2 + DECODE_FRAMES])
+        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace)
     if kind == Kind.PROPOSE:
-        expect(7)
+        expect(2 + DECODE_FRAMES)
         k, support = count_b & 0xFFFF, count_b >> 16
         if not 0 < n <= MAX_TOKENS_PER_STEP or not 0 < k <= MAX_DRAFT or support > MAX_SUPPORT:
             raise ProtocolError(f"propose: {n} tokens, k={k}, support={support}")
@@ -446,10 +553,19 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         tokens = _array(body[1], np.int64, n, "tokens")
         if int(tokens.min()) < 0:
             raise ProtocolError("propose: negative token id")
-        propose_decode = _parse_decode(body[2:7], 0, proposals=k)
+        propose_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], 0, proposals=k)
         if propose_decode is None:
             raise ProtocolError("propose: missing decode header")
         return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)
+    raise ProtocolError(f"header: kind {kind.name} is not a request")  # pragma: no cover
+
+
+def _reply(
+    kind: Kind, body: Sequence[bytes | memoryview], session: int, seq: int, n: int, count_a: int, count_b: int
+) -> Message:
+    def expect(count: int) -> None:
+        _expect(kind, body, count)
+
     if kind == Kind.ACK:
         expect(1)
         try:
