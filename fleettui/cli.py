@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:  # `fleettui plan FLEET` reads better than `fleettui FLEET --plan`
         argv = [*argv[1:], "--plan"]
+    if argv[:1] == ["serve"]:  # `fleettui serve [FLEET] [--host H] [--port P] ...`
+        from fleettui.serve.command import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
