@@ -10,6 +10,7 @@ failed is closed, never reused: its caches may hold a step the ledger never comm
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class SessionPool:
         self.opened = 0
         self.closed = 0
         self.reused_tokens = 0
+        self._orphans: set[asyncio.Future[None]] = set()  # closes of sessions whose opener was cancelled
 
     @property
     def idle(self) -> int:
@@ -82,7 +84,7 @@ class SessionPool:
             # A prompt never reuses its own last token: the coordinator always feeds at least one token.
             reused = min(reused, len(prompt) - 1)
         else:
-            session = await self._open(seed)
+            session = await self._open_shielded(seed)
             self.opened += 1
             reused = 0
         # Same seed, same samples, whichever session the request lands on.
@@ -90,6 +92,22 @@ class SessionPool:
         self._lent[session.id] = session
         self.reused_tokens += reused
         return Lease(session, reused)
+
+    async def _open_shielded(self, seed: int) -> Session:
+        """Open a session; if the caller is cancelled meanwhile, the session is closed once it is open."""
+        opening = asyncio.ensure_future(self._open(seed))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._close_orphan)
+            raise
+
+    def _close_orphan(self, opening: asyncio.Future[Session]) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        closing = asyncio.ensure_future(self._close_one(opening.result()))
+        self._orphans.add(closing)
+        closing.add_done_callback(self._orphans.discard)
 
     async def release(self, session: Session, reusable: bool) -> None:
         """Give a session back: kept idle when `reusable`, else closed on every stage."""
@@ -108,6 +126,8 @@ class SessionPool:
 
     async def close_all(self) -> None:
         """Close every idle session (lent ones are closed by their requests)."""
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
         while self._idle:
             _, session = self._idle.popitem(last=False)
             await self._close_one(session)
