@@ -166,6 +166,21 @@ async def test_pool_picks_the_longest_prefix_and_evicts_lru() -> None:
     assert not fake.open and common_prefix([1, 2], [1, 3]) == 1
 
 
+async def test_pool_never_keeps_more_sessions_open_than_the_stages_allow() -> None:
+    fake = FakeSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=4, max_open=2)
+    a = (await pool.acquire([1], 0)).session
+    fill(a, [1, 2])
+    await pool.release(a, reusable=True)
+    b = (await pool.acquire([3], 0)).session
+    c = (await pool.acquire([4], 0)).session  # a third open session would exceed 2: idle `a` is closed first
+    assert len(fake.open) == 2 and a.id not in fake.open and {b.id, c.id} == fake.open
+    for session in (b, c):
+        await pool.release(session, reusable=True)
+    await pool.close_all()
+    assert not fake.open
+
+
 async def test_pool_closes_a_session_whose_opener_was_cancelled() -> None:
     fake = FakeSessions()
     pool = SessionPool(fake.opener, fake.closer, max_idle=2)

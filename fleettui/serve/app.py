@@ -60,7 +60,7 @@ class FleetServer:
         self.defaults: GenerationParams = fleet.defaults()
         self.keys = KeyChecker(api_keys)
         self.admission = Admission(max_sessions, max_queued)
-        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle)
+        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle, max_open=max_sessions)
         self.metrics = ServerMetrics(fleet.stage_telemetry)
         self.jobs: set[asyncio.Task[Outcome]] = set()
         routes = [
