@@ -106,9 +106,10 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"errors"},
     "provision": {"errors", "config"},
     "control": {"errors", "model", "config", "planning", "runtime", "provision"},
-    "bench": {"errors", "model", "config", "planning", "runtime", "control"},
-    "ui": {"errors", "config", "runtime", "control"},
-    "commands": {"errors", "model", "config", "planning", "runtime", "control", "bench", "ui"},
+    "serve": {"errors", "config", "runtime", "control"},  # the HTTP API over a running fleet
+    "bench": {"errors", "model", "config", "planning", "runtime", "control", "serve"},
+    "ui": {"errors", "config", "runtime", "control", "serve"},
+    "commands": {"errors", "model", "config", "planning", "runtime", "control", "serve", "bench", "ui"},
     "cli": {"errors", "config", "commands"},
     "__main__": {"cli"},
 }
