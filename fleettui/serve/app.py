@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.limits import RequestError as LimitError
+from fleettui.runtime.limits import validate_request
 from fleettui.runtime.session_pool import SessionPool
 from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.fleet import ServedFleet
@@ -172,6 +174,10 @@ class FleetServer:
                 code="context_length_exceeded",
             )
         params = parsed.sampling.params(self.defaults.max_tokens, room)
+        try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
+            validate_request(params, len(prompt), self.model.context_length)
+        except LimitError as error:
+            raise RequestError(str(error), error.field) from None
         ticket = self.admission.admit()  # QueueFull -> 429 before any byte of the response
         if parsed.stream:
             return self._stream(parsed, prompt, params, ticket, chat)
