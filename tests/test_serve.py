@@ -63,7 +63,10 @@ def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_fleet(cache: Path) -> Fleet:
     base = load_fleet(DEFAULT_FLEET)
     hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(2))
-    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache))
+    # Two servers and the tests' direct sessions share this fleet: the workers admit more sessions than
+    # one server keeps open (a server alone never exceeds its own max_sessions, see the pool test).
+    sessions = replace(base.sessions, max_sessions=8)
+    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache), sessions=sessions)
     return with_overrides(fleet, exact=True, draft="none")
 
 
@@ -426,7 +429,7 @@ def test_disconnect_mid_stream_frees_the_session(
     wait_for(lambda: metric(url, "fleettui_serve_client_disconnects_total") == before + 1)
     wait_for(lambda: metric(url, "fleettui_serve_active_sessions") == 0)
     wait_for(lambda: set(served.stage_sessions().values()) == {0})
-    assert not server.jobs and server.pool.lent == 0
+    assert not server.jobs and server.pool.lent == 0 and not server.live.requests
     # a non-streaming client that gives up is cancelled too: it hangs up once its generation has started
     long_body = {
         **body,
