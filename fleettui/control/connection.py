@@ -52,7 +52,11 @@ async def connect(
     links = [ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)]
     drafter = _drafter(fleet, deployment, links)
     coordinator = Coordinator(
-        links[0], ChatFormat(target.directory, target.manifest), drafter, max_k=fleet.speculation.max_k
+        links[0],
+        ChatFormat(target.directory, target.manifest),
+        drafter,
+        max_k=fleet.speculation.max_k,
+        context_length=target.manifest.max_position_embeddings,
     )
     k = fleet.speculation.k
     if isinstance(k, int):
