@@ -65,7 +65,13 @@ class Plan:
 
 
 def default_cache_root() -> Path:
-    return Path.home() / ".cache" / "fleettui"
+    """The user cache folder by the platform's convention (XDG_CACHE_HOME/fleettui on Linux).
+
+    The same folder as fleettui.config.paths.cache_dir() (same app name); shard_compiler does not import fleettui.
+    """
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fleettui", appauthor=False))
 
 
 def _ranges(stages: int | Sequence[int], num_layers: int) -> tuple[LayerRange, ...]:

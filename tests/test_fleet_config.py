@@ -60,7 +60,7 @@ def test_office_example_loads_with_typed_values() -> None:
     assert isinstance(first.memory_gb, float) and isinstance(first.cores, tuple)
     assert fleet.hosts[1].device == "GPU" and fleet.hosts[1].speed == 1.5
     assert fleet.hosts[3].host_key_policy == "tofu"
-    assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature == 0.0
+    assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature is None
     assert fleet.runtime.encryption == "curve" and not fleet.runtime.exact
     assert not fleet.manual_layers
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from fleettui.config import paths
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
 
@@ -22,7 +23,9 @@ else:  # pragma: no cover - Python 3.10
 logger = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
-DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"  # ships in the wheel; a copy of fleets/local.toml
+DEFAULT_FLEET = (
+    Path(__file__).resolve().parent / "local.toml"
+)  # ships in the wheel; a copy of fleets/local.toml
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
@@ -45,9 +48,7 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = Path(
-        "~/.cache/fleettui"
-    ).expanduser()  # cache root: compiled shards go to <root>/shards/<key>
+    shards: Path = field(default_factory=lambda: paths.cache_dir())  # cache root: <root>/shards/<key>
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,13 @@ class SpeculationSettings:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Chat sessions: how many at once and the sampling defaults."""
+    """Chat sessions: how many at once and the sampling defaults (None: the model's recommended sampling)."""
 
     max_sessions: int = 4
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float | None = None  # None: fleettui.config.recommended (greedy under --exact)
+    top_p: float | None = None
+    seed: int = 0  # fixed, so a sampled answer can be reproduced
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,8 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
                 "name", f"no such file or folder {candidate} and not a builtin model ({builtins})"
             )
     precision = section.choice("precision", PRECISIONS, ModelSettings.precision)
-    shards = _local_path(section.get("shards", str, "~/.cache/fleettui"), base)
+    given = section.get("shards", str, None)
+    shards = _local_path(given, base) if given else paths.cache_dir()
     return ModelSettings(name, "fp32" if exact else precision, shards)
 
 
@@ -304,8 +306,12 @@ def _sessions(section: Section) -> SessionSettings:
     return SessionSettings(
         max_sessions=section.number("max_sessions", int, 4, lambda v: 1 <= v <= 64, "1..64"),
         max_tokens=section.number("max_tokens", int, 256, lambda v: 1 <= v <= 1_000_000, "1..1000000"),
-        temperature=section.number("temperature", float, 0.0, lambda v: 0.0 <= v <= 10.0, "0..10"),
-        top_p=section.number("top_p", float, 1.0, lambda v: 0.0 < v <= 1.0, "greater than 0, at most 1"),
+        temperature=section.number(
+            "temperature", float, None, lambda v: v is None or 0.0 <= v <= 10.0, "0..10"
+        ),
+        top_p=section.number(
+            "top_p", float, None, lambda v: v is None or 0.0 < v <= 1.0, "greater than 0, at most 1"
+        ),
         seed=section.number("seed", int, 0, lambda v: 0 <= v < 2**63, "0..2^63-1"),
     )
 

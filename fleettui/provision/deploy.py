@@ -35,7 +35,7 @@ from fleettui.provision.events import (
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
 from fleettui.provision.transfer import local_sha256, push_files, tree_files
-from fleettui.provision.wheelhouse import DEFAULT_CACHE, Target, Wheelhouse, build_wheelhouse
+from fleettui.provision.wheelhouse import Target, Wheelhouse, build_wheelhouse
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ShardAssignment:
 class DeployOptions:
     """Knobs of a deployment; the defaults are what ``fleettui --deploy`` uses."""
 
-    wheelhouse_cache: Path = DEFAULT_CACHE
+    wheelhouse_cache: Path | None = None  # None: wheelhouse.default_cache()
     worker_source: Path | None = None  # remote_worker folder to package (default: the installed one)
     requirements: tuple[str, ...] | None = None  # default: openvino/numpy/pyzmq/psutil matching ours
     install: bool = True  # False: the host's `python` already has the worker (pre-provisioned hosts)

@@ -33,7 +33,15 @@ WORKER_DEPENDENCIES = {
     "pyzmq": ">=26",
     "psutil": ">=5.9",
 }  # None: exact pin
-DEFAULT_CACHE = Path("~/.cache/fleettui/wheelhouse").expanduser()
+
+
+def default_cache() -> Path:
+    """Where wheelhouses are cached: <user cache>/wheelhouse (XDG_CACHE_HOME/fleettui/wheelhouse on Linux)."""
+    from fleettui.config import paths
+
+    return paths.cache_dir() / "wheelhouse"
+
+
 _locks: dict[str, asyncio.Lock] = {}
 
 
@@ -153,11 +161,12 @@ async def _pip(arguments: list[str], step: str) -> None:
 
 async def build_wheelhouse(
     target: Target,
-    cache: Path = DEFAULT_CACHE,
+    cache: Path | None = None,
     source: Path | None = None,
     requirements: list[str] | None = None,
 ) -> Wheelhouse:
     """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it)."""
+    cache = cache or default_cache()
     source = source or worker_source()
     requirements = worker_requirements(target) if requirements is None else requirements
     source_digest = _tree_digest(source)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from textual import work
@@ -90,15 +91,16 @@ class FleetApp(App[int]):
         controller_factory: ControllerFactory,
         params: GenerationParams | None = None,
         auto_deploy: bool = True,
+        log_file: Path | None = None,
     ) -> None:
         super().__init__()
         self.fleet = fleet
-        self.params = params or GenerationParams(
-            max_tokens=fleet.sessions.max_tokens,
-            temperature=fleet.sessions.temperature,
-            top_p=fleet.sessions.top_p,
-            seed=fleet.sessions.seed,
-        )
+        self.log_file = log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
+        if params is None:
+            from fleettui.control.controller import generation_params
+
+            params = generation_params(fleet)  # the fleet file's sampling, else the model's recommended
+        self.params = params
         self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
         self.auto_deploy = auto_deploy
         self.coordinator: Any = None
@@ -115,7 +117,7 @@ class FleetApp(App[int]):
             yield ChatPane(id="chat")
             with Vertical(id="side"):
                 yield DeployPanel([host.name for host in self.fleet.hosts], id="deploy")
-                yield LogPane(id="log")
+                yield LogPane(id="log", log_file=self.log_file)
         yield Footer()
 
     @property
@@ -349,7 +351,9 @@ def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
         fleet, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
     )  # fmt: skip
-    app = FleetApp(fleet, FleetController, params)
+    from fleettui.config import paths
+
+    app = FleetApp(fleet, FleetController, params, log_file=paths.log_dir() / "tui.log")
     root = logging.getLogger()
     streams = [handler for handler in root.handlers if isinstance(handler, logging.StreamHandler)]
     level = root.level
