@@ -19,7 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--ask", metavar="QUESTION", help="answer one prompt headless through the whole fleet")
+    mode.add_argument(
+        "--ask",
+        metavar="QUESTION",
+        help="answer one prompt headless through the whole fleet ('-': read stdin)",
+    )
     mode.add_argument(
         "--plan", action="store_true", help="show the stage plan (layer ranges, memory) and exit"
     )
@@ -28,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deploy", action="store_true", help="deploy the fleet (SSH hosts too) and leave it running"
     )
     mode.add_argument("--stop", action="store_true", help="stop what the last --deploy started")
+    parser.add_argument("--system", metavar="TEXT", help="with --ask: a system message before the prompt")
     parser.add_argument("--max-tokens", type=int, help="stop after this many new tokens")
     spec = parser.add_mutually_exclusive_group()
     spec.add_argument("--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)")
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return _plan(fleet, args)
         if args.ask is not None:
+            from fleettui.commands.prompt import read_prompt
+
+            args.ask = read_prompt(args.ask)
             return asyncio.run(_ask(fleet, args))
         if args.bench:
             from fleettui.bench.runner import run_bench_cli
@@ -125,7 +133,7 @@ async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
             print(delta, end="", flush=True)
 
     try:
-        generation = await controller.ask(args.ask, params, show)
+        generation = await controller.ask(args.ask, params, show, system=args.system)
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)
         return 1

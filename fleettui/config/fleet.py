@@ -164,9 +164,34 @@ def resolve_fleet(arg: str | None) -> Path:
     path = Path(arg).expanduser()
     if not path.exists() and not path.suffix and (FLEETS_DIR / f"{arg}.toml").exists():
         return FLEETS_DIR / f"{arg}.toml"
+    if path.is_dir():
+        raise FleetConfigError(path, 0, "fleet", _folder_hint(path))
     if not path.is_file():
         raise FleetConfigError(path, 0, "fleet", "no such fleet file")
     return path
+
+
+def _folder_hint(path: Path) -> str:
+    """What to say when a folder is given where a fleet file belongs."""
+    found = sorted(child.name for child in path.glob("*.toml"))[:4]
+    if found:
+        return f"is a folder, not a fleet file: pass one of its TOML files, e.g. {path / found[0]}"
+    return "is a folder, not a fleet file: pass a fleet TOML file (`fleettui init` writes one)"
+
+
+_BARE_WORD = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=\s*([A-Za-z][^#]*?)\s*(#.*)?$")
+
+
+def _unquoted_hint(text: str, line: int) -> str:
+    """A hint when the failing line holds a bare word where TOML wants a quoted string."""
+    lines = text.splitlines()
+    if not 0 < line <= len(lines):
+        return ""
+    match = _BARE_WORD.match(lines[line - 1])
+    if not match or match.group(2) in ("true", "false", "inf", "nan"):
+        return ""
+    value = match.group(2).replace('"', '\\"')
+    return f': strings need quotes, e.g. {match.group(1)} = "{value}"'
 
 
 def _local_path(value: str, base: Path) -> Path:
@@ -193,6 +218,8 @@ def load_fleet(path: Path) -> Fleet:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FleetConfigError(path, 0, "fleet", "no such fleet file") from None
+    except IsADirectoryError:
+        raise FleetConfigError(path, 0, "fleet", _folder_hint(path)) from None
     except (OSError, UnicodeDecodeError) as error:
         raise FleetConfigError(path, 0, "fleet", f"cannot read: {error}") from None
     try:
@@ -204,6 +231,8 @@ def load_fleet(path: Path) -> Fleet:
         if "(at end of document)" in message:
             line = max(1, len(text.splitlines()))
         reason = re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)", "", message) or "invalid TOML"
+        if reason.startswith("Invalid value"):
+            reason += _unquoted_hint(text, line)
         raise FleetConfigError(path, line, "toml", reason) from None
     return _validate(path, text, data)
 

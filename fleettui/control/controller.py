@@ -351,10 +351,15 @@ class FleetController:
         question: str,
         params: GenerationParams,
         on_tokens: Callable[[list[int], str], None] | None = None,
+        system: str | None = None,
     ) -> Generation:
-        """One prompt through the whole fleet in a fresh session."""
+        """One prompt through the whole fleet in a fresh session (after a system message when given)."""
+        from fleettui.runtime.chat_format import ChatMessage
+
         coordinator = self.coordinator or await self.start()
         session = await coordinator.open_session(params.seed)
+        if system:
+            session.messages.append(ChatMessage("system", system))
         try:
             return await coordinator.chat(session, question, params, on_tokens)
         finally:

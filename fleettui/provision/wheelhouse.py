@@ -185,6 +185,7 @@ async def build_wheelhouse(
         building = cache / f".{key}.partial"
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir(parents=True)
+        _require_build_backend()
         version = f"{_fleettui_version()}+h{source_digest[:12]}"
         with tempfile.TemporaryDirectory(prefix="fleettui-worker-") as temporary:
             project = Path(temporary)
@@ -229,6 +230,16 @@ async def build_wheelhouse(
         return Wheelhouse(
             directory, digest.hexdigest(), requirement, tuple(directory / name for name in names)
         )
+
+
+def _require_build_backend() -> None:
+    """The worker wheel is built without isolation (offline-friendly): setuptools must be installed here."""
+    if importlib.util.find_spec("setuptools") is None:
+        raise ProvisionError(
+            "wheelhouse", "build",
+            f"building the worker wheel needs setuptools in {sys.executable}'s environment: "
+            "pip install 'setuptools>=68' (a declared dependency of fleettui)",
+        )  # fmt: skip
 
 
 def _prune(cache: Path, target: Target, keep: Path) -> None:
