@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fleettui.config import paths
 from fleettui.config.fleet import load_fleet
