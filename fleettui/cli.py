@@ -125,7 +125,10 @@ async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
     params = generation_params(
         fleet, args.max_tokens, args.temperature, args.top_p, args.seed, args.no_spec, args.spec_k
     )
-    controller = FleetController(fleet)
+    from fleettui.commands.progress import ProgressReporter
+
+    reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
+    controller = FleetController(fleet, on_event=reporter)
     streaming = args.json is None and sys.stdout.isatty()
 
     def show(_tokens: list[int], delta: str) -> None:
@@ -133,6 +136,8 @@ async def _ask(fleet, args) -> int:  # type: ignore[no-untyped-def]
             print(delta, end="", flush=True)
 
     try:
+        with reporter:
+            await controller.start()
         generation = await controller.ask(args.ask, params, show, system=args.system)
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)

@@ -204,3 +204,7 @@ def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Pat
     document = json.loads(result.stdout)
     assert document["prompt_tokens"] == len(ids)
     assert document["token_ids"] == expected
+    # not a terminal: progress as plain lines on stderr (the first ask compiles for over a minute)
+    progress = result.stderr.splitlines()
+    assert any(line.startswith("compile shards: done ") for line in progress), result.stderr
+    assert any(line.startswith("start workers: done 1/1") for line in progress), result.stderr

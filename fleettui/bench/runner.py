@@ -328,7 +328,11 @@ async def run_fleet_group(
         return rows
     properties: list[dict[str, Any]] = []
 
+    reporter = getattr(progress, "reporter", None)
+
     def on_event(event: Any) -> None:
+        if reporter is not None:
+            reporter(event)  # compile progress of the first use of these shards
         if isinstance(event, LogLine) and event.text.startswith("ready: "):
             try:
                 reply = json.loads(event.text[len("ready: ") :])
@@ -515,7 +519,10 @@ async def run_bench(
         progress("compiling (or finding) the unsplit 1-stage shard")
         ranges = FleetController(bench_fleet(fleet, 1, False)).layer_ranges()
         model = fleet.model
-        single = await compile_model(model.name, ranges, model.precision, model.shards)
+        reporter = getattr(progress, "reporter", None)
+        single = await compile_model(
+            model.name, ranges, model.precision, model.shards, reporter.compiler_line if reporter else None
+        )
         prompt = ChatFormat(single.directory, single.manifest).encode_chat([ChatMessage("user", PROMPTS[0])])
         for spec in baselines:
             progress(spec.name, row=True)
@@ -559,8 +566,11 @@ class Progress:
     """One line per row on stderr: `[i/n] name ... result`."""
 
     def __init__(self, total: int) -> None:
+        from fleettui.commands.progress import ProgressReporter
+
         self.total = total
         self.index = 0
+        self.reporter = ProgressReporter(tty=False)  # compiles: periodic plain lines between the rows
 
     def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
         if row:

@@ -155,17 +155,21 @@ async def deploy_command(fleet: Fleet, args: Any) -> int:
     fleet = with_overrides(
         fleet, exact=getattr(args, "exact", False), draft=draft, k=getattr(args, "spec_k", None)
     )
-    controller = FleetController(fleet)
-    print("compiling (or finding cached) shards ...", file=sys.stderr, flush=True)
-    await controller.prepare()
-    target = controller.target
-    assert target is not None
-    ranges = [(stage.layers.start, stage.layers.end) for stage in target.manifest.stages]
-    draft_dir = str(controller.draft.directory) if controller.draft else None
-    deployment = build_deployment(fleet, ranges, lambda host: str(target.directory), draft_dir)
-    report = await deploy_placements(fleet, deployment, target.directory, _print_event)
-    local = [p for p in deployment.placements if p.host.is_local]
-    outcomes = await asyncio.gather(*(_launch_local(p, deployment) for p in local), return_exceptions=True)
+    from fleettui.commands.progress import ProgressReporter
+
+    with ProgressReporter() as reporter:  # bars on a terminal, periodic lines otherwise
+        controller = FleetController(fleet, on_event=reporter)
+        await controller.prepare()
+        target = controller.target
+        assert target is not None
+        ranges = [(stage.layers.start, stage.layers.end) for stage in target.manifest.stages]
+        draft_dir = str(controller.draft.directory) if controller.draft else None
+        deployment = build_deployment(fleet, ranges, lambda host: str(target.directory), draft_dir)
+        report = await deploy_placements(fleet, deployment, target.directory, reporter.provision)
+        local = [p for p in deployment.placements if p.host.is_local]
+        outcomes = await asyncio.gather(
+            *(_launch_local(p, deployment) for p in local), return_exceptions=True
+        )
     failures = [f"{host.host}: {host.step}: {host.error}" for host in report.failed]
     local_pids = {}
     for outcome in outcomes:

@@ -371,6 +371,7 @@ async def deploy_host(
                 options.wheelhouse_cache,
                 options.worker_source,
                 list(options.requirements) if options.requirements is not None else None,
+                lambda text: session.emit("wheelhouse", text),
             )
             result = replace(result, step="install")
             installed, pushed = await session.install(wheelhouse)

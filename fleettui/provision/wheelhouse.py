@@ -18,6 +18,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,8 +165,13 @@ async def build_wheelhouse(
     cache: Path | None = None,
     source: Path | None = None,
     requirements: list[str] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> Wheelhouse:
-    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it)."""
+    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it).
+
+    ``on_step`` hears what the build is doing ("building the worker wheel", "downloading ...").
+    """
+    say = on_step or (lambda text: None)
     cache = cache or default_cache()
     source = source or worker_source()
     requirements = worker_requirements(target) if requirements is None else requirements
@@ -198,6 +204,7 @@ async def build_wheelhouse(
                 )
             )
             logger.info("building the %s wheel from %s", WORKER_DISTRIBUTION, source)
+            say(f"building the {WORKER_DISTRIBUTION} wheel (1/2)")
             await _pip(
                 ["wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(building), str(project)],
                 "build",
@@ -205,6 +212,7 @@ async def build_wheelhouse(
         platforms = [argument for tag in target.platforms() for argument in ("--platform", tag)]
         version_tag = f"{target.python[0]}{target.python[1]}"
         logger.info("downloading %s for %s", ", ".join(requirements), target.key())
+        say(f"downloading {len(requirements) + 1} packages for {target.key()} (2/2)")
         await _pip(
             ["download", "--only-binary=:all:", "--dest", str(building), "--python-version", version_tag,
              "--implementation", "cp", *platforms, "pip", *requirements],
