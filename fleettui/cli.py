@@ -55,14 +55,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="with --bench: the small smoke-test profile")
     parser.add_argument(
+        "--prune",
+        action="store_true",
+        help="with --deploy: remove other (older) shard folders on the SSH hosts",
+    )
+    parser.add_argument(
         "--model-config", type=Path, help="with --plan: a Hugging Face config.json to plan for"
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
     return parser
 
 
+SUBCOMMANDS = ("init", "cache")  # modules of fleettui.commands (the other modes are still flags here)
+
+
+def _run_subcommand(argv: list[str]) -> int:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="fleettui")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(f"fleettui.commands.{name}") for name in SUBCOMMANDS}
+    for module in modules.values():
+        module.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return int(modules[args.command].run(args))
+    except FleetError as error:
+        print(f"fleettui: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fleettui: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return _run_subcommand(argv)
     if argv[:1] == ["plan"]:  # `fleettui plan FLEET` reads better than `fleettui FLEET --plan`
         argv = [*argv[1:], "--plan"]
     args = build_parser().parse_args(argv)

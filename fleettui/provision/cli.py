@@ -165,7 +165,12 @@ async def deploy_command(fleet: Fleet, args: Any) -> int:
         ranges = [(stage.layers.start, stage.layers.end) for stage in target.manifest.stages]
         draft_dir = str(controller.draft.directory) if controller.draft else None
         deployment = build_deployment(fleet, ranges, lambda host: str(target.directory), draft_dir)
-        report = await deploy_placements(fleet, deployment, target.directory, reporter.provision)
+        from fleettui.provision.deploy import DeployOptions
+
+        options = DeployOptions(prune=bool(getattr(args, "prune", False)))
+        report = await deploy_placements(
+            fleet, deployment, target.directory, reporter.provision, options=options
+        )
         local = [p for p in deployment.placements if p.host.is_local]
         outcomes = await asyncio.gather(
             *(_launch_local(p, deployment) for p in local), return_exceptions=True

@@ -68,6 +68,9 @@ class DeployOptions:
     connect_timeout: float = 10.0
     stop_timeout: float = 10.0
     deployment: str | None = None  # identifies the processes this deployment starts (default: random)
+    prune: bool = (
+        False  # remove the host's other shard folders once the current one is pushed (deploy --prune)
+    )
 
 
 def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
@@ -306,6 +309,17 @@ class HostSession:
                 self.emit("stop", f"pid {process.pid}: {process.action} ({process.detail})")
         return stopped
 
+    async def prune_shards(self, keep: Sequence[str]) -> dict[str, Any]:
+        """Remove the host's shard folders other than `keep` (remote folder paths or names)."""
+        names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in keep]
+        answer = await self.operation("prune", {"folder": f"{self.workdir}/shards", "keep": names}, "prune")
+        if answer["removed"]:
+            self.emit(
+                "prune",
+                f"removed {len(answer['removed'])} old shard folder(s), {answer['bytes'] / 1e6:.1f} MB",
+            )
+        return dict(answer)
+
     async def status(self, pidfile: str) -> dict[str, Any]:
         return dict((await self.operation("status", {"pidfiles": [pidfile]}, "status"))["status"][pidfile])
 
@@ -381,6 +395,8 @@ async def deploy_host(
             python = session.venv_python()
         result = replace(result, step="shard")
         shard_dir, pushed = await session.push_shard(shard)
+        if options.prune:
+            await session.prune_shards([shard_dir])
         paths = replace(session.paths(), shard=shard_dir)
         result = replace(result, shard_push=pushed, paths=paths, step="config")
         text = config(paths) if callable(config) else config
@@ -491,6 +507,15 @@ async def stop_fleet(
             outcome = HostStop(host.name, False, error=f"{type(outcome).__name__}: {outcome}")
         results.append(outcome)
     return StopReport(tuple(results))
+
+
+async def prune_host(
+    host: Host, keep: Sequence[str], on_event: EventHandler | None = None, timeout: float = 10.0
+) -> dict[str, Any]:
+    """Remove the shard folders on `host` other than `keep` (the current deployment's); what was removed."""
+    async with HostSession(replace(host, memory_gb=0.001), on_event) as session:
+        await session.run_preflight()
+        return await session.prune_shards(keep)
 
 
 async def fetch_log(host: Host, size: int = 65536, timeout: float = 10.0) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 STEPS = (
     "connect", "preflight", "wheelhouse", "install", "devices", "shard", "config", "launch", "ready",
-    "done", "failed", "skipped", "stop", "logs",
+    "done", "failed", "skipped", "stop", "logs", "prune",
 )  # fmt: skip
 
 
