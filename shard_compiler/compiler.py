@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -264,6 +266,8 @@ def compile_shards(
     job = plan(model, stages, precision, root, inject_beam_idx)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and cached(target, job.cache_key) is not None:
+        with contextlib.suppress(OSError):  # last use, for `fleettui cache ls|prune`
+            os.utime(target / "manifest.json")
         notify(Progress(None, "cached", 1.0, str(target)))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ class ShardFolder:
     precision: str
     split: tuple[int, ...]  # layer boundaries, e.g. (0, 23, 30)
     size: int
-    used: float  # last use (manifest modification or access), seconds since the epoch
+    used: float  # last use (the manifest's modification time: written, or touched by a cache hit)
     in_use: bool  # a recorded deployment points at it
     complete: bool  # has a readable manifest (an interrupted compile has none)
 
@@ -114,7 +114,7 @@ def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:
                 str(document.get("precision", "?")),
                 True,
             )
-            used = max(manifest.stat().st_mtime, manifest.stat().st_atime)
+            used = manifest.stat().st_mtime  # the compiler touches it on every cache hit
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             model, precision, split, complete, used = "?", "?", (), False, path.stat().st_mtime
         resolved = path.resolve()
