@@ -266,8 +266,7 @@ def compile_shards(
     job = plan(model, stages, precision, root, inject_beam_idx)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and cached(target, job.cache_key) is not None:
-        with contextlib.suppress(OSError):  # last use, for `fleettui cache ls|prune`
-            os.utime(target / "manifest.json")
+        _record_use(target)
         notify(Progress(None, "cached", 1.0, str(target)))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +279,14 @@ def compile_shards(
         raise
     notify(Progress(None, "done", 1.0, str(target)))
     return target
+
+
+def _record_use(target: Path) -> None:
+    """Last use of a shard folder, for `fleettui cache ls|prune`: <folder>/../.used/<name> (outside the folder)."""
+    with contextlib.suppress(OSError):
+        marker = target.parent / ".used" / target.name
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
 
 
 def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None], root: Path) -> None:

@@ -41,7 +41,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shard(root, "older", 5, "fp32", (0, 30))
     deployed = shard(root, "deployed", 48)
     shard(root, "oldest", 72)
-    (root / "shards" / "broken").mkdir()  # an interrupted compile: no manifest
+    (root / "shards" / "broken").mkdir()  # an interrupted compile: no manifest, 60 h old
+    stamp = time.time() - 60 * 3600
+    os.utime(root / "shards" / "broken", (stamp, stamp))
+    (root / "shards" / "compiling.tmp-x").mkdir()  # a compile in progress: left alone
+    (root / "shards" / ".used").mkdir()
+    (root / "shards" / ".used" / "oldest").touch()  # a cache hit: the oldest is the most recently used
+    os.utime(root / "shards" / ".used" / "oldest", (time.time() + 60, time.time() + 60))
     records = tmp_path / "state" / "fleettui" / "deployments"
     records.mkdir(parents=True)
     (records / "x.json").write_text(json.dumps({"target": str(deployed), "placements": []}))
@@ -51,9 +57,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_ls_lists_model_split_size_age_and_use(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["cache", "ls"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"{cache / 'shards'}: 5 shard folder(s)")
+    assert lines[0].startswith(f"{cache / 'shards'}: 6 shard folder(s)")
     rows = {line.split()[0]: line for line in lines[2:]}
-    assert [name for name in rows if name != "broken"] == ["newest", "older", "deployed", "oldest"]
+    assert list(rows)[:6] == ["oldest", "compiling.tmp-x", "newest", "older", "deployed", "broken"]
     assert "int4  0,23,30" in rows["newest"] and "fp32  0,30" in rows["older"] and "1 MB" in rows["newest"]
     assert rows["deployed"].endswith("deployed") and "2 d" in rows["deployed"]
     assert rows["broken"].endswith("incomplete")
@@ -62,9 +68,10 @@ def test_ls_lists_model_split_size_age_and_use(cache: Path, capsys: pytest.Captu
 def test_prune_keeps_the_recent_and_the_deployed(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["cache", "prune", "--keep", "1", "--dry-run"]) == 0
     assert "would remove 3 folder(s)" in capsys.readouterr().out
-    assert len(list((cache / "shards").iterdir())) == 5
+    assert len(list((cache / "shards").iterdir())) == 7
     assert main(["cache", "prune", "--keep", "1"]) == 0
-    assert sorted(path.name for path in (cache / "shards").iterdir()) == ["deployed", "newest"]
+    left = sorted(path.name for path in (cache / "shards").iterdir())
+    assert left == [".used", "compiling.tmp-x", "deployed", "oldest"]
     assert main(["cache", "prune", "--keep", "-1"]) == 2
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from fleettui.errors import FleetError
 
 DEFAULT_KEEP = 2
+INCOMPLETE_GRACE = 86400.0  # seconds: a folder without a manifest younger than this may still be compiling
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ShardFolder:
     precision: str
     split: tuple[int, ...]  # layer boundaries, e.g. (0, 23, 30)
     size: int
-    used: float  # last use (the manifest's modification time: written, or touched by a cache hit)
+    used: float  # last use: written, or a cache hit (shards/.used/<name>), seconds since the epoch
     in_use: bool  # a recorded deployment points at it
     complete: bool  # has a readable manifest (an interrupted compile has none)
 
@@ -97,7 +98,7 @@ def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:
     shards = root / "shards"
     folders = []
     for path in sorted(shards.iterdir()) if shards.is_dir() else ():
-        if not path.is_dir():
+        if not path.is_dir() or path.name.startswith("."):
             continue
         manifest = path / "manifest.json"
         try:
@@ -114,7 +115,8 @@ def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:
                 str(document.get("precision", "?")),
                 True,
             )
-            used = manifest.stat().st_mtime  # the compiler touches it on every cache hit
+            marker = shards / ".used" / path.name  # the compiler touches it on every cache hit
+            used = max(manifest.stat().st_mtime, marker.stat().st_mtime if marker.exists() else 0.0)
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             model, precision, split, complete, used = "?", "?", (), False, path.stat().st_mtime
         resolved = path.resolve()
@@ -156,10 +158,16 @@ def prune(folders: list[ShardFolder], keep: int, dry_run: bool = False) -> list[
     if keep < 0:
         raise FleetError(f"cache prune: --keep {keep} must be 0 or more")
     recent = [folder for folder in folders if folder.complete][:keep]
-    doomed = [folder for folder in folders if folder not in recent and not folder.in_use]
+    settled = time.time() - INCOMPLETE_GRACE  # an incomplete folder may be a compile in progress
+    doomed = [
+        folder
+        for folder in folders
+        if folder not in recent and not folder.in_use and (folder.complete or folder.used < settled)
+    ]
     if not dry_run:
         for folder in doomed:
             shutil.rmtree(folder.path, ignore_errors=True)
+            (folder.path.parent / ".used" / folder.path.name).unlink(missing_ok=True)
     return doomed
 
 
