@@ -7,7 +7,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
