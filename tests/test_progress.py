@@ -46,6 +46,7 @@ def test_plain_lines_start_tick_at_most_every_interval_and_end() -> None:
     assert any(line.startswith("compile shards:  50% stage 1 trace") for line in lines)
     assert lines[-2] == "compile shards: done done (/cache/shards/abc) (80 s)"
     assert lines[-1].startswith("compile draft: done cached")
+    reporter.close()
 
 
 def test_transfers_wheelhouse_build_and_workers_in_plain_lines() -> None:
@@ -74,6 +75,7 @@ def test_transfers_wheelhouse_build_and_workers_in_plain_lines() -> None:
     assert "start workers: ... 1/2 stage-a ready" in text
     assert "[stage-b] failed: exited at once" in text and "ignored" not in text
     assert "start workers: stopped 1/2 stage-b failed" in text
+    reporter.close()
 
 
 def test_bars_on_a_terminal_and_nothing_after_close() -> None:
@@ -92,3 +94,18 @@ def test_bars_on_a_terminal_and_nothing_after_close() -> None:
     size = len(out.getvalue())
     reporter(compile_line(50.0, "stage 1"))  # the answer is printing now: no more drawing
     assert len(out.getvalue()) == size and "compile shards" in out.getvalue()
+
+
+def test_a_silent_step_still_gets_periodic_lines() -> None:
+    """The GGUF dequantisation reports nothing for many seconds: the heartbeat keeps the log alive."""
+    import time
+
+    out = io.StringIO()
+    with ProgressReporter(out, tty=False, interval=0.05) as reporter:
+        reporter(compile_line(2.0, "weights (dequantising the GGUF once into the cache)"))
+        deadline = time.monotonic() + 10
+        while out.getvalue().count("\n") < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 4 and all(line.startswith("compile shards:   2% weights") for line in lines)
+    assert reporter._heartbeat is not None and not reporter._heartbeat.is_alive()  # stopped with the reporter

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class ProgressReporter:
         self._rich: Any = None
         self._compiles = 0
         self.closed = False
+        self._lock = threading.RLock()  # events arrive on the event loop, the heartbeat ticks on its thread
+        self._stopped = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> ProgressReporter:
@@ -81,6 +85,9 @@ class ProgressReporter:
         if self.closed:
             return
         self.closed = True
+        self._stopped.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
@@ -88,8 +95,11 @@ class ProgressReporter:
     # -- inputs -------------------------------------------------------------------------------------
     def __call__(self, event: Any) -> None:
         """A controller event (other kinds are ignored)."""
-        if self.closed:
-            return
+        with self._lock:
+            if not self.closed:
+                self._event(event)
+
+    def _event(self, event: Any) -> None:
         if isinstance(event, Progress):
             self._progress(event.name, event.step, event.done, event.total, event.message)
         elif isinstance(event, StageChanged):
@@ -99,13 +109,25 @@ class ProgressReporter:
 
     def provision(self, event: Any) -> None:
         """A fleettui.provision.events.ProvisionEvent (headless deploy)."""
-        if not self.closed:
-            self._progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
+        with self._lock:
+            if not self.closed:
+                self._progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
 
     def compiler_line(self, line: str) -> None:
         """One stderr line of `python -m shard_compiler`."""
-        if not self.closed:
-            self._progress("compiler", "compile", 0.0, 0.0, line)
+        with self._lock:
+            if not self.closed:
+                self._progress("compiler", "compile", 0.0, 0.0, line)
+
+    def _beat(self) -> None:
+        """Plain mode: a running step that reports nothing still gets a line every `interval` seconds."""
+        while not self._stopped.wait(self.interval / 2):
+            with self._lock:
+                now = self.clock()
+                for task in self.tasks.values():
+                    if not task.finished and now - task.printed >= self.interval:
+                        task.printed = now
+                        self._line(self._plain(task))
 
     # -- mapping events to tasks --------------------------------------------------------------------
     def _progress(self, name: str, step: str, done: float, total: float, message: str) -> None:
@@ -175,6 +197,9 @@ class ProgressReporter:
             self.tasks[key] = task
             if self.tty:
                 task.handle = self._bars().add_task(label, total=total or None, detail="")
+            elif self._heartbeat is None and self.interval > 0:
+                self._heartbeat = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
+                self._heartbeat.start()
         return task
 
     def _update(
