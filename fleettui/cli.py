@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleettui",
         description="Run a large language model on a fleet of ordinary PCs: deploy, monitor and chat.",
+        epilog="also: `fleettui init [OUT.toml] [user@host[:port] ...]` writes a fleet file from probed PCs; "
+        "`fleettui cache ls|prune` lists or prunes compiled shards (each has --help)",
     )
     parser.add_argument("fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)")
     mode = parser.add_mutually_exclusive_group()
