@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -195,3 +196,24 @@ def test_install_lists_the_openvino_devices(ssh_hosts: SshHosts, tmp_path: Path)
     text = out.read_text()
     assert "# OpenVINO 2026" in text and "devices: CPU: " in text
     assert load_fleet(out).hosts[0].device == "CPU"
+
+
+@pytest.mark.ssh
+@pytest.mark.slow
+def test_from_init_to_an_answer_without_editing_the_file(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    """The file init writes deploys as it is: a 1-host SSH fleet answers with the unsplit model's greedy text."""
+    out = tmp_path / "fleet.toml"
+    cache = os.environ.get("FLEETTUI_TEST_CACHE") or str(tmp_path / "shards")
+    written = init(
+        str(out), addresses(ssh_hosts)[1], "--install", "--shards", cache, *common(ssh_hosts, tmp_path)
+    )
+    assert written.returncode == 0, written.stderr
+    fleet = load_fleet(out)
+    result = subprocess.run(
+        [sys.executable, "-m", "fleettui", str(out), "--ask", "What is the capital of France?", "--exact",
+         "--no-spec", "--json", "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in json.loads(result.stdout)["text"]
+    assert f"{fleet.hosts[0].name} push shard" in result.stderr  # progress of the SFTP push, as plain lines

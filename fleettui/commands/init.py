@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=ModelSettings.name, help="model to plan for (default %(default)s)")
     parser.add_argument("--precision", default=ModelSettings.precision, help="weights: fp32|fp16|int8|int4")
     parser.add_argument(
+        "--shards", type=Path, help="shard cache root to write as [model] shards (default: unset)"
+    )
+    parser.add_argument(
         "--install",
         action="store_true",
         help="install the worker offline on each host and list its OpenVINO devices",
@@ -158,7 +161,9 @@ def _host_table(host: Host) -> dict[str, Any]:
     return table
 
 
-def fleet_text(model: str, precision: str, probes: list[Any], when: datetime.datetime) -> str:
+def fleet_text(
+    model: str, precision: str, probes: list[Any], when: datetime.datetime, shards: Path | None = None
+) -> str:
     """The fleet file: tomli-w tables, each host preceded by comments on what was measured."""
     import tomli_w
 
@@ -169,7 +174,9 @@ def fleet_text(model: str, precision: str, probes: list[Any], when: datetime.dat
         "# Every key and its default is documented in fleets/office.toml of the fleettui sources.",
         "# `fleettui plan THIS_FILE` shows the stage plan; `fleettui THIS_FILE` deploys it and opens the TUI.",
         "",
-        tomli_w.dumps({"model": {"name": model, "precision": precision}}).rstrip(),
+        tomli_w.dumps(
+            {"model": {"name": model, "precision": precision, **({"shards": str(shards)} if shards else {})}}
+        ).rstrip(),
         "",
     ]
     for probe in probes:
@@ -214,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     when = datetime.datetime.now(datetime.timezone.utc)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(fleet_text(args.model, args.precision, answered, when), encoding="utf-8")
+    shards = args.shards.expanduser().resolve() if args.shards else None
+    out.write_text(fleet_text(args.model, args.precision, answered, when, shards), encoding="utf-8")
     fleet = _validated(out)
     print(f"wrote {out} ({len(fleet.hosts)} host(s))")
     return _print_plan(fleet) if not failed else 1
