@@ -595,7 +595,10 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
     progress = Progress(len(specs))
     started = time.perf_counter()
     repeats = 1 if args.quick else FULL_REPEATS
-    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    try:
+        rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    finally:
+        progress.reporter.close()
     settings = {
         "profile": "quick" if args.quick else "full",
         "tokens_per_user": tokens,
