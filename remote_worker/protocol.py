@@ -17,185 +17,79 @@ its first token, never the full mask.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
-MAGIC = b"FLTW"
-VERSION = 1
-MAX_TOKENS_PER_STEP = 1 << 16
-MAX_MASK_RANGES = 1 << 14
-MAX_DRAFT = 64
-MAX_SUPPORT = 1024
-MAX_TOP = 32
-MAX_TRACE = 256
-MAX_TEXT = 4096
+from remote_worker.messages import (  # the vocabulary, re-exported: protocol.Step etc.
+    DECODE,
+    DECODE_FRAMES,
+    FLAG_F16,
+    HEADER,
+    MAGIC,
+    MAX_DRAFT,
+    MAX_MASK_RANGES,
+    MAX_PENALTY,
+    MAX_PENALTY_IDS,
+    MAX_REPETITION_PENALTY,
+    MAX_SUPPORT,
+    MAX_TEXT,
+    MAX_TOKENS_PER_STEP,
+    MAX_TOP,
+    MAX_TRACE,
+    TRACE_FIELDS,
+    VERSION,
+    Ack,
+    Control,
+    Decode,
+    Error,
+    Hello,
+    Kind,
+    Message,
+    Proposal,
+    Propose,
+    ProtocolError,
+    RequestError,
+    Result,
+    Step,
+)
 
-# magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
-HEADER = struct.Struct("<4sHBBIIIIIIII")
-# temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms
-DECODE = struct.Struct("<ffIHHHH")
-
-FLAG_F16 = 1  # hidden payload is float16 (else float32)
-
-
-class Kind(IntEnum):
-    HELLO = 1
-    OPEN = 2
-    CLOSE = 3
-    RESET = 4
-    COMPACT = 5
-    STEP = 6
-    PROPOSE = 7
-    ACK = 16
-    RESULT = 17
-    PROPOSAL = 18
-    ERROR = 19
-
-
-class ProtocolError(ValueError):
-    """A frame that must be dropped; the message says why in one line."""
-
-
-@dataclass(frozen=True)
-class Decode:
-    """What the last stage must compute from the logits of a Step's trailing positions.
-
-    The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft token
-    j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule against the
-    draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
-    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed.
-    temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
-    position of the untempered distribution.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    draft_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
-    uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-    top_logprobs: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def n_score(self) -> int:
-        return len(self.draft_tokens) + 1
-
-
-@dataclass(frozen=True)
-class Hello:
-    seq: int
-    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-
-
-@dataclass(frozen=True)
-class Control:
-    """Open, Close, Reset or Compact a session on every stage of the chain."""
-
-    kind: Kind
-    session: int
-    seq: int
-    cache_len: int = 0  # Compact: physical length the coordinator expects before compaction
-
-
-@dataclass(frozen=True)
-class Step:
-    """Feed n tokens of one session through the chain.
-
-    `tokens` (int64 [n]) enters stage 0; `hidden` ([n, H] float16/float32) travels between stages.
-    `cache_len` is the physical KV length before the step (each stage checks it against its own),
-    `pos0` the logical position of the first new token. `decode` is None for prefill chunks whose
-    logits nobody needs except the last position's (then it is Decode() with no draft).
-    """
-
-    session: int
-    seq: int
-    pos0: int
-    cache_len: int
-    mask_ranges: np.ndarray  # int64 [m, 2], physical half-open ranges to mask before this step
-    tokens: np.ndarray | None = None
-    hidden: np.ndarray | None = None
-    decode: Decode | None = None
-    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-
-    @property
-    def n(self) -> int:
-        data = self.tokens if self.tokens is not None else self.hidden
-        assert data is not None
-        return int(data.shape[0])
-
-
-@dataclass(frozen=True)
-class Propose:
-    """Ask a draft worker to feed `tokens` then propose `k` tokens (sampled per `decode` or greedy).
-
-    `decode.uniforms` needs k numbers when sampling; `decode.top_k`/`top_p`/`temperature` shape the
-    proposal distribution, which is truncated to `support` ids and returned so the target can apply the
-    acceptance rule exactly. The draft's cache grows by len(tokens) + k - 1 slots.
-    """
-
-    session: int
-    seq: int
-    pos0: int
-    cache_len: int
-    mask_ranges: np.ndarray
-    tokens: np.ndarray
-    k: int
-    support: int
-    decode: Decode
-
-
-@dataclass(frozen=True)
-class Ack:
-    kind: Kind  # the control kind acknowledged
-    session: int
-    seq: int
-    value: int = 0  # Compact: new physical length; Hello: number of stages
-    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-
-
-@dataclass(frozen=True)
-class Result:
-    """Tokens emitted by a verify/decode step: accepted drafts then one correction or bonus token."""
-
-    session: int
-    seq: int
-    tokens: np.ndarray  # int64 [accepted + 1]
-    accepted: int
-    top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
-    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-
-
-@dataclass(frozen=True)
-class Proposal:
-    session: int
-    seq: int
-    tokens: np.ndarray  # int64 [k]
-    ids: np.ndarray  # int64 [k, support] proposal distribution support (empty when greedy)
-    probs: np.ndarray  # float32 [k, support]
-    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-
-
-@dataclass(frozen=True)
-class Error:
-    session: int
-    seq: int
-    stage: int
-    message: str
-
-
-Message = Union[Hello, Control, Step, Propose, Ack, Result, Proposal, Error]
-TRACE_FIELDS = 5  # per stage: stage index, received, started, finished, sent (time.time() seconds)
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "MAX_TOKENS_PER_STEP",
+    "MAX_MASK_RANGES",
+    "MAX_DRAFT",
+    "MAX_SUPPORT",
+    "MAX_TOP",
+    "MAX_TRACE",
+    "MAX_TEXT",
+    "MAX_PENALTY_IDS",
+    "MAX_PENALTY",
+    "MAX_REPETITION_PENALTY",
+    "HEADER",
+    "DECODE",
+    "DECODE_FRAMES",
+    "FLAG_F16",
+    "Kind",
+    "ProtocolError",
+    "RequestError",
+    "Decode",
+    "Hello",
+    "Control",
+    "Step",
+    "Propose",
+    "Ack",
+    "Result",
+    "Proposal",
+    "Error",
+    "Message",
+    "TRACE_FIELDS",
+    "append_trace",
+    "decode",
+    "encode",
+]
 
 
 def _header(
@@ -220,7 +114,7 @@ def _raw(array: np.ndarray, dtype: type) -> memoryview:
 
 def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
     if decode is None:
-        return [b"", b"", b"", b"", b""]
+        return [b""] * DECODE_FRAMES
     k = len(decode.draft_tokens)
     support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
     spec = DECODE.pack(
@@ -231,6 +125,10 @@ def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         support,
         int(decode.top_logprobs),
         len(decode.uniforms),
+        float(decode.frequency_penalty),
+        float(decode.presence_penalty),
+        float(decode.repetition_penalty),
+        len(decode.penalty_ids),
     )
     return [
         spec,
@@ -238,6 +136,8 @@ def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         _raw(decode.draft_ids, np.int64),
         _raw(decode.draft_probs, np.float32),
         _raw(decode.uniforms, np.float64),
+        _raw(decode.penalty_ids, np.int64),
+        _raw(decode.penalty_counts, np.int32),
     ]
 
 
@@ -346,14 +246,26 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
 
 def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
     """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
-    spec, tokens, ids, probs, uniforms = frames
+    spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
             raise ProtocolError("decode: arrays without a decode header")
         return None
     if len(spec) != DECODE.size:
         raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
-    temperature, top_p, top_k, k, support, top_logprobs, n_uniforms = DECODE.unpack(spec)
+    (
+        temperature,
+        top_p,
+        top_k,
+        k,
+        support,
+        top_logprobs,
+        n_uniforms,
+        frequency,
+        presence,
+        repetition,
+        n_ids,
+    ) = DECODE.unpack(spec)
     if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
         raise ProtocolError(f"decode: temperature {temperature} out of range")
     if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):
@@ -377,7 +289,34 @@ def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposa
         raise ProtocolError("decode: negative draft proposal id")
     if draft_probs.size and not bool(np.all(np.isfinite(draft_probs) & (draft_probs >= 0.0))):
         raise ProtocolError("decode: draft probabilities must be finite and non-negative")
-    return Decode(temperature, top_p, top_k, draft_tokens, draft_ids, draft_probs, u, top_logprobs)
+    for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+        if not (np.isfinite(value) and abs(value) <= MAX_PENALTY):
+            raise ProtocolError(f"decode: {name} {value} out of range")
+    if not (np.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+        raise ProtocolError(f"decode: repetition_penalty {repetition} out of range")
+    if n_ids > MAX_PENALTY_IDS:
+        raise ProtocolError(f"decode: {n_ids} penalty ids is too many")
+    context_ids = _array(penalty_ids, np.int64, n_ids, "penalty ids")
+    counts = _array(penalty_counts, np.int32, n_ids, "penalty counts")
+    if n_ids and (int(context_ids[0]) < 0 or bool(np.any(np.diff(context_ids) <= 0))):
+        raise ProtocolError("decode: penalty ids must be unique, sorted and non-negative")
+    if n_ids and int(counts.min()) < 0:
+        raise ProtocolError("decode: negative penalty count")
+    return Decode(
+        temperature,
+        top_p,
+        top_k,
+        draft_tokens,
+        draft_ids,
+        draft_probs,
+        u,
+        top_logprobs,
+        frequency,
+        presence,
+        repetition,
+        context_ids,
+        counts,
+    )
 
 
 def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
@@ -408,10 +347,37 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     except ValueError:
         raise ProtocolError(f"header: unknown kind {kind_value}") from None
     body = frames[1:]
+    if kind in _REQUESTS:
+        try:
+            return _request(kind, body, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+        except ProtocolError as error:  # the header is sound: say so to whoever sent it
+            raise RequestError(str(error), kind, session, seq) from None
+    return _reply(kind, body, session, seq, n, count_a, count_b)
 
+
+_REQUESTS = frozenset({Kind.HELLO, Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT, Kind.STEP, Kind.PROPOSE})
+
+
+def _expect(kind: Kind, body: Sequence[bytes | memoryview], count: int) -> None:
+    if len(body) != count:
+        raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+
+
+def _request(
+    kind: Kind,
+    body: Sequence[bytes | memoryview],
+    flags: int,
+    session: int,
+    seq: int,
+    pos0: int,
+    cache_len: int,
+    n: int,
+    width: int,
+    count_a: int,
+    count_b: int,
+) -> Message:
     def expect(count: int) -> None:
-        if len(body) != count:
-            raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+        _expect(kind, body, count)
 
     if kind == Kind.HELLO:
         expect(1)
@@ -420,7 +386,7 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         expect(0)
         return Control(kind, session, seq, cache_len)
     if kind == Kind.STEP:
-        expect(8)
+        expect(3 + DECODE_FRAMES)
         if not 0 < n <= MAX_TOKENS_PER_STEP:
             raise ProtocolError(f"step: {n} tokens")
         ranges = _ranges(body[0], count_a)
@@ -435,10 +401,11 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             dtype = np.float16 if flags & FLAG_F16 else np.float32
             hidden = _array(body[1], dtype, n * width, "hidden").reshape(n, width)
             tokens = None
-        step_decode = _parse_decode(body[2:7], n - 1)
-        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, _trace(body[7]))
+        step_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
+        trace = _trace(body[2 + DECODE_FRAMES])
+        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace)
     if kind == Kind.PROPOSE:
-        expect(7)
+        expect(2 + DECODE_FRAMES)
         k, support = count_b & 0xFFFF, count_b >> 16
         if not 0 < n <= MAX_TOKENS_PER_STEP or not 0 < k <= MAX_DRAFT or support > MAX_SUPPORT:
             raise ProtocolError(f"propose: {n} tokens, k={k}, support={support}")
@@ -446,10 +413,19 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         tokens = _array(body[1], np.int64, n, "tokens")
         if int(tokens.min()) < 0:
             raise ProtocolError("propose: negative token id")
-        propose_decode = _parse_decode(body[2:7], 0, proposals=k)
+        propose_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], 0, proposals=k)
         if propose_decode is None:
             raise ProtocolError("propose: missing decode header")
         return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)
+    raise ProtocolError(f"header: kind {kind.name} is not a request")  # pragma: no cover
+
+
+def _reply(
+    kind: Kind, body: Sequence[bytes | memoryview], session: int, seq: int, n: int, count_a: int, count_b: int
+) -> Message:
+    def expect(count: int) -> None:
+        _expect(kind, body, count)
+
     if kind == Kind.ACK:
         expect(1)
         try:

@@ -48,9 +48,16 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (root / "shards" / ".used").mkdir()
     (root / "shards" / ".used" / "oldest").touch()  # a cache hit: the oldest is the most recently used
     os.utime(root / "shards" / ".used" / "oldest", (time.time() + 60, time.time() + 60))
-    records = tmp_path / "state" / "fleettui" / "deployments"
-    records.mkdir(parents=True)
-    (records / "x.json").write_text(json.dumps({"target": str(deployed), "placements": []}))
+    from fleettui.config.fleet import load_fleet
+    from fleettui.control import store
+    from fleettui.control.deployment import build_deployment
+
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text('[[hosts]]\nname = "a"\nbase_port = 7100\n')
+    fleet = load_fleet(fleet_file)
+    deployment = build_deployment(fleet, [(0, 30)], lambda host: str(deployed), None)
+    record = store.record_of(fleet, store.Settings(), deployment, {}, str(deployed), None, None)
+    assert store.save(record).parent == tmp_path / "state" / "fleettui" / "deployments"
     return root
 
 
@@ -89,7 +96,7 @@ def ssh_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
 @pytest.mark.ssh
 def test_prune_on_a_host_removes_every_other_shard_folder(ssh_host: SshHosts, tmp_path: Path) -> None:
     from fleettui.config.fleet import load_fleet
-    from fleettui.provision.deploy import prune_host
+    from fleettui.provision.prune import prune_host
 
     path = tmp_path / "fleet.toml"
     path.write_text(ssh_host.fleet_toml())

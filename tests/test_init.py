@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from fleettui.config.fleet import load_fleet
+from fleettui.control.probe import HostProbe, host_name, parse_address
 from fleettui.provision.events import Preflight
-from fleettui.provision.probe import HostProbe, host_name, parse_address
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netns import SshHosts, available  # noqa: E402

@@ -10,11 +10,11 @@ import pytest
 
 from fleettui.config.fleet import load_fleet
 from fleettui.errors import PlanError
-from fleettui.planning import hub
-from fleettui.planning.gguf_header import GGUF_ARCHITECTURES, gguf_shape
-from fleettui.planning.models import shape_for_model
+from fleettui.model import hub
+from fleettui.model.builtin import shape_for_model
+from fleettui.model.gguf_header import GGUF_ARCHITECTURES, gguf_shape
+from fleettui.model.shape import BUILTIN_SHAPES
 from fleettui.planning.planner import plan_fleet
-from fleettui.planning.shape import BUILTIN_SHAPES
 
 
 def _string(text: str) -> bytes:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fleettui.config.fleet import load_fleet
 from fleettui.config.recommended import GREEDY, model_key, recommended_sampling
-from fleettui.control.controller import generation_params, with_overrides
+from fleettui.control.settings import generation_params, with_overrides
 
 HOST = '[[hosts]]\nname = "a"\n'
 
@@ -41,7 +41,11 @@ def test_a_model_folder_brings_its_own_generation_config(tmp_path: Path) -> None
         json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 40})
     )
     found = recommended_sampling(str(folder))
-    assert (found.temperature, found.top_p, found.top_k) == (0.6, 0.95, 40)
+    assert (found.temperature, found.top_p, found.top_k, found.repetition_penalty) == (0.6, 0.95, 40, 1.0)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.05})
+    )
+    assert recommended_sampling(str(folder)).repetition_penalty == 1.05
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert recommended_sampling(str(folder)) == GREEDY
 
@@ -51,6 +55,7 @@ def test_unset_sampling_takes_the_models_recommendation_with_a_fixed_seed(tmp_pa
     assert fleet.sessions.temperature is None and fleet.sessions.top_p is None
     params = generation_params(fleet)
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.2, 0.9, 0, 0)
+    assert params.repetition_penalty == 1.1 and params.penalized  # the 135M model loops without it
     assert generation_params(fleet) == params  # reproducible: same seed every time
 
 
@@ -58,6 +63,7 @@ def test_exact_stays_greedy_unless_asked(tmp_path: Path) -> None:
     fleet = with_overrides(load_fleet(fleet_file(tmp_path, "")), exact=True)
     params = generation_params(fleet)
     assert (params.temperature, params.top_p, params.top_k) == (0.0, 1.0, 0)
+    assert not params.penalized  # exact greedy: no repetition penalty either
     assert generation_params(fleet, temperature=0.5).temperature == 0.5
 
 
@@ -65,8 +71,9 @@ def test_fleet_file_and_command_line_override_the_model(tmp_path: Path) -> None:
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntemperature = 0\nseed = 7\n"))
     params = generation_params(fleet)
     assert (params.temperature, params.top_p, params.seed) == (0.0, 1.0, 7)  # greedy, as the file says
+    assert not params.penalized  # plain greedy: the model's penalty follows the model's temperature
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntop_p = 0.5\n"))
     assert (generation_params(fleet).temperature, generation_params(fleet).top_p) == (0.2, 0.5)
     assert generation_params(fleet, temperature=1.0, top_p=0.7, seed=3) == replace(
-        generation_params(fleet), temperature=1.0, top_p=0.7, seed=3, top_k=0
+        generation_params(fleet), temperature=1.0, top_p=0.7, seed=3, top_k=0, repetition_penalty=1.0
     )

@@ -8,6 +8,7 @@ and removes the rest (and leftovers of interrupted compiles).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import time
@@ -18,6 +19,8 @@ from typing import Any
 
 from fleettui.errors import FleetError
 
+NAME = "cache"
+HELP = "list (ls) or prune the local cache of compiled shard folders"
 DEFAULT_KEEP = 2
 INCOMPLETE_GRACE = 86400.0  # seconds: a folder without a manifest younger than this may still be compiling
 
@@ -36,12 +39,7 @@ class ShardFolder:
     complete: bool  # has a readable manifest (an interrupted compile has none)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "cache",
-        help="list or prune the local shard cache",
-        description="List or prune compiled shard folders.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("ls", "prune"))
     parser.add_argument(
         "--root", type=Path, help="cache root (default: the user cache folder, or [model] shards)"
@@ -55,7 +53,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run", action="store_true", help="prune: say what would be removed, remove nothing"
     )
-    return parser
 
 
 def _size(path: Path) -> int:
@@ -74,15 +71,29 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def recorded_paths(folders: list[Path]) -> set[Path]:
-    """Every local path named in the deployment records of `folders` (JSON files)."""
+    """The local shard folders the deployment records in `folders` use (fleettui.control.store records).
+
+    A record of this version names its target, draft and each local stage's shard folder; from a record it
+    cannot read (another version) every absolute path counts, so pruning never takes a deployed folder.
+    """
+    from fleettui.control.store import DeploymentRecord
+
     found: set[Path] = set()
     for folder in folders:
-        for record in folder.glob("*.json") if folder.is_dir() else ():
+        for path in folder.glob("*.json") if folder.is_dir() else ():
             try:
-                document = json.loads(record.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                text = path.read_text(encoding="utf-8")
+            except OSError:
                 continue
-            found.update(Path(text) for text in _strings(document) if text.startswith("/"))
+            try:
+                record = DeploymentRecord.from_json(text)
+            except (ValueError, KeyError, TypeError):
+                with contextlib.suppress(ValueError):
+                    found.update(Path(item) for item in _strings(json.loads(text)) if item.startswith("/"))
+                continue
+            named = [record.target_dir, record.draft_dir]
+            named += [stage.config.shard_dir for stage in record.stages if stage.local]
+            found.update(Path(item) for item in named if item)
     return found
 
 
@@ -90,7 +101,7 @@ def deployment_records() -> list[Path]:
     """Where deployments are recorded: the state folder (and the cache folder of earlier versions)."""
     from fleettui.config import paths
 
-    return [paths.state_dir() / "deployments", paths.cache_dir() / "deployments"]
+    return [paths.deployments_dir(), paths.cache_dir() / "deployments"]
 
 
 def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:

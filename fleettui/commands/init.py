@@ -21,18 +21,12 @@ from typing import Any
 from fleettui.config.fleet import PRECISIONS, Fleet, Host, ModelSettings
 from fleettui.errors import FleetError
 
+NAME = "init"
+HELP = (
+    "probe PCs over SSH (reachability, host key, OS, Python, cores, memory, OpenVINO devices with --install), "
+    "write a fleet file with what was measured, and print its stage plan"
+)
 DEFAULT_OUT = "fleet.toml"
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "init",
-        help="probe PCs over SSH and write a fleet file",
-        description="Probe PCs over SSH (reachability, host key, OS, Python, cores, memory, OpenVINO devices "
-        "with --install), write a fleet file with what was measured, and print its stage plan.",
-    )
-    add_arguments(parser)
-    return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +99,7 @@ def ask_addresses(stdin: Any = None) -> list[str]:
 
 
 def hosts_from(addresses: list[str], args: argparse.Namespace) -> list[Host]:
-    from fleettui.provision.probe import host_name, parse_address
+    from fleettui.control.probe import host_name, parse_address
 
     hosts: list[Host] = []
     taken: set[str] = set()
@@ -167,7 +161,7 @@ def fleet_text(
     """The fleet file: tomli-w tables, each host preceded by comments on what was measured."""
     import tomli_w
 
-    from fleettui.provision.probe import describe
+    from fleettui.control.probe import describe
 
     parts = [
         f"# Fleet file written by `fleettui init` on {when:%Y-%m-%d %H:%M} UTC from {len(probes)} host(s).",
@@ -206,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         raise FleetError("init: no hosts given")
     hosts = hosts_from(addresses, args)
     from fleettui.commands.progress import ProgressReporter
-    from fleettui.provision.probe import probe_hosts, summary
+    from fleettui.control.probe import probe_hosts, summary
 
     with ProgressReporter() as reporter:
         probes = asyncio.run(probe_hosts(hosts, args.install, reporter.provision))

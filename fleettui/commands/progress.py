@@ -1,7 +1,7 @@
 """Provides the progress reporter of the headless commands: compile, wheelhouse, SFTP push and worker start.
 
-It consumes the controller's events (`Progress`, `StageChanged`, `LogLine` of fleettui.control.states) and
-provisioning events (fleettui.provision.events.ProvisionEvent): on a terminal it draws rich.progress bars on
+It consumes the controller's typed events (fleettui.control.states: `ProvisionEvent` for compile and every
+provisioning step, `StageChanged` for worker start, `LogLine`): on a terminal it draws rich.progress bars on
 stderr; otherwise (a pipe, a log file, CI) it prints plain lines, one when a step starts, one when it ends, and
 at most one every `interval` seconds in between, so a long compile is never silent and a log stays short.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from fleettui.control.states import Failed, Loading, LogLine, Progress, Ready, StageChanged
+from fleettui.control.states import Failed, Loading, LogLine, ProvisionEvent, Ready, StageChanged
 
 PLAIN_INTERVAL = 5.0  # seconds between two plain lines of one running step
 _COMPILER_LINE = re.compile(r"^\[\s*(\d+(?:\.\d+)?)%\]\s*(.*)$")
@@ -100,18 +100,16 @@ class ProgressReporter:
                 self._event(event)
 
     def _event(self, event: Any) -> None:
-        if isinstance(event, Progress):
-            self._progress(event.name, event.step, event.done, event.total, event.message)
+        if isinstance(event, ProvisionEvent):
+            self._progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
         elif isinstance(event, StageChanged):
             self._stage(event.name, event.state)
         elif isinstance(event, LogLine) and event.source == "shard_compiler":
-            pass  # the same lines arrive as Progress("compiler", "compile", ...)
+            pass  # the same lines arrive as ProvisionEvent("compiler", "compile", ...)
 
-    def provision(self, event: Any) -> None:
-        """A fleettui.provision.events.ProvisionEvent (headless deploy)."""
-        with self._lock:
-            if not self.closed:
-                self._progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
+    def provision(self, event: ProvisionEvent) -> None:
+        """A provisioning event straight from fleettui.provision (e.g. `init`'s probes): the same as a call."""
+        self(event)
 
     def compiler_line(self, line: str) -> None:
         """One stderr line of `python -m shard_compiler`."""
@@ -184,8 +182,7 @@ class ProgressReporter:
         elif isinstance(state, Ready) and task is not None and name in task.extra and not task.finished:
             done = task.done + 1
             self._update("workers", done, f"{name} ready", finished=done >= (task.total or 0))
-        elif isinstance(state, Failed):
-            self._line(f"[{name}] failed: {state.reason}")
+        elif isinstance(state, Failed):  # the reason: in the command's own error line (or a provision event)
             if task is not None and name in task.extra:
                 self._finish_key("workers", f"{name} failed", failed=True)
 

@@ -20,6 +20,7 @@ class RecommendedSampling:
     top_p: float = 1.0
     top_k: int = 0
     source: str = ""  # where the numbers come from
+    repetition_penalty: float = 1.0  # HF/CTRL penalty over prompt + reply; 1 = off
 
 
 GREEDY = RecommendedSampling(0.0, 1.0, 0, "greedy")
@@ -28,8 +29,10 @@ GREEDY = RecommendedSampling(0.0, 1.0, 0, "greedy")
 # lower-cased: "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf" and the builtin
 # "smollm2-135m-instruct" all give "smollm2-135m-instruct".
 RECOMMENDED: dict[str, RecommendedSampling] = {
-    # SmolLM2 model card ("temperature=0.2, top_p=0.9" in its transformers example), all three sizes.
-    "smollm2-": RecommendedSampling(0.2, 0.9, 0, "SmolLM2 model card"),
+    # SmolLM2 model card ("temperature=0.2, top_p=0.9" in its transformers example), all three sizes; the
+    # 135M model still loops on a line ("A symphony of light and sound, ...") at that temperature; a mild
+    # repetition penalty (1.1) ends the loop.
+    "smollm2-": RecommendedSampling(0.2, 0.9, 0, "SmolLM2 model card", repetition_penalty=1.1),
     # generation_config.json of meta-llama/Llama-3.1-*-Instruct.
     "llama-3.1-": RecommendedSampling(0.6, 0.9, 0, "Llama-3.1 generation_config.json"),
     "meta-llama-3.1-": RecommendedSampling(0.6, 0.9, 0, "Llama-3.1 generation_config.json"),
@@ -56,11 +59,13 @@ def _from_generation_config(folder: Path) -> RecommendedSampling | None:
         return None
     top_p = config.get("top_p")
     top_k = config.get("top_k")
+    repetition = config.get("repetition_penalty")
     return RecommendedSampling(
         float(temperature),
         float(top_p) if isinstance(top_p, (int, float)) and 0 < top_p <= 1 else 1.0,
         int(top_k) if isinstance(top_k, int) and top_k > 0 else 0,
         str(folder / "generation_config.json"),
+        float(repetition) if isinstance(repetition, (int, float)) and 0 < repetition <= 10 else 1.0,
     )
 
 

@@ -29,6 +29,7 @@ from fleettui.provision.events import (
     ProvisionEvent,
     PushResult,
     RemotePaths,
+    Step,
     StoppedProcess,
     StopReport,
 )
@@ -68,9 +69,7 @@ class DeployOptions:
     connect_timeout: float = 10.0
     stop_timeout: float = 10.0
     deployment: str | None = None  # identifies the processes this deployment starts (default: random)
-    prune: bool = (
-        False  # remove the host's other shard folders once the current one is pushed (deploy --prune)
-    )
+    prune: bool = False  # remove the host's other shard folders once this one is pushed (deploy --prune)
 
 
 def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
@@ -111,7 +110,7 @@ class HostSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def emit(self, step: str, message: str = "", done: int = 0, total: int = 0) -> None:
+    def emit(self, step: Step, message: str = "", done: int = 0, total: int = 0) -> None:
         _emit(self.on_event, ProvisionEvent(self.host.name, step, done, total, message))
 
     async def open(self, timeout: float = 10.0) -> None:
@@ -195,7 +194,7 @@ class HostSession:
         self.emit("preflight", preflight.summary())
         return preflight
 
-    async def push(self, files: Sequence[Any], step: str) -> PushResult:
+    async def push(self, files: Sequence[Any], step: Step) -> PushResult:
         def progress(done: int, total: int, name: str) -> None:
             self.emit(step, name, done, total)
 
@@ -313,11 +312,9 @@ class HostSession:
         """Remove the host's shard folders other than `keep` (remote folder paths or names)."""
         names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in keep]
         answer = await self.operation("prune", {"folder": f"{self.workdir}/shards", "keep": names}, "prune")
-        if answer["removed"]:
-            self.emit(
-                "prune",
-                f"removed {len(answer['removed'])} old shard folder(s), {answer['bytes'] / 1e6:.1f} MB",
-            )
+        removed, size = len(answer["removed"]), answer["bytes"] / 1e6
+        if removed:
+            self.emit("prune", f"removed {removed} old shard folder(s), {size:.1f} MB")
         return dict(answer)
 
     async def status(self, pidfile: str) -> dict[str, Any]:
@@ -507,15 +504,6 @@ async def stop_fleet(
             outcome = HostStop(host.name, False, error=f"{type(outcome).__name__}: {outcome}")
         results.append(outcome)
     return StopReport(tuple(results))
-
-
-async def prune_host(
-    host: Host, keep: Sequence[str], on_event: EventHandler | None = None, timeout: float = 10.0
-) -> dict[str, Any]:
-    """Remove the shard folders on `host` other than `keep` (the current deployment's); what was removed."""
-    async with HostSession(replace(host, memory_gb=0.001), on_event) as session:
-        await session.run_preflight()
-        return await session.prune_shards(keep)
 
 
 async def fetch_log(host: Host, size: int = 65536, timeout: float = 10.0) -> str:

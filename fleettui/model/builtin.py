@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fleettui.errors import PlanError
-from fleettui.planning.shape import BUILTIN_SHAPES, ModelShape
+from fleettui.model.shape import BUILTIN_SHAPES, ModelShape
 
 
 def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
@@ -23,12 +23,12 @@ def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
     if path.is_file() and path.suffix == ".json":
         return ModelShape.from_config_file(path)
     if path.is_file() and path.suffix == ".gguf":
-        from fleettui.planning.gguf_header import gguf_shape
+        from fleettui.model.gguf_header import gguf_shape
 
         return gguf_shape(path)
     if path.exists():
         raise PlanError(f"{path}: neither a model folder with config.json, a config.json nor a .gguf file")
-    from fleettui.planning.hub import hub_config, is_hub_id
+    from fleettui.model.hub import hub_config, is_hub_id
 
     if online and is_hub_id(model):
         return replace(ModelShape.from_config_file(hub_config(model)), name=model)

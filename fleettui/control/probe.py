@@ -13,6 +13,8 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any
 
 from fleettui.config.fleet import Host
 from fleettui.errors import ProvisionError
@@ -126,8 +128,21 @@ async def _probe_ssh(
         await session.close()
 
 
+class LocalRunner:
+    """Runs the remote operations on this machine (same interface as an asyncssh connection's ``run``)."""
+
+    async def run(self, command: str, *, input: str, check: bool = False) -> Any:  # noqa: A002
+        process = await asyncio.create_subprocess_shell(
+            command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate(input.encode())
+        return SimpleNamespace(stdout=stdout.decode(), stderr=stderr.decode(), exit_status=process.returncode)
+
+
 async def _probe_local(host: Host) -> HostProbe:
-    from fleettui.provision.cli import LocalRunner
     from fleettui.provision.remote import PosixShell, run_operation
 
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fleettui.errors import PlanError
-from fleettui.planning.shape import ModelShape
+from fleettui.model.shape import ModelShape
 
 # The architectures shard_compiler compiles (shard_compiler.sources.SUPPORTED_ARCHITECTURES; a test keeps the
 # two in step): their GGUF metadata keys all follow "<architecture>.<key>".
