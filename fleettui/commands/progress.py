@@ -182,9 +182,9 @@ class ProgressReporter:
         elif isinstance(state, Ready) and task is not None and name in task.extra and not task.finished:
             done = task.done + 1
             self._update("workers", done, f"{name} ready", finished=done >= (task.total or 0))
-        elif isinstance(state, Failed):  # the reason: in the command's own error line (or a provision event)
-            if task is not None and name in task.extra:
-                self._finish_key("workers", f"{name} failed", failed=True)
+        elif isinstance(state, Failed) and task is not None and name in task.extra:
+            # the reason itself is the command's error line (or a provision event's)
+            self._finish_key("workers", f"{name} failed", failed=True)
 
     # -- drawing ------------------------------------------------------------------------------------
     def _task(self, key: str, label: str, total: float | None = None, unit: str = "") -> _Task:
