@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--split", type=_split, help="layer boundaries, e.g. 0,10,20,30")
     parser.add_argument("--precision", default="int4", help=f"one of {', '.join(PRECISIONS)} (default int4)")
     parser.add_argument("--out", type=Path, help="output directory (default: the cache, keyed by content)")
-    parser.add_argument("--cache-root", type=Path, help="cache root (default ~/.cache/fleettui)")
+    parser.add_argument(
+        "--cache-root",
+        type=Path,
+        help="cache root (default: the user cache folder, e.g. $XDG_CACHE_HOME/fleettui)",
+    )
     parser.add_argument("--force", action="store_true", help="recompile even if a valid cached result exists")
     parser.add_argument("--no-beam-idx", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--verbose", action="store_true", help="log details")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -65,7 +66,13 @@ class Plan:
 
 
 def default_cache_root() -> Path:
-    return Path.home() / ".cache" / "fleettui"
+    """The user cache folder by the platform's convention (XDG_CACHE_HOME/fleettui on Linux).
+
+    The same folder as fleettui.config.paths.cache_dir() (same app name); shard_compiler does not import fleettui.
+    """
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fleettui", appauthor=False))
 
 
 def _ranges(stages: int | Sequence[int], num_layers: int) -> tuple[LayerRange, ...]:
@@ -258,6 +265,7 @@ def compile_shards(
     job = plan(model, stages, precision, root, inject_beam_idx)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and cached(target, job.cache_key) is not None:
+        _record_use(target)
         notify(Progress(None, "cached", 1.0, str(target)))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +278,14 @@ def compile_shards(
         raise
     notify(Progress(None, "done", 1.0, str(target)))
     return target
+
+
+def _record_use(target: Path) -> None:
+    """Last use of a shard folder, for `fleettui cache ls|prune`: <folder>/../.used/<name> (outside the folder)."""
+    with contextlib.suppress(OSError):
+        marker = target.parent / ".used" / target.name
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
 
 
 def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None], root: Path) -> None:

@@ -107,7 +107,11 @@ def _download(repository: str) -> Path:
             allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
         )
     except Exception as error:  # offline, unknown id, gated model: all one line for the user
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("Retrying")]
+        first = lines[0][:200] if lines else type(error).__name__
+        if "Name or service not known" in text or "Temporary failure in name resolution" in text:
+            first = "offline: the hub's name does not resolve"
         raise CompileError(
             f"model {repository!r}: no such local file or folder, and the Hugging Face hub failed ({first})"
         ) from None

@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
         (["f.toml", "--stop"], ["stop", "f.toml"]),
         (["f.toml", "--bench", "--quick", "--json"], ["bench", "f.toml", "--quick", "--json", "-"]),
         (["ask", "f.toml", "Hi"], ["ask", "f.toml", "Hi"]),
+        (["--ask", "-", "--system", "Be brief."], ["ask", str(DEFAULT_FLEET), "-", "--system", "Be brief."]),
+        (["f.toml", "--deploy", "--prune"], ["deploy", "f.toml", "--prune"]),
+        (["init", "out.toml", "local"], ["init", "out.toml", "local"]),
+        (["cache", "ls"], ["cache", "ls"]),
     ],
 )
 def test_old_flag_forms_become_subcommands(old: list[str], new: list[str]) -> None:
@@ -54,8 +58,24 @@ def test_flags_that_do_not_apply_to_a_subcommand_are_refused(capsys: pytest.Capt
 
 def test_every_subcommand_is_registered_with_help() -> None:
     text = build_parser().format_help()
-    for name in ("tui", "ask", "plan", "deploy", "status", "logs", "stop", "bench", "completion"):
+    for name in (
+        "tui",
+        "ask",
+        "plan",
+        "deploy",
+        "status",
+        "logs",
+        "stop",
+        "bench",
+        "init",
+        "cache",
+        "completion",
+    ):
         assert name in text
+    parsed = build_parser().parse_args(translate(["--ask", "-", "--system", "Be brief."]))
+    assert (parsed.command, parsed.prompt, parsed.system) == ("ask", "-", "Be brief.")
+    assert build_parser().parse_args(["deploy", "f.toml", "--prune"]).prune
+    assert build_parser().parse_args(["cache", "prune", "--keep", "3"]).keep == 3
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -60,7 +60,7 @@ def test_office_example_loads_with_typed_values() -> None:
     assert isinstance(first.memory_gb, float) and isinstance(first.cores, tuple)
     assert fleet.hosts[1].device == "GPU" and fleet.hosts[1].speed == 1.5
     assert fleet.hosts[3].host_key_policy == "tofu"
-    assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature == 0.0
+    assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature is None
     assert fleet.runtime.encryption == "curve" and not fleet.runtime.exact
     assert not fleet.manual_layers
 
@@ -205,3 +205,26 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
 def test_the_embedded_default_is_the_published_local_fleet() -> None:
     """The wheel ships fleettui/config/local.toml; the repository shows it as fleets/local.toml."""
     assert DEFAULT_FLEET.read_text() == (FLEETS_DIR / "local.toml").read_text()
+
+
+def test_a_folder_instead_of_a_fleet_file_gets_a_hint(tmp_path: Path) -> None:
+    (tmp_path / "office.toml").write_text(HOST.format(name="a"))
+    with pytest.raises(FleetConfigError, match=r"is a folder, not a fleet file: .*office\.toml"):
+        resolve_fleet(str(tmp_path))
+    with pytest.raises(FleetConfigError, match="is a folder"):
+        load_fleet(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FleetConfigError, match="fleettui init"):
+        resolve_fleet(str(empty))
+
+
+def test_an_unquoted_string_gets_a_hint(tmp_path: Path) -> None:
+    path = write(tmp_path, "[model]\nname = smollm2-135m-instruct   # the model\n" + HOST.format(name="a"))
+    error = config_error(path)
+    assert error.line == 2 and error.key == "toml"
+    assert error.reason == 'Invalid value: strings need quotes, e.g. name = "smollm2-135m-instruct"'
+    path = write(tmp_path, "[runtime]\nexact = yes\n" + HOST.format(name="a"))
+    assert 'exact = "yes"' in config_error(path).reason
+    path = write(tmp_path, "[model]\nprecision = [\n" + HOST.format(name="a"))
+    assert "quotes" not in config_error(path).reason  # not a bare word: no misleading hint

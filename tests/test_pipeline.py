@@ -169,3 +169,42 @@ def test_bad_fleet_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "broken.toml:3" in lines[0] and "precison" in lines[0]
+
+
+def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Path, tmp_path: Path) -> None:
+    """`--ask -` reads stdin and `--system` comes first in the chat template: the unsplit model's greedy tokens."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shards import ChainRunner
+
+    from fleettui.runtime.chat_format import compile_template, render_template
+    from remote_worker.manifest import load_manifest
+    from shard_compiler.compiler import compile_shards
+
+    system, prompt = "You answer in French.", "What is the capital of Italy?\nOne word."
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    manifest = load_manifest(unsplit)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    text = render_template(compile_template(manifest.chat_template), messages, True)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(unsplit / manifest.tokenizer / "tokenizer.json"))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    expected = ChainRunner(unsplit, exact=True).greedy(ids, 16, stop_at_eos=True)
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(
+        f'[model]\nname = "smollm2-135m-instruct"\nshards = "{shard_cache}"\n[speculation]\ndraft = "none"\n'
+        f'[[hosts]]\nname = "a"\nbase_port = {free_port_block()}\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "-", "--system", system, "--exact",
+         "--json", "--max-tokens", "16"],
+        input=prompt + "\n", capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["prompt_tokens"] == len(ids)
+    assert document["token_ids"] == expected
+    # not a terminal: progress as plain lines on stderr (the first ask compiles for over a minute)
+    progress = result.stderr.splitlines()
+    assert any(line.startswith("compile shards: done ") for line in progress), result.stderr
+    assert any(line.startswith("start workers: done 1/1") for line in progress), result.stderr

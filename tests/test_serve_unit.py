@@ -96,6 +96,21 @@ def test_penalties_are_refused_until_generation_params_has_them() -> None:
     assert parse({**body, "presence_penalty": 0}).sampling.penalties == {}
 
 
+def test_the_fleets_recommended_sampling_applies_when_a_request_sets_no_temperature() -> None:
+    recommended = GenerationParams(
+        max_tokens=256, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.1
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    params = parse_request(body, True, "m", recommended, 100).sampling.params(10, 10)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.8, 20, 1.1)
+    plain = parse_request({**body, "temperature": 0}, True, "m", recommended, 100).sampling.params(10, 10)
+    assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (
+        0.0,
+        0,
+        1.0,
+    )  # what the client asked
+
+
 def test_completion_prompt() -> None:
     assert parse({"model": "m", "prompt": ["once"]}, chat=False).prompt == "once"
     with pytest.raises(RequestError) as caught:

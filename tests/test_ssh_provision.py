@@ -424,12 +424,18 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
             await controller.stop()
         assert list(remote.token_ids) == list(local.token_ids) and "Paris" in remote.text
 
-        # redeploy: same shard and wheelhouse, so 0 bytes of shard and no reinstall; the old stages are replaced
+        # redeploy: same shard and wheelhouse, so 0 bytes of shard and no reinstall; the old stages are replaced;
+        # with prune (`deploy --prune`) another, older shard folder on the hosts goes, the current one stays
+        for host in fleet.hosts:
+            (Path(host.workdir) / "shards" / "older-split" / "stage_0").mkdir(parents=True)
         again = build_deployment(fleet, ranges, lambda host: str(target.directory))
-        second = await SshLauncher(fleet, target.directory, again.keys).deploy_all(again)
+        second = await SshLauncher(fleet, target.directory, again.keys, prune=True).deploy_all(again)
         assert second.ok, second.summary()
         for host in second.hosts:
             assert host.shard_push is not None and host.shard_push.bytes_sent == 0
+            assert host.paths is not None
+            shards = Path(host.paths.shard).parent
+            assert [folder.name for folder in shards.iterdir()] == [Path(host.paths.shard).name]
             # reinstalled only when the worker's sources changed in between (other work in this tree)
             assert host.installed == (host.wheelhouse != report.host(host.host).wheelhouse)
             assert not alive(report.host(host.host).pid)

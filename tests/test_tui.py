@@ -121,9 +121,10 @@ def test_help_rows_cover_every_app_binding():
 def test_generation_params_take_the_fleet_defaults_and_command_line_overrides():
     fleet = load_fleet("fleets/local.toml")
     defaults = generation_params(fleet)
-    assert (defaults.max_tokens, defaults.temperature, defaults.spec_k) == (
+    assert (defaults.max_tokens, defaults.temperature, defaults.top_p, defaults.spec_k) == (
         fleet.sessions.max_tokens,
-        0.0,
+        0.2,  # SmolLM2's recommended sampling: the fleet file sets none
+        0.9,
         None,
     )
     assert generation_params(fleet, 8, 0.7, 0.9, 3, no_spec=True) == GenerationParams(

@@ -283,7 +283,8 @@ async def run_fleet_group(
             )
         return rows
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
-    controller = FleetController(variant)
+    # compile and worker start progress of the first use of these shards (commands.bench's reporter)
+    controller = FleetController(variant, on_event=getattr(progress, "reporter", None))
     try:
         progress(
             f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
@@ -412,7 +413,10 @@ async def run_bench(
         progress("compiling (or finding) the unsplit 1-stage shard")
         ranges = FleetController(bench_fleet(fleet, 1, False)).layer_ranges()
         model = fleet.model
-        single = await compile_model(model.name, ranges, model.precision, model.shards)
+        reporter = getattr(progress, "reporter", None)
+        single = await compile_model(
+            model.name, ranges, model.precision, model.shards, reporter.compiler_line if reporter else None
+        )
         prompt = ChatFormat(single.directory, single.manifest).encode_chat([ChatMessage("user", PROMPTS[0])])
         for spec in baselines:
             progress(spec.name, row=True)

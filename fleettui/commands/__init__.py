@@ -5,4 +5,6 @@ Each module defines NAME, HELP, `add_arguments(parser)` (light: no heavy imports
 
 from __future__ import annotations
 
-COMMANDS = ("tui", "ask", "serve", "plan", "deploy", "status", "logs", "stop", "bench", "completion")
+COMMANDS = (
+    "tui", "ask", "serve", "plan", "deploy", "status", "logs", "stop", "bench", "init", "cache", "completion",
+)  # fmt: skip

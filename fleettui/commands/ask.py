@@ -22,6 +22,7 @@ HELP = "answer one prompt headless (attaches to a deployed fleet, else starts an
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser, required=True)
     parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
+    parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
     options.add_settings(parser)
     options.add_sampling(parser)
     parser.add_argument(
@@ -30,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fleettui.commands.prompt import read_prompt
     from fleettui.commands.running import run as run_loop
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise FleetError("the prompt is empty")
     fleet = options.load(args)
@@ -46,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace) -> int:
+    from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
 
-    controller = FleetController(fleet, settings=settings)
+    reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
+    controller = FleetController(fleet, on_event=reporter, settings=settings)
     streaming = args.json is None and sys.stdout.isatty()
 
     def show(_tokens: list[int], delta: str) -> None:
@@ -57,10 +61,11 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
 
     attached = False
     try:
-        await controller.start()
+        with reporter:  # closed before the answer prints
+            await controller.start()
         attached = controller.attached
         params = options.sampling(controller.fleet, args)
-        generation = await controller.ask(prompt, params, show)
+        generation = await controller.ask(prompt, params, show, system=args.system)
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)
         return 1

@@ -40,8 +40,11 @@ class Progress:
     """One line per row on stderr: `[i/n] name ... result`."""
 
     def __init__(self, total: int) -> None:
+        from fleettui.commands.progress import ProgressReporter
+
         self.total = total
         self.index = 0
+        self.reporter = ProgressReporter(tty=False)  # compiles and worker starts: periodic plain lines
 
     def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
         if row:
@@ -67,7 +70,10 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     progress = Progress(len(specs))
     started = time.perf_counter()
     repeats = 1 if args.quick else FULL_REPEATS
-    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    try:
+        rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    finally:
+        progress.reporter.close()
     settings = {
         "profile": "quick" if args.quick else "full",
         "tokens_per_user": tokens,

@@ -14,28 +14,38 @@ HELP = "deploy the fleet (SSH hosts too) and leave it running for ask, the TUI, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser)
     options.add_settings(parser)
+    parser.add_argument(
+        "--prune", action="store_true", help="remove other (older) shard folders on the SSH hosts once pushed"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from fleettui.commands.progress import ProgressReporter
     from fleettui.commands.running import run as run_loop
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.control.states import LogLine, ProvisionEvent
+    from fleettui.control.states import LogLine
 
     fleet = options.load(args)
+    reporter = (
+        ProgressReporter()
+    )  # compile, wheelhouse, SFTP push, worker start: bars on a terminal, else lines
 
     def show(event: object) -> None:
-        if isinstance(event, LogLine) and event.source != "shard_compiler":
+        reporter(event)
+        if (
+            isinstance(event, LogLine)
+            and event.source != "shard_compiler"
+            and (args.verbose or event.source == "fleet")
+        ):
             print(f"[{event.source}] {event.text}", file=sys.stderr, flush=True)
-        elif isinstance(event, ProvisionEvent) and event.step == "compile" and args.verbose:
-            print(f"[compile] {event.message}", file=sys.stderr, flush=True)
 
-    controller = FleetController(fleet, on_event=show, settings=options.settings(args))
+    controller = FleetController(fleet, on_event=show, settings=options.settings(args), prune=args.prune)
 
     async def main() -> int:
         done = False
         try:
-            print("compiling (or finding cached) shards …", file=sys.stderr, flush=True)
-            lines = await controller.deploy()
+            with reporter:
+                lines = await controller.deploy()
             done = True
         except ControllerError as error:
             print(f"fleettui: deploy failed: {error}", file=sys.stderr)

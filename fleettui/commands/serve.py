@@ -35,10 +35,14 @@ def run(args: argparse.Namespace) -> int:
     settings = options.settings(args)
 
     async def main() -> int:
+        from fleettui.commands.progress import ProgressReporter
         from fleettui.control.controller import ControllerError
         from fleettui.serve.command import serve_fleet
 
+        reporter = ProgressReporter()  # compile and worker start until the server listens
+
         def ready(url: str) -> None:
+            reporter.close()
             print(
                 f"fleettui serve: {url}/v1 (model {fleet.model.name}); ctrl+c stops",
                 file=sys.stderr,
@@ -48,11 +52,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             await serve_fleet(
                 fleet, settings, args.host, args.port, args.api_key_file, args.tls_cert, args.tls_key, ready,
-                max_queued=args.max_queued,
+                max_queued=args.max_queued, on_event=reporter,
             )  # fmt: skip
         except ControllerError as error:
+            reporter.close()
             print(f"fleettui: {error}", file=sys.stderr)
             return 1
+        finally:
+            reporter.close()
         return 0
 
     return run_loop(main)

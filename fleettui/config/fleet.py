@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from fleettui.config import paths
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
 from remote_worker import config as contract
@@ -48,9 +49,7 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = Path(
-        "~/.cache/fleettui"
-    ).expanduser()  # cache root: compiled shards go to <root>/shards/<key>
+    shards: Path = field(default_factory=lambda: paths.cache_dir())  # cache root: <root>/shards/<key>
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,13 @@ class SpeculationSettings:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Chat sessions: how many at once and the sampling defaults."""
+    """Chat sessions: how many at once and the sampling defaults (None: the model's recommended sampling)."""
 
     max_sessions: int = 4
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float | None = None  # None: fleettui.config.recommended (greedy under --exact)
+    top_p: float | None = None
+    seed: int = 0  # fixed, so a sampled answer can be reproduced
 
 
 @dataclass(frozen=True)
@@ -166,9 +165,34 @@ def resolve_fleet(arg: str | None) -> Path:
     path = Path(arg).expanduser()
     if not path.exists() and not path.suffix and (FLEETS_DIR / f"{arg}.toml").exists():
         return FLEETS_DIR / f"{arg}.toml"
+    if path.is_dir():
+        raise FleetConfigError(path, 0, "fleet", _folder_hint(path))
     if not path.is_file():
         raise FleetConfigError(path, 0, "fleet", "no such fleet file")
     return path
+
+
+def _folder_hint(path: Path) -> str:
+    """What to say when a folder is given where a fleet file belongs."""
+    found = sorted(child.name for child in path.glob("*.toml"))[:4]
+    if found:
+        return f"is a folder, not a fleet file: pass one of its TOML files, e.g. {path / found[0]}"
+    return "is a folder, not a fleet file: pass a fleet TOML file (`fleettui init` writes one)"
+
+
+_BARE_WORD = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=\s*([A-Za-z][^#]*?)\s*(#.*)?$")
+
+
+def _unquoted_hint(text: str, line: int) -> str:
+    """A hint when the failing line holds a bare word where TOML wants a quoted string."""
+    lines = text.splitlines()
+    if not 0 < line <= len(lines):
+        return ""
+    match = _BARE_WORD.match(lines[line - 1])
+    if not match or match.group(2) in ("true", "false", "inf", "nan"):
+        return ""
+    value = match.group(2).replace('"', '\\"')
+    return f': strings need quotes, e.g. {match.group(1)} = "{value}"'
 
 
 def _local_path(value: str, base: Path) -> Path:
@@ -195,6 +219,8 @@ def load_fleet(path: Path) -> Fleet:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FleetConfigError(path, 0, "fleet", "no such fleet file") from None
+    except IsADirectoryError:
+        raise FleetConfigError(path, 0, "fleet", _folder_hint(path)) from None
     except (OSError, UnicodeDecodeError) as error:
         raise FleetConfigError(path, 0, "fleet", f"cannot read: {error}") from None
     try:
@@ -206,6 +232,8 @@ def load_fleet(path: Path) -> Fleet:
         if "(at end of document)" in message:
             line = max(1, len(text.splitlines()))
         reason = re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)", "", message) or "invalid TOML"
+        if reason.startswith("Invalid value"):
+            reason += _unquoted_hint(text, line)
         raise FleetConfigError(path, line, "toml", reason) from None
     return _validate(path, text, data)
 
@@ -267,7 +295,8 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
                 "name", f"no such file or folder {candidate} and not a builtin model ({builtins})"
             )
     precision = section.choice("precision", PRECISIONS, ModelSettings.precision)
-    shards = _local_path(section.get("shards", str, "~/.cache/fleettui"), base)
+    given = section.get("shards", str, None)
+    shards = _local_path(given, base) if given else paths.cache_dir()
     return ModelSettings(name, "fp32" if exact else precision, shards)
 
 
@@ -307,8 +336,12 @@ def _sessions(section: Section) -> SessionSettings:
     return SessionSettings(
         max_sessions=section.number("max_sessions", int, 4, lambda v: 1 <= v <= 64, "1..64"),
         max_tokens=section.number("max_tokens", int, 256, lambda v: 1 <= v <= 1_000_000, "1..1000000"),
-        temperature=section.number("temperature", float, 0.0, lambda v: 0.0 <= v <= 10.0, "0..10"),
-        top_p=section.number("top_p", float, 1.0, lambda v: 0.0 < v <= 1.0, "greater than 0, at most 1"),
+        temperature=section.number(
+            "temperature", float, None, lambda v: v is None or 0.0 <= v <= 10.0, "0..10"
+        ),
+        top_p=section.number(
+            "top_p", float, None, lambda v: v is None or 0.0 < v <= 1.0, "greater than 0, at most 1"
+        ),
         seed=section.number("seed", int, 0, lambda v: 0 <= v < 2**63, "0..2^63-1"),
     )
 

@@ -53,6 +53,7 @@ from fleettui.control.states import (
 )  # fmt: skip
 from fleettui.control.store import DeploymentRecord, Settings
 from fleettui.provision.events import ProvisionEvent
+from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
@@ -79,8 +80,10 @@ class FleetController:
         on_event: Callable[[ControllerEvent], None] | None = None,
         settings: Settings | None = None,
         lease: float = LEASE_SECONDS,
+        prune: bool = False,  # SSH hosts: remove their other shard folders once this one is pushed
     ) -> None:
         self.settings = settings or Settings()
+        self.prune = prune
         self.base_fleet = fleet
         self.fleet = apply(fleet, self.settings)
         self._on_event = on_event or (lambda event: None)
@@ -289,7 +292,9 @@ class FleetController:
         if record and self.base_fleet.path is not None:
             self.record = self._record(deployment, owner=os.getpid())
             store.save(self.record)
-        remote = SshLauncher(self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout)
+        remote = SshLauncher(
+            self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout, prune=self.prune
+        )
         jobs = [self._bring_up(local_launcher, each, ready_timeout) for each in list(self.launched)]
         jobs += [self._bring_up_remote(remote, p) for p in deployment.stages if not p.host.is_local]
         outcomes = await asyncio.gather(*jobs, return_exceptions=True)
@@ -487,12 +492,18 @@ class FleetController:
         return await self._coordinator().generate(session, prompt, params, on_tokens)
 
     async def ask(
-        self, question: str, params: GenerationParams, on_tokens: TokenCallback | None = None
+        self,
+        question: str,
+        params: GenerationParams,
+        on_tokens: TokenCallback | None = None,
+        system: str | None = None,
     ) -> Generation:
-        """One prompt through the whole fleet in a fresh session."""
+        """One prompt through the whole fleet in a fresh session (after a system message when given)."""
         if self.coordinator is None:
             await self.start()
         session = await self.open_session(params.seed)
+        if system:
+            session.messages.append(ChatMessage("system", system))
         try:
             return await self.chat(session, question, params, on_tokens)
         finally:

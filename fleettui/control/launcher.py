@@ -237,6 +237,7 @@ class SshLauncher:
     keys: ClientKeys | None
     on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
+    prune: bool = False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
     reports: dict[str, HostDeployment] = field(default_factory=dict)
 
     async def start(self, placement: Placement) -> Launched:
@@ -260,7 +261,7 @@ class SshLauncher:
             ShardAssignment(self.shard_dir, placement.config.stage_index),
             config,
             placement.config.deployment,
-            DeployOptions(deployment=placement.config.deployment),
+            DeployOptions(deployment=placement.config.deployment, prune=self.prune),
             self.on_event,
             ready,
         )

@@ -42,12 +42,29 @@ def generation_params(
     no_spec: bool = False,
     spec_k: int | None = None,
 ) -> GenerationParams:
-    """Sampling settings from the fleet file, overridden by the command line."""
+    """Sampling settings: the command line, else the fleet file's [sessions], else the model's recommended.
+
+    The model's recommendation (fleettui.config.recommended) applies only to what neither the command line
+    nor the fleet file sets, and never under exact settings: `--exact` stays greedy, without penalties.
+    Its top_k and repetition penalty follow its temperature: a temperature given here means plain sampling
+    (`--temperature 0` is plain greedy).
+    """
+    from fleettui.config.recommended import GREEDY, recommended_sampling
+
     sessions = fleet.sessions
+    temperature = sessions.temperature if temperature is None else temperature
+    top_p = sessions.top_p if top_p is None else top_p
+    model = GREEDY if fleet.runtime.exact else recommended_sampling(fleet.model.name)
+    if temperature is None:
+        temperature, top_k, repetition_penalty = model.temperature, model.top_k, model.repetition_penalty
+    else:
+        top_k, repetition_penalty = 0, 1.0
     return GenerationParams(
         max_tokens=max_tokens or sessions.max_tokens,
-        temperature=sessions.temperature if temperature is None else temperature,
-        top_p=sessions.top_p if top_p is None else top_p,
+        temperature=temperature,
+        top_p=(model.top_p if temperature > 0 else 1.0) if top_p is None else top_p,
+        top_k=top_k if temperature > 0 else 0,
         seed=sessions.seed if seed is None else seed,
         spec_k=0 if no_spec else spec_k,
+        repetition_penalty=repetition_penalty,
     )

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from fleettui.errors import PlanError
 from fleettui.model.shape import BUILTIN_SHAPES, ModelShape
 
 
-def shape_for_model(model: str) -> ModelShape | None:
-    """The shape of a builtin name, a HF folder, a config.json or a .gguf file; None for a hub id."""
+def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
+    """The shape of a builtin name, a HF folder, a config.json, a .gguf file or (online) a hub id.
+
+    A hub id gives None unless `online`: then its config.json is fetched with huggingface_hub (PlanError
+    with one line when offline). Loading a fleet file never goes online; planning does.
+    """
     if model in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[model]
     path = Path(model).expanduser()
@@ -23,4 +28,8 @@ def shape_for_model(model: str) -> ModelShape | None:
         return gguf_shape(path)
     if path.exists():
         raise PlanError(f"{path}: neither a model folder with config.json, a config.json nor a .gguf file")
+    from fleettui.model.hub import hub_config, is_hub_id
+
+    if online and is_hub_id(model):
+        return replace(ModelShape.from_config_file(hub_config(model)), name=model)
     return None

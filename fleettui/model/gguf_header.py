@@ -9,6 +9,10 @@ from typing import Any, BinaryIO
 from fleettui.errors import PlanError
 from fleettui.model.shape import ModelShape
 
+# The architectures shard_compiler compiles (shard_compiler.sources.SUPPORTED_ARCHITECTURES; a test keeps the
+# two in step): their GGUF metadata keys all follow "<architecture>.<key>".
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
 _GGUF_SCALARS = {
     0: "<B",
     1: "<b",
@@ -64,20 +68,21 @@ def gguf_shape(path: Path) -> ModelShape:
     except (OSError, ValueError, struct.error) as error:
         raise PlanError(f"{path}: cannot read GGUF metadata: {error}") from None
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise PlanError(f"{path}: unsupported architecture {arch!r} (supported: llama-style decoders)")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(GGUF_ARCHITECTURES)
+        raise PlanError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
     try:
-        heads = int(meta["llama.attention.head_count"])
-        hidden = int(meta["llama.embedding_length"])
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
         return ModelShape(
             name=str(meta.get("general.name") or path.stem),
-            num_layers=int(meta["llama.block_count"]),
+            num_layers=int(meta[f"{arch}.block_count"]),
             hidden=hidden,
-            intermediate=int(meta["llama.feed_forward_length"]),
+            intermediate=int(meta[f"{arch}.feed_forward_length"]),
             heads=heads,
-            kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-            head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
-            vocab=int(meta.get("llama.vocab_size") or meta["tokenizer.ggml.tokens"]),
+            kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            vocab=int(meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"]),
             tied_embeddings="output.weight" not in names,
         )
     except KeyError as error:

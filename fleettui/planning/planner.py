@@ -265,7 +265,7 @@ def plan_fleet(fleet: Fleet, shape: ModelShape | None = None, context_tokens: in
     """
     try:
         if shape is None:
-            shape = shape_for_model(fleet.model.name)
+            shape = shape_for_model(fleet.model.name, online=True)
             if shape is None:
                 raise PlanError(
                     f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json"

@@ -36,7 +36,7 @@ from fleettui.provision.events import (
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
 from fleettui.provision.transfer import local_sha256, push_files, tree_files
-from fleettui.provision.wheelhouse import DEFAULT_CACHE, Target, Wheelhouse, build_wheelhouse
+from fleettui.provision.wheelhouse import Target, Wheelhouse, build_wheelhouse
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ShardAssignment:
 class DeployOptions:
     """Knobs of a deployment; the defaults are what ``fleettui --deploy`` uses."""
 
-    wheelhouse_cache: Path = DEFAULT_CACHE
+    wheelhouse_cache: Path | None = None  # None: wheelhouse.default_cache()
     worker_source: Path | None = None  # remote_worker folder to package (default: the installed one)
     requirements: tuple[str, ...] | None = None  # default: openvino/numpy/pyzmq/psutil matching ours
     install: bool = True  # False: the host's `python` already has the worker (pre-provisioned hosts)
@@ -69,6 +69,7 @@ class DeployOptions:
     connect_timeout: float = 10.0
     stop_timeout: float = 10.0
     deployment: str | None = None  # identifies the processes this deployment starts (default: random)
+    prune: bool = False  # remove the host's other shard folders once this one is pushed (deploy --prune)
 
 
 def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
@@ -307,6 +308,15 @@ class HostSession:
                 self.emit("stop", f"pid {process.pid}: {process.action} ({process.detail})")
         return stopped
 
+    async def prune_shards(self, keep: Sequence[str]) -> dict[str, Any]:
+        """Remove the host's shard folders other than `keep` (remote folder paths or names)."""
+        names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in keep]
+        answer = await self.operation("prune", {"folder": f"{self.workdir}/shards", "keep": names}, "prune")
+        removed, size = len(answer["removed"]), answer["bytes"] / 1e6
+        if removed:
+            self.emit("prune", f"removed {removed} old shard folder(s), {size:.1f} MB")
+        return dict(answer)
+
     async def status(self, pidfile: str) -> dict[str, Any]:
         return dict((await self.operation("status", {"pidfiles": [pidfile]}, "status"))["status"][pidfile])
 
@@ -372,6 +382,7 @@ async def deploy_host(
                 options.wheelhouse_cache,
                 options.worker_source,
                 list(options.requirements) if options.requirements is not None else None,
+                lambda text: session.emit("wheelhouse", text),
             )
             result = replace(result, step="install")
             installed, pushed = await session.install(wheelhouse)
@@ -381,6 +392,8 @@ async def deploy_host(
             python = session.venv_python()
         result = replace(result, step="shard")
         shard_dir, pushed = await session.push_shard(shard)
+        if options.prune:
+            await session.prune_shards([shard_dir])
         paths = replace(session.paths(), shard=shard_dir)
         result = replace(result, shard_push=pushed, paths=paths, step="config")
         text = config(paths) if callable(config) else config

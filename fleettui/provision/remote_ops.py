@@ -364,7 +364,23 @@ def tail(args: dict[str, Any]) -> dict[str, Any]:
     return {"text": _tail(_path(args["path"]), int(args.get("bytes", 65536)))}
 
 
+def prune(args: dict[str, Any]) -> dict[str, Any]:
+    """Remove the subfolders of `folder` not named in `keep` (old shard folders); their names and bytes."""
+    folder = _path(args["folder"])
+    keep = set(args.get("keep", []))
+    removed, freed = [], 0
+    if folder.is_dir():
+        for child in sorted(folder.iterdir()):
+            if child.name in keep or not child.is_dir() or child.is_symlink():
+                continue
+            freed += sum(item.stat().st_size for item in child.rglob("*") if item.is_file())
+            shutil.rmtree(child)
+            removed.append(child.name)
+    return {"removed": removed, "bytes": freed, "kept": sorted(keep)}
+
+
 OPERATIONS = {
+    "prune": prune,
     "preflight": preflight,
     "hashes": hashes,
     "install": install,

@@ -18,6 +18,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,15 @@ WORKER_DEPENDENCIES = {
     "pyzmq": ">=26",
     "psutil": ">=5.9",
 }  # None: exact pin
-DEFAULT_CACHE = Path("~/.cache/fleettui/wheelhouse").expanduser()
+
+
+def default_cache() -> Path:
+    """Where wheelhouses are cached: <user cache>/wheelhouse (XDG_CACHE_HOME/fleettui/wheelhouse on Linux)."""
+    from fleettui.config import paths
+
+    return paths.cache_dir() / "wheelhouse"
+
+
 _locks: dict[str, asyncio.Lock] = {}
 
 
@@ -153,11 +162,17 @@ async def _pip(arguments: list[str], step: str) -> None:
 
 async def build_wheelhouse(
     target: Target,
-    cache: Path = DEFAULT_CACHE,
+    cache: Path | None = None,
     source: Path | None = None,
     requirements: list[str] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> Wheelhouse:
-    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it)."""
+    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it).
+
+    ``on_step`` hears what the build is doing ("building the worker wheel", "downloading ...").
+    """
+    say = on_step or (lambda text: None)
+    cache = cache or default_cache()
     source = source or worker_source()
     requirements = worker_requirements(target) if requirements is None else requirements
     source_digest = _tree_digest(source)
@@ -176,6 +191,7 @@ async def build_wheelhouse(
         building = cache / f".{key}.partial"
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir(parents=True)
+        _require_build_backend()
         version = f"{_fleettui_version()}+h{source_digest[:12]}"
         with tempfile.TemporaryDirectory(prefix="fleettui-worker-") as temporary:
             project = Path(temporary)
@@ -188,6 +204,7 @@ async def build_wheelhouse(
                 )
             )
             logger.info("building the %s wheel from %s", WORKER_DISTRIBUTION, source)
+            say(f"building the {WORKER_DISTRIBUTION} wheel (1/2)")
             await _pip(
                 ["wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(building), str(project)],
                 "build",
@@ -195,6 +212,7 @@ async def build_wheelhouse(
         platforms = [argument for tag in target.platforms() for argument in ("--platform", tag)]
         version_tag = f"{target.python[0]}{target.python[1]}"
         logger.info("downloading %s for %s", ", ".join(requirements), target.key())
+        say(f"downloading {len(requirements) + 1} packages for {target.key()} (2/2)")
         await _pip(
             ["download", "--only-binary=:all:", "--dest", str(building), "--python-version", version_tag,
              "--implementation", "cp", *platforms, "pip", *requirements],
@@ -220,6 +238,16 @@ async def build_wheelhouse(
         return Wheelhouse(
             directory, digest.hexdigest(), requirement, tuple(directory / name for name in names)
         )
+
+
+def _require_build_backend() -> None:
+    """The worker wheel is built without isolation (offline-friendly): setuptools must be installed here."""
+    if importlib.util.find_spec("setuptools") is None:
+        raise ProvisionError(
+            "wheelhouse", "build",
+            f"building the worker wheel needs setuptools in {sys.executable}'s environment: "
+            "pip install 'setuptools>=68' (a declared dependency of fleettui)",
+        )  # fmt: skip
 
 
 def _prune(cache: Path, target: Target, keep: Path) -> None:

@@ -1,9 +1,19 @@
-"""Provides the model's tokenizer and chat template for the coordinator (no torch, no transformers)."""
+"""Provides the model's tokenizer and chat template for the coordinator (no torch, no transformers).
+
+Chat templates render in the same Jinja environment as transformers' `apply_chat_template` (a sandbox
+with trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that does
+not escape HTML), so a model's own template gives the same prompt here as in transformers. Replies are
+detokenised incrementally with tokenizers' `DecodeStream`: each token costs one step, not a re-decode of
+the whole reply.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from remote_worker.manifest import Manifest
 
@@ -14,17 +24,91 @@ class ChatMessage:
     content: str
 
 
+class ChatTemplateError(ValueError):
+    """A chat template refused the conversation (its own `raise_exception`) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON without Jinja's HTML escaping (templates put tool schemas into prompts with it)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    return datetime.now().strftime(format)
+
+
+def template_environment() -> Any:
+    """The Jinja environment transformers renders chat templates in (`{% generation %}` renders its body)."""
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.sandbox
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here: its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Any) -> str:
+            return str(caller())
+
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment
+
+
+def compile_template(text: str) -> Any:
+    """A chat template (Jinja source) compiled in `template_environment()`."""
+    import jinja2
+
+    try:
+        return template_environment().from_string(text)
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(f"chat template does not compile: {error}") from None
+
+
+def render_template(
+    template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **context: Any
+) -> str:
+    """Render a compiled template as transformers does (`context`: bos_token, eos_token, tools, date_string ...)."""
+    import jinja2
+
+    try:
+        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context))
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(f"chat template: {error}") from None
+
+
 class ChatFormat:
     """Encodes conversations with the shard's own chat template and tokenizer; decodes replies."""
 
     def __init__(self, shard_dir: Path, manifest: Manifest) -> None:
-        import jinja2.sandbox
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(shard_dir) / manifest.tokenizer / "tokenizer.json"))
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _raise_template_error
-        self.template = environment.from_string(manifest.chat_template) if manifest.chat_template else None
+        self.template = compile_template(manifest.chat_template) if manifest.chat_template else None
         self.eos_token_ids = frozenset(manifest.eos_token_ids)
         self.bos_token = self._token_text(manifest.bos_token_id)
         self.eos_token = self._token_text(manifest.eos_token_ids[0] if manifest.eos_token_ids else None)
@@ -37,9 +121,10 @@ class ChatFormat:
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if self.template is None:
             return "".join(message.content for message in messages)
-        return self.template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=add_generation_prompt,
+        return render_template(
+            self.template,
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
@@ -53,42 +138,56 @@ class ChatFormat:
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))
 
+    def decode_stream(self) -> Any:
+        """A fresh incremental decoder (tokenizers' DecodeStream) for one reply."""
+        from tokenizers.decoders import DecodeStream
 
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
+        return DecodeStream(skip_special_tokens=True)
 
 
 class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 and stop strings."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 and stop strings.
+
+    Each pushed token is one `DecodeStream.step` (incomplete UTF-8 yields nothing until it completes), so a
+    reply of n tokens costs O(n), not O(n^2). Stop strings stay exact: text that may be the start of a stop
+    string is held back until it is known not to be; a stop string ends the text right before it.
+    """
 
     def __init__(self, chat_format: ChatFormat, stop_strings: tuple[str, ...] = ()) -> None:
-        self._format = chat_format
-        self._stop_strings = stop_strings
-        self._ids: list[int] = []
+        self._tokenizer = chat_format.tokenizer
+        self._decoder = chat_format.decode_stream()
+        self._stop_strings = tuple(stop for stop in stop_strings if stop)
+        self._raw = ""  # everything decoded so far (append-only)
         self._emitted = 0
         self.text = ""
         self.stopped = False
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; returns the new text that is safe to show (empty while a stop string may start)."""
-        self._ids.extend(int(t) for t in token_ids)
-        text = self._format.decode(self._ids)
-        if text.endswith("\ufffd"):
+        if self.stopped:
             return ""
-        for stop in self._stop_strings:
-            index = text.find(stop)
-            if index >= 0:
-                text = text[:index]
-                self.stopped = True
+        for token in token_ids:
+            chunk = self._decoder.step(self._tokenizer, int(token))
+            if chunk:
+                self._raw += chunk
+        text = self._raw
+        # No stop string can start inside text already shown: a possible start was held back.
+        cut = min(
+            (index for stop in self._stop_strings if (index := text.find(stop, self._emitted)) >= 0),
+            default=-1,
+        )
+        if cut >= 0:
+            text = text[:cut]
+            self.stopped = True
         hold = 0
         if not self.stopped:
             for stop in self._stop_strings:
-                for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                for size in range(min(len(stop) - 1, len(text) - self._emitted), 0, -1):
                     if text.endswith(stop[:size]):
                         hold = max(hold, size)
                         break
         visible = text[: len(text) - hold]
-        delta = visible[self._emitted :] if len(visible) > self._emitted else ""
+        delta = visible[self._emitted :]
         self._emitted = max(self._emitted, len(visible))
         self.text = visible
         return delta
@@ -97,8 +196,7 @@ class TextStream:
         """Flush what was held back for a possible stop string."""
         if self.stopped:
             return ""
-        text = self._format.decode(self._ids)
-        delta = text[self._emitted :]
-        self._emitted = len(text)
-        self.text = text
+        delta = self._raw[self._emitted :]
+        self._emitted = len(self._raw)
+        self.text = self._raw
         return delta

@@ -116,9 +116,12 @@ async def serve_fleet(
     max_queued: int = 16,
     max_idle: int | None = None,
     stop: asyncio.Event | None = None,
+    on_event: Callable[[Any], None] | None = None,
 ) -> None:
     """Attach to the deployed fleet (or start one), serve it until SIGINT/SIGTERM (or `stop`), then stop the
-    server and either detach (a deployed fleet stays) or stop the fleet this command started."""
+    server and either detach (a deployed fleet stays) or stop the fleet this command started.
+
+    `on_event` hears the controller's events (compile, provisioning and worker start progress)."""
     from fleettui.control.controller import FleetController
     from fleettui.serve.fleet import ControllerFleet
 
@@ -131,7 +134,7 @@ async def serve_fleet(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(number, stop.set)
             handled.append(number)
-    controller = FleetController(fleet, settings=settings)
+    controller = FleetController(fleet, on_event=on_event, settings=settings)
     server: FleetServer | None = None
     try:
         await controller.start()

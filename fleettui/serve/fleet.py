@@ -37,7 +37,7 @@ class ServedFleet(Protocol):
     def model_info(self) -> ModelInfo: ...
 
     def defaults(self) -> GenerationParams:
-        """Sampling defaults of the fleet file (max_tokens, temperature, top_p, seed)."""
+        """Sampling defaults: the fleet file's, else the model's recommended (max_tokens, temperature, top_p, seed ...)."""
         ...
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]: ...
@@ -79,13 +79,10 @@ class ControllerFleet:
         return ModelInfo(manifest.model_name, manifest.max_position_embeddings, manifest.num_layers, created)
 
     def defaults(self) -> GenerationParams:
-        sessions = self.controller.fleet.sessions
-        return GenerationParams(
-            max_tokens=sessions.max_tokens,
-            temperature=sessions.temperature,
-            top_p=sessions.top_p,
-            seed=sessions.seed,
-        )
+        """The fleet file's sampling, else the model's recommended (greedy under exact settings)."""
+        from fleettui.control.settings import generation_params
+
+        return generation_params(self.controller.fleet)
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         return self.chat_format.encode_chat(messages)

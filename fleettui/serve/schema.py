@@ -37,7 +37,7 @@ class Sampling:
     top_p: float
     seed: int
     stop: tuple[str, ...]
-    penalties: dict[str, Any]
+    penalties: dict[str, Any]  # further GenerationParams fields: penalties (and the default's top_k)
 
     def params(self, default_max_tokens: int, room: int) -> GenerationParams:
         """GenerationParams for a prompt that leaves `room` positions of the context."""
@@ -126,6 +126,11 @@ def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: 
             raise RequestError(f"'{name}' is not supported by this fleet (only 0)", name)
         penalties[name] = value
     seed = _integer(body, "seed", -MAX_SEED, MAX_SEED)
+    if body.get("temperature") is None:  # the fleet's default sampling, with its top_k and repetition penalty
+        if defaults.top_k:
+            penalties.setdefault("top_k", defaults.top_k)
+        if defaults.repetition_penalty != 1.0:
+            penalties.setdefault("repetition_penalty", defaults.repetition_penalty)
     return Sampling(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -100,16 +101,17 @@ class FleetApp(App[int]):
         params: GenerationParams | None = None,
         auto_deploy: bool = True,
         api: ApiService | None = None,
+        log_file: Path | None = None,
     ) -> None:
         super().__init__()
         self.fleet = fleet
         self.api = api  # the OpenAI-compatible API served beside the chat (`fleettui tui --serve`)
-        self.params = params or GenerationParams(
-            max_tokens=fleet.sessions.max_tokens,
-            temperature=fleet.sessions.temperature,
-            top_p=fleet.sessions.top_p,
-            seed=fleet.sessions.seed,
-        )
+        self.log_file = log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
+        if params is None:
+            from fleettui.control.settings import generation_params
+
+            params = generation_params(fleet)  # the fleet file's sampling, else the model's recommended
+        self.params = params
         self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
         self.auto_deploy = auto_deploy
         self.ready = False  # the fleet answers (launched here or attached)
@@ -130,7 +132,7 @@ class FleetApp(App[int]):
                 yield DeployPanel([host.name for host in self.fleet.hosts], id="deploy")
                 if self.api is not None:
                     yield ApiPanel(id="api")
-                yield LogPane(id="log")
+                yield LogPane(id="log", log_file=self.log_file)
         yield Footer()
 
     @property
@@ -425,7 +427,15 @@ def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
 
         options = ApiOptions(args.host, args.port, args.api_key_file, applied.sessions.max_sessions)
         api = ApiService(options)  # a refused bind or key file is one line before anything starts
-    app = FleetApp(fleet, functools.partial(FleetController, settings=settings), params, api=api)
+    from fleettui.config import paths
+
+    app = FleetApp(
+        fleet,
+        functools.partial(FleetController, settings=settings),
+        params,
+        api=api,
+        log_file=paths.log_dir() / "tui.log",
+    )
     app.handle_signals = True
     root = logging.getLogger()
     streams = [handler for handler in root.handlers if isinstance(handler, logging.StreamHandler)]
