@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return _plan(fleet, args)
         if args.ask is not None:
+            if fleet.model.name.startswith("synthetic:"):  # perf: refuse before compiling anything
+                from fleettui.control.controller import SYNTHETIC_REFUSAL
+
+                raise FleetError(SYNTHETIC_REFUSAL.format(model=fleet.model.name))
             return asyncio.run(_ask(fleet, args))
         if args.bench:
             from fleettui.bench.runner import run_bench_cli

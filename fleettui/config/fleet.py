@@ -22,7 +22,9 @@ else:  # pragma: no cover - Python 3.10
 logger = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
-DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"  # ships in the wheel; a copy of fleets/local.toml
+DEFAULT_FLEET = (
+    Path(__file__).resolve().parent / "local.toml"
+)  # ships in the wheel; a copy of fleets/local.toml
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
@@ -244,13 +246,19 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
-    from fleettui.planning.shape import BUILTIN_SHAPES
+    from fleettui.errors import PlanError
+    from fleettui.planning.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, synthetic_shape
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
     if not name:
         raise section.error("name", "must not be empty")
-    if name not in BUILTIN_SHAPES:
+    if name.startswith(SYNTHETIC_PREFIX):  # seeded random weights of a real architecture (bench only)
+        try:
+            synthetic_shape(name)
+        except PlanError as error:
+            raise section.error("name", error.message) from None
+    elif name not in BUILTIN_SHAPES:
         candidate = _local_path(name, base)
         if candidate.exists():
             name = str(candidate)

@@ -38,6 +38,11 @@ from remote_worker.manifest import Manifest, load_manifest
 log = logging.getLogger(__name__)
 
 
+SYNTHETIC_REFUSAL = (
+    "{model} is synthetic (seeded random weights, no tokenizer): it is for benchmarks, not chat"
+)
+
+
 class ControllerError(RuntimeError):
     """The fleet could not be brought up; the message says which part and why."""
 
@@ -277,8 +282,11 @@ class FleetController:
         drafter = self._drafter(deployment)
         from fleettui.runtime.chat_format import ChatFormat
 
-        chat_format = ChatFormat(self.target.directory, self.target.manifest)
+        manifest = self.target.manifest
+        chat_format = None if manifest.synthetic else ChatFormat(self.target.directory, manifest)
         coordinator = Coordinator(link, chat_format, drafter, max_k=self.fleet.speculation.max_k)
+        if manifest.synthetic:
+            coordinator.no_chat_reason = SYNTHETIC_REFUSAL.format(model=manifest.model_name)
         k = self.fleet.speculation.k
         if isinstance(k, int):
             coordinator.policy.fixed_k = k if drafter is not None else 0

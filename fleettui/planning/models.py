@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleettui.errors import PlanError
-from fleettui.planning.shape import BUILTIN_SHAPES, ModelShape
+from fleettui.planning.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, ModelShape, synthetic_shape
 
 
 def shape_for_model(model: str) -> ModelShape | None:
-    """The shape of a builtin name, a HF folder, a config.json or a .gguf file; None for a hub id."""
+    """The shape of a builtin name, synthetic:NAME[@N], a HF folder, a config.json or a .gguf file;
+    None for a hub id."""
+    if model.startswith(SYNTHETIC_PREFIX):
+        return synthetic_shape(model)
     if model in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[model]
     path = Path(model).expanduser()

@@ -307,7 +307,12 @@ def format_plan(plan: Plan) -> str:
         f"{plan.precision} weights"
         + (f" (group {shape.group_size})" if plan.precision == "int4" else "")
         + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} tokens"
-        + (" — manual split" if plan.manual else ""),
+        + (" — manual split" if plan.manual else "")
+        + (
+            " — SYNTHETIC (seeded random weights, for benchmarks)"
+            if shape.name.startswith("synthetic:")
+            else ""
+        ),
         "",
         f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}{'KV cache':>11}{'other':>10}"
         f"{'total':>11}{'usable':>11}{'use':>6}",

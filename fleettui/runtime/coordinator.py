@@ -115,6 +115,7 @@ class Coordinator:
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
+        self.no_chat_reason = "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
         self._ids = itertools.count(1)
         # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
         self.result_observers: list[Callable[[protocol.Result, float], None]] = []
@@ -149,7 +150,7 @@ class Coordinator:
     ) -> Generation:
         """Add a user turn, generate the assistant's reply with the chat template, remember both."""
         if self.chat_format is None:
-            raise RuntimeError("this pipeline has no tokenizer")
+            raise RuntimeError(self.no_chat_reason)
         session.messages.append(ChatMessage("user", user_text))
         prompt = self.chat_format.encode_chat(session.messages)
         generation = await self.generate(session, prompt, params, on_tokens)
