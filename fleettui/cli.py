@@ -115,6 +115,10 @@ def _plan(fleet, args) -> int:  # type: ignore[no-untyped-def]
     from fleettui.planning.shape import ModelShape
 
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
+    if getattr(args, "profile", False):  # perf: measured costs
+        from fleettui.planning.plan_profile import run_plan_profile
+
+        return run_plan_profile(fleet, shape)
     print(format_plan(plan_fleet(fleet, shape)))
     return 0
 

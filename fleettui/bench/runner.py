@@ -520,9 +520,9 @@ def run_bench_cli(fleet: Fleet, args: Any) -> int:
     specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec, only)
     if not specs:
         raise FleetError(f"--only {only}: the {'quick' if args.quick else 'full'} profile has no such rows")
-    progress = Progress(len(specs))
-    started = time.perf_counter()
     repeats = 1 if args.quick else FULL_REPEATS
+    progress = Progress(len(specs) * repeats)
+    started = time.perf_counter()
     rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
     settings = {
         "profile": "quick" if args.quick else "full",
