@@ -362,9 +362,13 @@ def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
         runs[name] = [m.aggregate_tok_s if m.ok else 0.0 for m in measured]
     for row in rows:
         if row.ok and row.versus in runs:
-            row.details["paired_ratios"] = [
-                round(a / b, 4) for a, b in zip(runs[row.name], runs[row.versus], strict=False) if b > 0
+            pairs = [
+                (a, b) for a, b in zip(runs[row.name], runs[row.versus], strict=False) if a > 0 and b > 0
             ]
+            row.details["paired_ratios"] = [round(a / b, 4) for a, b in pairs]
+            if row.users == 1 and pairs:  # time per token this row adds over its pair (the fleet's overhead)
+                extra = sorted(1000.0 / a - 1000.0 / b for a, b in pairs)
+                row.details["paired_extra_ms_per_token"] = round(extra[len(extra) // 2], 3)
 
 
 # ------------------------------------------------------------------------------------ baseline rows
