@@ -27,6 +27,8 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
+NO_UNIFORMS = np.zeros(0)  # greedy rounds draw nothing: one shared empty array, not one per round
+NO_UNIFORMS.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -219,14 +221,14 @@ class Coordinator:
             k = len(draft.tokens)
             verify_started = time.perf_counter()
             feed = session.ledger.plan(session.history + list(draft.tokens))
-            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
+            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
             decode = protocol.Decode(
                 sampling.temperature,
                 sampling.top_p,
                 sampling.top_k,
                 np.array(draft.tokens, np.int64),
-                draft.ids.astype(np.int64),
-                draft.probs.astype(np.float32),
+                np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
+                np.asarray(draft.probs, np.float32),
                 uniforms,
             )
             result = await self._step(session, feed, decode)
