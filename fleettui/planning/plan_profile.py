@@ -27,7 +27,7 @@ def run_plan_profile(fleet: Fleet, shape: Any = None, out: Any = None) -> int:
     if shape is None:
         raise PlanError(f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json")
     by_bytes = plan_fleet(fleet, shape, use_profile=False)
-    found = calibrate(fleet, shape.num_layers, progress=say)
+    found = calibrate(fleet, shape.num_layers, progress=say, force=True)  # asked for: measure now, re-cache
     planned = plan_fleet(fleet, shape)
     print(format_plan(planned), file=stream)
     if planned.costs is None:
