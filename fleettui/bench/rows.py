@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fleettui.bench.results import Row
 from fleettui.config.fleet import Fleet
 
 K_SWEEP = (2, 4, 8)
@@ -150,3 +151,11 @@ def plan_rows(
     chosen = {row.name for row in rows if row.group == only}
     wanted = {row.versus for row in rows if row.group == only}
     return [row for row in rows if row.name in chosen or row.name in wanted]
+
+
+def new_row(spec: RowSpec) -> Row:
+    """The (not yet measured) result row of SPEC."""
+    return Row(
+        spec.name, spec.kind, spec.stages, spec.users, spec.spec_k, spec.hop_delay_ms, spec.pinned,
+        model=spec.model, group=spec.group, versus=spec.versus,
+    )  # fmt: skip

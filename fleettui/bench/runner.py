@@ -16,13 +16,13 @@ import asyncio
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fleettui.bench.baseline import run_baseline
 from fleettui.bench.machine import CpuWitness, machine_info
 from fleettui.bench.report import (
     Row,
@@ -38,7 +38,7 @@ from fleettui.bench.report import (
     stage_breakdown,
     targets,
 )
-from fleettui.bench.rows import GROUPS, RowSpec, plan_rows
+from fleettui.bench.rows import GROUPS, RowSpec, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ async def run_fleet_group(
     first = specs[0]
     partners = partners or []
     partner_runs: dict[str, list[Row]] = {p.name: [] for p in partners}
-    rows = [_row(s) for s in specs]
+    rows = [new_row(s) for s in specs]
     variant = bench_fleet(model_fleet(fleet, first.model), first.stages, first.pinned)
     missing = sorted({h.device for h in variant.hosts} - {d.split(".")[0] for d in devices} - {"AUTO"})
     if missing:
@@ -348,13 +348,6 @@ async def run_fleet_group(
     return rows, partner_runs
 
 
-def _row(spec: RowSpec) -> Row:
-    return Row(
-        spec.name, spec.kind, spec.stages, spec.users, spec.spec_k, spec.hop_delay_ms, spec.pinned,
-        model=spec.model, group=spec.group, versus=spec.versus,
-    )  # fmt: skip
-
-
 def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
     """Per-round ratios of each row to its `versus` (a row of this group or a partner baseline)."""
     runs = {row.name: row.details.get("runs_tok_s", []) for row in rows if row.ok}
@@ -369,53 +362,6 @@ def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
             if row.users == 1 and pairs:  # time per token this row adds over its pair (the fleet's overhead)
                 extra = sorted(1000.0 / a - 1000.0 / b for a, b in pairs)
                 row.details["paired_extra_ms_per_token"] = round(extra[len(extra) // 2], 3)
-
-
-# ------------------------------------------------------------------------------------ baseline rows
-async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens: int, fleet: Fleet) -> Row:
-    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process."""
-    row = _row(spec)
-    row.details["device"] = spec.device
-    module = "remote_worker.mono" if spec.kind == "mono" else "shard_compiler.anchors"
-    command = [
-        sys.executable,
-        "-m",
-        module,
-        "--shard",
-        str(shard_dir),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--tokens",
-        str(tokens),
-        "--device",
-        spec.device,
-        "--json",
-    ]
-    if spec.pinned:
-        command += ["--threads", "1", "--cores", str(sorted(os.sched_getaffinity(0))[0])]
-    runtime = fleet.runtime
-    if runtime.inference_precision != "auto":
-        command += ["--inference-precision", runtime.inference_precision]
-    if runtime.kv_cache_precision != "auto":
-        command += ["--kv-cache-precision", runtime.kv_cache_precision]
-    witness = CpuWitness()
-    done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
-    )
-    row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        row.status = f"failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
-        return row
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skipped" in result:
-        row.status = f"skipped: {result['skipped']}"
-        return row
-    row.precision = short_precisions(result["precision"])
-    row.tokens, row.seconds, row.ttft_s = result["tokens"], result["seconds"], result["ttft_s"]
-    row.aggregate_tok_s = row.per_user_tok_s = result["tok_s"]
-    row.details.update({key: result[key] for key in ("threads", "cores", "backend") if key in result})
-    return row
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -483,7 +429,7 @@ async def run_bench(
             again = await baseline_once(spec)  # measured while the machine was busy: once more
             runs.append(again)
             ok += [again] if again.ok else []
-        row = max(ok, key=lambda r: r.aggregate_tok_s) if ok else (runs[0] if runs else _row(spec))
+        row = max(ok, key=lambda r: r.aggregate_tok_s) if ok else (runs[0] if runs else new_row(spec))
         row.details["runs_tok_s"] = [round(r.aggregate_tok_s, 2) for r in ok]
         results[spec] = row
     ordered = [results[spec] for spec in specs]
