@@ -36,7 +36,11 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
         model=replace(base.model, name=model, shards=shards or base.model.shards),
         speculation=replace(base.speculation, draft="none"),
     )
-    controller = FleetController(fleet)
+    import shutil
+    import tempfile
+
+    run_dir = Path(tempfile.mkdtemp(prefix="fleettui-hop-"))
+    controller = FleetController(fleet, run_dir=run_dir)
     results = []
     try:
         coordinator = await controller.start()
@@ -79,6 +83,7 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
             )
     finally:
         await controller.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     return results
 
 
