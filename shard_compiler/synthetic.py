@@ -136,9 +136,7 @@ class SyntheticWeights:
         import torch
 
         if key not in self.shapes:
-            from .sources import CompileError
-
-            raise CompileError(f"synthetic weights: tensor {key!r} not in the architecture")
+            raise SyntheticError(f"synthetic weights: tensor {key!r} not in the architecture")
         shape = self.shapes[key]
         if key.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32)

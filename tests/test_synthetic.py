@@ -17,9 +17,9 @@ from fleettui.config.fleet import DEFAULT_FLEET, Host, load_fleet
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.errors import PlanError
-from fleettui.planning.models import shape_for_model
+from fleettui.model.builtin import shape_for_model
+from fleettui.model.shape import SYNTHETIC_SHAPES, ModelShape, synthetic_shape
 from fleettui.planning.planner import plan_fleet
-from fleettui.planning.shape import SYNTHETIC_SHAPES, ModelShape, synthetic_shape
 from fleettui.runtime.coordinator import GenerationParams
 from remote_worker.manifest import Manifest, load_manifest
 from shard_compiler import synthetic

@@ -36,14 +36,10 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
         model=replace(base.model, name=model, shards=shards or base.model.shards),
         speculation=replace(base.speculation, draft="none"),
     )
-    import shutil
-    import tempfile
-
-    run_dir = Path(tempfile.mkdtemp(prefix="fleettui-hop-"))
-    controller = FleetController(fleet, run_dir=run_dir)
+    controller = FleetController(fleet)  # its run and log folders go with stop()
     results = []
     try:
-        coordinator = await controller.start()
+        coordinator = await controller.start(attach=False, record=False)
         assert controller.target is not None
         shard = str(controller.target.directory)
         params = GenerationParams(max_tokens=tokens, ignore_eos=True, spec_k=0)
@@ -83,7 +79,6 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
             )
     finally:
         await controller.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
     return results
 
 

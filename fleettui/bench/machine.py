@@ -1,4 +1,4 @@
-"""Provides what the bench records about its machine: CPU, memory, versions, devices, and other programs' load."""
+"""Provides what the bench says about its machine: CPU, memory, versions, devices, and how busy others kept it."""
 
 from __future__ import annotations
 

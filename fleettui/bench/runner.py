@@ -13,10 +13,8 @@ OpenVINO runs only in child processes (`remote_worker.mono`, `shard_compiler.anc
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,15 +26,9 @@ from fleettui.bench.report import (
     Row,
     Trip,
     add_ratios,
-    document,
-    dumps,
-    format_table,
-    format_targets,
-    plot,
     short_precision,
     short_precisions,
     stage_breakdown,
-    targets,
 )
 from fleettui.bench.rows import GROUPS, RowSpec, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
@@ -60,7 +52,7 @@ ROW_TIMEOUT = 900.0
 FULL_REPEATS = 3  # full profile: 3 interleaved rounds per group, the fastest kept (all rates in the JSON)
 BUSY_MACHINE = 0.15  # share of the CPUs busy outside the bench above which a baseline is measured again
 SYNTHETIC_PROMPT = 40  # prompt length (random ids) for a synthetic model, which has no tokenizer
-__all__ = ["GROUPS", "RowSpec", "plan_rows", "run_bench", "run_bench_cli"]
+__all__ = ["GROUPS", "RowSpec", "plan_rows", "run_bench"]
 
 
 # --------------------------------------------------------------------------------------- fleet rows
@@ -234,7 +226,6 @@ async def run_fleet_group(
     """
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.control.states import LogLine
     from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.coordinator import GenerationParams
 
@@ -250,26 +241,18 @@ async def run_fleet_group(
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
         return rows, partner_runs
-    properties: list[dict[str, Any]] = []
-
-    def on_event(event: Any) -> None:
-        if isinstance(event, LogLine) and event.text.startswith("ready: "):
-            try:
-                reply = json.loads(event.text[len("ready: ") :])
-            except ValueError:
-                return
-            if isinstance(reply, dict) and event.source != "draft":
-                properties.append(reply)
-
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
-    controller = FleetController(variant, on_event=on_event)
+    controller = FleetController(variant)
     try:
         progress(
             f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
             f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''}{f' on {first.model}' if first.model else ''}"
             " (compiles shards on first use)"
         )
-        coordinator = await controller.start(endpoint_map=hops)
+        coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
+        properties: list[dict[str, Any]] = [
+            dict(reply.properties) for name, reply in controller.ready_replies.items() if name != "draft"
+        ]
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)
         coordinator.target = recorder
@@ -436,75 +419,3 @@ async def run_bench(
     _pair([r for r in ordered if r.kind != "fleet"], {})  # baselines paired among themselves (genai 1core)
     add_ratios(ordered)
     return ordered, machine
-
-
-class Progress:
-    """One line per row on stderr: `[i/n] name ... result`."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.index = 0
-
-    def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
-        if row:
-            self.index += 1
-            print(f"[{self.index}/{self.total}] {text} ...", end="", file=sys.stderr, flush=True)
-        elif result:
-            print(f" {text}", file=sys.stderr, flush=True)
-        else:
-            print(f"  - {text}", file=sys.stderr, flush=True)
-
-
-def run_bench_cli(fleet: Fleet, args: Any) -> int:
-    """`fleettui --bench FLEET [--quick] [--json FILE|-] [--exact] [--spec-k K | --no-spec] [--max-tokens N]`."""
-    from fleettui.control.controller import with_overrides
-    from fleettui.errors import FleetError
-
-    fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
-    tokens = args.max_tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS)
-    if tokens < 1:
-        raise FleetError(f"--max-tokens: {tokens} must be at least 1")
-    only = getattr(args, "only", None)
-    if only is not None and only not in GROUPS:
-        raise FleetError(f"--only: {only!r} is not one of {', '.join(GROUPS)}")
-    specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec, only)
-    if not specs:
-        raise FleetError(f"--only {only}: the {'quick' if args.quick else 'full'} profile has no such rows")
-    repeats = 1 if args.quick else FULL_REPEATS
-    progress = Progress(len(specs) * repeats)
-    started = time.perf_counter()
-    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
-    settings = {
-        "profile": "quick" if args.quick else "full",
-        "only": only,
-        "tokens_per_user": tokens,
-        "repeats": repeats,
-        "command": " ".join(["fleettui", *sys.argv[1:]]),
-        "fleet": str(fleet.path) if fleet.path else None,
-        "model": fleet.model.name,
-        "weights": fleet.model.precision,
-        "exact": fleet.runtime.exact,
-        "draft": fleet.speculation.draft,
-        "prompts": list(PROMPTS),
-        "ignore_eos": True,
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-    }
-    doc = document(rows, machine, settings)
-    report = sys.stderr if args.json == "-" else sys.stdout
-    load = machine.get("load_average_at_start", [0.0])[0]
-    print(
-        f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
-        f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
-        f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
-        file=report,
-    )
-    print(format_table(rows), file=report)
-    print("\ntargets:\n" + format_targets(targets(rows)), file=report)
-    print("\n" + plot(rows), file=report)
-    if args.json == "-":
-        print(dumps(doc))
-    elif args.json:
-        Path(args.json).write_text(dumps(doc) + "\n")
-        print(f"\nJSON written to {args.json}", file=report)
-    return 1 if any(row.status.startswith("failed") for row in rows) else 0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
+from remote_worker import config as contract
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,15 +27,15 @@ DEFAULT_FLEET = (
     Path(__file__).resolve().parent / "local.toml"
 )  # ships in the wheel; a copy of fleets/local.toml
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
-KV_CACHE_PRECISIONS = ("auto", "f32", "f16", "u8")
-WIRE_DTYPES = ("f16", "f32")
-ENCRYPTIONS = ("curve", "plaintext")
+PRECISIONS = contract.WEIGHT_PRECISIONS
+INFERENCE_PRECISIONS = ("auto", *contract.INFERENCE_PRECISIONS)
+KV_CACHE_PRECISIONS = ("auto", *contract.KV_CACHE_PRECISIONS)
+WIRE_DTYPES = contract.WIRE_DTYPES
+ENCRYPTIONS = contract.ENCRYPTIONS
 BUILTIN_DRAFTS = ("self-int4", "prompt-lookup", "none")
 TRANSPORTS = ("local", "ssh")
 HOST_KEY_POLICIES = ("verify", "tofu")
-DEVICES = ("CPU", "GPU", "NPU", "AUTO")
+DEVICES = contract.DEVICES
 PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
@@ -247,7 +248,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
     from fleettui.errors import PlanError
-    from fleettui.planning.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, synthetic_shape
+    from fleettui.model.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, synthetic_shape
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
@@ -442,8 +443,8 @@ def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
     """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
     if not fleet.manual_layers:
         return
-    from fleettui.planning.models import shape_for_model
-    from fleettui.planning.shape import check_manual_layers
+    from fleettui.model.builtin import shape_for_model
+    from fleettui.model.shape import check_manual_layers
 
     try:
         shape = shape_for_model(fleet.model.name)

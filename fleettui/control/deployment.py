@@ -28,7 +28,7 @@ def free_port_block(count: int = 4, host: str = LOCALHOST) -> int:
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind((host, 0))
-            base = probe.getsockname()[1]
+            base = int(probe.getsockname()[1])
         if base + count >= 65535:
             continue
         if all(_port_free(host, base + offset) for offset in range(count)):
@@ -148,6 +148,7 @@ def build_deployment(
             curve=curve,
             cpu_cores=host.cores,
             deployment=deployment_id,
+            max_sessions=fleet.sessions.max_sessions,
             extra={"layers": list(ranges[index])} if index < len(ranges) else {},
         )
         placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
@@ -176,6 +177,7 @@ def build_deployment(
             curve=curve,
             cpu_cores=host.cores,
             deployment=deployment_id,
+            max_sessions=fleet.sessions.max_sessions,
         )
         draft = Placement(host, config, LOCALHOST)
     keys = ClientKeys(*coordinator) if coordinator is not None else None

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def run_plan_profile(fleet: Fleet, shape: Any = None, out: Any = None) -> int:
     """`fleettui plan FLEET --profile`: calibrate (or reuse) the hosts' profiles, plan from them, then compile
     the planned split and time each stage on its host's settings: measured vs predicted per stage."""
-    from fleettui.planning.models import shape_for_model
+    from fleettui.model.builtin import shape_for_model
 
     stream = out or sys.stdout
 

@@ -15,11 +15,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.limits import validate_request
 from fleettui.runtime.policy import KPolicy, choose_drafter, round_costs
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link
@@ -41,6 +43,13 @@ class GenerationParams:
     spec_k: int | None = None  # None = adaptive; 0 = no speculation
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: count exactly max_tokens
+    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
+    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def sampling(self) -> Sampling:
@@ -85,6 +94,28 @@ class Generation:
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
 
 
+def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
+    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
+
+    The last stage adds the verify window's draft tokens itself, position by position (exact under
+    speculation). Without penalties nothing extra travels.
+    """
+    if not params.penalized:
+        return {}
+    ids = np.unique(np.asarray(history, np.int64))
+    counts = np.zeros(len(ids), np.int32)
+    if generated:
+        reply_ids, reply_counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        counts[np.searchsorted(ids, reply_ids)] = reply_counts
+    return {
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "penalty_ids": ids,
+        "penalty_counts": counts,
+    }
+
+
 class Session:
     """One user's conversation: messages, the token history and the ledgers of target and draft caches."""
 
@@ -110,8 +141,10 @@ class Coordinator:
         max_k: int = 8,
         compaction_ratio: float = 0.5,
         compaction_minimum: int = 64,
+        context_length: int | None = None,
     ) -> None:
         self.target = target
+        self.context_length = context_length  # the model's max_position_embeddings (None: unchecked)
         self.chat_format = chat_format
         self.drafter = drafter
         self.max_k = max_k if drafter is not None else 0
@@ -172,7 +205,12 @@ class Coordinator:
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
     ) -> Generation:
-        """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares."""
+        """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares.
+
+        Raises `limits.RequestError` (a ValueError naming the field) before anything is sent when the
+        parameters are out of range or the prompt plus `max_tokens` does not fit the model's context.
+        """
+        validate_request(params, len(prompt), self.context_length)
         if session.busy:
             raise RuntimeError(f"session {session.id} is already generating")
         session.busy = True
@@ -230,6 +268,7 @@ class Coordinator:
                 np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
                 np.asarray(draft.probs, np.float32),
                 uniforms,
+                **_penalties(params, session.history, generated),
             )
             result = await self._step(session, feed, decode)
             verify_seconds = time.perf_counter() - verify_started

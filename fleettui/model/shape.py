@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleettui.errors import PlanError
+from remote_worker.config import WEIGHT_PRECISIONS
 
 GIB = 1 << 30
-PRECISION_ORDER = ("fp32", "fp16", "int8", "int4")
+PRECISION_ORDER = WEIGHT_PRECISIONS  # widest first (the contract's vocabulary)
 KV_BYTES = {"auto": 2.0, "f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0}  # auto: f16 (upper bound of CPU u8)
 
 
@@ -154,6 +155,9 @@ SYNTHETIC_SHAPES: dict[str, ModelShape] = {
     "llama-tiny": ModelShape("llama-tiny", 4, 256, 768, 8, 2, 32, 4096, False),
 }
 SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_REFUSAL = (
+    "{model} is synthetic (seeded random weights, no tokenizer): it is for benchmarks, not chat"
+)
 
 
 def synthetic_shape(model: str) -> ModelShape:
