@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -120,6 +120,7 @@ class Manifest:
     stages: tuple[StageSpec, ...]
     shared_files: dict[str, str]
     created_at: str
+    synthetic: bool = False  # seeded random weights of a real architecture: for timing only, never chat
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -173,6 +174,8 @@ class Manifest:
             for position, item in enumerate(_list(values["stages"], f"{origin}: stages"))
         )
         values["shared_files"] = _hashes(values["shared_files"], f"{origin}: shared_files")
+        if not isinstance(values.get("synthetic", False), bool):
+            raise ManifestError(f"{origin}: synthetic must be true or false")
         if values["rope_scaling"] is not None and not isinstance(values["rope_scaling"], dict):
             raise ManifestError(f"{origin}: rope_scaling must be an object or null")
         _check_types(cls, values, origin)
@@ -193,9 +196,9 @@ _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
 def _check_types(cls: type, values: dict[str, Any], origin: str) -> None:
     for item in fields(cls):
         allowed = _SCALAR_TYPES.get(str(item.type))
-        value = values[item.name]
-        if allowed is None:
+        if allowed is None or item.name not in values:
             continue
+        value = values[item.name]
         if isinstance(value, bool) or not isinstance(value, allowed):
             raise ManifestError(f"{origin}: {item.name}: expected {item.type}, got {value!r}")
     if "rope_theta" in values:
@@ -209,10 +212,11 @@ def _fields(cls: type, data: Any, origin: str) -> dict[str, Any]:
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ManifestError(f"{origin}: unknown key {unknown[0]!r}")
-    missing = [name for name in names if name not in data]
+    optional = {item.name for item in fields(cls) if item.default is not MISSING}
+    missing = [name for name in names if name not in data and name not in optional]
     if missing:
         raise ManifestError(f"{origin}: missing key {missing[0]!r}")
-    return {name: data[name] for name in names}
+    return {name: data[name] for name in names if name in data}
 
 
 def _list(value: Any, origin: str) -> list[Any]:

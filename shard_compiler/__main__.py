@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from remote_worker.manifest import ManifestError
 
     from . import CompileError, Progress, compile_shards
+    from .synthetic import SyntheticError
 
     def show(event: Progress) -> None:
         where = "" if event.stage is None else f"stage {event.stage} "
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_root=arguments.cache_root,
             inject_beam_idx=not arguments.no_beam_idx,
         )
-    except (CompileError, ManifestError) as error:
+    except (CompileError, ManifestError, SyntheticError) as error:
         print(f"shard_compiler: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

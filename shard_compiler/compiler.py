@@ -289,21 +289,26 @@ def _record_use(target: Path) -> None:
 
 
 def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None], root: Path) -> None:
-    from .tokenizer import export_tokenizer_cached
+    from .tokenizer import TokenizerInfo, export_tokenizer_cached
 
     count = len(job.ranges)
-    notify(Progress(None, "tokenizer", 0.0, str(job.source.path)))
-    tokenizer_cache = root / "sources" / job.source_hash / f"tokenizer-v{COMPILER_VERSION}"
-    info = export_tokenizer_cached(
-        job.source, job.config, job.raw_config, directory / "tokenizer", tokenizer_cache
-    )
-    if info.genai_error:
-        logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
+    if job.source.synthetic:  # random weights: no tokenizer, no chat template (chat refuses it)
+        config = job.config
+        info = TokenizerInfo("", config.bos_token_id, config.eos_token_ids, config.pad_token_id, None)
+    else:
+        notify(Progress(None, "tokenizer", 0.0, str(job.source.path)))
+        tokenizer_cache = root / "sources" / job.source_hash / f"tokenizer-v{COMPILER_VERSION}"
+        info = export_tokenizer_cached(
+            job.source, job.config, job.raw_config, directory / "tokenizer", tokenizer_cache
+        )
+        if info.genai_error:
+            logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
     fresh = (
         job.source.kind == "gguf" and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
     )
     notify(Progress(None, "weights", 0.02, "dequantising the GGUF once into the cache" if fresh else ""))
-    weights = sources.weights_directory(job.source, root, job.source_hash)
+    if not job.source.synthetic:
+        sources.weights_directory(job.source, root, job.source_hash)  # once, before the stages
     specs = []
     for index in range(count):
 
@@ -313,7 +318,8 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         started = time.perf_counter()
         with PeakMemory() as memory:
             # A fresh reader per stage: its memory-mapped pages are released with it.
-            specs.append(_build_stage(job, sources.WeightReader(weights), index, directory, report))
+            reader = sources.weight_reader(job.source, root, job.source_hash)
+            specs.append(_build_stage(job, reader, index, directory, report))
         seconds = time.perf_counter() - started
         _release_memory()
         size = sum((directory / name).stat().st_size for name in specs[-1].files)
@@ -339,7 +345,7 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling,
         max_position_embeddings=config.max_position_embeddings,
-        tokenizer="tokenizer",
+        tokenizer="" if job.source.synthetic else "tokenizer",
         chat_template=info.chat_template,
         bos_token_id=info.bos_token_id,
         eos_token_ids=info.eos_token_ids,
@@ -347,5 +353,6 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         stages=tuple(specs),
         shared_files=_shared_hashes(directory),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        synthetic=job.source.synthetic,
     )
     write_manifest(directory, manifest)

@@ -14,6 +14,8 @@ from typing import Any
 
 from remote_worker.manifest import sha256_file
 
+from . import synthetic
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_MODELS = {
@@ -36,12 +38,16 @@ class ModelSource:
     """Where a model comes from: a GGUF file or a Hugging Face folder."""
 
     name: str
-    kind: str  # "gguf" | "hf"
+    kind: str  # "gguf" | "hf" | "synthetic" (path = the synthetic:NAME[@N] spec)
     path: Path
 
     @property
     def description(self) -> str:
-        return f"{self.kind}:{self.path}"
+        return str(self.path) if self.kind == "synthetic" else f"{self.kind}:{self.path}"
+
+    @property
+    def synthetic(self) -> bool:
+        return self.kind == "synthetic"
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,12 @@ class ModelConfig:
 
 
 def resolve(model: str) -> ModelSource:
-    """Turn MODEL (built-in name, HF folder or .gguf path) into a ModelSource, or raise CompileError."""
+    """Turn MODEL (built-in name, synthetic:NAME[@N], HF folder or .gguf path) into a ModelSource."""
+    if synthetic.is_synthetic(model):
+        try:
+            return ModelSource(synthetic.display_name(model), "synthetic", Path(model))
+        except synthetic.SyntheticError as error:
+            raise CompileError(str(error)) from None
     if model in BUILTIN_MODELS:
         import importlib.util
 
@@ -140,7 +151,15 @@ def _weight_files(source: ModelSource) -> list[Path]:
 
 
 def source_hash(source: ModelSource, cache_root: Path) -> str:
-    """SHA-256 over the source's config and weight files, memoised by (path, size, mtime)."""
+    """SHA-256 over the source's config and weight files, memoised by (path, size, mtime).
+
+    A synthetic source hashes its config and the weight generator's version (its weights are a function
+    of both)."""
+    if source.synthetic:
+        material = json.dumps(
+            [synthetic.config(str(source.path)), synthetic.GENERATOR_VERSION], sort_keys=True
+        )
+        return hashlib.sha256(material.encode()).hexdigest()
     files = [source.path] if source.kind == "gguf" else [source.path / "config.json", *_weight_files(source)]
     memo_path = cache_root / "source-hashes.json"
     try:
@@ -181,6 +200,8 @@ def _check_architecture(model_type: str | None, architectures: list[str] | None,
 
 def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, Any]:
     """The Hugging Face style config dict of SOURCE (for GGUF: derived once by transformers and cached)."""
+    if source.synthetic:
+        return synthetic.config(str(source.path))
     if source.kind == "hf":
         try:
             data = json.loads((source.path / "config.json").read_text())
@@ -221,7 +242,7 @@ def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | No
 
 
 def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
-    origin = str(source.path if source.kind == "gguf" else source.path / "config.json")
+    origin = str(source.path if source.kind in ("gguf", "synthetic") else source.path / "config.json")
     rope_theta, rope_scaling = _rope(data, origin)
     heads = int(data["num_attention_heads"])
     eos = data.get("eos_token_id")
@@ -251,6 +272,13 @@ def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         pad_token_id=data.get("pad_token_id"),
     )
+
+
+def weight_reader(source: ModelSource, cache_root: Path, digest: str) -> Any:
+    """What a stage builder reads tensors from: generated weights for a synthetic source, else files."""
+    if source.synthetic:
+        return synthetic.SyntheticWeights(synthetic.config(str(source.path)))
+    return WeightReader(weights_directory(source, cache_root, digest))
 
 
 def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Path:

@@ -281,3 +281,40 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
                 wire = sum(part["wire_ms"] for part in row["stage_breakdown"])
                 assert wire >= 0.9 * (row["stages"] + 1) * row["hop_delay_ms"], row
     assert "tok/s" in done.stdout  # the table
+
+
+# ------------------------------------------------------------------------ groups and paired ratios
+def test_only_keeps_one_group_and_its_partners() -> None:
+    fleet = load_fleet(DEFAULT_FLEET)
+    pcs = plan_rows(fleet, quick=False, only="pcs")
+    assert [r.name for r in pcs][0] == "mono 1core" and all(r.pinned for r in pcs)
+    assert {r.versus for r in pcs if r.kind == "fleet"} == {"mono 1core"}
+    scale = plan_rows(fleet, quick=False, only="scale")
+    assert {r.model for r in scale} == {"synthetic:llama-3.2-1b"}
+    assert sorted(r.users for r in scale if r.kind == "fleet") == [1, 2, 4]
+    spec = plan_rows(fleet, quick=False, only="spec")
+    names = {r.name for r in spec}
+    assert all(r.versus in names for r in spec if r.group == "spec" and r.versus)  # pairs run together
+    assert plan_rows(fleet, quick=True, only="scale") == []
+
+
+def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
+    from fleettui.bench.runner import _pair
+
+    plain = Row("fleet 2st 2u nospec", "fleet", 2, 2, 0, details={"runs_tok_s": [40.0, 20.0, 40.0]})
+    spec = Row(
+        "fleet 2st 2u spec auto", "fleet", 2, 2, "auto", versus=plain.name,
+        details={"runs_tok_s": [44.0, 22.0, 40.0]},
+    )  # fmt: skip
+    spec.aggregate_tok_s, plain.aggregate_tok_s = 44.0, 40.0
+    _pair([plain, spec], {})
+    # a slow round (another program ran) slows both: the per-round ratio stays ~1.1, best/best would say 1.1
+    assert spec.details["paired_ratios"] == [1.1, 1.1, 1.0]
+    assert spec.paired_ratio == pytest.approx(1.1) and spec.ratio_spread == pytest.approx(0.1 / 1.1)
+    found = [t for t in targets([plain, spec]) if "adaptive" in t["target"]]
+    assert found[0]["ratio"] == pytest.approx(1.1) and found[0]["ratio_spread"] == pytest.approx(0.1 / 1.1)
+    mono = Row("mono 1core", "mono", pinned=True)
+    pcs = Row("pcs 2st 2u nospec", "fleet", 2, 2, 0, pinned=True, versus=mono.name)
+    pcs.details["runs_tok_s"] = [30.0, 36.0]
+    _pair([pcs], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=v) for v in (20.0, 20.0)]})
+    assert pcs.details["paired_ratios"] == [1.5, 1.8] and "1.65x" in format_table([pcs])

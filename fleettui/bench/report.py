@@ -1,280 +1,22 @@
-"""Provides the bench's results: rows, per-stage time split from traces, ratios, the table, the plot and JSON."""
+"""Provides the bench's report: the table, the targets' lines, the plot and the JSON document.
+
+Rows and the time split live in `bench.results`, ratios and targets in `bench.targets` (re-exported here).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+from fleettui.bench.results import JSON_FIELDS, Row, Trip, stage_breakdown
+from fleettui.bench.targets import add_ratios, baseline, targets
 
-from remote_worker.protocol import TRACE_FIELDS
-
-JSON_FIELDS = (
-    "name",
-    "stages",
-    "users",
-    "spec_k",
-    "hop_delay_ms",
-    "precision",
-    "tokens",
-    "seconds",
-    "aggregate_tok_s",
-    "per_user_tok_s",
-    "ttft_s",
-    "acceptance_rate",
-    "stage_breakdown",
-)
-
-
-@dataclass
-class Row:
-    """One measured (or skipped) configuration of the bench."""
-
-    name: str
-    kind: str  # mono | genai | fleet
-    stages: int = 1
-    users: int = 1
-    spec_k: int | str = 0  # 0 = no speculation, "auto" = adaptive K, n = fixed K
-    hop_delay_ms: float = 0.0
-    pinned: bool = False  # emulated PCs: each stage (or the mono process) on its own core, 1 thread
-    precision: dict[str, str] = field(default_factory=dict)  # weights, inference, kv_cache
-    tokens: int = 0
-    seconds: float = 0.0
-    aggregate_tok_s: float = 0.0
-    per_user_tok_s: float = 0.0
-    ttft_s: float | None = None
-    acceptance_rate: float | None = None
-    mean_k: float | None = None
-    stage_breakdown: list[dict[str, float]] | None = None
-    layers: list[list[int]] | None = None
-    vs_mono: float | None = None
-    vs_genai: float | None = None
-    status: str = "ok"  # ok | skipped: reason | failed: reason
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key, value in data.items():
-            if isinstance(value, float):
-                data[key] = round(value, 4) if math.isfinite(value) else None
-        return data
-
-
-# ---------------------------------------------------------------------------------------- breakdown
-@dataclass(frozen=True)
-class Trip:
-    """One request through the chain as the coordinator saw it, with the stages' trace records."""
-
-    sent: float  # time.time() just before the coordinator sent the request
-    received: float  # time.time() just after the reply arrived
-    trace: np.ndarray  # flat, TRACE_FIELDS per stage: stage, received, started, finished, sent
-
-
-def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]] | None:
-    """Per stage, milliseconds per generated token of compute, queueing and wire.
-
-    compute = finished - started, queue = started - received, and wire = the rest of the round trip: the
-    hop into the stage plus the stage's own send time (serialisation); the last stage also carries the
-    hop back to the coordinator (and the coordinator's receive path). The three sum to the round trips.
-    """
-    totals: dict[int, list[float]] = {}
-    order: list[int] = []
-    seen = False
-    for trip in trips:
-        records = np.asarray(trip.trace, np.float64).reshape(-1, TRACE_FIELDS)
-        if not len(records):
-            continue
-        seen = True
-        previous_sent = trip.sent
-        for index, (stage, received, started, finished, sent) in enumerate(records):
-            key = int(stage)
-            if key not in totals:
-                totals[key] = [0.0, 0.0, 0.0]
-                order.append(key)
-            bucket = totals[key]
-            bucket[0] += finished - started
-            bucket[1] += started - received
-            bucket[2] += (received - previous_sent) + (sent - finished)
-            if index == len(records) - 1:
-                bucket[2] += trip.received - sent
-            previous_sent = sent
-    if not seen or tokens <= 0:
-        return None
-    scale = 1000.0 / tokens
-    return [
-        {
-            "stage": key,
-            "compute_ms": round(totals[key][0] * scale, 3),
-            "queue_ms": round(totals[key][1] * scale, 3),
-            "wire_ms": round(totals[key][2] * scale, 3),
-        }
-        for key in order
-    ]
-
-
-# ------------------------------------------------------------------------------------------- ratios
-def baseline(rows: Sequence[Row], kind: str, pinned: bool) -> Row | None:
-    """The CPU mono/GenAI row a configuration is compared with: pinned rows with the pinned baseline."""
-    for row in rows:
-        if row.kind == kind and row.pinned == pinned and row.ok and row.details.get("device", "CPU") == "CPU":
-            return row
-    return None
-
-
-def add_ratios(rows: Sequence[Row]) -> None:
-    for row in rows:
-        if not row.ok:
-            continue
-        mono, genai = baseline(rows, "mono", row.pinned), baseline(rows, "genai", row.pinned)
-        row.vs_mono = row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
-        row.vs_genai = (
-            row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
-        )
-
-
-def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
-    for row in rows:
-        if row.ok and all(getattr(row, key) == value for key, value in wanted.items()):
-            return row
-    return None
-
-
-def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the measured ratio (None when the rows to compare are missing)."""
-    found: list[dict[str, Any]] = []
-
-    def check(name: str, goal: float | None, over: Row | None, under: Row | None) -> None:
-        ratio = (
-            over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
-        )
-        met = None if ratio is None or goal is None else ratio >= goal
-        found.append(
-            {
-                "target": name,
-                "goal": goal,
-                "ratio": ratio,
-                "met": met,
-                "rows": [over.name if over else None, under.name if under else None],
-            }
-        )
-
-    check(
-        "1-stage fleet >= 1.0x GenAI",
-        1.0,
-        _find(rows, kind="fleet", stages=1, users=1, spec_k=0, hop_delay_ms=0.0, pinned=False),
-        baseline(rows, "genai", False),
-    )
-    pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
-    if pcs >= 2:
-        check(
-            f"{pcs} emulated PCs x 2 users >= 1.85x mono (1 core)",
-            1.85,
-            _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
-            baseline(rows, "mono", True),
-        )
-    for row in rows:
-        if (
-            row.kind == "fleet"
-            and row.ok
-            and row.spec_k == "auto"
-            and row.hop_delay_ms == 0
-            and not row.pinned
-        ):
-            plain = _find(
-                rows,
-                kind="fleet",
-                stages=row.stages,
-                users=row.users,
-                spec_k=0,
-                hop_delay_ms=0.0,
-                pinned=False,
-            )
-            draft = ", prompt lookup" if "lookup" in row.name else ""
-            check(
-                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{draft})",
-                0.98,
-                row,
-                plain,
-            )
-    stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == 50 and r.ok), default=0)
-    delays = sorted({r.hop_delay_ms for r in rows if r.kind == "fleet" and r.ok and not r.pinned})
-    for delay in delays if stages else []:
-        naive = _find(rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False)
-        for label, candidate in (
-            (
-                "fleet's draft",
-                _find(
-                    rows,
-                    kind="fleet",
-                    stages=stages,
-                    users=1,
-                    spec_k="auto",
-                    hop_delay_ms=delay,
-                    pinned=False,
-                    name=_name(rows, stages, 1, delay),
-                ),
-            ),
-            (
-                "prompt lookup",
-                _find(
-                    rows,
-                    kind="fleet",
-                    stages=stages,
-                    users=1,
-                    spec_k="auto",
-                    hop_delay_ms=delay,
-                    name=_name(rows, stages, 1, delay, True),
-                ),
-            ),
-        ):
-            if candidate is not None:
-                check(
-                    f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
-                    1.5 if delay == 50 else None,
-                    candidate,
-                    naive,
-                )
-        full = max(
-            (
-                r
-                for r in rows
-                if r.ok
-                and r.kind == "fleet"
-                and r.stages == stages
-                and r.hop_delay_ms == delay
-                and r.users > 1
-                and r.spec_k != 0
-                and not r.pinned
-                and "lookup" not in r.name
-            ),
-            key=lambda r: r.users,
-            default=None,
-        )
-        check(f"full stack vs naive at {delay:g} ms/hop", 4.0 if delay == 50 else None, full, naive)
-    return found
-
-
-def _name(rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False) -> str | None:
-    """The name of the adaptive-spec row with the fleet's draft (or prompt lookup) for these settings."""
-    for row in rows:
-        if (
-            row.kind == "fleet"
-            and row.stages == stages
-            and row.users == users
-            and row.hop_delay_ms == delay
-            and row.spec_k == "auto"
-            and not row.pinned
-            and ("lookup" in row.name) == lookup
-        ):
-            return row.name
-    return None
+__all__ = [
+    "JSON_FIELDS", "Row", "Trip", "add_ratios", "baseline", "document", "dumps", "format_table", "format_targets",
+    "plot", "short_precision", "short_precisions", "stage_breakdown", "targets",
+]  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------- text
@@ -344,6 +86,8 @@ COLUMNS = (
     "x GenAI",
     "spread",
     "others",
+    "coord",
+    "paired ratio",
     "per stage ms/token: compute/wire/queue",
 )
 
@@ -380,6 +124,8 @@ def table_cells(row: Row) -> list[str]:
             "",
             "",
             "",
+            "",
+            "",
         ]
     return [
         row.name,
@@ -397,8 +143,23 @@ def table_cells(row: Row) -> list[str]:
         _number(row.vs_genai, 2, 1, "x"),
         _number(spread(row), 0, 100.0, "%"),
         _number(row.details.get("others_cpu"), 0, 100.0, "%"),
+        _number(row.details.get("coordinator_cpu"), 0, 100.0, "%"),
+        paired_text(row),
         breakdown_text(row.stage_breakdown),
     ]
+
+
+def paired_text(row: Row) -> str:
+    """'1.23x ±4% vs genai': the median per-round ratio to the paired row and the ratio's own spread."""
+    ratio = row.paired_ratio
+    if ratio is None:
+        return "-"
+    spread_of_ratio = row.ratio_spread
+    return (
+        f"{ratio:.2f}x"
+        + (f" ±{spread_of_ratio / 2:.0%}" if spread_of_ratio is not None else "")
+        + f" vs {row.versus}"
+    )
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -427,6 +188,8 @@ def format_table(rows: Sequence[Row]) -> str:
         True,
         True,
         True,
+        True,
+        False,
         False,
     ]
     for number, line in enumerate(cells):
@@ -449,7 +212,9 @@ def format_targets(found: Sequence[dict[str, Any]]) -> str:
         verdict = {True: "met", False: "NOT met", None: "(no target)" if item["goal"] is None else "-"}[
             item["met"]
         ]
-        lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}")
+        spread_of_ratio = item.get("ratio_spread")
+        moved = f" (ratio moved {spread_of_ratio:.0%} over rounds)" if spread_of_ratio is not None else ""
+        lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}{moved}")
     return "\n".join(lines)
 
 

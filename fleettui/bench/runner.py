@@ -13,16 +13,14 @@ OpenVINO runs only in child processes (`remote_worker.mono`, `shard_compiler.anc
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fleettui.bench.baseline import run_baseline
 from fleettui.bench.machine import CpuWitness, machine_info
 from fleettui.bench.report import (
     Row,
@@ -32,6 +30,7 @@ from fleettui.bench.report import (
     short_precisions,
     stage_breakdown,
 )
+from fleettui.bench.rows import GROUPS, RowSpec, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
@@ -50,94 +49,10 @@ QUICK_TOKENS = 32
 FULL_TOKENS = 128
 WARMUP_TOKENS = 8
 ROW_TIMEOUT = 900.0
-K_SWEEP = (2, 4, 8)
-FULL_REPEATS = 3  # full profile: each row measured 3 times, the fastest kept (all rates are in the JSON)
-BUSY_MACHINE = 0.15  # a row during which other programs kept more of the CPUs busy is measured once more
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """What to measure in one row."""
-
-    kind: str  # mono | genai | fleet
-    stages: int = 1
-    users: int = 1
-    spec_k: int | str = 0  # 0 = off, "auto" = adaptive, n = fixed
-    hop_delay_ms: float = 0.0
-    pinned: bool = False
-    device: str = "CPU"
-    draft: str = ""  # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
-
-    @property
-    def name(self) -> str:
-        if self.kind != "fleet":
-            return (
-                self.kind
-                + (" 1core" if self.pinned else "")
-                + (f" {self.device}" if self.device != "CPU" else "")
-            )
-        spec = "nospec" if self.spec_k == 0 else f"spec {self.spec_k}" + (" lookup" if self.draft else "")
-        delay = f" @{self.hop_delay_ms:g}ms" if self.hop_delay_ms else ""
-        return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}"
-
-    @property
-    def group(self) -> tuple[int, bool, float]:
-        """Rows that share one running fleet: same stages, same pinning, same hop delay."""
-        return (self.stages, self.pinned, self.hop_delay_ms)
-
-
-def plan_rows(fleet: Fleet, quick: bool, spec_k: int | None = None, no_spec: bool = False) -> list[RowSpec]:
-    """The rows of a profile for this fleet: N = its hosts, M = its sessions (at most 4 here)."""
-    stages = max(1, len(fleet.hosts))
-    users = max(1, min(fleet.sessions.max_sessions, 2 if quick else 4))
-    speculate = not no_spec and fleet.speculation.draft != "none"
-    k: int | str = spec_k if spec_k is not None else fleet.speculation.k
-    on = [k] if speculate and k != 0 else []
-    if quick:
-        return [
-            RowSpec("mono"),
-            RowSpec("genai"),
-            RowSpec("fleet", 1),
-            RowSpec("fleet", stages),
-            RowSpec("fleet", stages, users, on[0] if on else 0),
-            RowSpec("fleet", stages, hop_delay_ms=10.0),
-        ]
-    rows = [
-        RowSpec("mono"),
-        RowSpec("genai"),
-        RowSpec("mono", pinned=True),
-        RowSpec("genai", pinned=True),
-        RowSpec("mono", device="GPU"),
-    ]
-    user_counts = sorted({1, min(2, users), users})
-    for count in range(1, stages + 1):
-        for users_now in user_counts:
-            rows += [RowSpec("fleet", count, users_now, spec) for spec in [0, *on]]
-    if speculate:
-        rows += [
-            RowSpec("fleet", stages, 1, fixed)
-            for fixed in K_SWEEP
-            if fixed <= fleet.speculation.max_k and fixed != k
-        ]
-    # prompt lookup: a free drafter, the honest contrast to a self-draft as large as the target
-    rows += [RowSpec("fleet", stages, 1, "auto", draft="prompt-lookup")] if speculate else []
-    for delay in (10.0, 50.0):
-        rows.append(RowSpec("fleet", stages, 1, 0, delay))
-        rows += [RowSpec("fleet", stages, 1, spec, delay) for spec in on]
-        rows += [RowSpec("fleet", stages, users, spec, delay) for spec in on] or [
-            RowSpec("fleet", stages, users, 0, delay)
-        ]
-        if speculate and delay == 50.0:
-            rows += [
-                RowSpec("fleet", stages, count, "auto", delay, draft="prompt-lookup") for count in (1, users)
-            ]
-    rows += [
-        RowSpec("fleet", 1, 1, 0, pinned=True),
-        RowSpec("fleet", stages, 1, 0, pinned=True),
-        RowSpec("fleet", stages, 2, 0, pinned=True),
-    ]
-    rows += [RowSpec("fleet", stages, 2, spec, pinned=True) for spec in on]
-    return rows
+FULL_REPEATS = 3  # full profile: 3 interleaved rounds per group, the fastest kept (all rates in the JSON)
+BUSY_MACHINE = 0.15  # share of the CPUs busy outside the bench above which a baseline is measured again
+SYNTHETIC_PROMPT = 40  # prompt length (random ids) for a synthetic model, which has no tokenizer
+__all__ = ["GROUPS", "RowSpec", "plan_rows", "run_bench"]
 
 
 # --------------------------------------------------------------------------------------- fleet rows
@@ -219,6 +134,7 @@ async def _measure(
     recorder.trips.clear()
     try:
         witness = CpuWitness()
+        own = _own_cpu_seconds()
         started = time.perf_counter()
         generations = await asyncio.wait_for(
             asyncio.gather(
@@ -230,6 +146,7 @@ async def _measure(
             ROW_TIMEOUT,
         )
         wall = time.perf_counter() - started
+        own = _own_cpu_seconds() - own
     finally:
         for session in sessions:
             await coordinator.close_session(session)
@@ -248,12 +165,29 @@ async def _measure(
         "stage_breakdown": stage_breakdown(recorder.trips, total),
         "details": {
             "others_cpu": witness.others(),
+            # the coordinator (this process: asyncio loop, ZeroMQ I/O threads, tokenizer) as a share of all
+            # CPUs; on emulated PCs it runs on the PCs' cores, so it is taken from their compute
+            "coordinator_cpu": own / (wall * len(os.sched_getaffinity(0))) if wall > 0 else 0.0,
             "drafted": drafted,
             "accepted": accepted,
             "draft_ms_per_token": 1000 * sum(s.draft_seconds for s in stats) / max(total, 1),
             "finish": sorted({s.finish_reason for s in stats}),
         },
     }
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process alone (all its threads, no children)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def synthetic_prompts(vocab: int, count: int = 8, length: int = SYNTHETIC_PROMPT) -> list[list[int]]:
+    """Seeded random prompt ids for a synthetic model (no tokenizer; ids 0..2 left out as specials)."""
+    import numpy as np
+
+    generator = np.random.default_rng(12)
+    return [[int(t) for t in generator.integers(3, vocab, length)] for _ in range(count)]
 
 
 def best_of(attempts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -263,32 +197,58 @@ def best_of(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
+def model_fleet(fleet: Fleet, model: str) -> Fleet:
+    """The fleet on another model (the scale group); no draft there (its rows measure plain decoding)."""
+    if not model or model == fleet.model.name:
+        return fleet
+    return replace(
+        fleet, model=replace(fleet.model, name=model), speculation=replace(fleet.speculation, draft="none")
+    )
+
+
+BaselineRunner = Any  # async (RowSpec) -> Row: one measurement of a mono/GenAI row in a child process
+
+
 async def run_fleet_group(
-    fleet: Fleet, specs: list[RowSpec], tokens: int, devices: list[str], progress: Any, repeats: int = 1
-) -> list[Row]:
-    """Start one fleet for rows sharing stages/pinning/delay, measure each row, stop it."""
+    fleet: Fleet,
+    specs: list[RowSpec],
+    tokens: int,
+    devices: list[str],
+    progress: Any,
+    repeats: int = 1,
+    partners: list[RowSpec] | None = None,
+    baseline_runner: BaselineRunner = None,
+) -> tuple[list[Row], dict[str, list[Row]]]:
+    """Start one fleet for rows sharing model/stages/pinning/delay and measure them in interleaved rounds.
+
+    Each round measures every row once, then every partner baseline (mono/GenAI rows some row is paired
+    with) once, so each pair is measured in adjacent windows. Returns the rows and the partners' runs.
+    """
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
     from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.coordinator import GenerationParams
 
     first = specs[0]
-    rows = [Row(s.name, "fleet", s.stages, s.users, s.spec_k, s.hop_delay_ms, s.pinned) for s in specs]
-    variant = bench_fleet(fleet, first.stages, first.pinned)
+    partners = partners or []
+    partner_runs: dict[str, list[Row]] = {p.name: [] for p in partners}
+    rows = [new_row(s) for s in specs]
+    variant = bench_fleet(model_fleet(fleet, first.model), first.stages, first.pinned)
     missing = sorted({h.device for h in variant.hosts} - {d.split(".")[0] for d in devices} - {"AUTO"})
     if missing:
         for row in rows:
             row.status = (
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
-        return rows
+        return rows, partner_runs
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
     # compile and worker start progress of the first use of these shards (commands.bench's reporter)
     controller = FleetController(variant, on_event=getattr(progress, "reporter", None))
     try:
         progress(
             f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
-            f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)"
+            f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''}{f' on {first.model}' if first.model else ''}"
+            " (compiles shards on first use)"
         )
         coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
         properties: list[dict[str, Any]] = [
@@ -297,11 +257,14 @@ async def run_fleet_group(
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)
         coordinator.target = recorder
+        manifest = controller.target.manifest
         chat = coordinator.chat_format
-        assert chat is not None
-        prompts = [chat.encode_chat([ChatMessage("user", text)]) for text in PROMPTS]
-        precision = _precision_from(properties, controller.target.manifest.precision, variant.runtime)
-        layers = [[s.layers.start, s.layers.end] for s in controller.target.manifest.stages]
+        if chat is None:  # synthetic: random ids stand in for prompts
+            prompts = synthetic_prompts(manifest.vocab_size)
+        else:
+            prompts = [chat.encode_chat([ChatMessage("user", text)]) for text in PROMPTS]
+        precision = _precision_from(properties, manifest.precision, variant.runtime)
+        layers = [[s.layers.start, s.layers.end] for s in manifest.stages]
         warm = [0] + ([2] if coordinator.drafter is not None else [])
         for k in warm:  # first inferences allocate; keep them out of the rows
             session = await coordinator.open_session()
@@ -309,37 +272,53 @@ async def run_fleet_group(
                 session, prompts[0], GenerationParams(WARMUP_TOKENS, ignore_eos=True, spec_k=k)
             )
             await coordinator.close_session(session)
-        for spec, row in zip(specs, rows, strict=True):
-            progress(spec.name, row=True)
-            row.precision, row.layers = precision, layers
-            if spec.spec_k != 0 and coordinator.drafter is None:
-                row.status = "skipped: the fleet has no draft (speculation.draft = none)"
-                continue
-            drafter = coordinator.drafter
-            try:
-                attempts = [
-                    await _measure(coordinator, spec, prompts, tokens, recorder) for _ in range(repeats)
-                ]
-                if (
-                    min(a["details"]["others_cpu"] for a in attempts) > BUSY_MACHINE
-                ):  # all disturbed: once more
-                    attempts.append(await _measure(coordinator, spec, prompts, tokens, recorder))
-                measured = best_of(attempts)
-                for key, value in measured.items():
-                    setattr(row, key, value)
-                row.details.update(
-                    {
-                        "encryption": variant.runtime.encryption,
-                        "wire": variant.runtime.wire_dtype,
-                        "draft": "none" if spec.spec_k == 0 else spec.draft or variant.speculation.draft,
-                    }
+        attempts: list[list[dict[str, Any]]] = [[] for _ in specs]
+        for round_index in range(repeats):
+            for index, (spec, row) in enumerate(zip(specs, rows, strict=True)):
+                if not row.ok:
+                    continue
+                progress(
+                    spec.name + (f" (round {round_index + 1}/{repeats})" if repeats > 1 else ""), row=True
                 )
-                progress(f"{row.aggregate_tok_s:.1f} tok/s", result=True)
-            except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
-                row.status = f"failed: {type(error).__name__}: {error}"
-                progress(row.status, result=True)
-            finally:
-                coordinator.drafter = drafter
+                row.precision, row.layers = precision, layers
+                row.details["model_name"] = manifest.model_name
+                row.details["synthetic"] = manifest.synthetic
+                if spec.spec_k != 0 and coordinator.drafter is None:
+                    row.status = "skipped: the fleet has no draft (speculation.draft = none)"
+                    progress(row.status, result=True)
+                    continue
+                drafter = coordinator.drafter
+                try:
+                    attempts[index].append(await _measure(coordinator, spec, prompts, tokens, recorder))
+                    progress(f"{attempts[index][-1]['aggregate_tok_s']:.1f} tok/s", result=True)
+                except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
+                    row.status = f"failed: {type(error).__name__}: {error}"
+                    progress(row.status, result=True)
+                finally:
+                    coordinator.drafter = drafter
+            for partner in partners:  # the baselines, in the same window (the fleet idles meanwhile)
+                progress(f"{partner.name} (paired with this group)", row=False)
+                partner_runs[partner.name].append(await baseline_runner(partner))
+        for spec, row, tried in zip(specs, rows, attempts, strict=True):
+            if not row.ok or not tried:
+                continue
+            measured = best_of(tried)
+            measured["details"]["runs_coordinator_cpu"] = [
+                round(a["details"]["coordinator_cpu"], 4) for a in tried
+            ]
+            for key, value in measured.items():
+                if key == "details":
+                    row.details.update(value)
+                else:
+                    setattr(row, key, value)
+            row.details.update(
+                {
+                    "encryption": variant.runtime.encryption,
+                    "wire": variant.runtime.wire_dtype,
+                    "draft": "none" if spec.spec_k == 0 else spec.draft or variant.speculation.draft,
+                }
+            )
+        _pair(rows, partner_runs)
     except Exception as error:  # noqa: BLE001 - the fleet did not come up: each of its rows says why
         reason = str(error) if isinstance(error, ControllerError) else f"{type(error).__name__}: {error}"
         for row in rows:
@@ -350,107 +329,101 @@ async def run_fleet_group(
         await controller.stop()
         if hops is not None:
             hops.close()
-    return rows
+    return rows, partner_runs
 
 
-# ------------------------------------------------------------------------------------ baseline rows
-async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens: int, fleet: Fleet) -> Row:
-    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process."""
-    row = Row(spec.name, spec.kind, 1, 1, 0, 0.0, spec.pinned, details={"device": spec.device})
-    module = "remote_worker.mono" if spec.kind == "mono" else "shard_compiler.anchors"
-    command = [
-        sys.executable,
-        "-m",
-        module,
-        "--shard",
-        str(shard_dir),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--tokens",
-        str(tokens),
-        "--device",
-        spec.device,
-        "--json",
-    ]
-    if spec.pinned:
-        command += ["--threads", "1", "--cores", str(sorted(os.sched_getaffinity(0))[0])]
-    runtime = fleet.runtime
-    if runtime.inference_precision != "auto":
-        command += ["--inference-precision", runtime.inference_precision]
-    if runtime.kv_cache_precision != "auto":
-        command += ["--kv-cache-precision", runtime.kv_cache_precision]
-    witness = CpuWitness()
-    done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
-    )
-    row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        row.status = f"failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
-        return row
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skipped" in result:
-        row.status = f"skipped: {result['skipped']}"
-        return row
-    row.precision = short_precisions(result["precision"])
-    row.tokens, row.seconds, row.ttft_s = result["tokens"], result["seconds"], result["ttft_s"]
-    row.aggregate_tok_s = row.per_user_tok_s = result["tok_s"]
-    row.details.update({key: result[key] for key in ("threads", "cores", "backend") if key in result})
-    return row
+def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
+    """Per-round ratios of each row to its `versus` (a row of this group or a partner baseline)."""
+    runs = {row.name: row.details.get("runs_tok_s", []) for row in rows if row.ok}
+    for name, measured in partner_runs.items():
+        runs[name] = [m.aggregate_tok_s if m.ok else 0.0 for m in measured]
+    for row in rows:
+        if row.ok and row.versus in runs:
+            pairs = [
+                (a, b) for a, b in zip(runs[row.name], runs[row.versus], strict=False) if a > 0 and b > 0
+            ]
+            row.details["paired_ratios"] = [round(a / b, 4) for a, b in pairs]
+            if row.users == 1 and pairs:  # time per token this row adds over its pair (the fleet's overhead)
+                extra = sorted(1000.0 / a - 1000.0 / b for a, b in pairs)
+                row.details["paired_extra_ms_per_token"] = round(extra[len(extra) // 2], 3)
 
 
 # ------------------------------------------------------------------------------------------------ run
 async def run_bench(
     fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any, repeats: int = 1
 ) -> tuple[list[Row], dict]:
+    """Every row of SPECS: fleet rows grouped per running fleet, each group in interleaved rounds with the
+    baselines its rows are paired with; baselines nobody is paired with are measured on their own."""
     from fleettui.control.controller import FleetController, compile_model
     from fleettui.runtime.chat_format import ChatFormat, ChatMessage
 
     machine = await asyncio.to_thread(machine_info)
     results: dict[RowSpec, Row] = {}
+    singles: dict[str, tuple[Path, list[int]]] = {}
+
+    async def single(model: str) -> tuple[Path, list[int]]:
+        """The unsplit 1-stage shard of MODEL and the first prompt's ids (compiled once per model)."""
+        if model not in singles:
+            progress(f"compiling (or finding) the unsplit 1-stage shard of {model}")
+            variant = bench_fleet(model_fleet(fleet, model), 1, False)
+            ranges = FleetController(variant).layer_ranges()
+            reporter = getattr(progress, "reporter", None)
+            compiled = await compile_model(
+                model,
+                ranges,
+                fleet.model.precision,
+                fleet.model.shards,
+                reporter.compiler_line if reporter else None,
+            )
+            if compiled.manifest.synthetic:
+                prompt = synthetic_prompts(compiled.manifest.vocab_size)[0]
+            else:
+                prompt = ChatFormat(compiled.directory, compiled.manifest).encode_chat(
+                    [ChatMessage("user", PROMPTS[0])]
+                )
+            singles[model] = (compiled.directory, prompt)
+        return singles[model]
+
+    async def baseline_once(spec: RowSpec) -> Row:
+        directory, prompt = await single(spec.model or fleet.model.name)
+        return await run_baseline(spec, directory, prompt, tokens, fleet)
+
     baselines = [s for s in specs if s.kind != "fleet"]
-    if baselines:
-        progress("compiling (or finding) the unsplit 1-stage shard")
-        ranges = FleetController(bench_fleet(fleet, 1, False)).layer_ranges()
-        model = fleet.model
-        reporter = getattr(progress, "reporter", None)
-        single = await compile_model(
-            model.name, ranges, model.precision, model.shards, reporter.compiler_line if reporter else None
-        )
-        prompt = ChatFormat(single.directory, single.manifest).encode_chat([ChatMessage("user", PROMPTS[0])])
-        for spec in baselines:
-            progress(spec.name, row=True)
-            attempts = [
-                await run_baseline(spec, single.directory, prompt, tokens, fleet) for _ in range(repeats)
-            ]
-            measured = [a for a in attempts if a.ok]
-            results[spec] = max(measured, key=lambda a: a.aggregate_tok_s) if measured else attempts[0]
-            results[spec].details["runs_tok_s"] = [round(a.aggregate_tok_s, 2) for a in measured]
-            outcome = results[spec]
-            progress(f"{outcome.aggregate_tok_s:.1f} tok/s" if outcome.ok else outcome.status, result=True)
-    groups: dict[tuple[int, bool, float], list[RowSpec]] = {}
-    # (the anchors measured while the machine was busy get a second chance after the fleet rows)
+    groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
     for spec in specs:
         if spec.kind == "fleet":
-            groups.setdefault(spec.group, []).append(spec)
+            groups.setdefault(spec.fleet_key, []).append(spec)
+    paired = {spec.versus for members in groups.values() for spec in members}
+    measured: dict[str, list[Row]] = {spec.name: [] for spec in baselines}
+    alone = [spec for spec in baselines if spec.name not in paired]
+    for round_index in range(repeats):  # unpaired baselines: interleaved rounds among themselves
+        for spec in alone:
+            progress(spec.name + (f" (round {round_index + 1}/{repeats})" if repeats > 1 else ""), row=True)
+            outcome = await baseline_once(spec)
+            measured[spec.name].append(outcome)
+            progress(f"{outcome.aggregate_tok_s:.1f} tok/s" if outcome.ok else outcome.status, result=True)
+    by_name = {spec.name: spec for spec in baselines}
     for members in groups.values():
-        rows = await run_fleet_group(fleet, members, tokens, machine["openvino_devices"], progress, repeats)
+        partners = [by_name[name] for name in sorted({m.versus for m in members} & set(by_name))]
+        rows, partner_runs = await run_fleet_group(
+            fleet, members, tokens, machine["openvino_devices"], progress, repeats, partners, baseline_once
+        )
         results.update(zip(members, rows, strict=True))
+        for name, runs in partner_runs.items():
+            measured[name].extend(runs)
+            rates = ", ".join(f"{r.aggregate_tok_s:.1f}" if r.ok else r.status for r in runs)
+            progress(f"{name} in this group's rounds: {rates} tok/s")
     for spec in baselines:
-        first = results[spec]
-        if first.ok and first.details.get("others_cpu", 0.0) > BUSY_MACHINE and repeats == 1:
-            second = await run_baseline(spec, single.directory, prompt, tokens, fleet)
-            progress(
-                f"{spec.name} measured again (other programs used {first.details['others_cpu']:.0%} of the "
-                f"CPUs the first time): {f'{second.aggregate_tok_s:.1f} tok/s' if second.ok else second.status}"
-            )
-            if second.ok and second.aggregate_tok_s > first.aggregate_tok_s:
-                second.details["runs_tok_s"] = first.details.get("runs_tok_s", []) + [
-                    round(second.aggregate_tok_s, 2)
-                ]
-                results[spec] = second
-            else:
-                first.details.setdefault("runs_tok_s", []).append(round(second.aggregate_tok_s, 2))
+        runs = measured[spec.name]
+        ok = [r for r in runs if r.ok]
+        if ok and repeats == 1 and len(ok) == 1 and ok[0].details.get("others_cpu", 0.0) > BUSY_MACHINE:
+            again = await baseline_once(spec)  # measured while the machine was busy: once more
+            runs.append(again)
+            ok += [again] if again.ok else []
+        row = max(ok, key=lambda r: r.aggregate_tok_s) if ok else (runs[0] if runs else new_row(spec))
+        row.details["runs_tok_s"] = [round(r.aggregate_tok_s, 2) for r in ok]
+        results[spec] = row
     ordered = [results[spec] for spec in specs]
+    _pair([r for r in ordered if r.kind != "fleet"], {})  # baselines paired among themselves (genai 1core)
     add_ratios(ordered)
     return ordered, machine

@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)")
     spec.add_argument("--no-spec", action="store_true", help="no speculative decoding")
     parser.add_argument("--max-tokens", type=int, help="tokens per user")
+    parser.add_argument(
+        "--only",
+        metavar="GROUP",
+        help="one group (anchors, fleet, spec, delay, pcs, scale) and the rows it is paired with",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,25 +62,33 @@ class Progress:
 
 
 def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
-    """`fleettui --bench FLEET [--quick] [--json FILE|-] [--exact] [--spec-k K | --no-spec] [--max-tokens N]`."""
+    """`fleettui bench FLEET [--quick] [--only GROUP] [--json FILE|-] [--exact] [--spec-k K | --no-spec]
+    [--max-tokens N]`."""
     from fleettui.bench.report import document, dumps, format_table, format_targets, plot, targets
-    from fleettui.bench.runner import FULL_REPEATS, FULL_TOKENS, PROMPTS, QUICK_TOKENS, plan_rows, run_bench
+    from fleettui.bench.rows import GROUPS, plan_rows
+    from fleettui.bench.runner import FULL_REPEATS, FULL_TOKENS, PROMPTS, QUICK_TOKENS, run_bench
     from fleettui.control.settings import with_overrides
 
     fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
     tokens = args.max_tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS)
     if tokens < 1:
         raise FleetError(f"--max-tokens: {tokens} must be at least 1")
-    specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec)
-    progress = Progress(len(specs))
-    started = time.perf_counter()
+    only = getattr(args, "only", None)
+    if only is not None and only not in GROUPS:
+        raise FleetError(f"--only: {only!r} is not one of {', '.join(GROUPS)}")
+    specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec, only)
+    if not specs:
+        raise FleetError(f"--only {only}: the {'quick' if args.quick else 'full'} profile has no such rows")
     repeats = 1 if args.quick else FULL_REPEATS
+    progress = Progress(len(specs) * repeats)
+    started = time.perf_counter()
     try:
         rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
     finally:
         progress.reporter.close()
     settings = {
         "profile": "quick" if args.quick else "full",
+        "only": only,
         "tokens_per_user": tokens,
         "repeats": repeats,
         "command": " ".join(["fleettui", *sys.argv[1:]]),

@@ -1,4 +1,4 @@
-"""Provides `fleettui plan FLEET [--json]`: the stage plan (layer ranges, memory per host) without starting anything."""
+"""Provides `fleettui plan FLEET [--json|--profile]`: the stage plan (layer ranges, memory per host) without starting anything."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--model-config", type=Path, help="a Hugging Face config.json to plan for")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="calibrate the local hosts (cached) and show measured vs predicted per stage",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
 
     fleet = options.load(args)
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
+    if args.profile:  # measured costs (issue 12)
+        from fleettui.planning.plan_profile import run_plan_profile
+
+        return run_plan_profile(fleet, shape)
     plan = plan_fleet(fleet, shape)
     if not args.json:
         print(format_plan(plan))

@@ -275,13 +275,19 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
-    from fleettui.model.shape import BUILTIN_SHAPES
+    from fleettui.errors import PlanError
+    from fleettui.model.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, synthetic_shape
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
     if not name:
         raise section.error("name", "must not be empty")
-    if name not in BUILTIN_SHAPES:
+    if name.startswith(SYNTHETIC_PREFIX):  # seeded random weights of a real architecture (bench only)
+        try:
+            synthetic_shape(name)
+        except PlanError as error:
+            raise section.error("name", error.message) from None
+    elif name not in BUILTIN_SHAPES:
         candidate = _local_path(name, base)
         if candidate.exists():
             name = str(candidate)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from fleettui.config.fleet import Fleet
 from fleettui.control.compile import CompiledModel
 from fleettui.control.deployment import Deployment
+from fleettui.model.shape import SYNTHETIC_REFUSAL
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
 from fleettui.runtime.transport import TelemetryFeed, ZmqLink, control_request
@@ -51,13 +52,18 @@ async def connect(
     tail_url = route(Endpoint(tail.connect_address, tail.config.result_port)).url()
     links = [ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)]
     drafter = _drafter(fleet, deployment, links)
+    manifest = target.manifest
     coordinator = Coordinator(
         links[0],
-        ChatFormat(target.directory, target.manifest),
+        None if manifest.synthetic else ChatFormat(target.directory, manifest),
         drafter,
         max_k=fleet.speculation.max_k,
-        context_length=target.manifest.max_position_embeddings,
+        context_length=manifest.max_position_embeddings,
     )
+    if (
+        manifest.synthetic
+    ):  # seeded random weights, no tokenizer: generate() works, chat() refuses in one line
+        coordinator.no_chat_reason = SYNTHETIC_REFUSAL.format(model=manifest.model_name)
     k = fleet.speculation.k
     if isinstance(k, int):
         coordinator.policy.fixed_k = k if drafter is not None else 0

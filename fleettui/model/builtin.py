@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fleettui.errors import PlanError
-from fleettui.model.shape import BUILTIN_SHAPES, ModelShape
+from fleettui.model.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, ModelShape, synthetic_shape
 
 
 def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
@@ -15,6 +15,8 @@ def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
     A hub id gives None unless `online`: then its config.json is fetched with huggingface_hub (PlanError
     with one line when offline). Loading a fleet file never goes online; planning does.
     """
+    if model.startswith(SYNTHETIC_PREFIX):
+        return synthetic_shape(model)
     if model in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[model]
     path = Path(model).expanduser()

@@ -142,9 +142,41 @@ class ModelShape:
 
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True),
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 8192, 32, 8, 64, 128256, True),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 14336, 32, 8, 128, 128256, False),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256, False),
 }
+
+# Architectures `synthetic:NAME[@LAYERS]` can take (seeded random weights; shard_compiler.synthetic has the
+# full configs, a test keeps the two in step): the real shapes plus a toy for tests.
+SYNTHETIC_SHAPES: dict[str, ModelShape] = {
+    "llama-3.2-1b": BUILTIN_SHAPES["llama-3.2-1b"],
+    "llama-3.1-8b": BUILTIN_SHAPES["llama-3.1-8b"],
+    "llama-tiny": ModelShape("llama-tiny", 4, 256, 768, 8, 2, 32, 4096, False),
+}
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_REFUSAL = (
+    "{model} is synthetic (seeded random weights, no tokenizer): it is for benchmarks, not chat"
+)
+
+
+def synthetic_shape(model: str) -> ModelShape:
+    """The shape of `synthetic:NAME[@LAYERS]` (LAYERS keeps the first N layers); PlanError if unknown."""
+    import re
+
+    match = re.fullmatch(re.escape(SYNTHETIC_PREFIX) + r"([\w.-]+?)(?:@(\d+))?", model)
+    if not match or match.group(1) not in SYNTHETIC_SHAPES:
+        known = ", ".join(SYNTHETIC_SHAPES)
+        raise PlanError(
+            f"model {model!r}: expected synthetic:NAME or synthetic:NAME@LAYERS with NAME in {known}"
+        )
+    base = SYNTHETIC_SHAPES[match.group(1)]
+    layers = int(match.group(2)) if match.group(2) else base.num_layers
+    if not 1 <= layers <= base.num_layers:
+        raise PlanError(f"model {model!r}: layer count {layers} outside 1..{base.num_layers}")
+    from dataclasses import replace
+
+    return replace(base, name=model, num_layers=layers)
 
 
 def check_manual_layers(shape: ModelShape, hosts: Sequence[LayeredHost]) -> None:

@@ -16,6 +16,7 @@ from fleettui.model.shape import (
     ModelShape,
     check_manual_layers,
 )
+from fleettui.planning.costs import MeasuredCosts, balanced_split
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet, Host
@@ -73,6 +74,7 @@ class Plan:
     sessions: int
     stages: tuple[StagePlan, ...]
     manual: bool
+    costs: tuple[MeasuredCosts, ...] | None = None  # measured per-host costs the split was balanced with
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -130,12 +132,14 @@ def plan(
     sessions: int = 1,
     kv_cache_precision: str = "auto",
     balance_head: bool = True,
+    costs: Sequence[MeasuredCosts] | None = None,
 ) -> Plan:
     """Split ``shape`` over ``hosts`` (in pipeline order) or raise PlanError explaining why it cannot.
 
     Layers go to hosts in proportion to their speed, after charging the last host for the lm_head it
     also runs (decode reads every weight once per token, so cost ~ weight bytes / speed), within what
-    each host's usable memory holds. A ``layers`` override on the hosts is validated instead.
+    each host's usable memory holds. With ``costs`` (one measured profile per host) the split instead
+    minimises the slowest stage's measured time per token. A ``layers`` override is validated instead.
     """
     if precision not in PRECISION_ORDER:
         raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
@@ -190,12 +194,19 @@ def plan(
     head_cost = [0.0] * count
     if balance_head:
         head_cost[-1] = budget.head / budget.layer  # in layer equivalents
-    counts = _split(shape.num_layers, [host.speed for host in hosts], capacity, head_cost)
+    if costs is not None and len(costs) == count:
+        counts = balanced_split(shape.num_layers, costs, capacity)
+    else:
+        costs = None
+        counts = _split(shape.num_layers, [host.speed for host in hosts], capacity, head_cost)
     stages_list, start = [], 0
     for i, (host, layers) in enumerate(zip(hosts, counts, strict=True)):
         stages_list.append(budget.stage(i, host, start, start + layers, i == count - 1))
         start += layers
-    return Plan(shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False)
+    return Plan(
+        shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False,
+        tuple(costs) if costs is not None else None,
+    )  # fmt: skip
 
 
 def _check_total(
@@ -258,8 +269,13 @@ def _split(total: int, speeds: list[float], capacity: list[int], head_cost: list
     return counts
 
 
-def plan_fleet(fleet: Fleet, shape: ModelShape | None = None, context_tokens: int = 4096) -> Plan:
+def plan_fleet(
+    fleet: Fleet, shape: ModelShape | None = None, context_tokens: int = 4096, use_profile: bool = True
+) -> Plan:
     """The plan of a loaded fleet with its precision, sessions and KV-cache settings.
+
+    When every host has a cached cost profile (`fleettui plan --profile`), the split balances measured
+    stage times instead of parameter bytes.
 
     A refusal is a PlanError that points at the fleet file (``path:line: key: reason``).
     """
@@ -270,9 +286,14 @@ def plan_fleet(fleet: Fleet, shape: ModelShape | None = None, context_tokens: in
                 raise PlanError(
                     f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json"
                 )
+        costs = None
+        if use_profile:
+            from fleettui.planning.profiles import fleet_costs
+
+            costs = fleet_costs(fleet)
         return plan(
             shape, fleet.hosts, fleet.model.precision, context_tokens, fleet.sessions.max_sessions,
-            fleet.runtime.kv_cache_precision,
+            fleet.runtime.kv_cache_precision, costs=costs,
         )  # fmt: skip
     except PlanError as error:
         if fleet.path is None or error.path is not None:
@@ -307,7 +328,13 @@ def format_plan(plan: Plan) -> str:
         f"{plan.precision} weights"
         + (f" (group {shape.group_size})" if plan.precision == "int4" else "")
         + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} tokens"
-        + (" — manual split" if plan.manual else ""),
+        + (" — manual split" if plan.manual else "")
+        + (" — split from measured costs (plan --profile)" if plan.costs else "")
+        + (
+            " — SYNTHETIC (seeded random weights, for benchmarks)"
+            if shape.name.startswith("synthetic:")
+            else ""
+        ),
         "",
         f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}{'KV cache':>11}{'other':>10}"
         f"{'total':>11}{'usable':>11}{'use':>6}",

@@ -22,12 +22,15 @@ import numpy as np
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
-from fleettui.runtime.speculation import Draft, Drafter, KPolicy, Sampling
+from fleettui.runtime.policy import KPolicy, choose_drafter, round_costs
+from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
+NO_UNIFORMS = np.zeros(0)  # greedy rounds draw nothing: one shared empty array, not one per round
+NO_UNIFORMS.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class Session:
         self.rng = np.random.default_rng([seed, session_id])
         self.busy = False
         self.last_stats: GenerationStats | None = None
+        self.policies: dict[str, KPolicy] = {}  # per drafter: this session's acceptance (costs are shared)
 
 
 class Coordinator:
@@ -145,9 +149,14 @@ class Coordinator:
         self.drafter = drafter
         self.max_k = max_k if drafter is not None else 0
         self.policy = KPolicy(None if drafter is not None else 0, self.max_k)
+        # With a costly model draft, prompt lookup (free) is a second candidate chosen per session by rate.
+        self.lookup = (
+            PromptLookupDrafter() if drafter is not None and getattr(drafter, "costs_time", True) else None
+        )
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
+        self.no_chat_reason = "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
         self._ids = itertools.count(1)
         # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
         self.result_observers: list[Callable[[protocol.Result, float], None]] = []
@@ -182,7 +191,7 @@ class Coordinator:
     ) -> Generation:
         """Add a user turn, generate the assistant's reply with the chat template, remember both."""
         if self.chat_format is None:
-            raise RuntimeError("this pipeline has no tokenizer")
+            raise RuntimeError(self.no_chat_reason)
         session.messages.append(ChatMessage("user", user_text))
         prompt = self.chat_format.encode_chat(session.messages)
         generation = await self.generate(session, prompt, params, on_tokens)
@@ -229,35 +238,45 @@ class Coordinator:
             await self._step(session, feed, None)
         while len(generated) < params.max_tokens:
             await self._maybe_compact(session)
-            k = min(
-                self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)),
-                params.max_tokens - len(generated) - 1,
-            )
+            left = params.max_tokens - len(generated) - 1
+            loaded = sum(1 for other in self.sessions.values() if other.busy) > 1
+            drafter, policy = self.drafter, self.policy
             if params.spec_k is not None:
-                k = min(params.spec_k, self.max_k, params.max_tokens - len(generated) - 1)
+                k = min(params.spec_k, self.max_k, left)
+            elif self.policy.fixed_k is not None or self.drafter is None:
+                k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
+            else:
+                name, k = choose_drafter(self._candidates(session), loaded)
+                k = min(k, left)
+                policy = session.policies.get(name) or next(iter(session.policies.values()))
+                drafter = self.lookup if name == "lookup" else self.drafter
             draft_started = time.perf_counter()
             draft = Draft.empty()
-            if k > 0 and self.drafter is not None:
-                draft = await self.drafter.propose(session.id, session.history, k, sampling, session.rng)
+            asked = k
+            if k > 0 and drafter is not None:
+                draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
             draft_seconds = time.perf_counter() - draft_started
             k = len(draft.tokens)
             verify_started = time.perf_counter()
             feed = session.ledger.plan(session.history + list(draft.tokens))
-            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
+            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
             decode = protocol.Decode(
                 sampling.temperature,
                 sampling.top_p,
                 sampling.top_k,
                 np.array(draft.tokens, np.int64),
-                draft.ids.astype(np.int64),
-                draft.probs.astype(np.float32),
+                np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
+                np.asarray(draft.probs, np.float32),
                 uniforms,
                 **_penalties(params, session.history, generated),
             )
             result = await self._step(session, feed, decode)
             verify_seconds = time.perf_counter() - verify_started
             catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
-            self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds, catch_up)
+            own, compute = round_costs(result.trace, verify_seconds)
+            policy.record_round(
+                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, asked
+            )
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += result.accepted
@@ -299,6 +318,18 @@ class Coordinator:
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats)
+
+    def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
+        """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""
+        assert self.drafter is not None
+        own = "lookup" if not getattr(self.drafter, "costs_time", True) else "model"
+        names = [(own, own == "lookup")] + (
+            [("lookup", True)] if self.lookup is not None and own != "lookup" else []
+        )
+        for name, _free in names:
+            if name not in session.policies:
+                session.policies[name] = self.policy.fork(name)
+        return [(name, session.policies[name], free) for name, free in names]
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
         step = protocol.Step(

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from fleettui.runtime.ledger import CacheLedger
+from fleettui.runtime.policy import CostModel, KPolicy, round_costs
 from fleettui.runtime.transport import Link
 from remote_worker import protocol
 
+__all__ = ["CostModel", "Draft", "Drafter", "KPolicy", "ModelDrafter", "PromptLookupDrafter", "round_costs"]
 GREEDY_SUPPORT = 0
 SAMPLING_SUPPORT = 64
 
@@ -153,111 +154,6 @@ class ModelDrafter:
         tokens = tuple(int(t) for t in reply.tokens)
         ledger.commit(feed, extra=tokens[:-1])
         return Draft(tokens, reply.ids, reply.probs, fed=len(feed.tokens))
-
-
-@dataclass
-class _LinearCost:
-    """Least-squares fit of seconds = a + b * size over the recent samples.
-
-    Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
-    takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
-    K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
-    """
-
-    proportional: bool = False
-    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
-
-    def add(self, size: float, seconds: float) -> None:
-        self.window.append((size, seconds))
-
-    def predict(self, size: float) -> float | None:
-        if not self.window:
-            return None
-        sizes = np.array([s for s, _ in self.window])
-        times = np.array([t for _, t in self.window])
-        if np.ptp(sizes) == 0:
-            if self.proportional and sizes[0] > 0:
-                return float(times.mean()) * size / float(sizes[0])
-            return float(times.mean())
-        slope, intercept = np.polyfit(sizes, times, 1)
-        return float(intercept + max(slope, 0.0) * size)
-
-
-class KPolicy:
-    """Chooses K per round to maximise expected tokens per second, K = 0 when speculation does not pay.
-
-    Acceptance is modelled as i.i.d. per draft token with rate alpha (estimated with decay from how many
-    drafts each verify accepted); a round with K drafts then yields (1 - alpha^(K+1)) / (1 - alpha) tokens
-    and costs draft(K) + verify(K + 1) seconds, both fitted from measured timings. When K = 0 wins, every
-    `probe_every` rounds one small probe keeps the acceptance estimate alive.
-    """
-
-    def __init__(self, fixed_k: int | None, max_k: int = 8, probe_every: int = 16) -> None:
-        self.fixed_k = fixed_k
-        self.max_k = max_k
-        self.probe_every = probe_every
-        self._accepted = 1.0  # decayed pseudo-counts: prior alpha = 0.5
-        self._rejected = 1.0
-        self._verify = _LinearCost()
-        self._draft = _LinearCost(proportional=True)
-        self._rounds_since_probe = 0
-        self._probe_interval = probe_every
-        self.last_choice = 0
-
-    @property
-    def alpha(self) -> float:
-        return self._accepted / (self._accepted + self._rejected)
-
-    def record_round(
-        self, k: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up: bool = False
-    ) -> None:
-        """Learn from one round. `catch_up` rounds (the first after a new prompt, which also prefilled the
-        target or the draft) still teach acceptance but not costs: counting a prefill as the cost of a plain
-        decode step would make K = 0 look slow forever, since K = 0 would then never be tried again."""
-        if k > 0:
-            decay = 0.97
-            self._accepted = self._accepted * decay + accepted
-            self._rejected = self._rejected * decay + (1 if accepted < k else 0)
-            if not catch_up:
-                self._draft.add(k, draft_seconds)
-        if not catch_up:
-            self._verify.add(k + 1, verify_seconds)
-
-    def expected_rate(self, k: int, free_draft: bool = False) -> float | None:
-        verify = self._verify.predict(k + 1)
-        if verify is None:
-            return None
-        draft = 0.0
-        if k > 0 and not free_draft:
-            predicted = self._draft.predict(k)
-            if predicted is None:
-                return None
-            draft = predicted
-        alpha = min(self.alpha, 0.999)
-        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / max(draft + verify, 1e-6)
-
-    def choose(self, free_draft: bool = False) -> int:
-        if self.fixed_k is not None:
-            self.last_choice = self.fixed_k
-            return self.fixed_k
-        rates = {k: self.expected_rate(k, free_draft) for k in range(self.max_k + 1)}
-        unknown = [k for k, rate in rates.items() if rate is None]
-        if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
-            choice = 0 if 0 in unknown else min(3, self.max_k)
-        else:
-            choice = max(rates, key=lambda k: rates[k] or 0.0)
-            self._rounds_since_probe = 0 if choice else self._rounds_since_probe + 1
-            if choice:
-                self._probe_interval = self.probe_every
-            elif self._rounds_since_probe >= self._probe_interval:
-                # A probe makes a costly draft catch up on everything since its last use: back off while
-                # probes keep confirming K = 0, so exploring stays a small share of the work.
-                self._rounds_since_probe = 0
-                self._probe_interval = min(2 * self._probe_interval, 512)
-                choice = min(2, self.max_k)
-        self.last_choice = choice
-        return choice
 
 
 class Stopwatch:

@@ -1,0 +1,137 @@
+"""Provides the bench's measured rows and the per-stage time split from the stages' traces."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from remote_worker.protocol import TRACE_FIELDS
+
+JSON_FIELDS = (
+    "name",
+    "stages",
+    "users",
+    "spec_k",
+    "hop_delay_ms",
+    "precision",
+    "tokens",
+    "seconds",
+    "aggregate_tok_s",
+    "per_user_tok_s",
+    "ttft_s",
+    "acceptance_rate",
+    "stage_breakdown",
+)
+
+
+@dataclass
+class Row:
+    """One measured (or skipped) configuration of the bench."""
+
+    name: str
+    kind: str  # mono | genai | fleet
+    stages: int = 1
+    users: int = 1
+    spec_k: int | str = 0  # 0 = no speculation, "auto" = adaptive K, n = fixed K
+    hop_delay_ms: float = 0.0
+    pinned: bool = False  # emulated PCs: each stage (or the mono process) on its own core, 1 thread
+    precision: dict[str, str] = field(default_factory=dict)  # weights, inference, kv_cache
+    tokens: int = 0
+    seconds: float = 0.0
+    aggregate_tok_s: float = 0.0
+    per_user_tok_s: float = 0.0
+    ttft_s: float | None = None
+    acceptance_rate: float | None = None
+    mean_k: float | None = None
+    stage_breakdown: list[dict[str, float]] | None = None
+    layers: list[list[int]] | None = None
+    vs_mono: float | None = None
+    vs_genai: float | None = None
+    status: str = "ok"  # ok | skipped: reason | failed: reason
+    details: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
+    group: str = ""  # the bench group (--only)
+    versus: str = ""  # the row this one is paired with: measured in the same rounds, adjacent windows
+
+    @property
+    def paired_ratio(self) -> float | None:
+        """Median of the per-round ratios to `versus` (adjacent windows); None without pairs."""
+        ratios = self.details.get("paired_ratios") or []
+        return float(np.median(ratios)) if ratios else None
+
+    @property
+    def ratio_spread(self) -> float | None:
+        """(max - min) / median of the per-round ratios: how far the ratio itself moved between rounds."""
+        ratios = self.details.get("paired_ratios") or []
+        if len(ratios) < 2:
+            return None
+        middle = float(np.median(ratios))
+        return (max(ratios) - min(ratios)) / middle if middle > 0 else None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["paired_ratio"], data["ratio_spread"] = self.paired_ratio, self.ratio_spread
+        for key, value in data.items():
+            if isinstance(value, float):
+                data[key] = round(value, 4) if math.isfinite(value) else None
+        return data
+
+
+# ---------------------------------------------------------------------------------------- breakdown
+@dataclass(frozen=True)
+class Trip:
+    """One request through the chain as the coordinator saw it, with the stages' trace records."""
+
+    sent: float  # time.time() just before the coordinator sent the request
+    received: float  # time.time() just after the reply arrived
+    trace: np.ndarray  # flat, TRACE_FIELDS per stage: stage, received, started, finished, sent
+
+
+def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]] | None:
+    """Per stage, milliseconds per generated token of compute, queueing and wire.
+
+    compute = finished - started, queue = started - received, and wire = the rest of the round trip: the
+    hop into the stage plus the stage's own send time (serialisation); the last stage also carries the
+    hop back to the coordinator (and the coordinator's receive path). The three sum to the round trips.
+    """
+    totals: dict[int, list[float]] = {}
+    order: list[int] = []
+    seen = False
+    for trip in trips:
+        records = np.asarray(trip.trace, np.float64).reshape(-1, TRACE_FIELDS)
+        if not len(records):
+            continue
+        seen = True
+        previous_sent = trip.sent
+        for index, (stage, received, started, finished, sent) in enumerate(records):
+            key = int(stage)
+            if key not in totals:
+                totals[key] = [0.0, 0.0, 0.0]
+                order.append(key)
+            bucket = totals[key]
+            bucket[0] += finished - started
+            bucket[1] += started - received
+            bucket[2] += (received - previous_sent) + (sent - finished)
+            if index == len(records) - 1:
+                bucket[2] += trip.received - sent
+            previous_sent = sent
+    if not seen or tokens <= 0:
+        return None
+    scale = 1000.0 / tokens
+    return [
+        {
+            "stage": key,
+            "compute_ms": round(totals[key][0] * scale, 3),
+            "queue_ms": round(totals[key][1] * scale, 3),
+            "wire_ms": round(totals[key][2] * scale, 3),
+        }
+        for key in order
+    ]

@@ -1,0 +1,161 @@
+"""Provides the bench's row plan: what each row measures, its group (`--only GROUP`) and its paired baseline.
+
+A row names the row it is compared with (`versus`); the runner measures both in the same rounds, one
+right after the other (interleaved A/B windows), so a ratio is taken between adjacent measurements and its
+own spread over the rounds is reported, instead of dividing two bests taken minutes apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleettui.bench.results import Row
+from fleettui.config.fleet import Fleet
+
+K_SWEEP = (2, 4, 8)
+GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale")
+SCALE_MODEL = "synthetic:llama-3.2-1b"  # the scale group: a 1B shape where compute, not overhead, dominates
+SCALE_USERS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What to measure in one row."""
+
+    kind: str  # mono | genai | fleet
+    stages: int = 1
+    users: int = 1
+    spec_k: int | str = 0  # 0 = off, "auto" = adaptive, n = fixed
+    hop_delay_ms: float = 0.0
+    pinned: bool = False
+    device: str = "CPU"
+    draft: str = ""  # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
+    model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
+    group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
+    versus: str = field(default="", compare=False)  # the row it is paired with (measured in the same rounds)
+
+    @property
+    def name(self) -> str:
+        suffix = " synth-1b" if self.model == SCALE_MODEL else (f" {self.model}" if self.model else "")
+        if self.kind != "fleet":
+            return (
+                self.kind
+                + (" 1core" if self.pinned else "")
+                + (f" {self.device}" if self.device != "CPU" else "")
+                + suffix
+            )
+        spec = "nospec" if self.spec_k == 0 else f"spec {self.spec_k}" + (" lookup" if self.draft else "")
+        delay = f" @{self.hop_delay_ms:g}ms" if self.hop_delay_ms else ""
+        return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}{suffix}"
+
+    @property
+    def fleet_key(self) -> tuple[str, int, bool, float]:
+        """Rows that share one running fleet: same model, stages, pinning and hop delay."""
+        return (self.model, self.stages, self.pinned, self.hop_delay_ms)
+
+
+def _fleet_rows(fleet: Fleet, quick: bool, k: int | str, speculate: bool, users: int) -> list[RowSpec]:
+    stages = max(1, len(fleet.hosts))
+    on = [k] if speculate and k != 0 else []
+    genai, mono_1core = "genai", "mono 1core"
+    if quick:
+        return [
+            RowSpec("fleet", 1, group="fleet", versus=genai),
+            RowSpec("fleet", stages, group="fleet", versus=genai),
+            RowSpec("fleet", stages, users, on[0] if on else 0, group="spec"),
+            RowSpec("fleet", stages, hop_delay_ms=10.0, group="delay"),
+        ]
+    rows: list[RowSpec] = []
+    user_counts = sorted({1, min(2, users), users})
+    for count in range(1, stages + 1):
+        for users_now in user_counts:
+            plain = RowSpec(
+                "fleet", count, users_now, 0, group="fleet", versus=genai if users_now == 1 else ""
+            )
+            rows.append(plain)
+            rows += [RowSpec("fleet", count, users_now, spec, group="spec", versus=plain.name) for spec in on]
+    plain_1u = RowSpec("fleet", stages, 1, 0).name
+    if speculate:
+        rows += [
+            RowSpec("fleet", stages, 1, fixed, group="spec", versus=plain_1u)
+            for fixed in K_SWEEP
+            if fixed <= fleet.speculation.max_k and fixed != k
+        ]
+        # prompt lookup: a free drafter, the honest contrast to a self-draft as large as the target
+        rows.append(RowSpec("fleet", stages, 1, "auto", draft="prompt-lookup", group="spec", versus=plain_1u))
+    for delay in (10.0, 50.0):
+        naive = RowSpec("fleet", stages, 1, 0, delay, group="delay")
+        rows.append(naive)
+        rows += [RowSpec("fleet", stages, 1, spec, delay, group="delay", versus=naive.name) for spec in on]
+        rows += [
+            RowSpec("fleet", stages, users, spec, delay, group="delay", versus=naive.name) for spec in on
+        ] or [RowSpec("fleet", stages, users, 0, delay, group="delay", versus=naive.name)]
+        if speculate and delay == 50.0:
+            rows += [
+                RowSpec(
+                    "fleet",
+                    stages,
+                    count,
+                    "auto",
+                    delay,
+                    draft="prompt-lookup",
+                    group="delay",
+                    versus=naive.name,
+                )
+                for count in (1, users)
+            ]
+    rows += [
+        RowSpec("fleet", 1, 1, 0, pinned=True, group="pcs", versus=mono_1core),
+        RowSpec("fleet", stages, 1, 0, pinned=True, group="pcs", versus=mono_1core),
+        RowSpec("fleet", stages, 2, 0, pinned=True, group="pcs", versus=mono_1core),
+    ]
+    rows += [RowSpec("fleet", stages, 2, spec, pinned=True, group="pcs", versus=mono_1core) for spec in on]
+    return rows
+
+
+def scale_rows(stages: int = 2) -> list[RowSpec]:
+    """Mono on one core vs emulated PCs (one core each) with 1/2/4 users, on the synthetic 1B shape."""
+    mono = RowSpec("mono", pinned=True, model=SCALE_MODEL, group="scale")
+    return [mono] + [
+        RowSpec("fleet", stages, users, 0, pinned=True, model=SCALE_MODEL, group="scale", versus=mono.name)
+        for users in SCALE_USERS
+    ]
+
+
+def plan_rows(
+    fleet: Fleet,
+    quick: bool,
+    spec_k: int | None = None,
+    no_spec: bool = False,
+    only: str | None = None,
+) -> list[RowSpec]:
+    """The rows of a profile for this fleet: N = its hosts, M = its sessions (at most 4 here).
+
+    `only` keeps one group and the rows it is paired with (so `--only pcs` also measures mono on one core).
+    """
+    users = max(1, min(fleet.sessions.max_sessions, 2 if quick else 4))
+    speculate = not no_spec and fleet.speculation.draft != "none"
+    k: int | str = spec_k if spec_k is not None else fleet.speculation.k
+    anchors = [RowSpec("mono", group="anchors"), RowSpec("genai", group="anchors")]
+    if not quick:
+        anchors += [
+            RowSpec("mono", pinned=True, group="anchors"),
+            RowSpec("genai", pinned=True, group="anchors"),
+            RowSpec("mono", device="GPU", group="anchors"),
+        ]
+    rows = anchors + _fleet_rows(fleet, quick, k, speculate, users)
+    if not quick:
+        rows += scale_rows(max(2, min(len(fleet.hosts), 2)))
+    if only is None:
+        return rows
+    chosen = {row.name for row in rows if row.group == only}
+    wanted = {row.versus for row in rows if row.group == only}
+    return [row for row in rows if row.name in chosen or row.name in wanted]
+
+
+def new_row(spec: RowSpec) -> Row:
+    """The (not yet measured) result row of SPEC."""
+    return Row(
+        spec.name, spec.kind, spec.stages, spec.users, spec.spec_k, spec.hop_delay_ms, spec.pinned,
+        model=spec.model, group=spec.group, versus=spec.versus,
+    )  # fmt: skip

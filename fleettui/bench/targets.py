@@ -1,0 +1,211 @@
+"""Provides the bench's ratios: each row against its baseline, and the issue's targets met or not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fleettui.bench.results import Row
+
+
+# ------------------------------------------------------------------------------------------- ratios
+def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> Row | None:
+    """The CPU mono/GenAI row a configuration is compared with: pinned rows with the pinned baseline."""
+    for row in rows:
+        if (
+            row.kind == kind
+            and row.pinned == pinned
+            and row.ok
+            and row.details.get("device", "CPU") == "CPU"
+            and row.model == model
+        ):
+            return row
+    return None
+
+
+def add_ratios(rows: Sequence[Row]) -> None:
+    for row in rows:
+        if not row.ok:
+            continue
+        mono = baseline(rows, "mono", row.pinned, row.model)
+        genai = baseline(rows, "genai", row.pinned, row.model)
+        row.vs_mono = row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
+        row.vs_genai = (
+            row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
+        )
+
+
+def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
+    wanted.setdefault("model", "")
+    for row in rows:
+        if row.ok and all(getattr(row, key) == value for key, value in wanted.items()):
+            return row
+    return None
+
+
+def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured ratio (None when the rows to compare are missing)."""
+    found: list[dict[str, Any]] = []
+
+    def check(name: str, goal: float | None, over: Row | None, under: Row | None) -> None:
+        spread_of_ratio = None
+        ratio: float | None
+        if over and under and over.versus == under.name and over.paired_ratio is not None:
+            ratio, spread_of_ratio = over.paired_ratio, over.ratio_spread  # adjacent windows
+        else:
+            ratio = (
+                over.aggregate_tok_s / under.aggregate_tok_s
+                if over and under and under.aggregate_tok_s
+                else None
+            )
+        met = None if ratio is None or goal is None else ratio >= goal
+        found.append(
+            {
+                "target": name,
+                "goal": goal,
+                "ratio": ratio,
+                "ratio_spread": spread_of_ratio,
+                "met": met,
+                "rows": [over.name if over else None, under.name if under else None],
+            }
+        )
+
+    check(
+        "1-stage fleet >= 0.95x GenAI",
+        0.95,
+        _find(rows, kind="fleet", stages=1, users=1, spec_k=0, hop_delay_ms=0.0, pinned=False),
+        baseline(rows, "genai", False),
+    )
+    pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
+    if pcs >= 2:
+        check(
+            f"{pcs} emulated PCs x 2 users >= 1.6x mono (1 core)",
+            1.6,
+            _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
+            baseline(rows, "mono", True),
+        )
+    for row in rows:  # the scale group (synthetic model): emulated PCs x users vs mono on one core
+        if row.kind == "fleet" and row.ok and row.model and row.pinned and row.spec_k == 0:
+            check(
+                f"{row.stages} emulated PCs x {row.users} users, {row.model}, vs mono (1 core)",
+                1.85 if row.users == 2 else None,
+                row,
+                baseline(rows, "mono", True, row.model),
+            )
+    balanced = _find(
+        rows, kind="fleet", users=1, spec_k=0, hop_delay_ms=0.0, pinned=False, stages=_most(rows)
+    )
+    if balanced is not None and balanced.stage_breakdown and len(balanced.stage_breakdown) > 1:
+        computes = [part["compute_ms"] for part in balanced.stage_breakdown]
+        found.append(
+            {
+                "target": "stage compute per token within 10% (min/max >= 0.9)",
+                "goal": 0.9,
+                "ratio": min(computes) / max(computes) if max(computes) > 0 else None,
+                "ratio_spread": None,
+                "met": max(computes) > 0 and min(computes) / max(computes) >= 0.9,
+                "rows": [balanced.name, None],
+            }
+        )
+    for row in rows:
+        if (
+            row.kind == "fleet"
+            and row.ok
+            and row.spec_k == "auto"
+            and row.hop_delay_ms == 0
+            and not row.pinned
+            and not row.model
+        ):
+            plain = _find(
+                rows,
+                kind="fleet",
+                stages=row.stages,
+                users=row.users,
+                spec_k=0,
+                hop_delay_ms=0.0,
+                pinned=False,
+            )
+            draft = ", prompt lookup" if "lookup" in row.name else ""
+            check(
+                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{draft})",
+                0.98,
+                row,
+                plain,
+            )
+    stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == 50 and r.ok), default=0)
+    delays = sorted({r.hop_delay_ms for r in rows if r.kind == "fleet" and r.ok and not r.pinned})
+    for delay in delays if stages else []:
+        naive = _find(rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False)
+        for label, candidate in (
+            (
+                "fleet's draft",
+                _find(
+                    rows,
+                    kind="fleet",
+                    stages=stages,
+                    users=1,
+                    spec_k="auto",
+                    hop_delay_ms=delay,
+                    pinned=False,
+                    name=_name(rows, stages, 1, delay),
+                ),
+            ),
+            (
+                "prompt lookup",
+                _find(
+                    rows,
+                    kind="fleet",
+                    stages=stages,
+                    users=1,
+                    spec_k="auto",
+                    hop_delay_ms=delay,
+                    name=_name(rows, stages, 1, delay, True),
+                ),
+            ),
+        ):
+            if candidate is not None:
+                check(
+                    f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
+                    1.5 if delay == 50 else None,
+                    candidate,
+                    naive,
+                )
+        full = max(
+            (
+                r
+                for r in rows
+                if r.ok
+                and r.kind == "fleet"
+                and r.stages == stages
+                and r.hop_delay_ms == delay
+                and r.users > 1
+                and r.spec_k != 0
+                and not r.pinned
+                and "lookup" not in r.name
+            ),
+            key=lambda r: r.users,
+            default=None,
+        )
+        check(f"full stack vs naive at {delay:g} ms/hop", 4.0 if delay == 50 else None, full, naive)
+    return found
+
+
+def _most(rows: Sequence[Row]) -> int:
+    """The largest stage count among the fleet's own (not scale-group) rows."""
+    return max((r.stages for r in rows if r.kind == "fleet" and not r.model), default=0)
+
+
+def _name(rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False) -> str | None:
+    """The name of the adaptive-spec row with the fleet's draft (or prompt lookup) for these settings."""
+    for row in rows:
+        if (
+            row.kind == "fleet"
+            and row.stages == stages
+            and row.users == users
+            and row.hop_delay_ms == delay
+            and row.spec_k == "auto"
+            and not row.pinned
+            and ("lookup" in row.name) == lookup
+        ):
+            return row.name
+    return None

@@ -1,0 +1,123 @@
+"""Provides placement from measured costs: fit per-layer / head / per-call costs from stage timings, and the
+split that minimises the slowest stage (pure functions; the calibration run is in `planning.profiles`).
+
+A stage's decode time per token is modelled as `call + layers x layer + head (last stage only)`: the head
+(final norm + lm_head over the whole vocabulary) is charged as measured, not as a parameter count — on
+SmolLM2 it costs about as much as seven decoder layers, which a byte count underestimates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fleettui.errors import PlanError
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One measured stage: how many layers it holds, whether it holds the head, and its ms per token."""
+
+    layers: int
+    last: bool
+    decode_ms: float
+    prefill_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Per-token decode costs on one host (ms), and the same for one prefill chunk."""
+
+    layer_ms: float
+    head_ms: float
+    call_ms: float  # per stage call: dispatch, embedding gather, I/O of the request
+    prefill_layer_ms: float = 0.0
+    prefill_head_ms: float = 0.0
+
+    def stage_ms(self, layers: int, last: bool) -> float:
+        return self.call_ms + layers * self.layer_ms + (self.head_ms if last else 0.0)
+
+
+def fit_costs(timings: Sequence[StageTiming]) -> MeasuredCosts:
+    """Least-squares fit of `call + n x layer + last x head` to at least three stages with different shapes.
+
+    The calibration split [0, 1, L-1, L] gives exactly that: one layer (+ embedding), L-2 layers, and one
+    layer + head, so the three unknowns are determined. Costs are clamped at zero (noise can push a tiny
+    per-call cost below it).
+    """
+    import numpy as np
+
+    if len(timings) < 3 or len({(t.layers, t.last) for t in timings}) < 3:
+        raise PlanError("a cost profile needs three stages of different shapes (the [0, 1, L-1, L] split)")
+    design = np.array([[1.0, t.layers, 1.0 if t.last else 0.0] for t in timings])
+    decode = np.array([t.decode_ms for t in timings])
+    prefill = np.array([t.prefill_ms for t in timings])
+    call, layer, head = _nonnegative_fit(design, decode)
+    _, prefill_layer, prefill_head = _nonnegative_fit(design, prefill)
+    if layer <= 0:
+        raise PlanError("the profile gives no positive per-layer cost: measure again on a quieter machine")
+    return MeasuredCosts(layer, head, call, prefill_layer, prefill_head)
+
+
+def _nonnegative_fit(design: Any, times: Any) -> tuple[float, float, float]:
+    """(call, layer, head) >= 0 by least squares; when a term comes out negative (noise on a tiny model),
+    the per-call term is pinned at zero first (then the negative one) and the rest refitted."""
+    import numpy as np
+
+    free = [0, 1, 2]
+    while True:
+        solution, *_ = np.linalg.lstsq(design[:, free], times, rcond=None)
+        negative = [term for term, value in zip(free, solution, strict=True) if value < 0]
+        if not negative or len(free) == 1:
+            found = dict(zip(free, (max(float(v), 0.0) for v in solution), strict=True))
+            return found.get(0, 0.0), found.get(1, 0.0), found.get(2, 0.0)
+        free.remove(0 if 0 in free else negative[0])  # the per-call term goes first: layers must stay
+
+
+def balanced_split(total: int, costs: Sequence[MeasuredCosts], capacity: Sequence[int]) -> list[int]:
+    """Layer counts (each >= 1 and <= its capacity, summing to TOTAL) minimising the slowest stage's time.
+
+    Stage i runs on the host with costs[i]; the last stage also carries the head. Exact (dynamic programming
+    over hosts x layers used; ties go to the split with the smaller sum of squared stage times).
+    """
+    count = len(costs)
+    if count == 0 or count != len(capacity):
+        raise PlanError("one cost profile and one capacity per host are needed")
+    if count > total or sum(min(c, total) for c in capacity) < total or min(capacity) < 1:
+        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
+    # best[i][used] = (max time, sum of squares, counts) for the first i stages holding `used` layers
+    best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
+    for index in range(count):
+        last = index == count - 1
+        layer_options: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+        left_after = count - index - 1  # every later stage needs at least one layer
+        for used, (worst, squares, counts) in best[index].items():
+            for take in range(1, capacity[index] + 1):
+                reach = used + take
+                if reach > total - left_after or (last and reach != total):
+                    continue
+                stage = costs[index].stage_ms(take, last)
+                candidate = (max(worst, stage), squares + stage * stage, (*counts, take))
+                known = layer_options.get(reach)
+                if known is None or candidate[:2] < known[:2]:
+                    layer_options[reach] = candidate
+        best.append(layer_options)
+    if total not in best[count]:
+        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
+    return list(best[count][total][2])
+
+
+def predicted_ms(counts: Sequence[int], costs: Sequence[MeasuredCosts]) -> list[float]:
+    """Each stage's predicted decode ms per token for a split."""
+    return [
+        cost.stage_ms(layers, index == len(counts) - 1)
+        for index, (layers, cost) in enumerate(zip(counts, costs, strict=True))
+    ]
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """(slowest - fastest) / slowest: 0 = perfectly balanced stages."""
+    slowest = max(times)
+    return (slowest - min(times)) / slowest if slowest > 0 and not math.isinf(slowest) else 0.0

@@ -1,0 +1,180 @@
+"""Provides measured cost profiles per host: the calibration run, its cache, and `fleettui plan --profile`.
+
+Calibration compiles the model with the split [0, 1, L-1, L] (cached like any shards) and times each of its
+three stages with the host's OpenVINO settings (`python -m remote_worker.profile`, a child process: fleettui
+never imports OpenVINO). `fit_costs` turns the three timings into per-layer, head and per-call costs, kept
+under the cache dir per machine / device / threads / cores / model / precisions. The planner uses them when
+every host has one. Local hosts are calibrated here; an SSH host keeps the parameter-count estimate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleettui.errors import PlanError
+from fleettui.planning.costs import MeasuredCosts, StageTiming, fit_costs, imbalance, predicted_ms
+
+if TYPE_CHECKING:
+    from fleettui.config.fleet import Fleet, Host
+
+PROFILE_VERSION = 1
+TIMEOUT = 1800.0
+
+
+def _material(fleet: Fleet, host: Host) -> dict[str, Any]:
+    runtime = fleet.runtime
+    return {
+        "version": PROFILE_VERSION,
+        "machine": socket.gethostname() if host.is_local else host.address,
+        "device": host.device,
+        "threads": host.threads,
+        "cores": list(host.cores),
+        "model": fleet.model.name,
+        "precision": fleet.model.precision,
+        "inference": runtime.inference_precision,
+        "kv_cache": runtime.kv_cache_precision,
+    }
+
+
+def profile_path(fleet: Fleet, host: Host, root: Path | None = None) -> Path:
+    from fleettui.config.paths import cache_dir
+
+    material = json.dumps(_material(fleet, host), sort_keys=True)
+    key = hashlib.sha256(material.encode()).hexdigest()[:16]
+    return (root or cache_dir()) / "profiles" / f"{key}.json"
+
+
+def load_costs(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
+    """The cached cost profile of HOST for this fleet's model and settings, or None."""
+    try:
+        data = json.loads(profile_path(fleet, host, root).read_text(encoding="utf-8"))
+        return MeasuredCosts(**data["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def fleet_costs(fleet: Fleet, root: Path | None = None) -> list[MeasuredCosts] | None:
+    """One cached profile per host, or None when any host has none (then the byte-count estimate plans)."""
+    found = [load_costs(fleet, host, root) for host in fleet.hosts]
+    return None if any(cost is None for cost in found) else found  # type: ignore[return-value]
+
+
+def _run(command: list[str], what: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise PlanError(f"{what}: {lines[-1] if lines else f'exit code {done.returncode}'}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def compile_split(fleet: Fleet, splits: list[int]) -> Path:
+    """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content)."""
+    command = [
+        sys.executable, "-m", "shard_compiler", "--model", fleet.model.name, "--split",
+        ",".join(map(str, splits)), "--precision", fleet.model.precision, "--cache-root", str(fleet.model.shards),
+    ]  # fmt: skip
+    return Path(_run(command, "shard compiler"))
+
+
+def time_stages(
+    fleet: Fleet, host: Host, shard_dir: Path, stages: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here."""
+    command = [
+        sys.executable,
+        "-m",
+        "remote_worker.profile",
+        "--shard",
+        str(shard_dir),
+        "--device",
+        host.device,
+    ]
+    if stages is not None:
+        command += ["--stages", ",".join(map(str, stages))]
+    if host.threads:
+        command += ["--threads", str(host.threads)]
+    if host.cores:
+        command += ["--cores", ",".join(map(str, host.cores))]
+    runtime = fleet.runtime
+    if runtime.inference_precision != "auto":
+        command += ["--inference-precision", runtime.inference_precision]
+    if runtime.kv_cache_precision != "auto":
+        command += ["--kv-cache-precision", runtime.kv_cache_precision]
+    return list(json.loads(_run(command, f"profile of {host.name}"))["stages"])
+
+
+def timings(stages: list[dict[str, Any]]) -> list[StageTiming]:
+    return [
+        StageTiming(
+            s["layers"][1] - s["layers"][0], bool(s["last"]), float(s["decode_ms"]), float(s["prefill_ms"])
+        )
+        for s in stages
+    ]
+
+
+def calibrate(
+    fleet: Fleet,
+    num_layers: int,
+    root: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    force: bool = False,
+) -> dict[str, MeasuredCosts]:
+    """Measured costs of every local host (calibrated once per distinct settings, then cached)."""
+    say = progress or (lambda text: None)
+    if num_layers < 4:
+        raise PlanError(
+            f"calibration needs at least 4 layers (the split [0, 1, L-1, L]); the model has {num_layers}"
+        )
+    found: dict[str, MeasuredCosts] = {}
+    shard_dir: Path | None = None
+    for host in fleet.hosts:
+        cached = None if force else load_costs(fleet, host, root)
+        if cached is not None:
+            found[host.name] = cached
+            continue
+        if not host.is_local:
+            say(f"{host.name}: SSH host, not calibrated (the byte-count estimate plans it)")
+            continue
+        if shard_dir is None:
+            say("compiling the calibration split [0, 1, L-1, L] (cached)")
+            shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers])
+        say(f"{host.name}: timing the three calibration stages")
+        stages = time_stages(fleet, host, shard_dir)
+        costs = fit_costs(timings(stages))
+        path = profile_path(fleet, host, root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "settings": _material(fleet, host),
+            "costs": asdict(costs),
+            "stages": stages,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        found[host.name] = costs
+    return found
+
+
+def format_comparison(
+    names: list[str], counts: list[int], costs: list[MeasuredCosts], measured: list[float] | None
+) -> str:
+    """Per stage: layers, predicted ms/token from the profile, measured ms/token, and the imbalance."""
+    predicted = predicted_ms(counts, costs)
+    lines = [f"{'stage':<6}{'host':<16}{'layers':>7}{'predicted ms':>14}{'measured ms':>13}{'error':>8}"]
+    for index, (name, layers, guess) in enumerate(zip(names, counts, predicted, strict=True)):
+        real = measured[index] if measured else None
+        error = f"{(guess - real) / real:+.0%}" if real else "-"
+        shown = f"{real:.2f}" if real is not None else "-"
+        lines.append(f"{index:<6}{name[:15]:<16}{layers:>7}{guess:>14.2f}{shown:>13}{error:>8}")
+    summary = f"imbalance (slowest - fastest) / slowest: predicted {imbalance(predicted):.0%}"
+    if measured:
+        summary += f", measured {imbalance(measured):.0%}"
+    return "\n".join([*lines, summary])

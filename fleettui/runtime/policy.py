@@ -1,0 +1,215 @@
+"""Provides the adaptive speculation policy: K per round and the drafter per session, from measured rates.
+
+Costs are fitted per pipeline (`CostModel`, shared by every session): a verify of K + 1 tokens costs
+- alone (one session generating): its own latency, the round trip minus time spent queued at the stages;
+- loaded (several sessions at once): what it takes from the busiest stage, its compute, since the pipeline
+  is then bound by that stage's throughput and not by one session's latency.
+Both come from the stages' own traces (received / started / finished / sent), not from wall time, so a
+session's rounds are not charged for the queue other sessions build. Acceptance is per session and drafter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from remote_worker.protocol import TRACE_FIELDS
+
+
+@dataclass
+class _LinearCost:
+    """Least-squares fit of seconds = a + b * size over the recent samples.
+
+    Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
+    takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
+    K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
+    """
+
+    proportional: bool = False
+    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def add(self, size: float, seconds: float) -> None:
+        self.window.append((size, seconds))
+
+    def predict(self, size: float) -> float | None:
+        if not self.window:
+            return None
+        sizes = np.array([s for s, _ in self.window])
+        times = np.array([t for _, t in self.window])
+        if np.ptp(sizes) == 0:
+            if self.proportional and sizes[0] > 0:
+                return float(times.mean()) * size / float(sizes[0])
+            return float(times.mean())
+        slope, intercept = np.polyfit(sizes, times, 1)
+        return float(intercept + max(slope, 0.0) * size)
+
+
+def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
+    """(own latency, busiest stage's compute) of one verify round, from its per-stage trace.
+
+    own = wall - time queued at the stages (started - received, summed); compute = max(finished - started).
+    Without a trace both are the wall time.
+    """
+    records = np.asarray(trace, np.float64).reshape(-1, TRACE_FIELDS)
+    if not len(records):
+        return wall_seconds, wall_seconds
+    queued = float(np.clip(records[:, 2] - records[:, 1], 0.0, None).sum())
+    compute = float(np.clip(records[:, 3] - records[:, 2], 0.0, None).max())
+    return max(wall_seconds - queued, compute), compute
+
+
+@dataclass
+class CostModel:
+    """Verify and draft costs of one pipeline, shared by its sessions' policies."""
+
+    latency: _LinearCost = field(default_factory=_LinearCost)  # one session: own round-trip latency
+    compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
+    drafts: dict[str, _LinearCost] = field(default_factory=dict)
+
+    def draft(self, name: str) -> _LinearCost:
+        return self.drafts.setdefault(name, _LinearCost(proportional=True))
+
+    def verify(self, size: int, loaded: bool) -> float | None:
+        if loaded and self.compute.window:
+            return self.compute.predict(size)
+        return self.latency.predict(size)
+
+
+class KPolicy:
+    """Chooses K per round to maximise expected tokens per second, K = 0 when speculation does not pay.
+
+    Acceptance is modelled as i.i.d. per draft token with rate alpha (estimated with decay from how many
+    drafts each verify accepted); a round with K drafts then yields (1 - alpha^(K+1)) / (1 - alpha) tokens
+    and costs draft(K) + verify(K + 1) seconds, both fitted from measured timings (verify: see CostModel).
+    A drafter that may propose nothing (prompt lookup) is weighted by its measured hit rate. When K = 0
+    wins, a probe every `probe_every` rounds (backing off while probes confirm K = 0) keeps alpha alive.
+    """
+
+    def __init__(
+        self,
+        fixed_k: int | None,
+        max_k: int = 8,
+        probe_every: int = 16,
+        costs: CostModel | None = None,
+        drafter: str = "draft",
+    ) -> None:
+        self.fixed_k = fixed_k
+        self.max_k = max_k
+        self.probe_every = probe_every
+        self.costs = costs or CostModel()
+        self.drafter = drafter
+        self._accepted = 1.0  # decayed pseudo-counts: prior alpha = 0.5
+        self._rejected = 1.0
+        self._hits = 1.0  # decayed: rounds where the drafter proposed something when asked
+        self._asks = 1.0
+        self._rounds_since_probe = 0
+        self._probe_interval = probe_every
+        self.last_choice = 0
+        self.probing = False
+
+    def fork(self, drafter: str) -> KPolicy:
+        """A fresh policy for one session and drafter, sharing this pipeline's costs and settings."""
+        return KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter)
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    @property
+    def hit_rate(self) -> float:
+        return self._hits / self._asks
+
+    def record_round(
+        self,
+        k: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        catch_up: bool = False,
+        own_seconds: float | None = None,
+        compute_seconds: float | None = None,
+        asked: int | None = None,
+    ) -> None:
+        """Learn from one round of K drafts (ASKED were requested; a lookup may propose fewer).
+
+        `catch_up` rounds (the first after a new prompt, which also prefilled the target or the draft) still
+        teach acceptance but not costs: counting a prefill as the cost of a plain decode step would make
+        K = 0 look slow forever. `own_seconds` / `compute_seconds` come from the stages' trace
+        (`round_costs`); without them the wall time stands for both.
+        """
+        decay = 0.97
+        if asked:
+            self._asks = self._asks * decay + 1
+            self._hits = self._hits * decay + (1 if k > 0 else 0)
+        if k > 0:
+            self._accepted = self._accepted * decay + accepted
+            self._rejected = self._rejected * decay + (1 if accepted < k else 0)
+            if not catch_up:
+                self.costs.draft(self.drafter).add(k, draft_seconds)
+        if not catch_up:
+            self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
+            self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
+
+    def expected_rate(self, k: int, free_draft: bool = False, loaded: bool = False) -> float | None:
+        plain = self.costs.verify(1, loaded)
+        verify = self.costs.verify(k + 1, loaded)
+        if verify is None or plain is None:
+            return None
+        draft = 0.0
+        if k > 0 and not free_draft:
+            predicted = self.costs.draft(self.drafter).predict(k)
+            if predicted is None:
+                return None
+            draft = predicted
+        if k == 0:
+            return 1.0 / max(plain, 1e-6)
+        alpha = min(self.alpha, 0.999)
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        hit = self.hit_rate
+        # a miss (nothing proposed) is a plain step at the cost of the lookup
+        return (hit * tokens + (1 - hit)) / max(draft + hit * verify + (1 - hit) * plain, 1e-6)
+
+    def choose(self, free_draft: bool = False, loaded: bool = False) -> int:
+        self.probing = False
+        if self.fixed_k is not None:
+            self.last_choice = self.fixed_k
+            return self.fixed_k
+        rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.max_k + 1)}
+        unknown = [k for k, rate in rates.items() if rate is None]
+        if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
+            choice = 0 if 0 in unknown else min(3, self.max_k)
+            self.probing = choice > 0
+        else:
+            choice = max(rates, key=lambda k: rates[k] or 0.0)
+            self._rounds_since_probe = 0 if choice else self._rounds_since_probe + 1
+            if choice:
+                self._probe_interval = self.probe_every
+            elif self._rounds_since_probe >= self._probe_interval:
+                # A probe makes a costly draft catch up on everything since its last use: back off while
+                # probes keep confirming K = 0, so exploring stays a small share of the work.
+                self._rounds_since_probe = 0
+                self._probe_interval = min(2 * self._probe_interval, 512)
+                choice = min(2, self.max_k)
+                self.probing = True
+        self.last_choice = choice
+        return choice
+
+
+def choose_drafter(policies: Sequence[tuple[str, KPolicy, bool]], loaded: bool) -> tuple[str, int]:
+    """(drafter name, K) for one round among candidates (name, that drafter's policy, is it free).
+
+    A candidate that is still exploring or probing goes first (free drafters before costly ones); otherwise
+    the candidate whose best K has the highest expected rate wins. ("", 0) = no speculation this round.
+    """
+    best: tuple[float, str, int] = (-1.0, "", 0)
+    for name, policy, free in sorted(policies, key=lambda item: not item[2]):
+        k = policy.choose(free_draft=free, loaded=loaded)
+        if policy.probing:
+            return name, k
+        rate = policy.expected_rate(k, free, loaded) or 0.0
+        if rate > best[0]:
+            best = (rate, name if k > 0 else "", k)
+    return best[1], best[2]

@@ -1,0 +1,115 @@
+"""Unit tests of placement from measured costs: the fit of a calibration profile and the balanced split."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fleettui.config.fleet import DEFAULT_FLEET, load_fleet
+from fleettui.errors import PlanError
+from fleettui.planning.costs import (
+    MeasuredCosts,
+    StageTiming,
+    balanced_split,
+    fit_costs,
+    imbalance,
+    predicted_ms,
+)
+from fleettui.planning.planner import plan_fleet
+from fleettui.planning.profiles import fleet_costs, profile_path
+
+# SmolLM2 on this kind of CPU, roughly: 0.3 ms per layer, a head worth ~7 layers, 0.2 ms per call
+SMOLLM = MeasuredCosts(layer_ms=0.3, head_ms=2.1, call_ms=0.2)
+
+
+def test_fit_recovers_the_costs_from_the_calibration_split() -> None:
+    truth = MeasuredCosts(layer_ms=0.3, head_ms=2.1, call_ms=0.2, prefill_layer_ms=4.0, prefill_head_ms=30.0)
+    calibration = [(1, False), (28, False), (1, True)]  # the split [0, 1, 29, 30]
+    timings = [
+        StageTiming(n, last, truth.stage_ms(n, last), 1.0 + n * 4.0 + (30.0 if last else 0.0))
+        for n, last in calibration
+    ]
+    fitted = fit_costs(timings)
+    assert fitted.layer_ms == pytest.approx(0.3) and fitted.head_ms == pytest.approx(2.1)
+    assert fitted.call_ms == pytest.approx(0.2)
+    assert fitted.prefill_layer_ms == pytest.approx(4.0) and fitted.prefill_head_ms == pytest.approx(30.0)
+    with pytest.raises(PlanError, match="three stages"):
+        fit_costs(timings[:2])
+
+
+def test_split_charges_the_measured_head() -> None:
+    # equal hosts: the last stage gets fewer layers, by about the head's worth of layers / 2
+    counts = balanced_split(30, [SMOLLM, SMOLLM], [30, 30])
+    times = predicted_ms(counts, [SMOLLM, SMOLLM])
+    assert counts in ([18, 12], [19, 11]) and imbalance(times) < 0.10  # 5.9 vs 5.6 ms either way
+    # the byte-count split of main (23/7) leaves them far apart under the same costs
+    assert imbalance(predicted_ms([23, 7], [SMOLLM, SMOLLM])) > 0.3
+
+
+def test_split_follows_host_speed_and_capacity() -> None:
+    slow = replace(SMOLLM, layer_ms=0.6, head_ms=4.2)
+    counts = balanced_split(30, [SMOLLM, slow], [30, 30])
+    assert counts[0] > 2 * counts[1] - 8  # the slow host (last, with the head) gets far fewer layers
+    assert max(predicted_ms(counts, [SMOLLM, slow])) <= min(
+        max(predicted_ms([a, 30 - a], [SMOLLM, slow])) for a in range(1, 30)
+    )  # optimal
+    capped = balanced_split(30, [SMOLLM, SMOLLM], [15, 30])
+    assert capped[0] == 15 and sum(capped) == 30
+    three = balanced_split(30, [SMOLLM] * 3, [30] * 3)
+    assert sum(three) == 30 and min(three) >= 1 and three[2] < three[0]
+    with pytest.raises(PlanError):
+        balanced_split(30, [SMOLLM, SMOLLM], [10, 10])
+
+
+def test_planner_uses_a_cached_profile_for_every_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    from dataclasses import asdict
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fleet = load_fleet(DEFAULT_FLEET)
+    assert fleet_costs(fleet) is None
+    before = plan_fleet(fleet)
+    assert before.costs is None
+    for host in fleet.hosts:
+        path = profile_path(fleet, host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"costs": asdict(SMOLLM)}))
+    after = plan_fleet(fleet)
+    assert after.costs is not None and [s.count for s in after.stages] in ([18, 12], [19, 11])
+    assert [s.count for s in plan_fleet(fleet, use_profile=False).stages] == [s.count for s in before.stages]
+
+
+@pytest.mark.slow
+def test_calibration_of_real_shards_gives_a_profile_the_planner_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real shards (synthetic tiny Llama), real OpenVINO timing in a child process, cached, then planned."""
+    from fleettui.config.fleet import Host
+    from fleettui.planning.profiles import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    base = load_fleet(DEFAULT_FLEET)
+    fleet = replace(
+        base,
+        hosts=(Host(name="a", threads=1), Host(name="b", threads=1)),
+        model=replace(base.model, name="synthetic:llama-tiny", shards=tmp_path / "shards"),
+    )
+    found = calibrate(fleet, 4)
+    assert set(found) == {"a", "b"} and found["a"] == found["b"]  # one machine, one settings key
+    costs = found["a"]
+    assert costs.layer_ms > 0 and costs.head_ms >= 0 and costs.prefill_layer_ms > 0
+    assert fleet_costs(fleet) == [costs, costs]  # cached under the cache dir
+    planned = plan_fleet(fleet)
+    assert planned.costs is not None and sum(s.count for s in planned.stages) == 4
+    assert calibrate(fleet, 4) == found  # a second call reads the cache
+
+
+def test_fit_pins_a_noisy_negative_term_at_zero() -> None:
+    # a tiny model on a busy machine: the middle stage (2 layers) measured faster than the 1-layer one
+    timings = [StageTiming(1, False, 0.50), StageTiming(2, False, 0.48), StageTiming(1, True, 0.90)]
+    fitted = fit_costs(timings)
+    assert fitted.layer_ms > 0 and fitted.head_ms >= 0 and fitted.call_ms >= 0

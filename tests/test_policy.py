@@ -1,0 +1,103 @@
+"""Unit tests of the speculation policy: own cost vs queueing, loaded vs alone, and the drafter choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleettui.runtime.policy import CostModel, KPolicy, choose_drafter, round_costs
+
+
+def _trace(*stages: tuple[float, float, float, float]) -> np.ndarray:
+    """Per stage (received, started, finished, sent) -> the flat protocol trace."""
+    return np.array([[index, *times] for index, times in enumerate(stages)], np.float64).reshape(-1)
+
+
+def test_round_costs_take_the_queue_out_of_the_wall_time() -> None:
+    # stage 0 waited 20 ms behind another session, computed 8 ms; stage 1 computed 5 ms
+    trace = _trace((0.000, 0.020, 0.028, 0.029), (0.030, 0.030, 0.035, 0.036))
+    own, compute = round_costs(trace, wall_seconds=0.040)
+    assert own == pytest.approx(0.020) and compute == pytest.approx(0.008)
+    assert round_costs(np.zeros(0), 0.05) == (0.05, 0.05)
+
+
+def _multi_user_rounds(policy: KPolicy, rounds: int = 40) -> None:
+    """Two users on 2 stages with a self-draft as costly as the target: each verify waits ~as long as the
+    other session's step (queue), computes 6 ms + 1 ms per extra token, and drafting costs 6 ms per token."""
+    for _ in range(rounds):
+        for k in (0, 3, 6):
+            compute = 0.006 + 0.001 * k
+            queue = 0.030
+            wall = queue + 2 * compute + 0.002
+            trace = _trace(
+                (0.0, queue, queue + compute, queue + compute), (0.1, 0.1, 0.1 + compute, 0.1 + compute)
+            )
+            own, busiest = round_costs(trace, wall)
+            policy.record_round(k, int(0.7 * k), 0.006 * k, wall, False, own, busiest, asked=k)
+
+
+def test_loaded_pipeline_is_costed_by_compute_not_by_queueing() -> None:
+    wall_only = KPolicy(None, max_k=8)
+    for _ in range(40):  # the old model: wall time only, where the queue makes verifying look free
+        for k in (0, 3, 6):
+            wall_only.record_round(k, int(0.7 * k), 0.006 * k, 0.030 + 2 * (0.006 + 0.001 * k) + 0.002)
+    assert wall_only.choose(loaded=True) >= 3  # what the bench saw: K ~ 6 while losing
+    policy = KPolicy(None, max_k=8)
+    _multi_user_rounds(policy)
+    assert policy.choose(loaded=True) == 0  # the draft's compute cannot be paid for by a cheap verify
+    rate_zero = policy.expected_rate(0, loaded=True)
+    assert rate_zero is not None and rate_zero == pytest.approx(1 / 0.006, rel=0.05)
+
+
+def test_alone_a_slow_link_still_pays_for_speculation() -> None:
+    policy = KPolicy(None, max_k=8)
+    for _ in range(40):
+        for k in (0, 3, 6):
+            compute = 0.006 + 0.001 * k
+            wall = 0.100 + 2 * compute  # 50 ms hops, nothing queued
+            trace = _trace((0.0, 0.0, compute, compute), (0.05, 0.05, 0.05 + compute, 0.05 + compute))
+            own, busiest = round_costs(trace, wall)
+            policy.record_round(k, k, 0.002 * k, wall, False, own, busiest, asked=k)
+    assert policy.choose(loaded=False) >= 6
+
+
+def test_drafter_choice_is_per_measured_rate() -> None:
+    costs = CostModel()
+    model, lookup = (
+        KPolicy(None, 8, costs=costs, drafter="model"),
+        KPolicy(None, 8, costs=costs, drafter="lookup"),
+    )
+    for _ in range(40):
+        for k in (0, 2, 4):
+            model.record_round(k, k // 2, 0.012 * k, 0.015 + 0.001 * k, asked=k)  # slow draft, 50% accepted
+            lookup.record_round(k, k, 0.0, 0.015 + 0.001 * k, asked=k)  # free, accepted (repetitive text)
+    name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
+    assert name == "lookup" and k >= 4
+    # lookup that never finds anything, a model draft that is slower than the target: no speculation
+    costs = CostModel()
+    model, lookup = (
+        KPolicy(None, 8, costs=costs, drafter="model"),
+        KPolicy(None, 8, costs=costs, drafter="lookup"),
+    )
+    for _ in range(40):
+        for k in (0, 2, 4):
+            model.record_round(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k)
+            lookup.record_round(0, 0, 0.0, 0.015, asked=k)  # asked k, proposed nothing
+    assert lookup.hit_rate < 0.2
+    choices = [
+        choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False) for _ in range(20)
+    ]
+    # never the slow model draft; asking the free lookup costs nothing when it finds nothing
+    assert sum(1 for name, k in choices if name == "model" and k > 0) <= 2  # only backed-off probes
+
+
+def test_a_new_drafter_is_explored_before_it_is_judged() -> None:
+    costs = CostModel()
+    model = KPolicy(None, 8, costs=costs, drafter="model")
+    lookup = KPolicy(None, 8, costs=costs, drafter="lookup")
+    model.record_round(0, 0, 0.0, 0.015)
+    name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
+    assert (name, k) == ("model", 3)  # the draft's cost is unknown: measured once before it is judged
+    model.record_round(3, 0, 0.090, 0.018, asked=3)  # slow and useless
+    name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
+    assert name != "model"
