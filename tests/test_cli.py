@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
         (["f.toml", "--deploy", "--prune"], ["deploy", "f.toml", "--prune"]),
         (["init", "out.toml", "local"], ["init", "out.toml", "local"]),
         (["cache", "ls"], ["cache", "ls"]),
+        (["f.toml", "--bench", "--only", "pcs"], ["bench", "f.toml", "--only", "pcs"]),
+        (["f.toml", "--plan", "--profile"], ["plan", "f.toml", "--profile"]),
     ],
 )
 def test_old_flag_forms_become_subcommands(old: list[str], new: list[str]) -> None:
@@ -131,6 +133,16 @@ def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(capsys: pytest.Cap
         "fleettui: --spec-k: 40 is out of range 0..16",
         "fleettui: --max-tokens: 0 must be at least 1",
     ]
+
+
+def test_bench_only_and_plan_profile_are_subcommand_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["bench", "f.toml", "--only", "spec"]).only == "spec"
+    assert build_parser().parse_args(["plan", "f.toml", "--profile"]).profile is True
+    assert main(["bench", str(DEFAULT_FLEET), "--only", "nothing"]) == 2  # refused before anything starts
+    assert main(["bench", str(DEFAULT_FLEET), "--quick", "--only", "scale"]) == 2  # quick has no scale rows
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and errors[0].startswith("fleettui: --only: 'nothing' is not one of anchors")
+    assert "no such rows" in errors[1]
 
 
 def test_a_start_on_held_ports_fails_at_once_naming_the_port_and_its_holder(tmp_path: Path) -> None:
