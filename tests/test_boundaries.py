@@ -212,7 +212,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_modules_stay_under_500_lines() -> None:
     long = [
         f"{path.relative_to(ROOT)}: {count}"
-        for package in ("fleettui", "shard_compiler")  # remote_worker/server.py is being split by its owner
+        for package in ("fleettui", "remote_worker", "shard_compiler")
         for path in (ROOT / package).rglob("*.py")
         if (count := len(path.read_text().splitlines())) > 520
     ]
