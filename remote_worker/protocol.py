@@ -17,79 +17,177 @@ its first token, never the full mask.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Union
 
 import numpy as np
 
-from remote_worker.messages import (  # the vocabulary, re-exported: protocol.Step etc.
+from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is the wire contract
     DECODE,
     DECODE_FRAMES,
-    FLAG_F16,
-    HEADER,
-    MAGIC,
     MAX_DRAFT,
-    MAX_MASK_RANGES,
     MAX_PENALTY,
     MAX_PENALTY_IDS,
     MAX_REPETITION_PENALTY,
     MAX_SUPPORT,
-    MAX_TEXT,
-    MAX_TOKENS_PER_STEP,
     MAX_TOP,
-    MAX_TRACE,
-    TRACE_FIELDS,
-    VERSION,
-    Ack,
-    Control,
     Decode,
-    Error,
-    Hello,
-    Kind,
-    Message,
-    Proposal,
-    Propose,
     ProtocolError,
-    RequestError,
-    Result,
-    Step,
+    array_of,
+    decode_frames,
+    parse_decode,
+    raw_buffer,
 )
 
-__all__ = [
-    "MAGIC",
-    "VERSION",
-    "MAX_TOKENS_PER_STEP",
-    "MAX_MASK_RANGES",
-    "MAX_DRAFT",
-    "MAX_SUPPORT",
-    "MAX_TOP",
-    "MAX_TRACE",
-    "MAX_TEXT",
-    "MAX_PENALTY_IDS",
-    "MAX_PENALTY",
-    "MAX_REPETITION_PENALTY",
-    "HEADER",
-    "DECODE",
-    "DECODE_FRAMES",
-    "FLAG_F16",
-    "Kind",
-    "ProtocolError",
-    "RequestError",
-    "Decode",
-    "Hello",
-    "Control",
-    "Step",
-    "Propose",
-    "Ack",
-    "Result",
-    "Proposal",
-    "Error",
-    "Message",
-    "TRACE_FIELDS",
-    "append_trace",
-    "decode",
-    "encode",
-]
+MAGIC = b"FLTW"
+VERSION = 2  # 2: Decode carries penalties (three floats, unique context ids and their counts)
+MAX_TOKENS_PER_STEP = 1 << 16
+MAX_MASK_RANGES = 1 << 14
+MAX_TRACE = 256
+MAX_TEXT = 4096
+
+# magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
+HEADER = struct.Struct("<4sHBBIIIIIIII")
+
+FLAG_F16 = 1  # hidden payload is float16 (else float32)
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    OPEN = 2
+    CLOSE = 3
+    RESET = 4
+    COMPACT = 5
+    STEP = 6
+    PROPOSE = 7
+    ACK = 16
+    RESULT = 17
+    PROPOSAL = 18
+    ERROR = 19
+
+
+class RequestError(ProtocolError):
+    """A request whose header is sound but whose body is not: it is answered with an Error, not dropped.
+
+    `kind`, `session` and `seq` come from the validated header, so the refusal can travel down the chain to
+    the coordinator and fail the request at once instead of leaving it to time out.
+    """
+
+    def __init__(self, reason: str, kind: Kind, session: int, seq: int) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.session = session
+        self.seq = seq
+
+
+@dataclass(frozen=True)
+class Hello:
+    seq: int
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Control:
+    """Open, Close, Reset or Compact a session on every stage of the chain."""
+
+    kind: Kind
+    session: int
+    seq: int
+    cache_len: int = 0  # Compact: physical length the coordinator expects before compaction
+
+
+@dataclass(frozen=True)
+class Step:
+    """Feed n tokens of one session through the chain.
+
+    `tokens` (int64 [n]) enters stage 0; `hidden` ([n, H] float16/float32) travels between stages.
+    `cache_len` is the physical KV length before the step (each stage checks it against its own),
+    `pos0` the logical position of the first new token. `decode` is None for prefill chunks whose
+    logits nobody needs except the last position's (then it is Decode() with no draft).
+    """
+
+    session: int
+    seq: int
+    pos0: int
+    cache_len: int
+    mask_ranges: np.ndarray  # int64 [m, 2], physical half-open ranges to mask before this step
+    tokens: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    decode: Decode | None = None
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+    @property
+    def n(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        assert data is not None
+        return int(data.shape[0])
+
+
+@dataclass(frozen=True)
+class Propose:
+    """Ask a draft worker to feed `tokens` then propose `k` tokens (sampled per `decode` or greedy).
+
+    `decode.uniforms` needs k numbers when sampling; `decode.top_k`/`top_p`/`temperature` shape the
+    proposal distribution, which is truncated to `support` ids and returned so the target can apply the
+    acceptance rule exactly. The draft's cache grows by len(tokens) + k - 1 slots.
+    """
+
+    session: int
+    seq: int
+    pos0: int
+    cache_len: int
+    mask_ranges: np.ndarray
+    tokens: np.ndarray
+    k: int
+    support: int
+    decode: Decode
+
+
+@dataclass(frozen=True)
+class Ack:
+    kind: Kind  # the control kind acknowledged
+    session: int
+    seq: int
+    value: int = 0  # Compact: new physical length; Hello: number of stages
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Result:
+    """Tokens emitted by a verify/decode step: accepted drafts then one correction or bonus token."""
+
+    session: int
+    seq: int
+    tokens: np.ndarray  # int64 [accepted + 1]
+    accepted: int
+    top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    session: int
+    seq: int
+    tokens: np.ndarray  # int64 [k]
+    ids: np.ndarray  # int64 [k, support] proposal distribution support (empty when greedy)
+    probs: np.ndarray  # float32 [k, support]
+    trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+
+@dataclass(frozen=True)
+class Error:
+    session: int
+    seq: int
+    stage: int
+    message: str
+
+
+Message = Union[Hello, Control, Step, Propose, Ack, Result, Proposal, Error]
+TRACE_FIELDS = 5  # per stage: stage index, received, started, finished, sent (time.time() seconds)
 
 
 def _header(
@@ -107,58 +205,24 @@ def _header(
     return HEADER.pack(MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
 
 
-def _raw(array: np.ndarray, dtype: type) -> memoryview:
-    flat: Any = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8)
-    return memoryview(flat)
-
-
-def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
-    if decode is None:
-        return [b""] * DECODE_FRAMES
-    k = len(decode.draft_tokens)
-    support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
-    spec = DECODE.pack(
-        float(decode.temperature),
-        float(decode.top_p),
-        int(decode.top_k),
-        k,
-        support,
-        int(decode.top_logprobs),
-        len(decode.uniforms),
-        float(decode.frequency_penalty),
-        float(decode.presence_penalty),
-        float(decode.repetition_penalty),
-        len(decode.penalty_ids),
-    )
-    return [
-        spec,
-        _raw(decode.draft_tokens, np.int64),
-        _raw(decode.draft_ids, np.int64),
-        _raw(decode.draft_probs, np.float32),
-        _raw(decode.uniforms, np.float64),
-        _raw(decode.penalty_ids, np.int64),
-        _raw(decode.penalty_counts, np.int32),
-    ]
-
-
 def encode(message: Message) -> list[bytes | memoryview]:
     """Frames for one message, ready for `socket.send_multipart(frames, copy=False)`."""
     if isinstance(message, Hello):
-        return [_header(Kind.HELLO, seq=message.seq), _raw(message.trace, np.float64)]
+        return [_header(Kind.HELLO, seq=message.seq), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Control):
         return [_header(message.kind, session=message.session, seq=message.seq, cache_len=message.cache_len)]
     if isinstance(message, Step):
         if (message.tokens is None) == (message.hidden is None):
             raise ProtocolError("a step carries either tokens or hidden states")
-        ranges = _raw(message.mask_ranges.reshape(-1, 2), np.int64)
+        ranges = raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64)
         if message.tokens is not None:
-            flags, width, data = 0, 0, _raw(message.tokens, np.int64)
+            flags, width, data = 0, 0, raw_buffer(message.tokens, np.int64)
         else:
             hidden = message.hidden
             assert hidden is not None
             # anything that is not float16 travels as float32, as the flag promises
             flags = FLAG_F16 if hidden.dtype == np.float16 else 0
-            width, data = int(hidden.shape[1]), _raw(hidden, np.float16 if flags else np.float32)
+            width, data = int(hidden.shape[1]), raw_buffer(hidden, np.float16 if flags else np.float32)
         header = _header(
             Kind.STEP,
             flags,
@@ -170,7 +234,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
             width,
             len(message.mask_ranges),
         )
-        return [header, ranges, data, *_decode_frames(message.decode), _raw(message.trace, np.float64)]
+        return [header, ranges, data, *decode_frames(message.decode), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Propose):
         header = _header(
             Kind.PROPOSE,
@@ -186,15 +250,15 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.mask_ranges.reshape(-1, 2), np.int64),
-            _raw(message.tokens, np.int64),
-            *_decode_frames(message.decode),
+            raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64),
+            raw_buffer(message.tokens, np.int64),
+            *decode_frames(message.decode),
         ]
     if isinstance(message, Ack):
         header = _header(
             Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value
         )
-        return [header, _raw(message.trace, np.float64)]
+        return [header, raw_buffer(message.trace, np.float64)]
     if isinstance(message, Result):
         top = message.top_ids.shape[1] if message.top_ids.ndim == 2 else 0
         header = _header(
@@ -208,10 +272,10 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.tokens, np.int64),
-            _raw(message.top_ids, np.int64),
-            _raw(message.top_logprobs, np.float32),
-            _raw(message.trace, np.float64),
+            raw_buffer(message.tokens, np.int64),
+            raw_buffer(message.top_ids, np.int64),
+            raw_buffer(message.top_logprobs, np.float32),
+            raw_buffer(message.trace, np.float64),
         ]
     if isinstance(message, Proposal):
         support = message.ids.shape[1] if message.ids.ndim == 2 else 0
@@ -220,22 +284,15 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.tokens, np.int64),
-            _raw(message.ids, np.int64),
-            _raw(message.probs, np.float32),
-            _raw(message.trace, np.float64),
+            raw_buffer(message.tokens, np.int64),
+            raw_buffer(message.ids, np.int64),
+            raw_buffer(message.probs, np.float32),
+            raw_buffer(message.trace, np.float64),
         ]
     if isinstance(message, Error):
         text = message.message.encode("utf-8")[:MAX_TEXT]
         return [_header(Kind.ERROR, 0, message.session, message.seq, count_a=message.stage), text]
     raise ProtocolError(f"cannot encode {type(message).__name__}")
-
-
-def _array(frame: bytes | memoryview, dtype: type, count: int, what: str) -> np.ndarray:
-    size = np.dtype(dtype).itemsize * count
-    if len(frame) != size:
-        raise ProtocolError(f"{what}: {len(frame)} bytes, expected {size}")
-    return np.frombuffer(frame, dtype=dtype, count=count)
 
 
 def _trace(frame: bytes | memoryview) -> np.ndarray:
@@ -244,85 +301,10 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(frame, dtype=np.float64).copy()
 
 
-def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
-    """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
-    spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts = frames
-    if len(spec) == 0:
-        if any(len(f) for f in frames):
-            raise ProtocolError("decode: arrays without a decode header")
-        return None
-    if len(spec) != DECODE.size:
-        raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
-    (
-        temperature,
-        top_p,
-        top_k,
-        k,
-        support,
-        top_logprobs,
-        n_uniforms,
-        frequency,
-        presence,
-        repetition,
-        n_ids,
-    ) = DECODE.unpack(spec)
-    if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
-        raise ProtocolError(f"decode: temperature {temperature} out of range")
-    if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise ProtocolError(f"decode: top_p {top_p} out of range")
-    if k > min(MAX_DRAFT, max_tokens) or support > MAX_SUPPORT or top_logprobs > MAX_TOP:
-        raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
-    allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1))
-    if n_uniforms not in allowed_uniforms:
-        raise ProtocolError(
-            f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}"
-        )
-    draft_tokens = _array(tokens, np.int64, k, "draft tokens")
-    draft_ids = _array(ids, np.int64, k * support, "draft ids").reshape(k, support)
-    draft_probs = _array(probs, np.float32, k * support, "draft probs").reshape(k, support)
-    u = _array(uniforms, np.float64, n_uniforms, "uniforms")
-    if n_uniforms and not bool(np.all((u >= 0.0) & (u < 1.0))):
-        raise ProtocolError("decode: uniforms outside [0, 1)")
-    if draft_tokens.size and int(draft_tokens.min()) < 0:
-        raise ProtocolError("decode: negative draft token")
-    if draft_ids.size and int(draft_ids.min()) < 0:
-        raise ProtocolError("decode: negative draft proposal id")
-    if draft_probs.size and not bool(np.all(np.isfinite(draft_probs) & (draft_probs >= 0.0))):
-        raise ProtocolError("decode: draft probabilities must be finite and non-negative")
-    for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
-        if not (np.isfinite(value) and abs(value) <= MAX_PENALTY):
-            raise ProtocolError(f"decode: {name} {value} out of range")
-    if not (np.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
-        raise ProtocolError(f"decode: repetition_penalty {repetition} out of range")
-    if n_ids > MAX_PENALTY_IDS:
-        raise ProtocolError(f"decode: {n_ids} penalty ids is too many")
-    context_ids = _array(penalty_ids, np.int64, n_ids, "penalty ids")
-    counts = _array(penalty_counts, np.int32, n_ids, "penalty counts")
-    if n_ids and (int(context_ids[0]) < 0 or bool(np.any(np.diff(context_ids) <= 0))):
-        raise ProtocolError("decode: penalty ids must be unique, sorted and non-negative")
-    if n_ids and int(counts.min()) < 0:
-        raise ProtocolError("decode: negative penalty count")
-    return Decode(
-        temperature,
-        top_p,
-        top_k,
-        draft_tokens,
-        draft_ids,
-        draft_probs,
-        u,
-        top_logprobs,
-        frequency,
-        presence,
-        repetition,
-        context_ids,
-        counts,
-    )
-
-
 def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
     if count > MAX_MASK_RANGES:
         raise ProtocolError(f"mask: {count} ranges is too many")
-    ranges = _array(frame, np.int64, 2 * count, "mask ranges").reshape(count, 2)
+    ranges = array_of(frame, np.int64, 2 * count, "mask ranges").reshape(count, 2)
     if count and (int(ranges.min()) < 0 or bool(np.any(ranges[:, 1] <= ranges[:, 0]))):
         raise ProtocolError("mask: ranges must be non-empty and non-negative")
     return ranges
@@ -391,7 +373,7 @@ def _request(
             raise ProtocolError(f"step: {n} tokens")
         ranges = _ranges(body[0], count_a)
         if width == 0:
-            tokens = _array(body[1], np.int64, n, "tokens")
+            tokens = array_of(body[1], np.int64, n, "tokens")
             if int(tokens.min()) < 0:
                 raise ProtocolError("step: negative token id")
             hidden = None
@@ -399,9 +381,9 @@ def _request(
             if width > 1 << 16:
                 raise ProtocolError(f"step: hidden width {width}")
             dtype = np.float16 if flags & FLAG_F16 else np.float32
-            hidden = _array(body[1], dtype, n * width, "hidden").reshape(n, width)
+            hidden = array_of(body[1], dtype, n * width, "hidden").reshape(n, width)
             tokens = None
-        step_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
+        step_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
         trace = _trace(body[2 + DECODE_FRAMES])
         return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace)
     if kind == Kind.PROPOSE:
@@ -410,10 +392,10 @@ def _request(
         if not 0 < n <= MAX_TOKENS_PER_STEP or not 0 < k <= MAX_DRAFT or support > MAX_SUPPORT:
             raise ProtocolError(f"propose: {n} tokens, k={k}, support={support}")
         ranges = _ranges(body[0], count_a)
-        tokens = _array(body[1], np.int64, n, "tokens")
+        tokens = array_of(body[1], np.int64, n, "tokens")
         if int(tokens.min()) < 0:
             raise ProtocolError("propose: negative token id")
-        propose_decode = _parse_decode(body[2 : 2 + DECODE_FRAMES], 0, proposals=k)
+        propose_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], 0, proposals=k)
         if propose_decode is None:
             raise ProtocolError("propose: missing decode header")
         return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)
@@ -437,18 +419,18 @@ def _reply(
         expect(4)
         if not 0 < n <= MAX_DRAFT + 1 or count_a >= n or count_b > MAX_TOP:
             raise ProtocolError(f"result: {n} tokens, {count_a} accepted, top {count_b}")
-        tokens = _array(body[0], np.int64, n, "tokens")
+        tokens = array_of(body[0], np.int64, n, "tokens")
         rows = len(body[1]) // 8 // count_b if count_b else 0
-        top_ids = _array(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
-        top_logprobs = _array(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
+        top_ids = array_of(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
+        top_logprobs = array_of(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
         return Result(session, seq, tokens, count_a, top_ids, top_logprobs, _trace(body[3]))
     if kind == Kind.PROPOSAL:
         expect(4)
         if not 0 < n <= MAX_DRAFT or count_a > MAX_SUPPORT:
             raise ProtocolError(f"proposal: {n} tokens, support {count_a}")
-        tokens = _array(body[0], np.int64, n, "tokens")
-        ids = _array(body[1], np.int64, n * count_a, "proposal ids").reshape(n, count_a)
-        probs = _array(body[2], np.float32, n * count_a, "proposal probs").reshape(n, count_a)
+        tokens = array_of(body[0], np.int64, n, "tokens")
+        ids = array_of(body[1], np.int64, n * count_a, "proposal ids").reshape(n, count_a)
+        probs = array_of(body[2], np.float32, n * count_a, "proposal probs").reshape(n, count_a)
         return Proposal(session, seq, tokens, ids, probs, _trace(body[3]))
     if kind == Kind.ERROR:
         expect(1)

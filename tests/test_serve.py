@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -62,7 +63,10 @@ def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_fleet(cache: Path) -> Fleet:
     base = load_fleet(DEFAULT_FLEET)
     hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(2))
-    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache))
+    # Two servers and the tests' direct sessions share this fleet: the workers admit more sessions than
+    # one server keeps open (a server alone never exceeds its own max_sessions, see the pool test).
+    sessions = replace(base.sessions, max_sessions=8)
+    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache), sessions=sessions)
     return with_overrides(fleet, exact=True, draft="none")
 
 
@@ -355,6 +359,7 @@ def test_missing_or_wrong_key_is_401(main_server: tuple[FleetServer, str]) -> No
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
         (
@@ -424,10 +429,21 @@ def test_disconnect_mid_stream_frees_the_session(
     wait_for(lambda: metric(url, "fleettui_serve_client_disconnects_total") == before + 1)
     wait_for(lambda: metric(url, "fleettui_serve_active_sessions") == 0)
     wait_for(lambda: set(served.stage_sessions().values()) == {0})
-    assert not server.jobs and server.pool.lent == 0
-    # a non-streaming client that gives up is cancelled too
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/chat/completions", json=body, timeout=2.0)
+    assert not server.jobs and server.pool.lent == 0 and not server.live.requests
+    # a non-streaming client that gives up is cancelled too: it hangs up once its generation has started
+    long_body = {
+        **body,
+        "messages": [{"role": "user", "content": "Count from 1 to 500, one number per line."}],
+    }
+    payload = json.dumps(long_body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        wait_for(lambda: server.pool.lent == 1)
     wait_for(lambda: metric(url, "fleettui_serve_client_disconnects_total") == before + 2)
     wait_for(lambda: set(served.stage_sessions().values()) == {0})
 

@@ -39,9 +39,11 @@ def test_valid_chat_request_maps_every_field() -> None:
         }
     )
     assert [m.content for m in request.messages or ()] == ["be brief", "hi"]
-    params = request.sampling.params(DEFAULTS.max_tokens, room=30)
+    with pytest.raises(RequestError, match="max_tokens 50 does not fit: the prompt leaves 30"):
+        request.sampling.params(DEFAULTS.max_tokens, room=30)  # asked for more than the context has left
+    params = request.sampling.params(DEFAULTS.max_tokens, room=100)
     assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop) == (
-        30,
+        50,
         0.7,
         0.9,
         3,
@@ -181,6 +183,21 @@ async def test_pool_picks_the_longest_prefix_and_evicts_lru() -> None:
     assert not fake.open and common_prefix([1, 2], [1, 3]) == 1
 
 
+async def test_pool_never_keeps_more_sessions_open_than_the_stages_allow() -> None:
+    fake = FakeSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=4, max_open=2)
+    a = (await pool.acquire([1], 0)).session
+    fill(a, [1, 2])
+    await pool.release(a, reusable=True)
+    b = (await pool.acquire([3], 0)).session
+    c = (await pool.acquire([4], 0)).session  # a third open session would exceed 2: idle `a` is closed first
+    assert len(fake.open) == 2 and a.id not in fake.open and {b.id, c.id} == fake.open
+    for session in (b, c):
+        await pool.release(session, reusable=True)
+    await pool.close_all()
+    assert not fake.open
+
+
 async def test_pool_closes_a_session_whose_opener_was_cancelled() -> None:
     fake = FakeSessions()
     pool = SessionPool(fake.opener, fake.closer, max_idle=2)
@@ -221,3 +238,21 @@ def test_bind_rules() -> None:
     check_bind("0.0.0.0", ("k" * 16,))
     with pytest.raises(SecurityError, match="without --api-key-file"):
         check_bind("0.0.0.0", ())
+
+
+def test_live_requests_are_registered_until_they_end_and_shown_as_cells() -> None:
+    from fleettui.serve.live import LiveRequests
+    from fleettui.ui.widgets.api_panel import request_cells
+
+    live = LiveRequests()
+    first = live.begin("10.0.0.5:5123", "chat", "What is\nthe capital   of France?", 17)
+    second = live.begin("10.0.0.6:6000", "completions", "x" * 200, 3)
+    assert [each.id for each in live.snapshot()] == [first.id, second.id]
+    assert first.preview == "What is the capital of France?" and len(second.preview) == 60
+    first.state, first.tokens, first.first_token = "generating", 11, 100.0
+    cells = request_cells(first, now=102.0)
+    assert cells["client"] == "10.0.0.5:5123" and cells["tokens"] == "11/17p" and cells["rate"] == "5.0"
+    assert request_cells(second, now=102.0)["rate"] == "-"
+    live.end(first)
+    live.end(first)  # twice is harmless
+    assert live.snapshot() == [second] and live.finished == 1

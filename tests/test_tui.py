@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -420,3 +421,60 @@ def test_what_next_is_a_function_of_the_stage_states():
     assert next_step({"a": Ready(), "b": Loading()}) == "wait"
     assert next_step({"a": Ready(), "b": Serving(2)}) == "serve"
     assert next_step({"a": Serving(1), "b": Failed("lost")}) == "recover"
+
+
+@pytest.mark.slow
+async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests():
+    import httpx
+
+    from fleettui.control.controller import FleetController
+    from fleettui.ui.api import ApiOptions, ApiService
+    from fleettui.ui.widgets.api_panel import ApiPanel
+
+    app = FleetApp(
+        real_fleet(),
+        FleetController,
+        GenerationParams(max_tokens=32, spec_k=3),
+        api=ApiService(ApiOptions(port=0)),
+    )
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    def ask(url: str) -> tuple[str, list[str]]:
+        chunks = []
+        with httpx.stream("POST", url + "/chat/completions", json=body, timeout=REAL_TIMEOUT) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                    chunks.append(delta or "")
+        return "".join(chunks), chunks
+
+    async with app.run_test(size=SIZE) as pilot:
+        pids = await deployed(pilot, app)
+        assert app.api is not None
+        await wait_until(pilot, lambda: bool(app.api and app.api.url), 60, "the API to listen")
+        panel = app.query_one(ApiPanel)
+        seen_rows: list[str] = []
+
+        def shows_the_request() -> bool:
+            if panel.row_count:
+                seen_rows.append(str(panel.get_row_at(0)[1]))  # the client column
+            return answer.done()
+
+        answer = asyncio.ensure_future(asyncio.to_thread(ask, app.api.url))
+        await wait_until(pilot, shows_the_request, REAL_TIMEOUT, "the API answer")
+        text, chunks = answer.result()
+        assert "Paris" in text and len(chunks) > 2
+        assert seen_rows and seen_rows[0].startswith("127.0.0.1:")  # who asked, shown while it ran
+        await wait_until(pilot, lambda: panel.row_count == 0, 10, "the finished request to leave the panel")
+        assert "1 answered" in str(panel.border_subtitle) and app.api.url in str(panel.border_subtitle)
+        url = app.api.url
+        await quit_stopping_the_fleet(pilot, app, pids)
+    with pytest.raises(httpx.ConnectError):  # the API stopped with the fleet
+        await asyncio.to_thread(httpx.get, url + "/models", timeout=5)

@@ -1,6 +1,6 @@
 """Regression tests for faults found by probing the stage worker, against a real `python -m remote_worker`.
 
-One worker (the last stage of the real 2-stage shard, plaintext, max_sessions 2, an 8 MiB inbox) serves the
+One worker (the last stage of the real 2-stage shard, plaintext, max_sessions 2, a 4 MiB inbox) serves the
 tests of this module in order: malformed control requests, requests whose header is sound but whose body is
 not, the session limit, the inbox byte budget, control answers during a long step, and finally its lease.
 """
@@ -25,7 +25,7 @@ from remote_worker.intake import Inbox
 from remote_worker.protocol import Ack, Control, Decode, Error, Kind, Result, Step
 
 HIDDEN = 576
-BUDGET = 8 << 20
+BUDGET = 4 << 20
 
 
 def raw_control(worker: Worker, frames: list[bytes], timeout: float = 10.0) -> dict[str, Any] | None:
@@ -163,7 +163,7 @@ def test_control_answers_during_a_long_step_and_the_inbox_is_bounded_in_bytes(se
     worker, client = served
     client.send(Control(Kind.OPEN, 21, 1))
     assert isinstance(client.receive(), Ack)
-    long_step = hidden(3000, seed=1)  # 6.9 MB: fits the 8 MiB inbox alone
+    long_step = hidden(1500, seed=1)  # 3.5 MB: fits the 4 MiB inbox alone
     client.send(Step(21, 2, 0, 0, NO_RANGES, hidden=long_step))
     busy = []
     while not client.pull.poll(0):
@@ -173,10 +173,10 @@ def test_control_answers_during_a_long_step_and_the_inbox_is_bounded_in_bytes(se
             busy.append(ping["busy_since"])
             break
     # while it computes, two more big steps arrive: the second does not fit the byte budget
-    client.send(Step(21, 3, 3000, 3000, NO_RANGES, hidden=hidden(2000, seed=2)))  # 4.6 MB
-    client.send(Step(22, 4, 0, 0, NO_RANGES, hidden=hidden(2000, seed=3)))  # session 22 is not open
-    client.send(Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(4000)))  # 9.2 MB: larger than the budget itself
-    replies = {reply.seq: reply for reply in (client.receive(timeout=120) for _ in range(4))}
+    client.send(Step(21, 3, 1500, 1500, NO_RANGES, hidden=hidden(1000, seed=2)))  # 2.3 MB
+    client.send(Step(22, 4, 0, 0, NO_RANGES, hidden=hidden(1000, seed=3)))  # session 22 is not open
+    client.send(Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(2000)))  # 4.6 MB: larger than the budget itself
+    replies = {reply.seq: reply for reply in (client.receive(timeout=300) for _ in range(4))}
     assert busy, "no ping was answered while the long step ran"
     assert isinstance(replies[2], Result) and isinstance(replies[3], Result)
     assert isinstance(replies[5], Error) and "overloaded" in replies[5].message

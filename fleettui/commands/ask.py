@@ -6,9 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleettui.commands import options
 from fleettui.errors import FleetError
+
+if TYPE_CHECKING:
+    from fleettui.config.fleet import Fleet
+    from fleettui.control.store import Settings
 
 NAME = "ask"
 HELP = "answer one prompt headless (attaches to a deployed fleet, else starts and stops one)"
@@ -42,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     return run_loop(main)
 
 
-async def _ask(fleet, settings, prompt: str, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace) -> int:
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleettui.errors import FleetError
@@ -65,7 +64,3 @@ def sampling(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
         fleet, max_tokens, getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
     )  # fmt: skip
-
-
-def output_path(value: str | None) -> Path | None:
-    return None if value in (None, "-") else Path(value)  # type: ignore[arg-type]

@@ -317,7 +317,8 @@ class FleetController:
         if self.lease > 0:
             self._lease = Lease(deployment, self.lease)
             await self._lease.start()
-        return self._connection.coordinator  # type: ignore[union-attr]
+        assert self._connection is not None
+        return self._connection.coordinator
 
     async def _bring_up(self, launcher: StageLauncher, launched: Launched, timeout: float) -> None:
         name = launched.placement.config.name

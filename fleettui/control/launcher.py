@@ -25,7 +25,7 @@ from fleettui.config import paths
 from fleettui.config.fleet import Fleet, Host
 from fleettui.control.deployment import Deployment, Placement, write_config
 from fleettui.control.store import ProcessId
-from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent
+from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent, RemotePaths
 from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
 from remote_worker.replies import PingReply
 
@@ -247,10 +247,9 @@ class SshLauncher:
         host = placement.host
         configured: dict[str, Placement] = {}
 
-        def config(remote: object) -> str:
+        def config(remote: RemotePaths) -> str:
             configured["placement"] = replace(
-                placement,
-                config=replace(placement.config, shard_dir=remote.shard),  # type: ignore[attr-defined]
+                placement, config=replace(placement.config, shard_dir=remote.shard)
             )
             return configured["placement"].config.to_json()
 

@@ -45,9 +45,15 @@ class SessionPool:
         opener: Callable[[int], Awaitable[Session]],
         closer: Callable[[Session], Awaitable[None]],
         max_idle: int = 8,
+        max_open: int | None = None,
     ) -> None:
         if max_idle < 0:
             raise ValueError("max_idle must be >= 0")
+        if max_open is not None and max_open < 1:
+            raise ValueError("max_open must be >= 1")
+        # The stages hold at most `max_sessions` open sessions (their KV budget): idle sessions kept for
+        # prefix reuse count too, so a fresh session first evicts the least recently used idle one.
+        self.max_open = max_open
         self._open = opener
         self._close = closer
         self.max_idle = max_idle
@@ -84,6 +90,9 @@ class SessionPool:
             # A prompt never reuses its own last token: the coordinator always feeds at least one token.
             reused = min(reused, len(prompt) - 1)
         else:
+            while self._idle and self.max_open is not None and self.idle + self.lent >= self.max_open:
+                _, oldest = self._idle.popitem(last=False)
+                await self._close_one(oldest)
             session = await self._open_shielded(seed)
             self.opened += 1
             reused = 0

@@ -18,9 +18,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.limits import RequestError as LimitError
+from fleettui.runtime.limits import validate_request
 from fleettui.runtime.session_pool import SessionPool
 from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.fleet import ServedFleet
+from fleettui.serve.live import LiveRequest, LiveRequests
 from fleettui.serve.metrics import ServerMetrics
 from fleettui.serve.responses import Envelope, error_body, finish_reason, model_card, sse
 from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
@@ -60,9 +63,10 @@ class FleetServer:
         self.defaults: GenerationParams = fleet.defaults()
         self.keys = KeyChecker(api_keys)
         self.admission = Admission(max_sessions, max_queued)
-        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle)
+        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle, max_open=max_sessions)
         self.metrics = ServerMetrics(fleet.stage_telemetry)
         self.jobs: set[asyncio.Task[Outcome]] = set()
+        self.live = LiveRequests()  # who asks what, shown live by the TUI's API panel
         routes = [
             Route("/v1/chat/completions", self._guard("chat", self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._guard("completions", self.completions), methods=["POST"]),
@@ -172,22 +176,45 @@ class FleetServer:
                 code="context_length_exceeded",
             )
         params = parsed.sampling.params(self.defaults.max_tokens, room)
+        try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
+            validate_request(params, len(prompt), self.model.context_length)
+        except LimitError as error:
+            raise RequestError(str(error), error.field) from None
         ticket = self.admission.admit()  # QueueFull -> 429 before any byte of the response
+        client = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        asked = parsed.messages[-1].content if parsed.messages else (parsed.prompt or "")
+        live = self.live.begin(client, "chat" if chat else "completions", asked, len(prompt))
         if parsed.stream:
-            return self._stream(parsed, prompt, params, ticket, chat)
-        return await self._answer(request, parsed, prompt, params, ticket, chat)
+            return self._stream(parsed, prompt, params, ticket, chat, live)
+        return await self._answer(request, parsed, prompt, params, ticket, chat, live)
 
     # -- generation ---------------------------------------------------------------------------------
     def _start_job(
-        self, prompt: list[int], params: GenerationParams, ticket: Ticket, on_delta: Callable[[str], None]
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        ticket: Ticket,
+        on_delta: Callable[[str], None],
+        live: LiveRequest,
     ) -> asyncio.Task[Outcome]:
-        job = asyncio.get_running_loop().create_task(self._generate(prompt, params, ticket, on_delta))
+        job = asyncio.get_running_loop().create_task(self._generate(prompt, params, ticket, on_delta, live))
         self.jobs.add(job)
         job.add_done_callback(self.jobs.discard)
+        # A job cancelled before it ever ran skips its own `finally`: release its slot and entry here too.
+        job.add_done_callback(lambda _: self._forget(ticket, live))
         return job
 
+    def _forget(self, ticket: Ticket, live: LiveRequest) -> None:
+        ticket.release()
+        self.live.end(live)
+
     async def _generate(
-        self, prompt: list[int], params: GenerationParams, ticket: Ticket, on_delta: Callable[[str], None]
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        ticket: Ticket,
+        on_delta: Callable[[str], None],
+        live: LiveRequest,
     ) -> Outcome:
         """Wait for a slot, lease a session, generate; the session goes back to the pool only if all went well."""
         admitted = time.perf_counter()
@@ -196,6 +223,7 @@ class FleetServer:
         try:
             self._update_gauges()
             await ticket.wait()
+            live.state = "generating"
             self._update_gauges()
             lease = await self.pool.acquire(prompt, params.seed)
             last: list[float] = []
@@ -203,6 +231,9 @@ class FleetServer:
             def on_tokens(tokens: list[int], delta: str) -> None:
                 now = time.perf_counter()
                 if tokens:
+                    live.tokens += len(tokens)
+                    if live.first_token is None:
+                        live.first_token = time.monotonic()
                     if last:
                         self.metrics.inter_token.observe(now - last[0])
                     else:
@@ -219,6 +250,7 @@ class FleetServer:
             return Outcome(generation, len(prompt), lease.reused_tokens)
         finally:
             ticket.release()
+            self.live.end(live)
             if lease is not None:
                 # A cancelled or failed step may have reached the stages without the ledger knowing:
                 # such a session is closed on every stage, never reused.
@@ -244,8 +276,9 @@ class FleetServer:
         params: GenerationParams,
         ticket: Ticket,
         chat: bool,
+        live: LiveRequest,
     ) -> Response:
-        job = self._start_job(prompt, params, ticket, lambda delta: None)
+        job = self._start_job(prompt, params, ticket, lambda delta: None, live)
         watcher = asyncio.get_running_loop().create_task(_disconnected(request))
         try:
             await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -273,9 +306,10 @@ class FleetServer:
         params: GenerationParams,
         ticket: Ticket,
         chat: bool,
+        live: LiveRequest,
     ) -> StreamingResponse:
         deltas: asyncio.Queue[str | None] = asyncio.Queue()
-        job = self._start_job(prompt, params, ticket, deltas.put_nowait)
+        job = self._start_job(prompt, params, ticket, deltas.put_nowait, live)
         job.add_done_callback(lambda _: deltas.put_nowait(None))
         envelope = Envelope(chat, self.model.name)
         usage = parsed.include_usage

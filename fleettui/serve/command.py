@@ -144,7 +144,7 @@ async def serve_fleet(
             keys,
             max_sessions=sessions,
             max_queued=max_queued,
-            max_idle=2 * sessions if max_idle is None else max_idle,
+            max_idle=sessions if max_idle is None else max_idle,
         )
         if not stop.is_set():
             await serve_http(server, host, port, tls_certfile, tls_keyfile, ready_callback, stop)

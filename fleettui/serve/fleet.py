@@ -123,7 +123,7 @@ class ControllerFleet:
         return list(await asyncio.gather(*(ping(p) for p in placements)))
 
     def stage_telemetry(self) -> dict[str, dict[str, Any]]:
-        return dict(self.controller.telemetry)
+        return {name: sample.to_dict() for name, sample in self.controller.telemetry().items()}
 
 
 def _unix_time(stamp: str) -> int:

@@ -41,6 +41,12 @@ class Sampling:
 
     def params(self, default_max_tokens: int, room: int) -> GenerationParams:
         """GenerationParams for a prompt that leaves `room` positions of the context."""
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise RequestError(
+                f"max_tokens {self.max_tokens} does not fit: the prompt leaves {room} of the model's context",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
         wanted = default_max_tokens if self.max_tokens is None else self.max_tokens
         params = GenerationParams(
             max_tokens=max(1, min(wanted, room)),

@@ -27,6 +27,7 @@ from fleettui.control.states import (
 )
 from fleettui.control.store import Settings
 from fleettui.runtime.coordinator import GenerationParams
+from fleettui.ui.api import ApiService
 from fleettui.ui.formatting import stats_text, truncate
 from fleettui.ui.messages import (
     DeployProgressed,
@@ -38,6 +39,7 @@ from fleettui.ui.messages import (
 from fleettui.ui.monitor import FleetMonitor, StageView
 from fleettui.ui.screens.help import HelpScreen
 from fleettui.ui.screens.quit import QuitChoice, QuitScreen
+from fleettui.ui.widgets.api_panel import ApiPanel
 from fleettui.ui.widgets.chat import ChatPane, ChatSession
 from fleettui.ui.widgets.deploy_panel import DeployPanel
 from fleettui.ui.widgets.fleet_panel import FleetPanel
@@ -98,10 +100,12 @@ class FleetApp(App[int]):
         controller_factory: ControlFactory,
         params: GenerationParams | None = None,
         auto_deploy: bool = True,
+        api: ApiService | None = None,
         log_file: Path | None = None,
     ) -> None:
         super().__init__()
         self.fleet = fleet
+        self.api = api  # the OpenAI-compatible API served beside the chat (`fleettui tui --serve`)
         self.log_file = log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
         if params is None:
             from fleettui.control.settings import generation_params
@@ -126,6 +130,8 @@ class FleetApp(App[int]):
             yield ChatPane(id="chat")
             with Vertical(id="side"):
                 yield DeployPanel([host.name for host in self.fleet.hosts], id="deploy")
+                if self.api is not None:
+                    yield ApiPanel(id="api")
                 yield LogPane(id="log", log_file=self.log_file)
         yield Footer()
 
@@ -166,6 +172,9 @@ class FleetApp(App[int]):
     def redraw_fleet(self) -> None:
         for panel in self.query(FleetPanel):  # none while the app shuts down
             panel.redraw()
+        if self.api is not None:
+            for api_panel in self.query(ApiPanel):
+                api_panel.show(*self.api.requests())
 
     # -- controller events (called by the controller, possibly from another thread) -------------------
     def handle_controller_event(self, event: ControllerEvent) -> None:
@@ -209,6 +218,24 @@ class FleetApp(App[int]):
         log.info(
             "fleet %s: %d stages", "attached" if self.controller.attached else "ready", len(self.fleet.hosts)
         )
+        if self.api is not None:
+            self.serve_api()
+
+    @work(exclusive=True, group="api", exit_on_error=False, name="serve-api")
+    async def serve_api(self) -> None:
+        """The HTTP API on this app's loop, over the same fleet as the chat, until the fleet stops."""
+        assert self.api is not None
+
+        def ready(url: str) -> None:
+            for panel in self.query(ApiPanel):
+                panel.url = url
+            log.info("serving the OpenAI-compatible API at %s", url)
+
+        await self.api.run(self.controller, ready)
+
+    async def _stop_api(self) -> None:
+        if self.api is not None:
+            await self.api.stop()
 
     @work(exclusive=True, group="fleet", exit_on_error=False, name="stop")
     async def stop_fleet(self, exit_after: bool = False) -> None:
@@ -220,6 +247,7 @@ class FleetApp(App[int]):
             for session in pane.sessions:
                 session.handle = None
         self.ready = False
+        await self._stop_api()
         for line in await self.controller.stop():
             log.info("%s", line)
         self.sub_title = "stopped"
@@ -359,6 +387,7 @@ class FleetApp(App[int]):
         for worker in self.workers:
             if worker.group.startswith("chat-"):
                 worker.cancel()
+        await self._stop_api()
         self.detached_lines = await self.controller.detach()
         log.info("leaving the fleet running")
         self.exit(0)
@@ -392,12 +421,19 @@ def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
         applied, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
     )  # fmt: skip
+    api = None
+    if getattr(args, "serve", False):
+        from fleettui.ui.api import ApiOptions
+
+        options = ApiOptions(args.host, args.port, args.api_key_file, applied.sessions.max_sessions)
+        api = ApiService(options)  # a refused bind or key file is one line before anything starts
     from fleettui.config import paths
 
     app = FleetApp(
         fleet,
         functools.partial(FleetController, settings=settings),
         params,
+        api=api,
         log_file=paths.log_dir() / "tui.log",
     )
     app.handle_signals = True
