@@ -126,9 +126,15 @@ def test_plan_and_ask_on_a_synthetic_model(tmp_path: Path) -> None:
     assert len(lines) == 1 and "synthetic" in lines[0] and "not chat" in lines[0]
     for command in (["serve", str(fleet_file), "--port", "0"], ["tui", str(fleet_file)]):  # nor served
         refused = subprocess.run(
-            [sys.executable, "-m", "fleettui", *command], capture_output=True, text=True, timeout=120, cwd=ROOT
+            [sys.executable, "-m", "fleettui", *command],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
         )
-        assert refused.returncode == 2 and "not chat" in refused.stderr and len(refused.stderr.splitlines()) == 1
+        assert (
+            refused.returncode == 2 and "not chat" in refused.stderr and len(refused.stderr.splitlines()) == 1
+        )
     shown = subprocess.run(
         [sys.executable, "-m", "fleettui", "plan", str(fleet_file)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
