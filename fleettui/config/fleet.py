@@ -22,7 +22,9 @@ else:  # pragma: no cover - Python 3.10
 logger = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
-DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"  # ships in the wheel; a copy of fleets/local.toml
+DEFAULT_FLEET = (
+    Path(__file__).resolve().parent / "local.toml"
+)  # ships in the wheel; a copy of fleets/local.toml
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
@@ -37,6 +39,7 @@ PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
 MAX_K = 16
+REBALANCE_MODES = ("off", "propose", "auto")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,18 @@ class SessionSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class ResilienceSettings:
+    """Fault handling: how fast a lost stage is declared, how long a host may stay away, rebalancing."""
+
+    heartbeat_seconds: float = 0.5  # ping every stage's control socket this often
+    detect_seconds: float = 2.0  # a stage silent this long (and not visibly busy) is lost
+    unresponsive_seconds: float = 30.0  # a live, running process may stay silent this long (long step)
+    grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
+    rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
+    throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,7 @@ class Fleet:
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
     sessions: SessionSettings = field(default_factory=SessionSettings)
     path: Path | None = None
+    resilience: ResilienceSettings = field(default_factory=ResilienceSettings)
 
     @property
     def manual_layers(self) -> bool:
@@ -211,8 +227,8 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     lines = LineIndex(text)
     base = path.resolve().parent
     top = Section(path, lines, "", 0, "fleet", data)
-    top.reject_unknown(("model", "runtime", "speculation", "sessions", "hosts"))
-    for table in ("model", "runtime", "speculation", "sessions"):
+    top.reject_unknown(("model", "runtime", "speculation", "sessions", "resilience", "hosts"))
+    for table in ("model", "runtime", "speculation", "sessions", "resilience"):
         if table in data and not isinstance(data[table], Mapping):
             raise FleetConfigError(path, lines.line("", 0, table), table, "expected a table [" + table + "]")
 
@@ -222,6 +238,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
         Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
     )
     sessions = _sessions(Section(path, lines, "sessions", 0, "sessions", data.get("sessions", {})))
+    resilience = _resilience(Section(path, lines, "resilience", 0, "resilience", data.get("resilience", {})))
 
     raw_hosts = data.get("hosts", [])
     if not isinstance(raw_hosts, list) or not raw_hosts:
@@ -238,7 +255,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
         logger.info("%s: exact = true: fp32 weights, f32 inference, f32 KV cache and f32 wire", path)
     if runtime.encryption == "plaintext":
         logger.warning("%s: encryption = plaintext: stage links are NOT encrypted or authenticated", path)
-    fleet = Fleet(hosts, model, runtime, speculation, sessions, path)
+    fleet = Fleet(hosts, model, runtime, speculation, sessions, path, resilience)
     _check_manual_split(fleet, sections)
     return fleet
 
@@ -307,6 +324,32 @@ def _sessions(section: Section) -> SessionSettings:
         temperature=section.number("temperature", float, 0.0, lambda v: 0.0 <= v <= 10.0, "0..10"),
         top_p=section.number("top_p", float, 1.0, lambda v: 0.0 < v <= 1.0, "greater than 0, at most 1"),
         seed=section.number("seed", int, 0, lambda v: 0 <= v < 2**63, "0..2^63-1"),
+    )
+
+
+def _resilience(section: Section) -> ResilienceSettings:
+    section.reject_unknown(
+        ("heartbeat_seconds", "detect_seconds", "unresponsive_seconds", "grace_seconds", "rebalance",
+         "throttle_ratio")
+    )  # fmt: skip
+    heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
+    detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
+    if detect < 2 * heartbeat:
+        raise section.error(
+            "detect_seconds", f"{detect} must be at least twice heartbeat_seconds ({heartbeat})"
+        )
+    unresponsive = section.number(
+        "unresponsive_seconds", float, 30.0, lambda v: detect <= v <= 86400.0, f"{detect}..86400"
+    )
+    return ResilienceSettings(
+        heartbeat_seconds=heartbeat,
+        detect_seconds=detect,
+        unresponsive_seconds=unresponsive,
+        grace_seconds=section.number("grace_seconds", float, 30.0, lambda v: 0.0 <= v <= 86400.0, "0..86400"),
+        rebalance=section.choice("rebalance", REBALANCE_MODES, "propose"),
+        throttle_ratio=section.number(
+            "throttle_ratio", float, 1.5, lambda v: 1.0 < v <= 100.0, "over 1, at most 100"
+        ),
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from fleettui.config.fleet import Fleet
 from fleettui.control.deployment import Deployment, Placement, build_deployment
 from fleettui.control.launcher import LocalLauncher
+from fleettui.control.recovery import Recovery
 from fleettui.control.states import (
     ControllerEvent,
     Failed,
@@ -137,6 +138,7 @@ class FleetController:
         self.remote_report: object | None = None
         self.hops_ms: dict[str, float] = {}
         self._feed: TelemetryFeed | None = None
+        self.recovery: Recovery | None = None  # resilience hook: watches workers, recovers lost stages
 
     # -- events -------------------------------------------------------------------------------------
     def _emit(self, event: ControllerEvent) -> None:
@@ -290,6 +292,10 @@ class FleetController:
         urls = [(p.telemetry_url, p.server_key) for p in deployment.placements]
         self._feed = TelemetryFeed(urls, deployment.keys, self._on_sample)
         self._feed.start()
+        self.recovery = Recovery(
+            self, compile_model
+        )  # resilience hook: heartbeats and recovery of lost stages
+        self.recovery.start()
         return coordinator
 
     async def _deploy_remote(self, placements: list[Placement], ready_timeout: float) -> None:
@@ -378,6 +384,9 @@ class FleetController:
 
     async def _release(self) -> None:
         """Close the telemetry feed and every link (the workers are not touched)."""
+        if self.recovery is not None:  # resilience hook: stop watching before workers go away
+            await self.recovery.stop()
+            self.recovery = None
         if self._feed is not None:
             await self._feed.stop()
             self._feed = None

@@ -10,22 +10,26 @@ the stages serve whatever arrives, so while stage 1 works on user A, stage 0 wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.speculation import Draft, Drafter, KPolicy, Sampling
-from fleettui.runtime.transport import Link
+from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
+MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,21 @@ class Generation:
 
 
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
+_T = TypeVar("_T")
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Round:
+    k: int
+    draft: Draft
+    feed: Feed
+    result: protocol.Result
+    draft_seconds: float
+    verify_seconds: float
 
 
 class Session:
@@ -93,6 +112,11 @@ class Session:
         self.rng = np.random.default_rng([seed, session_id])
         self.busy = False
         self.last_stats: GenerationStats | None = None
+        # Recovery: a round and a rebuild never overlap; an epoch behind the coordinator's means the
+        # pipeline (or the draft) lost this session's cache and it must be replayed from `history`.
+        self.lock = asyncio.Lock()
+        self.target_epoch = -1
+        self.draft_epoch = -1
 
 
 class Coordinator:
@@ -118,6 +142,14 @@ class Coordinator:
         self._ids = itertools.count(1)
         # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
         self.result_observers: list[Callable[[protocol.Result, float], None]] = []
+        # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch for what
+        # was lost, rebuilds every session and sets `resume` again; `fatal` ends every session clearly.
+        self.resume = asyncio.Event()
+        self.resume.set()
+        self.target_epoch = 0
+        self.draft_epoch = 0
+        self.fatal: str | None = None
+        self.replayed_tokens = 0
 
     async def hello(self, timeout: float = 30.0) -> int:
         """End-to-end handshake through every stage; returns the number of stages that answered."""
@@ -128,17 +160,70 @@ class Coordinator:
 
     async def open_session(self, seed: int = 0) -> Session:
         session = Session(next(self._ids), seed)
-        await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
-        if self.drafter is not None:
-            await self.drafter.open(session.id)
         self.sessions[session.id] = session
+        try:
+            await self._guarded(session, _nothing)  # opening is the rebuild of an empty history
+        except BaseException:
+            self.sessions.pop(session.id, None)
+            raise
         return session
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+        with contextlib.suppress(StageLost):  # a relaunched stage never knew it; the others were reset
+            await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
         if self.drafter is not None:
-            await self.drafter.close(session.id)
+            with contextlib.suppress(StageLost):
+                await self.drafter.close(session.id)
+
+    # -- recovery ---------------------------------------------------------------------------------
+    async def _guarded(self, session: Session, action: Callable[[], Awaitable[_T]]) -> _T:
+        """Run one round of `session` (after any rebuild it needs); a lost stage pauses it and retries it.
+
+        The session's RNG is rewound before a retry, so a sampled round draws the same numbers again.
+        """
+        for _ in range(MAX_RECOVERIES_PER_ROUND):
+            await self.resume.wait()
+            if self.fatal is not None:
+                raise LinkError(self.fatal)
+            rng_state = session.rng.bit_generator.state
+            try:
+                async with session.lock:
+                    await self._ensure_rebuilt(session)
+                    return await action()
+            except StageLost as error:
+                session.rng.bit_generator.state = rng_state
+                log.info("session %d paused: %s", session.id, error)
+                await asyncio.sleep(0)  # let the recovery clear `resume` if it has not yet
+        raise LinkError(f"session {session.id}: the pipeline kept failing during recovery")
+
+    async def _ensure_rebuilt(self, session: Session) -> None:
+        """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
+        target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
+        if session.target_epoch != target_epoch:
+            session.ledger.reset()
+            await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
+            prefix = session.history[:-1]  # the last token is fed by the next round, as in a normal run
+            while session.ledger.logical_len < len(prefix):
+                end = min(len(prefix), session.ledger.logical_len + PREFILL_CHUNK)
+                await self._step(session, session.ledger.plan(prefix[:end]), None)
+            self.replayed_tokens += len(prefix)
+            session.target_epoch = target_epoch
+        if session.draft_epoch != draft_epoch:
+            if self.drafter is not None:
+                await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
+            session.draft_epoch = draft_epoch
+
+    async def rebuild_all(self) -> int:
+        """Rebuild every open session now (the recovery's replay); returns the tokens replayed."""
+        before = self.replayed_tokens
+
+        async def rebuild(session: Session) -> None:
+            async with session.lock:
+                await self._ensure_rebuilt(session)
+
+        await asyncio.gather(*(rebuild(session) for session in list(self.sessions.values())))
+        return self.replayed_tokens - before
 
     async def chat(
         self,
@@ -181,42 +266,14 @@ class Coordinator:
         started = time.perf_counter()
         session.history = list(prompt)
         generated: list[int] = []
-        sampling = params.sampling
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
         while len(session.history) - session.ledger.logical_len > PREFILL_CHUNK:
-            await self._maybe_compact(session)
-            end = session.ledger.logical_len + PREFILL_CHUNK
-            feed = session.ledger.plan(session.history[: end + 1])
-            feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
-            await self._step(session, feed, None)
+            await self._guarded(session, functools.partial(self._prefill_chunk, session))
         while len(generated) < params.max_tokens:
-            await self._maybe_compact(session)
-            k = min(
-                self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)),
-                params.max_tokens - len(generated) - 1,
-            )
-            if params.spec_k is not None:
-                k = min(params.spec_k, self.max_k, params.max_tokens - len(generated) - 1)
-            draft_started = time.perf_counter()
-            draft = Draft.empty()
-            if k > 0 and self.drafter is not None:
-                draft = await self.drafter.propose(session.id, session.history, k, sampling, session.rng)
-            draft_seconds = time.perf_counter() - draft_started
-            k = len(draft.tokens)
-            verify_started = time.perf_counter()
-            feed = session.ledger.plan(session.history + list(draft.tokens))
-            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
-            decode = protocol.Decode(
-                sampling.temperature,
-                sampling.top_p,
-                sampling.top_k,
-                np.array(draft.tokens, np.int64),
-                draft.ids.astype(np.int64),
-                draft.probs.astype(np.float32),
-                uniforms,
-            )
-            result = await self._step(session, feed, decode)
-            verify_seconds = time.perf_counter() - verify_started
+            remaining = params.max_tokens - len(generated)
+            round_ = await self._guarded(session, functools.partial(self._round, session, params, remaining))
+            k, draft, feed, result = round_.k, round_.draft, round_.feed, round_.result
+            draft_seconds, verify_seconds = round_.draft_seconds, round_.verify_seconds
             catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
             self.policy.record_round(k, result.accepted, draft_seconds, verify_seconds, catch_up)
             stats.rounds += 1
@@ -260,6 +317,42 @@ class Coordinator:
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats)
+
+    async def _prefill_chunk(self, session: Session) -> None:
+        """Feed the next PREFILL_CHUNK prompt tokens without scoring them."""
+        await self._maybe_compact(session)
+        end = session.ledger.logical_len + PREFILL_CHUNK
+        feed = session.ledger.plan(session.history[: end + 1])
+        feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
+        await self._step(session, feed, None)
+
+    async def _round(self, session: Session, params: GenerationParams, remaining: int) -> _Round:
+        """One draft + verify round (the unit a recovery retries)."""
+        await self._maybe_compact(session)
+        sampling = params.sampling
+        k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), remaining - 1)
+        if params.spec_k is not None:
+            k = min(params.spec_k, self.max_k, remaining - 1)
+        draft_started = time.perf_counter()
+        draft = Draft.empty()
+        if k > 0 and self.drafter is not None:
+            draft = await self.drafter.propose(session.id, session.history, k, sampling, session.rng)
+        draft_seconds = time.perf_counter() - draft_started
+        k = len(draft.tokens)
+        verify_started = time.perf_counter()
+        feed = session.ledger.plan(session.history + list(draft.tokens))
+        uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else np.zeros(0)
+        decode = protocol.Decode(
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            np.array(draft.tokens, np.int64),
+            draft.ids.astype(np.int64),
+            draft.probs.astype(np.float32),
+            uniforms,
+        )
+        result = await self._step(session, feed, decode)
+        return _Round(k, draft, feed, result, draft_seconds, time.perf_counter() - verify_started)
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
         step = protocol.Step(

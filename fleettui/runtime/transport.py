@@ -26,6 +26,10 @@ class StageFailure(LinkError):
         self.stage = stage
 
 
+class StageLost(LinkError):
+    """A stage of this link was declared lost: the request may be retried once recovery is done."""
+
+
 @dataclass(frozen=True)
 class ClientKeys:
     """The coordinator's CurveZMQ key pair (Z85 text)."""
@@ -83,6 +87,7 @@ class ZmqLink:
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._blocked: StageLost | None = None
         self.dropped = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -114,7 +119,19 @@ class ZmqLink:
             else:
                 future.set_result(message)
 
+    def block(self, error: StageLost) -> None:
+        """Fail every pending request with `error` now, and every new one until `unblock()` (fail fast)."""
+        self._blocked = error
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(StageLost(str(error)))
+
+    def unblock(self) -> None:
+        self._blocked = None
+
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        if self._blocked is not None:
+            raise StageLost(str(self._blocked))
         self._ensure_reader()
         seq = next(self._sequence) & 0xFFFFFFFF
         message = replace(message, seq=seq)  # type: ignore[type-var]

@@ -1,0 +1,369 @@
+"""Provides the recovery of a running fleet: relaunch a lost stage, replay every session, or re-plan without it.
+
+The `Recovery` is given a started `FleetController`. Its `Watcher` declares a stage lost; the recovery then
+pauses every session (the coordinator's `resume` event), fails the lost link's pending requests at once,
+relaunches the worker on the same host (local: through the launcher; SSH: the pushed shard and config,
+re-pushed only when hashes differ), rebuilds every open session's KV cache by replaying its token history,
+and lets the sessions retry the round that was in flight. A host that does not come back within
+`grace_seconds` is planned around: the remaining hosts get a new split (compiled on this machine with the
+usual compile path), or the fleet is `Degraded` with the memory it lacks. Each step is timed in a
+`RecoveryReport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from fleettui.config.fleet import Fleet, ResilienceSettings
+from fleettui.control.deployment import Deployment, Placement, build_deployment
+from fleettui.control.states import (
+    Degraded,
+    LogLine,
+    Lost,
+    Ready,
+    Recovering,
+    RecoveryReport,
+)  # fmt: skip
+from fleettui.runtime.transport import LinkError, StageLost, ZmqLink
+from fleettui.runtime.watch import Target, Watcher, WatchSettings, local_process_status, unknown_process
+from remote_worker.config import Endpoint
+
+log = logging.getLogger(__name__)
+RETRY_SECONDS = 1.0
+READY_TIMEOUT = 300.0
+
+
+class HostGone(RuntimeError):
+    """A host whose worker could not be relaunched within the grace period."""
+
+
+class Recovery:
+    """Watches a started controller's workers and recovers from the loss of any of them."""
+
+    def __init__(
+        self,
+        controller: Any,
+        compile_model: Callable[..., Awaitable[Any]],
+        settings: ResilienceSettings | None = None,
+    ) -> None:
+        """`controller` is a started `FleetController`; `compile_model` its compile path (for re-plans)."""
+        self.controller = controller
+        self.compile_model = compile_model
+        self.settings = settings or controller.fleet.resilience
+        assert controller.deployment is not None and controller.coordinator is not None
+        self.watcher = Watcher(
+            controller.deployment.keys,
+            WatchSettings(
+                self.settings.heartbeat_seconds,
+                self.settings.detect_seconds,
+                self.settings.unresponsive_seconds,
+            ),
+            self._on_lost,
+            self._on_reply,
+        )
+        self.reports: list[RecoveryReport] = []
+        self.replies: dict[str, dict[str, Any]] = {}
+        self._lost: dict[str, tuple[str, float]] = {}  # name -> (reason, seconds silent when declared)
+        self._task: asyncio.Task[None] | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # -- watching -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        assert self.controller.deployment is not None
+        for placement in self.controller.deployment.placements:
+            self._watch(placement)
+
+    def _watch(self, placement: Placement) -> None:
+        name = placement.config.name
+        launcher = self.controller.launcher
+
+        def process() -> Any:
+            worker = launcher.workers.get(name)
+            if not placement.host.is_local or worker is None:
+                return unknown_process()
+            return local_process_status(worker.process)
+
+        self.watcher.watch(Target(name, placement.control_url, placement.server_key, process))
+
+    def _on_reply(self, name: str, reply: dict[str, Any]) -> None:
+        self.replies[name] = reply
+
+    async def stop(self) -> None:
+        await self.watcher.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
+                await self._task
+
+    # -- declaring a loss ---------------------------------------------------------------------------
+    def _on_lost(self, name: str, reason: str, silent: float) -> None:
+        controller, coordinator = self.controller, self.controller.coordinator
+        controller._set_state(name, Lost(reason))
+        controller._emit(LogLine("recovery", f"{name} lost: {reason}"))
+        self._lost[name] = (reason, silent)
+        self.idle.clear()
+        if coordinator is not None:
+            coordinator.resume.clear()
+            error = StageLost(f"{name} lost: {reason}")
+            link = self._draft_link() if name == "draft" else coordinator.target
+            if name == "draft":
+                coordinator.draft_epoch += 1
+            else:
+                coordinator.target_epoch += 1
+            if isinstance(link, ZmqLink):
+                link.block(error)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._recover(), name="recovery")
+
+    def _draft_link(self) -> ZmqLink | None:
+        drafter = self.controller.coordinator.drafter if self.controller.coordinator else None
+        link = getattr(drafter, "link", None)
+        return link if isinstance(link, ZmqLink) else None
+
+    # -- recovering ---------------------------------------------------------------------------------
+    async def _recover(self) -> None:
+        coordinator = self.controller.coordinator
+        assert coordinator is not None
+        try:
+            while self._lost:
+                batch, self._lost = dict(self._lost), {}
+                report = await self._recover_batch(batch)
+                if report is None:
+                    continue  # another loss arrived meanwhile: handle it with the next batch
+                self.reports.append(report)
+                self.controller._emit(report)
+                self.controller._emit(LogLine("recovery", _describe(report)))
+                if report.action in ("degraded", "failed"):
+                    coordinator.fatal = report.message
+                    break
+        except Exception as error:  # recovery itself broke: every session gets this one clear line
+            log.exception("recovery failed")
+            coordinator.fatal = f"recovery failed: {error}"
+        finally:
+            coordinator.resume.set()
+            self.idle.set()
+
+    async def _recover_batch(self, batch: dict[str, tuple[str, float]]) -> RecoveryReport | None:
+        coordinator = self.controller.coordinator
+        assert coordinator is not None
+        names = tuple(sorted(batch))
+        reasons = tuple(batch[name][0] for name in names)
+        detect = max(silent for _, silent in batch.values())
+        started = time.monotonic()
+        action, message = "relaunch", ""
+        gone: list[str] = []
+        outcomes = await asyncio.gather(*(self._relaunch(name) for name in names), return_exceptions=True)
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, HostGone):
+                gone.append(name)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        if "draft" in gone:  # the draft runs beside the coordinator; without it, decode plainly
+            gone.remove("draft")
+            coordinator.drafter, coordinator.max_k = None, 0
+            coordinator.policy.fixed_k = 0
+            message = "draft lost for good: speculation off"
+        if gone:
+            action, message = await self._replan(gone)
+            if action == "degraded":
+                return RecoveryReport(
+                    names, reasons, action, detect, time.monotonic() - started, 0.0, 0, 0, message
+                )
+        relaunch = time.monotonic() - started
+        for link in (coordinator.target, self._draft_link()):
+            if isinstance(link, ZmqLink):
+                link.unblock()
+        if self._lost:
+            return None
+        for name in names:
+            if name not in gone:
+                self.controller._set_state(name, Recovering("replay"))
+        replay_started = time.monotonic()
+        try:
+            tokens = await coordinator.rebuild_all()
+        except StageLost:
+            return None  # lost again while replaying: the next batch replays everything
+        replay = time.monotonic() - replay_started
+        for name in names:
+            if name not in gone:
+                self.controller._set_state(name, Ready())
+        sessions = len(coordinator.sessions)
+        return RecoveryReport(names, reasons, action, detect, relaunch, replay, sessions, tokens, message)
+
+    async def _relaunch(self, name: str) -> None:
+        """Start the lost worker again on its host, retrying until `grace_seconds`; HostGone after that."""
+        deployment = self.controller.deployment
+        assert deployment is not None
+        placement = next(p for p in deployment.placements if p.config.name == name)
+        self.controller._set_state(name, Recovering("relaunch"))
+        deadline = time.monotonic() + self.settings.grace_seconds
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if placement.host.is_local:
+                    await self._relaunch_local(placement, deployment)
+                else:
+                    await self._relaunch_remote(placement, deployment)
+                self._watch(placement)
+                return
+            except Exception as error:  # any failure to come back counts against the grace period
+                self.controller._emit(
+                    LogLine("recovery", f"{name}: relaunch attempt {attempt} failed: {error}")
+                )
+                if time.monotonic() + RETRY_SECONDS >= deadline:
+                    raise HostGone(f"{name}: {error}") from None
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _relaunch_local(self, placement: Placement, deployment: Deployment) -> None:
+        launcher = self.controller.launcher
+        old = launcher.workers.pop(placement.config.name, None)
+        if old is not None:  # stopped or hung: it must let go of its ports first
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                import os
+
+                os.killpg(old.process.pid, signal.SIGKILL)
+            await asyncio.to_thread(old.process.wait)
+        worker = launcher.start(placement)
+        try:
+            await launcher.wait_ready(worker, deployment.keys, READY_TIMEOUT)
+        except Exception:
+            if worker.process.poll() is None:
+                worker.process.kill()
+            await asyncio.to_thread(worker.process.wait)
+            raise
+
+    async def _relaunch_remote(self, placement: Placement, deployment: Deployment) -> None:
+        from fleettui.provision.cli import deploy_placements
+        from fleettui.provision.deploy import stop_fleet
+
+        target = self.controller.target
+        assert target is not None
+        single = replace(self.controller.fleet, hosts=(placement.host,))
+        await stop_fleet(single, deployment.id)  # a stale worker of this deployment (it woke up) goes first
+        report = await deploy_placements(
+            single, replace(deployment, stages=(placement,), draft=None), target.directory
+        )
+        if not report.ok:
+            raise LinkError("; ".join(f"{h.step}: {h.error}" for h in report.failed))
+
+    # -- re-planning without a host -----------------------------------------------------------------
+    async def _replan(self, gone: list[str]) -> tuple[str, str]:
+        """Move the model onto the hosts that are left: ("replan", summary) or ("degraded", why)."""
+        from fleettui.errors import PlanError
+        from fleettui.planning.planner import plan_fleet
+
+        controller, coordinator = self.controller, self.controller.coordinator
+        assert coordinator is not None and controller.deployment is not None
+        fleet = controller.fleet
+        rest = tuple(replace(host, layers=None) for host in fleet.hosts if host.name not in gone)
+        smaller = replace(fleet, hosts=rest, path=None)
+        try:
+            if not rest:
+                raise PlanError("no host is left")
+            plan = plan_fleet(smaller)
+        except PlanError as error:
+            reason = f"degraded: {missing_memory(fleet, rest)}; without {', '.join(gone)}: {error}"
+            for name in gone:
+                controller._set_state(name, Degraded(reason))
+            return "degraded", reason
+        for name in gone:
+            controller._set_state(name, Recovering("replan"))
+        ranges = [(stage.start, stage.end) for stage in plan.stages]
+
+        def progress(line: str) -> None:
+            controller._emit(LogLine("shard_compiler", line))
+
+        model = fleet.model
+        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards, progress)
+        old = controller.deployment
+        for placement in old.stages:  # the old split's survivors hold the wrong layers: stop them
+            self.watcher.forget(placement.config.name)
+            worker = controller.launcher.workers.pop(placement.config.name, None)
+            if worker is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    import os
+
+                    os.killpg(worker.process.pid, signal.SIGKILL)
+                await asyncio.to_thread(worker.process.wait)
+        if any(not host.is_local for host in rest):
+            from fleettui.provision.deploy import stop_fleet
+
+            await stop_fleet(smaller, old.id)
+        deployment = _rekeyed(build_deployment(smaller, ranges, lambda host: str(compiled.directory)), old)
+        controller.fleet, controller.target, controller.deployment = smaller, compiled, deployment
+        workers = [controller.launcher.start(p) for p in deployment.stages if p.host.is_local]
+        remote = [p for p in deployment.stages if not p.host.is_local]
+        await asyncio.gather(
+            controller._deploy_remote(remote, READY_TIMEOUT),
+            *(controller.launcher.wait_ready(w, deployment.keys, READY_TIMEOUT) for w in workers),
+        )
+        head, tail = deployment.stages[0], deployment.stages[-1]
+        link = ZmqLink(
+            Endpoint(head.connect_address, head.config.data_port).url(),
+            tail.result_url,
+            deployment.keys,
+            head.server_key,
+            tail.server_key,
+        )
+        controller._links.append(link)
+        previous, coordinator.target = coordinator.target, link
+        if isinstance(previous, ZmqLink):
+            await previous.close()
+            with contextlib.suppress(ValueError):
+                controller._links.remove(previous)
+        coordinator.target_epoch += 1
+        stages = await coordinator.hello()
+        if stages != len(deployment.stages):
+            raise LinkError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+        for placement in deployment.stages:
+            controller._set_state(placement.config.name, Ready())
+            self._watch(placement)
+        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        return "replan", f"without {', '.join(gone)}: {split}"
+
+
+def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:
+    """The new split keeps the coordinator's key pair (its draft link stays valid) and the old draft."""
+    if old.keys is None or deployment.keys is None:
+        return replace(deployment, draft=old.draft, id=old.id)
+    fresh, kept = deployment.keys.public_key, old.keys.public_key
+    stages = []
+    for placement in deployment.stages:
+        curve = placement.config.curve
+        assert curve is not None
+        allowed = tuple(kept if key == fresh else key for key in curve.allowed_clients)
+        config = replace(placement.config, curve=replace(curve, allowed_clients=allowed), deployment=old.id)
+        stages.append(replace(placement, config=config))
+    return replace(deployment, stages=tuple(stages), draft=old.draft, keys=old.keys, id=old.id)
+
+
+def missing_memory(fleet: Fleet, rest: tuple[Any, ...]) -> str:
+    """`needs N GB more`: what the full fleet's plan uses against what the remaining hosts offer."""
+    from fleettui.errors import PlanError
+    from fleettui.planning.planner import plan_fleet
+
+    try:
+        plan = plan_fleet(replace(fleet, path=None))
+    except PlanError:
+        return "the model does not fit"
+    needed = sum(stage.total_bytes for stage in plan.stages) / 1e9
+    offered = sum(host.memory_gb for host in rest) * 2**30 / 1e9
+    return f"needs {max(0.1, needed - offered):.1f} GB more"
+
+
+def _describe(report: RecoveryReport) -> str:
+    what = ", ".join(f"{name} ({reason})" for name, reason in zip(report.stages, report.reasons, strict=True))
+    line = (
+        f"{report.action} after losing {what}: detect {report.detect:.2f} s, relaunch {report.relaunch:.2f} s, "
+        f"replay {report.replay:.2f} s ({report.sessions} sessions, {report.replayed_tokens} tokens)"
+    )
+    return f"{line}; {report.message}" if report.message else line

@@ -1,0 +1,165 @@
+"""Provides the heartbeat watcher: pings every worker's control socket and watches its process; declares loss.
+
+A stage is lost when its process exited (at once), or it stopped answering for `detect_seconds` while its
+process is stopped (SIGSTOP, a sleeping laptop) or unknown (an SSH host: unreachable). A live, running
+process that is silent — a worker busy in a long step that cannot answer pings yet — gets
+`unresponsive_seconds` before it is declared lost, as does a worker whose last answer said it was busy.
+The decision is the pure function `verdict`; the `Watcher` only gathers its inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fleettui.runtime.transport import ClientKeys, control_request
+
+log = logging.getLogger(__name__)
+
+ProcessKind = Literal["running", "stopped", "exited", "unknown"]
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    kind: ProcessKind
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    heartbeat_seconds: float = 0.5
+    detect_seconds: float = 2.0
+    unresponsive_seconds: float = 30.0
+
+
+def verdict(
+    silent: float, process: ProcessStatus, last_reply: dict[str, Any] | None, settings: WatchSettings
+) -> str | None:
+    """Why a stage silent for `silent` seconds is lost, or None while it is not (pure)."""
+    if process.kind == "exited":
+        return f"process exited ({process.detail})" if process.detail else "process exited"
+    if silent < settings.detect_seconds:
+        return None
+    if process.kind == "stopped":
+        return f"stopped ({process.detail or 'SIGSTOP or asleep'}), silent for {silent:.1f} s"
+    busy = last_reply is not None and bool(last_reply.get("busy_since"))
+    if process.kind == "running" or busy:
+        if silent < settings.unresponsive_seconds:
+            return None
+        return f"not answering for {silent:.0f} s although its process runs"
+    return f"unreachable: no heartbeat for {silent:.1f} s"
+
+
+def local_process_status(process: Any) -> ProcessStatus:
+    """Status of a local worker from its `subprocess.Popen` (exit code) and psutil (stopped or running)."""
+    import psutil
+
+    code = process.poll()
+    if code is not None:
+        return ProcessStatus("exited", f"signal {-code}" if code < 0 else f"exit code {code}")
+    try:
+        status = psutil.Process(process.pid).status()
+    except psutil.NoSuchProcess:
+        return ProcessStatus("exited", "vanished")
+    except psutil.Error:
+        return ProcessStatus("unknown")
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return ProcessStatus("stopped", "SIGSTOP")
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return ProcessStatus("exited", status)
+    return ProcessStatus("running")
+
+
+def unknown_process() -> ProcessStatus:
+    return ProcessStatus("unknown")
+
+
+@dataclass
+class Target:
+    """One worker to watch: its control socket and how to see its process."""
+
+    name: str
+    control_url: str
+    server_key: str | None
+    process: Callable[[], ProcessStatus] = unknown_process
+    last_answer: float = field(default_factory=time.monotonic)
+    last_reply: dict[str, Any] | None = None
+
+
+class Watcher:
+    """Heartbeats every target; calls `on_lost(name, reason, silent_seconds)` once per loss.
+
+    A lost target is dropped from the watch list; the recovery `watch()`es its replacement.
+    """
+
+    def __init__(
+        self,
+        keys: ClientKeys | None,
+        settings: WatchSettings,
+        on_lost: Callable[[str, str, float], None],
+        on_reply: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.settings = settings
+        self.on_lost = on_lost
+        self.on_reply = on_reply
+        self.targets: dict[str, Target] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def watch(self, target: Target) -> None:
+        self.forget(target.name)
+        target.last_answer = time.monotonic()
+        self.targets[target.name] = target
+        self._tasks[target.name] = asyncio.get_running_loop().create_task(
+            self._run(target), name=f"watch-{target.name}"
+        )
+
+    def forget(self, name: str) -> None:
+        self.targets.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _run(self, target: Target) -> None:
+        settings = self.settings
+        while True:
+            started = time.monotonic()
+            reply = None
+            status = target.process()
+            if status.kind != "exited":
+                reply = await control_request(
+                    target.control_url,
+                    {"op": "ping"},
+                    self.keys,
+                    target.server_key,
+                    timeout=settings.heartbeat_seconds,
+                )
+                status = target.process()  # a process that died during the ping is reported as such
+            now = time.monotonic()
+            if reply is not None and "error" not in reply:
+                target.last_answer, target.last_reply = now, reply
+                if self.on_reply is not None:
+                    self.on_reply(target.name, reply)
+            silent = now - target.last_answer
+            reason = verdict(silent, status, target.last_reply, settings)
+            if reason is not None:
+                log.warning("%s lost: %s", target.name, reason)
+                self.forget(target.name)
+                self.on_lost(target.name, reason, silent)
+                return
+            await asyncio.sleep(max(0.0, settings.heartbeat_seconds - (time.monotonic() - started)))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self.targets.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
+                await task
