@@ -283,7 +283,9 @@ class Recovery:
             controller._emit(LogLine("shard_compiler", line))
 
         model = fleet.model
+        clock = time.monotonic()
         compiled = await self.compile_model(model.name, ranges, model.precision, model.shards, progress)
+        compile_seconds, clock = time.monotonic() - clock, time.monotonic()
         old = controller.deployment
         for placement in old.stages:  # the old split's survivors hold the wrong layers: stop them
             self.watcher.forget(placement.config.name)
@@ -328,7 +330,10 @@ class Recovery:
             controller._set_state(placement.config.name, Ready())
             self._watch(placement)
         split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
-        return "replan", f"without {', '.join(gone)}: {split}"
+        launch_seconds = time.monotonic() - clock
+        return "replan", (
+            f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"
+        )
 
 
 def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:

@@ -1,0 +1,235 @@
+"""Integration tests of recovery with the real parts: real shards, real worker processes, exact settings.
+
+A worker is killed (SIGKILL), frozen (SIGSTOP) or kept from coming back while answers stream; every answer
+must complete and equal the uninterrupted run token for token. The fault is triggered from the token
+callback after a few tokens, never by a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, ResilienceSettings, load_fleet
+from fleettui.control.controller import FleetController, with_overrides
+from fleettui.control.deployment import free_port_block
+from fleettui.control.states import Lost, RecoveryReport, StageChanged
+from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.transport import LinkError
+
+pytestmark = pytest.mark.slow
+TOKENS = 48
+KILL_AFTER = 6  # tokens streamed (in the first session) before the fault
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip, briefly.",
+]
+
+
+def make_fleet(
+    cache: Path, stages: int, draft: str = "none", k: int | str = "auto", **resilience: float
+) -> Fleet:
+    base = load_fleet(DEFAULT_FLEET)
+    hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(stages))
+    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache))
+    fleet = with_overrides(fleet, exact=True, draft=draft)
+    fleet = replace(fleet, resilience=replace(ResilienceSettings(), **resilience))
+    return replace(fleet, speculation=replace(fleet.speculation, k=k))
+
+
+Fault = Callable[[FleetController], None]
+
+
+async def run_with_fault(
+    fleet: Fleet, prompts: list[str], fault: Fault | None, events: list[object] | None = None
+) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
+    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens."""
+    events = events if events is not None else []
+    controller = FleetController(fleet, on_event=events.append)
+    fired = asyncio.Event()
+    try:
+        coordinator = await controller.start()
+        sessions = [await coordinator.open_session() for _ in prompts]
+        streamed = 0
+
+        def on_tokens(tokens: list[int], _text: str) -> None:
+            nonlocal streamed
+            streamed += len(tokens)
+            if fault is not None and streamed >= KILL_AFTER and not fired.is_set():
+                fired.set()
+                fault(controller)
+
+        params = GenerationParams(max_tokens=TOKENS)
+        calls = [
+            coordinator.chat(session, prompt, params, on_tokens if index == 0 else None)
+            for index, (session, prompt) in enumerate(zip(sessions, prompts, strict=True))
+        ]
+        generations = await asyncio.gather(*calls)
+        assert fault is None or fired.is_set()
+        reports = list(controller.recovery.reports) if controller.recovery else []
+        return [list(g.token_ids) for g in generations], controller, reports
+    finally:
+        await controller.stop()
+
+
+def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
+    """Signal the workers named in `names` ("stage-1+draft": both at once)."""
+
+    def fault(controller: FleetController) -> None:
+        for name in names.split("+"):
+            os.kill(controller.launcher.workers[name].process.pid, sig)
+
+    return fault
+
+
+@pytest.fixture(scope="session")
+def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
+
+
+@pytest.fixture(scope="session")
+def reference(shard_cache: Path) -> list[list[int]]:
+    """The uninterrupted answers (exact mode: every pipeline gives these tokens)."""
+    tokens, _, reports = asyncio.run(run_with_fault(make_fleet(shard_cache, 2), PROMPTS, None))
+    assert reports == []
+    return tokens
+
+
+def _print(reports: list[RecoveryReport]) -> None:
+    for r in reports:
+        print(
+            f"recovery {r.action} {r.stages} {r.reasons}: detect {r.detect:.2f} s, relaunch {r.relaunch:.2f} s, "
+            f"replay {r.replay:.2f} s ({r.sessions} sessions, {r.replayed_tokens} tokens) {r.message}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("victim", "stages", "draft", "users"),
+    [
+        ("stage-0", 2, "none", 1),
+        ("stage-1", 2, "none", 3),
+        ("draft", 2, "self-int4", 3),
+        ("stage-0", 2, "self-int4", 3),
+        ("stage-1+draft", 2, "self-int4", 3),
+    ],
+)
+def test_kill_9_mid_answer_completes_exactly(
+    shard_cache: Path, reference: list[list[int]], victim: str, stages: int, draft: str, users: int
+) -> None:
+    events: list[object] = []
+    fleet = make_fleet(shard_cache, stages, draft, 3 if draft != "none" else "auto")
+    tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:users], kill(victim), events))
+    _print(reports)
+    assert tokens == reference[:users]
+    victims = victim.split("+")
+    assert {r.action for r in reports} == {"relaunch"}
+    assert sorted(name for r in reports for name in r.stages) == sorted(victims)
+    assert all("signal 9" in reason for r in reports for reason in r.reasons)
+    lost = [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
+    assert sorted(e.name for e in lost) == sorted(victims)
+    assert controller.launcher.workers == {}  # stop() took the relaunched worker down too
+
+
+def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    stopped: list[int] = []
+
+    def freeze(controller: FleetController) -> None:
+        pid = controller.launcher.workers["stage-1"].process.pid
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        asyncio.get_running_loop().call_later(10.0, _wake, pid)
+
+    fleet = make_fleet(shard_cache, 2)
+    try:
+        tokens, _, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:2], freeze))
+    finally:
+        for pid in stopped:
+            _wake(pid)
+    _print(reports)
+    assert tokens == reference[:2]
+    assert len(reports) == 1 and "stopped" in reports[0].reasons[0]
+    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def _wake(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_host_that_does_not_come_back_is_planned_around(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """Stage 1 of 3 dies and its ports stay taken: after the grace period the model moves onto two hosts."""
+    squatters: list[socket.socket] = []
+
+    def lose_for_good(controller: FleetController) -> None:
+        worker = controller.launcher.workers["stage-1"]
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", worker.placement.config.data_port))
+        squatter.listen()
+        squatters.append(squatter)
+
+    fleet = make_fleet(shard_cache, 3, grace_seconds=3.0)
+    try:
+        tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS, lose_for_good))
+    finally:
+        for squatter in squatters:
+            squatter.close()
+    _print(reports)
+    assert tokens == reference
+    assert [r.action for r in reports] == ["replan"]
+    assert [h.name for h in controller.fleet.hosts] == ["stage-0", "stage-2"]
+    assert controller.deployment is not None and len(controller.deployment.stages) == 2
+
+
+def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:
+    """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
+    from fleettui.planning.planner import plan_fleet
+
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0)
+    need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
+    hosts = tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts)
+    fleet = replace(fleet, hosts=hosts)
+    plan_fleet(fleet)  # the pair still holds it
+
+    async def scenario() -> list[BaseException | object]:
+        controller = FleetController(fleet)
+        try:
+            coordinator = await controller.start()
+            sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
+            blocked = controller.launcher.workers["stage-0"]
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if blocked.process.poll() is None:
+                    os.kill(blocked.process.pid, signal.SIGKILL)
+                    controller.launcher.python = "/nonexistent/python"  # the host never comes back
+
+            params = GenerationParams(max_tokens=TOKENS)
+            calls = [
+                coordinator.chat(sessions[0], PROMPTS[0], params, on_tokens),
+                coordinator.chat(sessions[1], PROMPTS[1], params),
+            ]
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+        finally:
+            await controller.stop()
+
+    outcomes = asyncio.run(scenario())
+    for outcome in outcomes:
+        assert isinstance(outcome, LinkError), outcome
+        assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
