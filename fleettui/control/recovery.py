@@ -134,10 +134,7 @@ class Recovery:
         assert coordinator is not None
         try:
             while self._lost:
-                batch, self._lost = dict(self._lost), {}
-                report = await self._recover_batch(batch)
-                if report is None:
-                    continue  # another loss arrived meanwhile: handle it with the next batch
+                report = await self._recover_all()
                 self.reports.append(report)
                 self.controller._emit(report)
                 self.controller._emit(LogLine("recovery", _describe(report)))
@@ -151,52 +148,69 @@ class Recovery:
             coordinator.resume.set()
             self.idle.set()
 
-    async def _recover_batch(self, batch: dict[str, tuple[str, float]]) -> RecoveryReport | None:
+    async def _recover_all(self) -> RecoveryReport:
+        """Relaunch (or plan around) everything lost, then replay; losses during either join this recovery."""
         coordinator = self.controller.coordinator
         assert coordinator is not None
-        names = tuple(sorted(batch))
-        reasons = tuple(batch[name][0] for name in names)
-        detect = max(silent for _, silent in batch.values())
+        batch: dict[str, tuple[str, float]] = {}
         started = time.monotonic()
-        action, message = "relaunch", ""
-        gone: list[str] = []
-        outcomes = await asyncio.gather(*(self._relaunch(name) for name in names), return_exceptions=True)
-        for name, outcome in zip(names, outcomes, strict=True):
-            if isinstance(outcome, HostGone):
-                gone.append(name)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-        if "draft" in gone:  # the draft runs beside the coordinator; without it, decode plainly
-            gone.remove("draft")
-            coordinator.drafter, coordinator.max_k = None, 0
-            coordinator.policy.fixed_k = 0
-            message = "draft lost for good: speculation off"
-        if gone:
-            action, message = await self._replan(gone)
-            if action == "degraded":
-                return RecoveryReport(
-                    names, reasons, action, detect, time.monotonic() - started, 0.0, 0, 0, message
-                )
-        relaunch = time.monotonic() - started
-        for link in (coordinator.target, self._draft_link()):
-            if isinstance(link, ZmqLink):
-                link.unblock()
-        if self._lost:
-            return None
-        for name in names:
-            if name not in gone:
-                self.controller._set_state(name, Recovering("replay"))
-        replay_started = time.monotonic()
-        try:
-            tokens = await coordinator.rebuild_all()
-        except StageLost:
-            return None  # lost again while replaying: the next batch replays everything
-        replay = time.monotonic() - replay_started
-        for name in names:
-            if name not in gone:
-                self.controller._set_state(name, Ready())
-        sessions = len(coordinator.sessions)
-        return RecoveryReport(names, reasons, action, detect, relaunch, replay, sessions, tokens, message)
+        action, messages, gone_all = "relaunch", [], []
+        relaunch = replay = 0.0
+        tokens = 0
+        while self._lost:
+            new, self._lost = dict(self._lost), {}
+            batch.update(new)
+            lost_now = sorted(new)
+            gone: list[str] = []
+            outcomes = await asyncio.gather(
+                *(self._relaunch(name) for name in lost_now), return_exceptions=True
+            )
+            for name, outcome in zip(lost_now, outcomes, strict=True):
+                if isinstance(outcome, HostGone):
+                    gone.append(name)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+            if "draft" in gone:  # the draft runs beside the coordinator; without it, decode plainly
+                gone.remove("draft")
+                coordinator.drafter, coordinator.max_k = None, 0
+                coordinator.policy.fixed_k = 0
+                messages.append("draft lost for good: speculation off")
+            if gone:
+                gone_all.extend(gone)
+                action, message = await self._replan(gone)
+                messages.append(message)
+                if action == "degraded":
+                    break
+            relaunch = time.monotonic() - started
+            if self._lost:
+                continue  # lost another one meanwhile: bring it back before replaying
+            for link in (coordinator.target, self._draft_link()):
+                if isinstance(link, ZmqLink):
+                    link.unblock()
+            for name in batch:
+                if name not in gone_all:
+                    self.controller._set_state(name, Recovering("replay"))
+            replay_started = time.monotonic()
+            try:
+                tokens += await coordinator.rebuild_all()
+            except StageLost:
+                continue  # lost again while replaying: relaunch it, then replay what is still missing
+            replay = time.monotonic() - replay_started
+            for name in batch:
+                if name not in gone_all:
+                    self.controller._set_state(name, Ready())
+        names = tuple(sorted(batch))
+        return RecoveryReport(
+            names,
+            tuple(batch[name][0] for name in names),
+            action,
+            max(silent for _, silent in batch.values()),
+            relaunch,
+            replay,
+            len(coordinator.sessions),
+            tokens,
+            "; ".join(messages),
+        )
 
     async def _relaunch(self, name: str) -> None:
         """Start the lost worker again on its host, retrying until `grace_seconds`; HostGone after that."""

@@ -46,7 +46,7 @@ class Link(Protocol):
     async def close(self) -> None: ...
 
 
-def _secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
+def secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
     if keys is None:
         return
     if server_key is None:
@@ -79,8 +79,8 @@ class ZmqLink:
         self._pull = self._context.socket(zmq.PULL)
         for socket in (self._push, self._pull):
             socket.linger = 0
-        _secure(self._push, keys, head_key)
-        _secure(self._pull, keys, tail_key)
+        secure(self._push, keys, head_key)
+        secure(self._pull, keys, tail_key)
         self._push.connect(head)
         self._pull.connect(tail)
         self._timeout = timeout
@@ -144,7 +144,10 @@ class ZmqLink:
             await asyncio.wait_for(self._push.send_multipart(frames, copy=False), timeout or self._timeout)
             return await asyncio.wait_for(future, timeout or self._timeout)
         except asyncio.TimeoutError:
-            raise LinkError(f"no answer from the pipeline within {timeout or self._timeout:.0f} s") from None
+            raise LinkError(
+                f"no answer from the pipeline within {timeout or self._timeout:.0f} s "
+                f"({type(message).__name__} seq {seq})"
+            ) from None
         finally:
             self._pending.pop(seq, None)
 
@@ -174,7 +177,7 @@ async def control_request(
     socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
     socket.linger = 0
     try:
-        _secure(socket, keys, server_key)
+        secure(socket, keys, server_key)
         socket.connect(url)
         await socket.send(json.dumps(request).encode())
         if not await socket.poll(int(timeout * 1000)):
@@ -233,7 +236,7 @@ class TelemetryFeed:
         for url, server_key in self._urls:
             socket = context.socket(zmq.SUB)
             socket.linger = 0
-            _secure(socket, self._keys, server_key)
+            secure(socket, self._keys, server_key)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(url)
             sockets.append(socket)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fleettui.runtime.transport import ClientKeys, control_request
+from fleettui.runtime.transport import ClientKeys, secure
 
 log = logging.getLogger(__name__)
 
@@ -127,32 +128,36 @@ class Watcher:
 
     async def _run(self, target: Target) -> None:
         settings = self.settings
-        while True:
-            started = time.monotonic()
-            reply = None
-            status = target.process()
-            if status.kind != "exited":
-                reply = await control_request(
-                    target.control_url,
-                    {"op": "ping"},
-                    self.keys,
-                    target.server_key,
-                    timeout=settings.heartbeat_seconds,
-                )
-                status = target.process()  # a process that died during the ping is reported as such
-            now = time.monotonic()
-            if reply is not None and "error" not in reply:
-                target.last_answer, target.last_reply = now, reply
-                if self.on_reply is not None:
-                    self.on_reply(target.name, reply)
-            silent = now - target.last_answer
-            reason = verdict(silent, status, target.last_reply, settings)
-            if reason is not None:
-                log.warning("%s lost: %s", target.name, reason)
-                self.forget(target.name)
-                self.on_lost(target.name, reason, silent)
-                return
-            await asyncio.sleep(max(0.0, settings.heartbeat_seconds - (time.monotonic() - started)))
+        pinger = _Pinger(target.control_url, self.keys, target.server_key)
+        try:
+            while True:
+                started = time.monotonic()
+                reply = None
+                status = target.process()
+                if status.kind != "exited":
+                    reply = await pinger.ping(settings.heartbeat_seconds)
+                    status = target.process()  # a process that died during the ping is reported as such
+                if self._judge(target, status, reply):
+                    return
+                await asyncio.sleep(max(0.0, settings.heartbeat_seconds - (time.monotonic() - started)))
+        finally:
+            pinger.close()
+
+    def _judge(self, target: Target, status: ProcessStatus, reply: dict[str, Any] | None) -> bool:
+        """Record an answer; declare the target lost (True) when the verdict says so."""
+        now = time.monotonic()
+        if reply is not None and "error" not in reply:
+            target.last_answer, target.last_reply = now, reply
+            if self.on_reply is not None:
+                self.on_reply(target.name, reply)
+        silent = now - target.last_answer
+        reason = verdict(silent, status, target.last_reply, self.settings)
+        if reason is None:
+            return False
+        log.warning("%s lost: %s", target.name, reason)
+        self.forget(target.name)
+        self.on_lost(target.name, reason, silent)
+        return True
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -163,3 +168,35 @@ class Watcher:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
                 await task
+
+
+class _Pinger:
+    """One long-lived REQ socket per worker (relaxed: a ping that timed out is simply sent again).
+
+    A socket per ping would churn through ephemeral ports twice a second per worker; this one reconnects
+    by itself when a relaunched worker binds the same port.
+    """
+
+    def __init__(self, url: str, keys: ClientKeys | None, server_key: str | None) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
+        self._socket.linger = 0
+        self._socket.setsockopt(zmq.REQ_RELAXED, 1)
+        self._socket.setsockopt(zmq.REQ_CORRELATE, 1)
+        secure(self._socket, keys, server_key)
+        self._socket.connect(url)
+
+    async def ping(self, timeout: float) -> dict[str, Any] | None:
+        await self._socket.send(json.dumps({"op": "ping"}).encode())
+        if not await self._socket.poll(int(timeout * 1000)):
+            return None
+        try:
+            reply = json.loads(await self._socket.recv())
+        except ValueError:
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def close(self) -> None:
+        self._socket.close(0)
