@@ -319,7 +319,9 @@ class Coordinator:
         return Generation(tuple(generated), text, stats)
 
     async def _prefill_chunk(self, session: Session) -> None:
-        """Feed the next PREFILL_CHUNK prompt tokens without scoring them."""
+        """Feed the next PREFILL_CHUNK prompt tokens without scoring them (none left after a rebuild)."""
+        if len(session.history) - session.ledger.logical_len <= PREFILL_CHUNK:
+            return
         await self._maybe_compact(session)
         end = session.ledger.logical_len + PREFILL_CHUNK
         feed = session.ledger.plan(session.history[: end + 1])
