@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +56,8 @@ async def run_with_fault(
 ) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
     """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens."""
     events = events if events is not None else []
-    controller = FleetController(fleet, on_event=events.append)
+    run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
+    controller = FleetController(fleet, on_event=events.append, run_dir=Path(run_dir.name))
     fired = asyncio.Event()
     try:
         coordinator = await controller.start()
@@ -80,6 +82,7 @@ async def run_with_fault(
         return [list(g.token_ids) for g in generations], controller, reports
     finally:
         await controller.stop()
+        run_dir.cleanup()
 
 
 def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
@@ -209,7 +212,8 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
     plan_fleet(fleet)  # the pair still holds it
 
     async def scenario() -> list[BaseException | object]:
-        controller = FleetController(fleet)
+        run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
+        controller = FleetController(fleet, run_dir=Path(run_dir.name))
         try:
             coordinator = await controller.start()
             sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
@@ -228,6 +232,7 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
             return list(await asyncio.gather(*calls, return_exceptions=True))
         finally:
             await controller.stop()
+            run_dir.cleanup()
 
     outcomes = asyncio.run(scenario())
     for outcome in outcomes:

@@ -189,9 +189,14 @@ class _Pinger:
         self._socket.connect(url)
 
     async def ping(self, timeout: float) -> dict[str, Any] | None:
-        await self._socket.send(json.dumps({"op": "ping"}).encode())
-        if not await self._socket.poll(int(timeout * 1000)):
+        """The worker's answer, or None within `timeout` (a REQ with no live peer blocks even on send)."""
+        try:
+            return await asyncio.wait_for(self._exchange(), timeout)
+        except asyncio.TimeoutError:
             return None
+
+    async def _exchange(self) -> dict[str, Any] | None:
+        await self._socket.send(json.dumps({"op": "ping"}).encode())
         try:
             reply = json.loads(await self._socket.recv())
         except ValueError:
