@@ -72,6 +72,9 @@ def local_process_status(process: Any) -> ProcessStatus:
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return ProcessStatus("stopped", "SIGSTOP")
     if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        code = process.poll()  # it died between the two looks: its exit code is there now
+        if code is not None:
+            return ProcessStatus("exited", f"signal {-code}" if code < 0 else f"exit code {code}")
         return ProcessStatus("exited", status)
     return ProcessStatus("running")
 
