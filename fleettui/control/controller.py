@@ -169,6 +169,8 @@ class FleetController:
         if name in self.hops_ms:
             sample = {**sample, "hop_ms": round(self.hops_ms[name], 2)}
         self.telemetry[name] = sample
+        if self.recovery is not None:  # resilience hook: temperatures for the throttle check
+            self.recovery.observe_sample(sample)
         if name in self.states:
             self._set_state(name, next_state(self.states[name], sample))
         self._emit(Telemetry(name, sample))

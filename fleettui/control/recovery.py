@@ -23,6 +23,7 @@ from typing import Any
 
 from fleettui.config.fleet import Fleet, ResilienceSettings
 from fleettui.control.deployment import Deployment, Placement, build_deployment
+from fleettui.control.rebalance import Rebalancer, head_layers
 from fleettui.control.states import (
     Degraded,
     LogLine,
@@ -72,14 +73,34 @@ class Recovery:
         self.replies: dict[str, dict[str, Any]] = {}
         self._lost: dict[str, tuple[str, float]] = {}  # name -> (reason, seconds silent when declared)
         self._task: asyncio.Task[None] | None = None
+        self._exclusive = asyncio.Lock()  # one recovery or split switch at a time
+        self.rebalancer: Rebalancer | None = None
         self.idle = asyncio.Event()
         self.idle.set()
 
     # -- watching -----------------------------------------------------------------------------------
     def start(self) -> None:
-        assert self.controller.deployment is not None
-        for placement in self.controller.deployment.placements:
+        controller = self.controller
+        assert controller.deployment is not None and controller.coordinator is not None
+        for placement in controller.deployment.placements:
             self._watch(placement)
+        stages = controller.deployment.stages
+        ranges = [tuple(p.config.extra.get("layers", (0, 0))) for p in stages]
+        self.rebalancer = Rebalancer(
+            ranges,
+            [p.config.name for p in stages],
+            self.settings.rebalance,
+            self.settings.throttle_ratio,
+            head_layers(controller.fleet.model.name),
+            controller._emit,
+            self.switch_split,
+        )
+        controller.coordinator.result_observers.append(self.rebalancer.observe)
+
+    def observe_sample(self, sample: dict[str, Any]) -> None:
+        """A telemetry sample (temperature) for the throttle check."""
+        if self.rebalancer is not None:
+            self.rebalancer.observe_sample(sample)
 
     def _watch(self, placement: Placement) -> None:
         name = placement.config.name
@@ -130,6 +151,12 @@ class Recovery:
 
     # -- recovering ---------------------------------------------------------------------------------
     async def _recover(self) -> None:
+        coordinator = self.controller.coordinator
+        assert coordinator is not None
+        async with self._exclusive:
+            await self._recover_locked()
+
+    async def _recover_locked(self) -> None:
         coordinator = self.controller.coordinator
         assert coordinator is not None
         try:
@@ -269,6 +296,37 @@ class Recovery:
         if not report.ok:
             raise LinkError("; ".join(f"{h.step}: {h.error}" for h in report.failed))
 
+    # -- switching the split (rebalance) -------------------------------------------------------------
+    async def switch_split(self, ranges: list[tuple[int, int]]) -> None:
+        """Compile `ranges` while serving, then switch to it between rounds and replay every session."""
+        controller, coordinator = self.controller, self.controller.coordinator
+        assert coordinator is not None
+        model = controller.fleet.model
+        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
+        async with self._exclusive:
+            started = time.monotonic()
+            coordinator.resume.clear()
+            try:
+                for session in list(coordinator.sessions.values()):
+                    async with session.lock:  # the round in flight finishes: a safe point
+                        pass
+                fleet = controller.fleet
+                hosts = tuple(replace(h, layers=r) for h, r in zip(fleet.hosts, ranges, strict=True))
+                await self._switch(replace(fleet, hosts=hosts, path=None), ranges, compiled)
+                switched = time.monotonic()
+                tokens = await coordinator.rebuild_all()
+                names = tuple(h.name for h in hosts)
+                report = RecoveryReport(
+                    names, ("rebalance",) * len(names), "rebalance", 0.0, switched - started,
+                    time.monotonic() - switched, len(coordinator.sessions), tokens, f"split {ranges}",
+                )  # fmt: skip
+                self.reports.append(report)
+                controller._emit(report)
+                controller._emit(LogLine("recovery", _describe(report)))
+            finally:
+                if not self._lost:  # a loss meanwhile: the recovery resumes the sessions when done
+                    coordinator.resume.set()
+
     # -- re-planning without a host -----------------------------------------------------------------
     async def _replan(self, gone: list[str]) -> tuple[str, str]:
         """Move the model onto the hosts that are left: ("replan", summary) or ("degraded", why)."""
@@ -300,6 +358,20 @@ class Recovery:
         clock = time.monotonic()
         compiled = await self.compile_model(model.name, ranges, model.precision, model.shards, progress)
         compile_seconds, clock = time.monotonic() - clock, time.monotonic()
+        await self._switch(smaller, ranges, compiled)
+        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        launch_seconds = time.monotonic() - clock
+        return "replan", (
+            f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"
+        )
+
+    async def _switch(self, fleet: Fleet, ranges: list[tuple[int, int]], compiled: Any) -> None:
+        """Replace every stage worker by the split `ranges` of `compiled` on `fleet`'s hosts (sessions paused).
+
+        The caller bumps nothing: the coordinator's target epoch moves on here, so every session replays.
+        """
+        controller, coordinator = self.controller, self.controller.coordinator
+        assert coordinator is not None and controller.deployment is not None
         old = controller.deployment
         for placement in old.stages:  # the old split's survivors hold the wrong layers: stop them
             self.watcher.forget(placement.config.name)
@@ -310,12 +382,12 @@ class Recovery:
 
                     os.killpg(worker.process.pid, signal.SIGKILL)
                 await asyncio.to_thread(worker.process.wait)
-        if any(not host.is_local for host in rest):
+        if any(not host.is_local for host in fleet.hosts):
             from fleettui.provision.deploy import stop_fleet
 
-            await stop_fleet(smaller, old.id)
-        deployment = _rekeyed(build_deployment(smaller, ranges, lambda host: str(compiled.directory)), old)
-        controller.fleet, controller.target, controller.deployment = smaller, compiled, deployment
+            await stop_fleet(fleet, old.id)
+        deployment = _rekeyed(build_deployment(fleet, ranges, lambda host: str(compiled.directory)), old)
+        controller.fleet, controller.target, controller.deployment = fleet, compiled, deployment
         workers = [controller.launcher.start(p) for p in deployment.stages if p.host.is_local]
         remote = [p for p in deployment.stages if not p.host.is_local]
         await asyncio.gather(
@@ -343,11 +415,8 @@ class Recovery:
         for placement in deployment.stages:
             controller._set_state(placement.config.name, Ready())
             self._watch(placement)
-        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
-        launch_seconds = time.monotonic() - clock
-        return "replan", (
-            f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"
-        )
+        if self.rebalancer is not None:
+            self.rebalancer.reset(ranges)
 
 
 def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:

@@ -182,11 +182,13 @@ class Coordinator:
 
         The session's RNG is rewound before a retry, so a sampled round draws the same numbers again.
         """
-        for _ in range(MAX_RECOVERIES_PER_ROUND):
+        spurious = 0  # failures with no loss declared since the attempt began
+        while spurious < MAX_RECOVERIES_PER_ROUND:
             await self.resume.wait()
             if self.fatal is not None:
                 raise LinkError(self.fatal)
             rng_state = session.rng.bit_generator.state
+            epochs = (self.target_epoch, self.draft_epoch)
             try:
                 async with session.lock:
                     await self._ensure_rebuilt(session)
@@ -194,7 +196,9 @@ class Coordinator:
             except StageLost as error:
                 session.rng.bit_generator.state = rng_state
                 log.info("session %d paused: %s", session.id, error)
-                await asyncio.sleep(0)  # let the recovery clear `resume` if it has not yet
+                if (self.target_epoch, self.draft_epoch) == epochs:
+                    spurious += 1
+                await asyncio.sleep(0.05)  # let the recovery clear `resume` if it has not yet
         raise LinkError(f"session {session.id}: the pipeline kept failing during recovery")
 
     async def _ensure_rebuilt(self, session: Session) -> None:
