@@ -72,7 +72,10 @@ def local_process_status(process: Any) -> ProcessStatus:
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return ProcessStatus("stopped", "SIGSTOP")
     if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-        code = process.poll()  # it died between the two looks: its exit code is there now
+        try:  # it died between the two looks: its exit code is there now (or within a moment)
+            code = process.wait(0.2)
+        except Exception:  # noqa: BLE001 - TimeoutExpired, or another waiter holds it: report without a code
+            code = None
         if code is not None:
             return ProcessStatus("exited", f"signal {-code}" if code < 0 else f"exit code {code}")
         return ProcessStatus("exited", status)
