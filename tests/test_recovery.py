@@ -238,3 +238,65 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
     for outcome in outcomes:
         assert isinstance(outcome, LinkError), outcome
         assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
+
+
+def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_cache: Path) -> None:
+    """Stage 1 is slowed about fivefold (SIGSTOP/SIGCONT duty cycle, never long enough to count as lost)."""
+    import threading
+
+    from fleettui.control.balance import Balancer
+    from fleettui.control.states import RebalanceProposal, Throttled
+
+    events: list[object] = []
+    stop = threading.Event()
+
+    def duty_cycle(pid: int) -> None:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(0.04)
+            os.kill(pid, signal.SIGCONT)
+            stop.wait(0.01)
+
+    async def scenario() -> None:
+        run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
+        controller = FleetController(
+            make_fleet(shard_cache, 2), on_event=events.append, run_dir=Path(run_dir.name)
+        )
+        threads: list[threading.Thread] = []
+        try:
+            coordinator = await controller.start()
+            assert controller.recovery is not None and controller.recovery.rebalancer is not None
+            rebalancer = controller.recovery.rebalancer
+            rebalancer.balancer = Balancer(
+                rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
+            )
+            sessions = [await coordinator.open_session() for _ in PROMPTS]
+            steps = 0
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                nonlocal steps
+                steps += 1
+                if steps == 16 and not threads:  # the baseline window is measured: slow stage 1 down
+                    pid = controller.launcher.workers["stage-1"].process.pid
+                    threads.append(threading.Thread(target=duty_cycle, args=(pid,), daemon=True))
+                    threads[0].start()
+
+            params = GenerationParams(max_tokens=96, ignore_eos=True)
+            await asyncio.gather(
+                *(coordinator.chat(s, p, params, on_tokens) for s, p in zip(sessions, PROMPTS, strict=True))
+            )
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            await controller.stop()
+            run_dir.cleanup()
+
+    asyncio.run(scenario())
+    throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
+    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
+    proposals = [e for e in events if isinstance(e, RebalanceProposal)]
+    assert proposals and not proposals[0].applied
+    (_, old_end), (new_end) = proposals[0].current[0], proposals[0].ranges[0][1]
+    assert new_end > old_end  # layers move away from the slowed last stage
+    assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
