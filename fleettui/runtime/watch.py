@@ -141,7 +141,12 @@ class Watcher:
                 reply = None
                 status = target.process()
                 if status.kind != "exited":
-                    reply = await pinger.ping(settings.heartbeat_seconds)
+                    try:
+                        reply = await pinger.ping(settings.heartbeat_seconds)
+                    except Exception as error:  # noqa: BLE001 - a broken socket must not end the watch
+                        log.warning("%s: ping failed (%s); reconnecting", target.name, error)
+                        pinger.close()
+                        pinger = _Pinger(target.control_url, self.keys, target.server_key)
                     status = target.process()  # a process that died during the ping is reported as such
                 if self._judge(target, status, reply):
                     return
