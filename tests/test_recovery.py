@@ -123,7 +123,6 @@ def _print(reports: list[RecoveryReport]) -> None:
         ("stage-0", 2, "none", 1),
         ("stage-1", 2, "none", 3),
         ("draft", 2, "self-int4", 3),
-        ("stage-0", 2, "self-int4", 3),
         ("stage-1+draft", 2, "self-int4", 3),
     ],
 )
