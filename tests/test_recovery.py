@@ -299,3 +299,36 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
     (_, old_end), (new_end) = proposals[0].current[0], proposals[0].ranges[0][1]
     assert new_end > old_end  # layers move away from the slowed last stage
     assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
+
+
+def test_switching_the_split_between_rounds_keeps_answers_exact(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """What `rebalance = "auto"` does with a proposal: compile it while serving, switch between rounds, replay."""
+    from fleettui.control.controller import compile_model
+
+    switching: list[asyncio.Task[None]] = []
+    fleet = make_fleet(shard_cache, 2)
+    split = [(0, 22), (22, 30)]
+
+    async def scenario() -> tuple[list[list[int]], list[RecoveryReport], list[tuple[int, int]]]:
+        model = fleet.model
+        compiled = await compile_model(
+            model.name, split, model.precision, model.shards
+        )  # the background part
+
+        def switch(controller: FleetController) -> None:
+            assert controller.recovery is not None
+            current = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+            assert current[0] != split[0]
+            switching.append(asyncio.ensure_future(controller.recovery.switch_split(split, compiled)))
+
+        tokens, controller, reports = await run_with_fault(fleet, PROMPTS, switch)
+        await switching[0]
+        return tokens, reports, [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+
+    tokens, reports, running = asyncio.run(scenario())
+    _print(reports)
+    assert tokens == reference
+    assert running == split
+    assert [r.action for r in reports] == ["rebalance"]

@@ -297,12 +297,15 @@ class Recovery:
             raise LinkError("; ".join(f"{h.step}: {h.error}" for h in report.failed))
 
     # -- switching the split (rebalance) -------------------------------------------------------------
-    async def switch_split(self, ranges: list[tuple[int, int]]) -> None:
-        """Compile `ranges` while serving, then switch to it between rounds and replay every session."""
+    async def switch_split(self, ranges: list[tuple[int, int]], compiled: Any = None) -> None:
+        """Compile `ranges` while serving (unless given), then switch to it between rounds and replay."""
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None
         model = controller.fleet.model
-        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
+        if compiled is None:
+            compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
+        if controller.coordinator is not coordinator:
+            return  # the fleet stopped meanwhile
         async with self._exclusive:
             started = time.monotonic()
             coordinator.resume.clear()
