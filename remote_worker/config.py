@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_VERSION = 1
+# The vocabularies, defined once here (the contract): fleettui's fleet file adds "auto" where it plans.
+WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")  # widest first: the planner steps down this order
 INFERENCE_PRECISIONS = ("f32", "f16", "bf16")
 KV_CACHE_PRECISIONS = ("f32", "f16", "u8")
 WIRE_DTYPES = ("f16", "f32")
+ENCRYPTIONS = ("curve", "plaintext")
+DEVICES = ("CPU", "GPU", "NPU", "AUTO")
 ROLES = ("stage", "draft")
 
 
@@ -63,7 +67,9 @@ class StageConfig:
     wire_dtype: str = "f16"
     curve: CurveKeys | None = None  # None = plaintext (debug only; logged loudly)
     verify_hashes: bool = True
-    max_sessions: int = 64
+    max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
+    max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused
+    lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)
     cpu_cores: tuple[int, ...] = ()
     deployment: str = ""  # id of the deployment that started this worker
     version: int = CONFIG_VERSION
@@ -90,6 +96,13 @@ class StageConfig:
             raise ConfigError(f"next.port: {self.next.port!r} is not a TCP port")
         if self.next is None and self.result_port is None:
             raise ConfigError("result_port: required when there is no next stage (last stage or draft)")
+        if not isinstance(self.max_sessions, int) or self.max_sessions < 1:
+            raise ConfigError(f"max_sessions: {self.max_sessions!r} must be a whole number >= 1")
+        if not isinstance(self.max_queue_bytes, int) or not 1 << 20 <= self.max_queue_bytes <= 1 << 40:
+            raise ConfigError(f"max_queue_bytes: {self.max_queue_bytes!r} must lie in 1 MiB..1 TiB")
+        lease = self.lease_seconds
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease <= 86400:
+            raise ConfigError(f"lease_seconds: {lease!r} must be a number of seconds in 0..86400")
         if self.version != CONFIG_VERSION:
             raise ConfigError(f"version: {self.version}, this worker reads {CONFIG_VERSION}")
 

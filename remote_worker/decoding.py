@@ -91,6 +91,43 @@ def propose_distribution(logits: np.ndarray, decode: Decode, support: int) -> tu
     return ids.astype(np.int64), (kept / kept.sum()).astype(np.float32)
 
 
+def penalize(logits: np.ndarray, decode: Decode) -> np.ndarray:
+    """The scored rows with the penalties applied (a float32 copy; the input itself when there are none).
+
+    Row j sees the context counts of `decode` plus draft tokens 0..j-1, as if they had been emitted: the
+    same logits plain decoding would have penalized at that position, so speculation stays exact. Order as
+    in vLLM: repetition (HF/CTRL: positive / r, negative x r over prompt + reply), then frequency x count
+    and presence (OpenAI, over the reply).
+    """
+    if not decode.penalized:
+        return logits
+    vocab = logits.shape[1]
+    ids = np.asarray(decode.penalty_ids, np.int64)
+    drafts = np.asarray(decode.draft_tokens, np.int64)
+    if (ids.size and int(ids.max()) >= vocab) or (drafts.size and int(drafts.max()) >= vocab):
+        raise ValueError(f"penalties: token ids outside the vocabulary of {vocab}")
+    counts = np.zeros(vocab, np.float32)
+    counts[ids] = np.asarray(decode.penalty_counts, np.float32)
+    seen = np.zeros(vocab, bool)
+    seen[ids] = True
+    penalized = np.array(logits, np.float32, copy=True)
+    repetition = float(decode.repetition_penalty)
+    for row in range(logits.shape[0]):
+        if row:  # the previous draft token counts for every later position
+            token = int(drafts[row - 1])
+            counts[token] += 1.0
+            seen[token] = True
+        values = penalized[row]
+        if repetition != 1.0:
+            context = np.flatnonzero(seen)
+            picked = values[context]
+            values[context] = np.where(picked > 0, picked / repetition, picked * repetition)
+        if decode.frequency_penalty or decode.presence_penalty:
+            reply = np.flatnonzero(counts)
+            values[reply] -= counts[reply] * decode.frequency_penalty + decode.presence_penalty
+    return penalized
+
+
 def _uniforms(decode: Decode, count: int) -> np.ndarray:
     if len(decode.uniforms) >= count:
         return np.asarray(decode.uniforms, np.float64)
@@ -132,7 +169,7 @@ def _draft_q(decode: Decode, j: int, vocab: int) -> np.ndarray:
 
 
 def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    """Judge the drafts against `logits` ([K+1, V], one row per scored position).
+    """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties applied first.
 
     Returns (tokens int64 [a+1], accepted a, top_ids, top_logprobs); the top arrays have one row per emitted
     token ([a+1, top_logprobs]) or shape (0, 0) when none were asked for.
@@ -144,6 +181,7 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     vocab = logits.shape[1]
     if k and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
         raise ValueError(f"score: draft tokens outside the vocabulary of {vocab}")
+    raw, logits = logits, penalize(logits, decode)
     if decode.greedy:
         best = np.argmax(logits, axis=1)
         mismatches = np.flatnonzero(best[:k] != drafts)
@@ -152,7 +190,7 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     else:
         tokens, accepted = _speculative_sample(logits, decode, drafts)
     if decode.top_logprobs > 0:
-        top_ids, top_logprobs = _top(logits[: accepted + 1], min(decode.top_logprobs, vocab))
+        top_ids, top_logprobs = _top(raw[: accepted + 1], min(decode.top_logprobs, vocab))
     else:
         top_ids, top_logprobs = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
     return tokens, accepted, top_ids, top_logprobs

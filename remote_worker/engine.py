@@ -125,6 +125,7 @@ class StageEngine:
                 raise ManifestError(f"{self.stage.ir}: input {needed!r} is missing")
         self.has_beam_idx = "beam_idx" in names
         self.sessions: dict[int, Session] = {}
+        self._effective: dict[str, str] | None = None
         self._beam_idx = np.zeros(1, np.int32)
         logger.info(
             "stage %d layers %s compiled on %s in %.1f s: %s",
@@ -170,14 +171,17 @@ class StageEngine:
         return properties
 
     def effective_properties(self) -> dict[str, str]:
-        """What the compiled model actually uses (as the plugin reports it)."""
+        """What the compiled model actually uses (as the plugin reports it; asked once, they never change)."""
+        if self._effective is not None:
+            return dict(self._effective)
         found = {}
         for key in REPORTED_PROPERTIES:
             try:
                 found[key] = _text(self.compiled.get_property(key))
             except RuntimeError:
                 continue
-        return found
+        self._effective = found
+        return dict(found)
 
     @property
     def is_first(self) -> bool:
@@ -186,6 +190,10 @@ class StageEngine:
     @property
     def is_last(self) -> bool:
         return bool(self.stage.is_last)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest.hidden_size)
 
     # -------------------------------------------------------------------------------------- sessions
     def has(self, session: int) -> bool:
@@ -208,6 +216,12 @@ class StageEngine:
         state.request.reset_state()
         state.cache_len = 0
         state.broken = ""
+
+    def mark_broken(self, session: int, reason: str) -> None:
+        """Distrust a session's cache (e.g. it now holds NaN): its next step fails until a reset."""
+        state = self.sessions.get(session)
+        if state is not None:
+            state.broken = reason
 
     def cache_len(self, session: int) -> int:
         return self._session(session, allow_broken=True).cache_len
@@ -345,9 +359,11 @@ class StageEngine:
     def session_bytes(self, session: int | None = None) -> int:
         """Logical KV bytes of one session, or of all sessions when `session` is None."""
         states = (
-            [self._session(session, allow_broken=True)] if session is not None else self.sessions.values()
+            [self._session(session, allow_broken=True)]
+            if session is not None
+            else list(self.sessions.values())
         )
         return int(sum(state.cache_len for state in states) * self.kv_bytes_per_slot())
 
     def cache_slots(self) -> int:
-        return sum(state.cache_len for state in self.sessions.values())
+        return sum(state.cache_len for state in list(self.sessions.values()))  # read from the control thread

@@ -146,7 +146,8 @@ class Manifest:
         return (0, *(stage.layers.end for stage in self.stages))
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
+        plain: dict[str, Any] = _plain(self)
+        return plain
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"

@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's")
     parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's")
     parser.add_argument("--warmup", type=int, default=8, help="tokens of an untimed warm-up generation")
-    parser.add_argument("--probe", action="store_true", help="print the OpenVINO version and devices, then exit")
+    parser.add_argument(
+        "--probe", action="store_true", help="print the OpenVINO version and devices, then exit"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     return parser
 
@@ -89,12 +91,20 @@ def run(arguments: argparse.Namespace) -> dict[str, object]:
     if device.split(".")[0] not in {d.split(".")[0] for d in found["devices"]} and device != "AUTO":  # type: ignore[attr-defined]
         return {"skipped": f"device {device} is not available here (devices: {', '.join(found['devices'])})"}  # type: ignore[arg-type]
     try:
-        engine = StageEngine(arguments.shard, 0, device, arguments.threads, arguments.inference_precision,
-                             arguments.kv_cache_precision)
+        engine = StageEngine(
+            arguments.shard,
+            0,
+            device,
+            arguments.threads,
+            arguments.inference_precision,
+            arguments.kv_cache_precision,
+        )
     except EngineError as error:
         return {"skipped": str(error)}
     if len(engine.manifest.stages) != 1:
-        raise SystemExit(f"mono: {arguments.shard} has {len(engine.manifest.stages)} stages; the baseline needs 1")
+        raise SystemExit(
+            f"mono: {arguments.shard} has {len(engine.manifest.stages)} stages; the baseline needs 1"
+        )
     if arguments.warmup > 0:
         engine.open(0)
         greedy(engine, 0, arguments.prompt_ids, arguments.warmup)

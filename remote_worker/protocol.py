@@ -21,24 +21,36 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 
+from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is the wire contract
+    DECODE,
+    DECODE_FRAMES,
+    MAX_DRAFT,
+    MAX_PENALTY,
+    MAX_PENALTY_IDS,
+    MAX_REPETITION_PENALTY,
+    MAX_SUPPORT,
+    MAX_TOP,
+    Decode,
+    ProtocolError,
+    array_of,
+    decode_frames,
+    parse_decode,
+    raw_buffer,
+)
+
 MAGIC = b"FLTW"
-VERSION = 1
+VERSION = 2  # 2: Decode carries penalties (three floats, unique context ids and their counts)
 MAX_TOKENS_PER_STEP = 1 << 16
 MAX_MASK_RANGES = 1 << 14
-MAX_DRAFT = 64
-MAX_SUPPORT = 1024
-MAX_TOP = 32
 MAX_TRACE = 256
 MAX_TEXT = 4096
 
 # magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
 HEADER = struct.Struct("<4sHBBIIIIIIII")
-# temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms
-DECODE = struct.Struct("<ffIHHHH")
 
 FLAG_F16 = 1  # hidden payload is float16 (else float32)
 
@@ -57,38 +69,18 @@ class Kind(IntEnum):
     ERROR = 19
 
 
-class ProtocolError(ValueError):
-    """A frame that must be dropped; the message says why in one line."""
+class RequestError(ProtocolError):
+    """A request whose header is sound but whose body is not: it is answered with an Error, not dropped.
 
-
-@dataclass(frozen=True)
-class Decode:
-    """What the last stage must compute from the logits of a Step's trailing positions.
-
-    The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft token
-    j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule against the
-    draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
-    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed.
-    temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
-    position of the untempered distribution.
+    `kind`, `session` and `seq` come from the validated header, so the refusal can travel down the chain to
+    the coordinator and fail the request at once instead of leaving it to time out.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    draft_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
-    uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-    top_logprobs: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def n_score(self) -> int:
-        return len(self.draft_tokens) + 1
+    def __init__(self, reason: str, kind: Kind, session: int, seq: int) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.session = session
+        self.seq = seq
 
 
 @dataclass(frozen=True)
@@ -213,52 +205,24 @@ def _header(
     return HEADER.pack(MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
 
 
-def _raw(array: np.ndarray, dtype: type) -> memoryview:
-    flat: Any = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8)
-    return memoryview(flat)
-
-
-def _decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
-    if decode is None:
-        return [b"", b"", b"", b"", b""]
-    k = len(decode.draft_tokens)
-    support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
-    spec = DECODE.pack(
-        float(decode.temperature),
-        float(decode.top_p),
-        int(decode.top_k),
-        k,
-        support,
-        int(decode.top_logprobs),
-        len(decode.uniforms),
-    )
-    return [
-        spec,
-        _raw(decode.draft_tokens, np.int64),
-        _raw(decode.draft_ids, np.int64),
-        _raw(decode.draft_probs, np.float32),
-        _raw(decode.uniforms, np.float64),
-    ]
-
-
 def encode(message: Message) -> list[bytes | memoryview]:
     """Frames for one message, ready for `socket.send_multipart(frames, copy=False)`."""
     if isinstance(message, Hello):
-        return [_header(Kind.HELLO, seq=message.seq), _raw(message.trace, np.float64)]
+        return [_header(Kind.HELLO, seq=message.seq), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Control):
         return [_header(message.kind, session=message.session, seq=message.seq, cache_len=message.cache_len)]
     if isinstance(message, Step):
         if (message.tokens is None) == (message.hidden is None):
             raise ProtocolError("a step carries either tokens or hidden states")
-        ranges = _raw(message.mask_ranges.reshape(-1, 2), np.int64)
+        ranges = raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64)
         if message.tokens is not None:
-            flags, width, data = 0, 0, _raw(message.tokens, np.int64)
+            flags, width, data = 0, 0, raw_buffer(message.tokens, np.int64)
         else:
             hidden = message.hidden
             assert hidden is not None
             # anything that is not float16 travels as float32, as the flag promises
             flags = FLAG_F16 if hidden.dtype == np.float16 else 0
-            width, data = int(hidden.shape[1]), _raw(hidden, np.float16 if flags else np.float32)
+            width, data = int(hidden.shape[1]), raw_buffer(hidden, np.float16 if flags else np.float32)
         header = _header(
             Kind.STEP,
             flags,
@@ -270,7 +234,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
             width,
             len(message.mask_ranges),
         )
-        return [header, ranges, data, *_decode_frames(message.decode), _raw(message.trace, np.float64)]
+        return [header, ranges, data, *decode_frames(message.decode), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Propose):
         header = _header(
             Kind.PROPOSE,
@@ -286,15 +250,15 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.mask_ranges.reshape(-1, 2), np.int64),
-            _raw(message.tokens, np.int64),
-            *_decode_frames(message.decode),
+            raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64),
+            raw_buffer(message.tokens, np.int64),
+            *decode_frames(message.decode),
         ]
     if isinstance(message, Ack):
         header = _header(
             Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value
         )
-        return [header, _raw(message.trace, np.float64)]
+        return [header, raw_buffer(message.trace, np.float64)]
     if isinstance(message, Result):
         top = message.top_ids.shape[1] if message.top_ids.ndim == 2 else 0
         header = _header(
@@ -308,10 +272,10 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.tokens, np.int64),
-            _raw(message.top_ids, np.int64),
-            _raw(message.top_logprobs, np.float32),
-            _raw(message.trace, np.float64),
+            raw_buffer(message.tokens, np.int64),
+            raw_buffer(message.top_ids, np.int64),
+            raw_buffer(message.top_logprobs, np.float32),
+            raw_buffer(message.trace, np.float64),
         ]
     if isinstance(message, Proposal):
         support = message.ids.shape[1] if message.ids.ndim == 2 else 0
@@ -320,22 +284,15 @@ def encode(message: Message) -> list[bytes | memoryview]:
         )
         return [
             header,
-            _raw(message.tokens, np.int64),
-            _raw(message.ids, np.int64),
-            _raw(message.probs, np.float32),
-            _raw(message.trace, np.float64),
+            raw_buffer(message.tokens, np.int64),
+            raw_buffer(message.ids, np.int64),
+            raw_buffer(message.probs, np.float32),
+            raw_buffer(message.trace, np.float64),
         ]
     if isinstance(message, Error):
         text = message.message.encode("utf-8")[:MAX_TEXT]
         return [_header(Kind.ERROR, 0, message.session, message.seq, count_a=message.stage), text]
     raise ProtocolError(f"cannot encode {type(message).__name__}")
-
-
-def _array(frame: bytes | memoryview, dtype: type, count: int, what: str) -> np.ndarray:
-    size = np.dtype(dtype).itemsize * count
-    if len(frame) != size:
-        raise ProtocolError(f"{what}: {len(frame)} bytes, expected {size}")
-    return np.frombuffer(frame, dtype=dtype, count=count)
 
 
 def _trace(frame: bytes | memoryview) -> np.ndarray:
@@ -344,46 +301,10 @@ def _trace(frame: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(frame, dtype=np.float64).copy()
 
 
-def _parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
-    """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
-    spec, tokens, ids, probs, uniforms = frames
-    if len(spec) == 0:
-        if any(len(f) for f in frames):
-            raise ProtocolError("decode: arrays without a decode header")
-        return None
-    if len(spec) != DECODE.size:
-        raise ProtocolError(f"decode header: {len(spec)} bytes, expected {DECODE.size}")
-    temperature, top_p, top_k, k, support, top_logprobs, n_uniforms = DECODE.unpack(spec)
-    if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
-        raise ProtocolError(f"decode: temperature {temperature} out of range")
-    if not (np.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise ProtocolError(f"decode: top_p {top_p} out of range")
-    if k > min(MAX_DRAFT, max_tokens) or support > MAX_SUPPORT or top_logprobs > MAX_TOP:
-        raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
-    allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1))
-    if n_uniforms not in allowed_uniforms:
-        raise ProtocolError(
-            f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}"
-        )
-    draft_tokens = _array(tokens, np.int64, k, "draft tokens")
-    draft_ids = _array(ids, np.int64, k * support, "draft ids").reshape(k, support)
-    draft_probs = _array(probs, np.float32, k * support, "draft probs").reshape(k, support)
-    u = _array(uniforms, np.float64, n_uniforms, "uniforms")
-    if n_uniforms and not bool(np.all((u >= 0.0) & (u < 1.0))):
-        raise ProtocolError("decode: uniforms outside [0, 1)")
-    if draft_tokens.size and int(draft_tokens.min()) < 0:
-        raise ProtocolError("decode: negative draft token")
-    if draft_ids.size and int(draft_ids.min()) < 0:
-        raise ProtocolError("decode: negative draft proposal id")
-    if draft_probs.size and not bool(np.all(np.isfinite(draft_probs) & (draft_probs >= 0.0))):
-        raise ProtocolError("decode: draft probabilities must be finite and non-negative")
-    return Decode(temperature, top_p, top_k, draft_tokens, draft_ids, draft_probs, u, top_logprobs)
-
-
 def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
     if count > MAX_MASK_RANGES:
         raise ProtocolError(f"mask: {count} ranges is too many")
-    ranges = _array(frame, np.int64, 2 * count, "mask ranges").reshape(count, 2)
+    ranges = array_of(frame, np.int64, 2 * count, "mask ranges").reshape(count, 2)
     if count and (int(ranges.min()) < 0 or bool(np.any(ranges[:, 1] <= ranges[:, 0]))):
         raise ProtocolError("mask: ranges must be non-empty and non-negative")
     return ranges
@@ -408,10 +329,37 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     except ValueError:
         raise ProtocolError(f"header: unknown kind {kind_value}") from None
     body = frames[1:]
+    if kind in _REQUESTS:
+        try:
+            return _request(kind, body, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+        except ProtocolError as error:  # the header is sound: say so to whoever sent it
+            raise RequestError(str(error), kind, session, seq) from None
+    return _reply(kind, body, session, seq, n, count_a, count_b)
 
+
+_REQUESTS = frozenset({Kind.HELLO, Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT, Kind.STEP, Kind.PROPOSE})
+
+
+def _expect(kind: Kind, body: Sequence[bytes | memoryview], count: int) -> None:
+    if len(body) != count:
+        raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+
+
+def _request(
+    kind: Kind,
+    body: Sequence[bytes | memoryview],
+    flags: int,
+    session: int,
+    seq: int,
+    pos0: int,
+    cache_len: int,
+    n: int,
+    width: int,
+    count_a: int,
+    count_b: int,
+) -> Message:
     def expect(count: int) -> None:
-        if len(body) != count:
-            raise ProtocolError(f"{kind.name}: {len(body)} payload frames, expected {count}")
+        _expect(kind, body, count)
 
     if kind == Kind.HELLO:
         expect(1)
@@ -420,12 +368,12 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         expect(0)
         return Control(kind, session, seq, cache_len)
     if kind == Kind.STEP:
-        expect(8)
+        expect(3 + DECODE_FRAMES)
         if not 0 < n <= MAX_TOKENS_PER_STEP:
             raise ProtocolError(f"step: {n} tokens")
         ranges = _ranges(body[0], count_a)
         if width == 0:
-            tokens = _array(body[1], np.int64, n, "tokens")
+            tokens = array_of(body[1], np.int64, n, "tokens")
             if int(tokens.min()) < 0:
                 raise ProtocolError("step: negative token id")
             hidden = None
@@ -433,23 +381,33 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             if width > 1 << 16:
                 raise ProtocolError(f"step: hidden width {width}")
             dtype = np.float16 if flags & FLAG_F16 else np.float32
-            hidden = _array(body[1], dtype, n * width, "hidden").reshape(n, width)
+            hidden = array_of(body[1], dtype, n * width, "hidden").reshape(n, width)
             tokens = None
-        step_decode = _parse_decode(body[2:7], n - 1)
-        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, _trace(body[7]))
+        step_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
+        trace = _trace(body[2 + DECODE_FRAMES])
+        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace)
     if kind == Kind.PROPOSE:
-        expect(7)
+        expect(2 + DECODE_FRAMES)
         k, support = count_b & 0xFFFF, count_b >> 16
         if not 0 < n <= MAX_TOKENS_PER_STEP or not 0 < k <= MAX_DRAFT or support > MAX_SUPPORT:
             raise ProtocolError(f"propose: {n} tokens, k={k}, support={support}")
         ranges = _ranges(body[0], count_a)
-        tokens = _array(body[1], np.int64, n, "tokens")
+        tokens = array_of(body[1], np.int64, n, "tokens")
         if int(tokens.min()) < 0:
             raise ProtocolError("propose: negative token id")
-        propose_decode = _parse_decode(body[2:7], 0, proposals=k)
+        propose_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], 0, proposals=k)
         if propose_decode is None:
             raise ProtocolError("propose: missing decode header")
         return Propose(session, seq, pos0, cache_len, ranges, tokens, k, support, propose_decode)
+    raise ProtocolError(f"header: kind {kind.name} is not a request")  # pragma: no cover
+
+
+def _reply(
+    kind: Kind, body: Sequence[bytes | memoryview], session: int, seq: int, n: int, count_a: int, count_b: int
+) -> Message:
+    def expect(count: int) -> None:
+        _expect(kind, body, count)
+
     if kind == Kind.ACK:
         expect(1)
         try:
@@ -461,18 +419,18 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         expect(4)
         if not 0 < n <= MAX_DRAFT + 1 or count_a >= n or count_b > MAX_TOP:
             raise ProtocolError(f"result: {n} tokens, {count_a} accepted, top {count_b}")
-        tokens = _array(body[0], np.int64, n, "tokens")
+        tokens = array_of(body[0], np.int64, n, "tokens")
         rows = len(body[1]) // 8 // count_b if count_b else 0
-        top_ids = _array(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
-        top_logprobs = _array(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
+        top_ids = array_of(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
+        top_logprobs = array_of(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
         return Result(session, seq, tokens, count_a, top_ids, top_logprobs, _trace(body[3]))
     if kind == Kind.PROPOSAL:
         expect(4)
         if not 0 < n <= MAX_DRAFT or count_a > MAX_SUPPORT:
             raise ProtocolError(f"proposal: {n} tokens, support {count_a}")
-        tokens = _array(body[0], np.int64, n, "tokens")
-        ids = _array(body[1], np.int64, n * count_a, "proposal ids").reshape(n, count_a)
-        probs = _array(body[2], np.float32, n * count_a, "proposal probs").reshape(n, count_a)
+        tokens = array_of(body[0], np.int64, n, "tokens")
+        ids = array_of(body[1], np.int64, n * count_a, "proposal ids").reshape(n, count_a)
+        probs = array_of(body[2], np.float32, n * count_a, "proposal probs").reshape(n, count_a)
         return Proposal(session, seq, tokens, ids, probs, _trace(body[3]))
     if kind == Kind.ERROR:
         expect(1)

@@ -61,6 +61,13 @@ class LinkSecurity:
         self._allow: _AllowList | None = None
         if curve is None:
             logger.warning(PLAINTEXT_WARNING)
+            # A ZAP handler that lets every peer in still makes libzmq refuse unversioned (ZMTP/1.0) peers:
+            # raw garbage on a port then fails its handshake instead of parsing as ZMTP/1.0 frames (which
+            # stalled the control socket for seconds).
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._authenticator = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
+            self._authenticator.start()
             return
         self._public = _key(curve.public_key, "public_key")
         self._secret = _key(curve.secret_key, "secret_key")
@@ -86,10 +93,10 @@ class LinkSecurity:
         return self._allow.refused if self._allow is not None else 0
 
     def server(self, socket: zmq.Socket) -> None:
-        """Make a socket that binds a CURVE server guarded by the allow-list (no-op in plaintext)."""
+        """Make a socket that binds a CURVE server guarded by the allow-list (plaintext: ZAP lets all in)."""
+        socket.zap_domain = ZAP_DOMAIN.encode("ascii")
         if self.curve is None:
             return
-        socket.zap_domain = ZAP_DOMAIN.encode("ascii")
         socket.curve_secretkey = self._secret
         socket.curve_publickey = self._public
         socket.curve_server = True

@@ -1,12 +1,18 @@
-"""Provides the ZeroMQ loop of one stage worker: receive, run on the engine, forward down the chain (one thread).
+"""Provides the ZeroMQ side of one stage worker: an I/O thread that receives and answers, a compute loop.
 
 Sockets: data PULL (bound; the previous stage or the coordinator pushes into it), an outgoing PUSH (connected
 to the next stage, or bound at `result_port` for the last stage and the draft, where the coordinator pulls),
-a control REP (JSON ping/stats/shutdown) and a telemetry PUB (one JSON sample about once a second).
+a control REP (JSON ping/stats/lease/shutdown) and a telemetry PUB (one JSON sample about once a second).
 Sockets are bound only after the model compiled, so a "ready" answer to ping means ready to serve.
-Messages are served in arrival order, so steps of different sessions interleave naturally. A message
-that cannot be served becomes an `Error` sent down the chain; a malformed or unexpected frame is dropped
-and counted, and the worker keeps serving.
+
+Two threads, each socket used by one of them only: the I/O thread owns data, control, telemetry and the
+handshake monitors — it validates every frame as it arrives, queues work in a byte-bounded inbox and answers
+control requests within milliseconds even while a long prefill runs; the compute thread (the caller of
+`serve_forever`) owns the outgoing PUSH and serves the inbox in arrival order, so steps of different sessions
+interleave naturally. A message that cannot be served becomes an `Error` sent down the chain: a failed step,
+a request whose header is sound but whose body, parameters or shape are not, a request refused because the
+inbox is full. Only frames with no header to answer to are dropped (and counted). With a lease the worker
+exits by itself when its coordinator stops talking to it.
 """
 
 from __future__ import annotations
@@ -16,35 +22,38 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from remote_worker import protocol
+from remote_worker.compute import SEND_TIMEOUT_MS, StageCompute, one_line, rarely
 from remote_worker.config import StageConfig
-from remote_worker.decoding import propose_distribution, sample, score
+from remote_worker.intake import ControlRequestError, Inbox, Refusal, lease_seconds, parse_control
 from remote_worker.security import PLAINTEXT_WARNING, LinkSecurity
 from remote_worker.telemetry import StageStats, encode_sample, rss_megabytes
 
 logger = logging.getLogger(__name__)
 
-MAX_QUEUE = 4096  # messages waiting; beyond this new ones are dropped and counted
-MAX_MESSAGE_BYTES = 512 << 20  # larger multiparts are refused by ZeroMQ itself
-SEND_TIMEOUT_MS = 10_000  # a send that cannot complete (no coordinator) errors instead of hanging
-POLL_CEILING_MS = 200  # the loop wakes at least this often to notice signals
-_GREEDY = protocol.Decode()
-_NO_RANGES = np.zeros((0, 2), np.int64)
+MAX_QUEUE = 4096  # messages waiting, whatever their size; beyond this new ones are refused
+MAX_MESSAGE_BYTES = 512 << 20  # larger data messages make ZeroMQ drop the connection; smaller ones over
+# the inbox's byte budget are refused with an Error
+CONTROL_MAX_MESSAGE = 16 << 20  # ZeroMQ drops the connection of a peer sending more (no reply possible)
+SMALL_MAX_MESSAGE = 64 << 10  # telemetry PUB and a bound result PUSH only ever receive subscriptions
+POLL_CEILING_MS = 200  # both loops wake at least this often to notice a stop
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+CONTROL_OPS = ("ping", "stats", "lease", "shutdown")
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
-class StageServer:
+class StageServer(StageCompute):
     """Serves one engine over ZeroMQ per its StageConfig; `serve_forever()` returns after shutdown."""
 
     def __init__(self, config: StageConfig, engine: Any) -> None:
@@ -53,21 +62,31 @@ class StageServer:
         self.context = zmq.Context()
         self.security = LinkSecurity(self.context, config.curve)
         self.stats = StageStats(config.name, config.stage_index, config.role)
-        self.queue: deque[tuple[float, protocol.Message]] = deque()
+        self.inbox = Inbox(config.max_queue_bytes, MAX_QUEUE)
         self.running = False
         self._stop_requested = False
         self.state = "starting"
+        self.stop_reason = ""
+        self.lease_seconds = float(config.lease_seconds)
+        self._last_control = time.monotonic()
+        self._busy_since: float | None = None  # monotonic start of the message being served
+        self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
         self._sockets: list[zmq.Socket] = []
+        self._monitors: dict[zmq.Socket, str] = {}
+        self._io: threading.Thread | None = None
         self.data: zmq.Socket | None = None
         self.output: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.telemetry: zmq.Socket | None = None
 
     # --------------------------------------------------------------------------------------- sockets
-    def _socket(self, kind: int) -> zmq.Socket:
+    def _socket(self, kind: int, name: str, max_message: int) -> zmq.Socket:
         socket = self.context.socket(kind)
         socket.linger = 0
+        socket.maxmsgsize = max_message
         self._sockets.append(socket)
+        if name:  # a bound socket: watch for peers whose handshake fails (before ZAP, or not ZeroMQ at all)
+            self._monitors[socket.get_monitor_socket(HANDSHAKE_FAILURES)] = name
         return socket
 
     def _url(self, port: int) -> str:
@@ -77,25 +96,27 @@ class StageServer:
     def bind(self) -> None:
         """Create and bind/connect every socket (call after the engine compiled)."""
         config = self.config
-        self.data = self._socket(zmq.PULL)
-        self.data.maxmsgsize = MAX_MESSAGE_BYTES
+        self.data = self._socket(zmq.PULL, "data", MAX_MESSAGE_BYTES)
+        self.data.rcvhwm = 64
         self.security.server(self.data)
         self.data.bind(self._url(config.data_port))
-        self.control = self._socket(zmq.REP)
+        self.control = self._socket(zmq.REP, "control", CONTROL_MAX_MESSAGE)
+        self.control.rcvhwm = 8
         self.security.server(self.control)
         self.control.bind(self._url(config.control_port))
-        self.telemetry = self._socket(zmq.PUB)
+        self.telemetry = self._socket(zmq.PUB, "telemetry", SMALL_MAX_MESSAGE)
         self.security.server(self.telemetry)
         self.telemetry.bind(self._url(config.telemetry_port))
-        self.output = self._socket(zmq.PUSH)
-        self.output.sndtimeo = SEND_TIMEOUT_MS
         if config.next is not None:
+            self.output = self._socket(zmq.PUSH, "", SMALL_MAX_MESSAGE)
             self.security.client(self.output)
             self.output.connect(config.next.url())
         else:
             assert config.result_port is not None  # StageConfig guarantees it
+            self.output = self._socket(zmq.PUSH, "result", SMALL_MAX_MESSAGE)
             self.security.server(self.output)
             self.output.bind(self._url(config.result_port))
+        self.output.sndtimeo = SEND_TIMEOUT_MS
         self.state = "ready"
 
     def urls(self) -> dict[str, str]:
@@ -112,81 +133,214 @@ class StageServer:
 
     def close(self) -> None:
         for socket in self._sockets:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disable_monitor()
+        for socket in [*self._monitors, *self._sockets]:
             socket.close(linger=0)
+        self._monitors.clear()
         self._sockets.clear()
         self.security.stop()
         self.context.term()
 
-    def stop(self) -> None:
-        """Ask the loop to finish (safe from a signal handler, also before the loop started)."""
+    def stop(self, reason: str = "") -> None:
+        """Ask both loops to finish (safe from a signal handler, also before the loops started)."""
+        self.stop_reason = self.stop_reason or reason
         self._stop_requested = True
         self.running = False
 
-    # ------------------------------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------------------------- compute loop
     def serve_forever(self) -> None:
         if self.data is None:
             self.bind()
+        self.running = not self._stop_requested
+        self._last_control = time.monotonic()
+        self._io = threading.Thread(target=self._io_loop, name=f"{self.config.name}-io", daemon=True)
+        self._io.start()
+        try:
+            while self.running:
+                item = self.inbox.get(POLL_CEILING_MS / 1e3)
+                if item is None:
+                    continue
+                received, message = item
+                if isinstance(message, Refusal):
+                    self._send(message.error, block=False)
+                    continue
+                self._busy_since = time.monotonic()
+                try:
+                    self._serve(received, message)
+                finally:
+                    self._busy_since = None
+        finally:
+            self.running = False
+            self._io.join(10)
+
+    # ----------------------------------------------------------------------------------------- I/O loop
+    def _io_loop(self) -> None:
         assert self.data is not None and self.control is not None
         poller = zmq.Poller()
-        poller.register(self.data, zmq.POLLIN)
-        poller.register(self.control, zmq.POLLIN)
-        self.running = not self._stop_requested
+        for socket in (self.data, self.control, *self._monitors):
+            poller.register(socket, zmq.POLLIN)
         while self.running:
-            timeout = 0 if self.queue else min(POLL_CEILING_MS, int(self.stats.seconds_to_sample() * 1e3) + 1)
             try:
-                events = dict(poller.poll(timeout))
+                events = dict(poller.poll(self._io_timeout()))
+                if self.data in events:
+                    self._drain()
+                if self.control in events:
+                    self._answer_control()
+                for monitor, name in self._monitors.items():
+                    if monitor in events:
+                        self._watch(monitor, name)
+                if self.stats.due():
+                    self._publish()
+                self._check_lease()
             except zmq.ZMQError as error:
-                if error.errno == errno.EINTR:
-                    continue
-                raise
-            if self.data in events:
-                self._drain()
-            if self.control in events:
-                self._answer_control()
-            if self.queue and self.running:
-                received, message = self.queue.popleft()
-                self._serve(received, message)
-            if self.stats.due():
-                self._publish()
+                if error.errno != errno.EINTR:
+                    logger.error("I/O loop: %s", one_line(error))
+                    time.sleep(0.05)
+            except Exception as error:  # noqa: BLE001 - the I/O thread must outlive any one message
+                logger.error("I/O loop: %s", one_line(error))
         self.state = "stopping"
-        self._publish()
+        self.inbox.wake()
+        with contextlib.suppress(Exception):  # best effort: the last sample says we stop
+            self._publish()
+
+    def _io_timeout(self) -> int:
+        timeout = min(POLL_CEILING_MS, int(self.stats.seconds_to_sample() * 1e3) + 1)
+        left = self.lease_left()
+        return timeout if left is None else max(1, min(timeout, int(left * 1e3) + 1))
 
     def _drain(self) -> None:
         assert self.data is not None
         while True:
             try:
-                frames: list[bytes | memoryview] = list(self.data.recv_multipart(zmq.NOBLOCK))
+                frames = self.data.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            received = time.time()
-            try:
-                message = protocol.decode(frames)
-            except protocol.ProtocolError as error:
-                self._drop(f"malformed message: {error}")
-                continue
-            if len(self.queue) >= MAX_QUEUE:
-                self._drop(f"queue full ({MAX_QUEUE})")
-                continue
-            self.queue.append((received, message))
+            self.stats.received += 1
+            self._admit(time.time(), frames)
+
+    def _admit(self, received: float, frames: list[bytes]) -> None:
+        """Validate one received message and queue it, refuse it with an Error, or drop it (no header)."""
+        try:
+            message = protocol.decode(frames)
+        except protocol.RequestError as error:
+            self._refuse(error.session, error.seq, f"malformed {error.kind.name.lower()}: {error}")
+            return
+        except protocol.ProtocolError as error:
+            self._drop(f"malformed message: {error}")
+            return
+        accepted = (protocol.Step, protocol.Control, protocol.Hello, protocol.Error)
+        if not isinstance(message, accepted) and not (
+            isinstance(message, protocol.Propose) and self.config.role == "draft"
+        ):
+            self._drop(f"unexpected {type(message).__name__} at stage {self.config.stage_index}")
+            return
+        session, seq = getattr(message, "session", 0), message.seq
+        problem = self._shape_problem(message)
+        if problem:
+            self._refuse(session, seq, problem)
+            return
+        size = sum(len(frame) for frame in frames)
+        if not self.inbox.put(received, message, size):
+            self.stats.overflow += 1
+            if rarely(self.stats.overflow):
+                logger.warning("overloaded #%d: refused %d bytes", self.stats.overflow, size)
+            self._refuse(
+                session,
+                seq,
+                f"stage {self.config.stage_index} is overloaded: {self.inbox.bytes} bytes in "
+                f"{len(self.inbox)} messages queued (limit {self.inbox.max_bytes} bytes)",
+                count=False,
+            )
+
+    def _shape_problem(self, message: protocol.Message) -> str:
+        """Why a well-formed request does not fit this stage (its input kind, width, finite values), or ""."""
+        if not isinstance(message, protocol.Step):
+            return ""
+        here = f"stage {self.config.stage_index}"
+        if self.engine.is_first:
+            return (
+                ""
+                if message.tokens is not None
+                else f"{here} takes token ids, the step carries hidden states"
+            )
+        hidden = message.hidden
+        if hidden is None:
+            return f"{here} takes hidden states, the step carries token ids"
+        if hidden.shape[1] != self.engine.hidden_size:
+            return f"{here} takes hidden states of width {self.engine.hidden_size}, got {hidden.shape[1]}"
+        if not bool(np.isfinite(hidden).all()):
+            return f"session {message.session}: non-finite hidden states (NaN/Inf) arrived at {here}"
+        return ""
+
+    def _refuse(self, session: int, seq: int, reason: str, count: bool = True) -> None:
+        if count:
+            self.stats.rejected += 1
+            if rarely(self.stats.rejected):
+                logger.warning(
+                    "rejected #%d (session %d seq %d): %s", self.stats.rejected, session, seq, reason
+                )
+        if not self.inbox.refuse(protocol.Error(session, seq, self.config.stage_index, reason)):
+            self.stats.unsent += 1
 
     def _drop(self, reason: str) -> None:
         self.stats.dropped += 1
-        if self.stats.dropped <= 20 or self.stats.dropped % 1000 == 0:  # a flood must not flood the log too
+        if rarely(self.stats.dropped):
             logger.warning("dropped #%d: %s", self.stats.dropped, reason)
+
+    def _watch(self, monitor: zmq.Socket, name: str) -> None:
+        """Count and log peers whose handshake failed (a wrong CURVE key, a refused ZAP, not ZeroMQ)."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.stats.refused += 1
+            if rarely(self.stats.refused):
+                kind = zmq.Event(event["event"]).name
+                logger.warning(
+                    "refused a peer on %s (%s): %s 0x%x (%d so far)",
+                    name,
+                    event.get("endpoint", b"").decode("ascii", "replace"),
+                    kind,
+                    event.get("value", 0),
+                    self.stats.refused,
+                )
 
     def _publish(self) -> None:
         if self.telemetry is None:
             return
         sample_dict = self.stats.sample(
-            self.state, len(self.queue), len(self.engine.sessions), self.engine.cache_slots()
+            self.state, len(self.inbox), len(self.engine.sessions), self.engine.cache_slots()
         )
+        sample_dict.update(queue_bytes=self.inbox.bytes, busy_since=self.busy_since())
         with contextlib.suppress(zmq.Again):  # no subscriber keeping up: this sample is simply lost
             self.telemetry.send(encode_sample(sample_dict), zmq.NOBLOCK)
 
     # --------------------------------------------------------------------------------------- control
+    def busy_since(self) -> float | None:
+        """Seconds the message being served has been running, or None when idle."""
+        started = self._busy_since
+        return None if started is None else round(time.monotonic() - started, 3)
+
+    def lease_left(self) -> float | None:
+        if self.lease_seconds <= 0:
+            return None
+        return max(0.0, self.lease_seconds - (time.monotonic() - self._last_control))
+
+    def _check_lease(self) -> None:
+        left = self.lease_left()
+        if left is not None and left <= 0 and self.running:
+            logger.warning(
+                "lease of %.1f s expired: no control request from the coordinator since; exiting",
+                self.lease_seconds,
+            )
+            self.stop("lease expired")
+
     def describe(self) -> dict[str, Any]:
-        """The ping answer: who this worker is and how it computes."""
+        """The ping answer: who this worker is, how it computes and whether it is alive and keeping up."""
         layers = self.engine.stage.layers
+        left = self.lease_left()
         answer = {
             "state": self.state,
             "stage": self.config.stage_index,
@@ -194,11 +348,19 @@ class StageServer:
             "pid": os.getpid(),
             "role": self.config.role,
             "deployment": self.config.deployment,
-            "properties": self.engine.effective_properties(),
+            "properties": dict(self._properties),
             "layers": [layers.start, layers.end],
             "is_first": self.engine.is_first,
             "is_last": self.engine.is_last,
             "dropped": self.stats.dropped,
+            "rejected": self.stats.rejected,
+            "overflow": self.stats.overflow,
+            "refused": self.stats.refused,
+            "busy_since": self.busy_since(),
+            "queue_bytes": self.inbox.bytes,
+            "lease_left": None if left is None else round(left, 3),
+            "max_sessions": self.config.max_sessions,
+            "open_sessions": len(self.engine.sessions),
             "security": self.security.mode,
             "urls": self.urls(),
         }
@@ -210,206 +372,55 @@ class StageServer:
         assert self.control is not None
         while True:
             try:
-                raw = self.control.recv(zmq.NOBLOCK)
+                frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            reply = self._control_reply(frames)
             try:
-                request = json.loads(raw)
-                operation = request["op"]
-            except (ValueError, TypeError, KeyError):
-                self.control.send_json({"error": "expected a JSON object with an 'op'"})
-                continue
+                self.control.send(json.dumps(reply).encode("utf-8"), zmq.NOBLOCK)
+            except zmq.ZMQError as error:  # the requester went away: nothing to answer to
+                logger.warning("control reply not sent: %s", one_line(error))
+
+    def _control_reply(self, frames: list[bytes]) -> dict[str, Any]:
+        try:
+            operation, request = parse_control(frames)
+            if operation not in CONTROL_OPS:
+                raise ControlRequestError(f"unknown op {operation[:40]!r}; known: {', '.join(CONTROL_OPS)}")
+            if operation == "lease":
+                self.lease_seconds = lease_seconds(request)
+            self._last_control = time.monotonic()  # any request of the coordinator renews the lease
             if operation == "ping":
-                self.control.send_json(self.describe())
-            elif operation == "stats":
-                self.control.send_json(self._statistics())
-            elif operation == "shutdown":
-                logger.info("shutdown requested")
-                self.running = False
-                self.control.send_json({"state": "stopping", "pid": os.getpid()})
-            else:
-                self.control.send_json({"error": f"unknown op {operation!r}"})
+                return self.describe()
+            if operation == "stats":
+                return self._statistics()
+            if operation == "lease":
+                return {"lease": self.lease_seconds, "lease_left": self.lease_left()}
+            logger.info("shutdown requested")
+            self.stop("shutdown requested")
+            return {"state": "stopping", "pid": os.getpid()}
+        except ControlRequestError as error:
+            self.stats.control_errors += 1
+            return {"error": str(error)}
+        except Exception as error:  # noqa: BLE001 - every request gets an answer
+            self.stats.control_errors += 1
+            logger.error("control request failed: %s", one_line(error))
+            return {"error": one_line(error)}
 
     def _statistics(self) -> dict[str, Any]:
-        sessions = {
-            str(session): {
-                "cache_len": self.engine.cache_len(session),
-                "masked": self.engine.masked_slots(session),
-            }
-            for session in sorted(self.engine.sessions)
-        }
+        sessions = {}
+        for session in sorted(self.engine.sessions):  # sessions may open/close meanwhile: skip those
+            with contextlib.suppress(Exception):
+                sessions[str(session)] = {
+                    "cache_len": self.engine.cache_len(session),
+                    "masked": self.engine.masked_slots(session),
+                }
         return {
             **self.describe(),
             **self.stats.totals(),
-            "queue": len(self.queue),
+            "queue": len(self.inbox),
             "sessions": sessions,
             "cache_slots": self.engine.cache_slots(),
             "kv_bytes": self.engine.session_bytes(),
             "refused_clients": self.security.refused,
             "rss_mb": round(rss_megabytes(), 1),
         }
-
-    # ------------------------------------------------------------------------------------------ serve
-    def _send(self, message: protocol.Message) -> None:
-        assert self.output is not None
-        try:
-            self.output.send_multipart(protocol.encode(message), copy=False)
-        except zmq.Again:
-            self.stats.errors += 1
-            logger.error("could not send %s downstream within %d ms", type(message).__name__, SEND_TIMEOUT_MS)
-
-    def _serve(self, received: float, message: protocol.Message) -> None:
-        started = time.time()
-        kind = type(message).__name__
-        try:
-            if isinstance(message, protocol.Step):
-                self._step(received, started, message)
-            elif isinstance(message, protocol.Control):
-                self._control(message)
-            elif isinstance(message, protocol.Hello):
-                self._hello(received, started, message)
-            elif isinstance(message, protocol.Propose) and self.config.role == "draft":
-                self._propose(received, started, message)
-            elif isinstance(message, protocol.Error):
-                self._send(message)  # an upstream failure travels on to the coordinator
-            else:
-                self._drop(f"unexpected {kind} at stage {self.config.stage_index}")
-                return
-            self.stats.handled[kind] += 1
-        except Exception as error:  # noqa: BLE001 - any failure must reach the coordinator as an Error
-            self.stats.errors += 1
-            reason = _one_line(error)
-            session = getattr(message, "session", 0)
-            logger.error("%s session %d seq %d failed: %s", kind, session, message.seq, reason)
-            self._send(protocol.Error(session, message.seq, self.config.stage_index, reason))
-        finally:
-            self.stats.busy_seconds += time.time() - started
-
-    def _trace(self, trace: np.ndarray, received: float, started: float) -> np.ndarray:
-        finished = time.time()
-        return protocol.append_trace(trace, self.config.stage_index, received, started, finished, time.time())
-
-    def _step(self, received: float, started: float, step: protocol.Step) -> None:
-        data = step.tokens if step.tokens is not None else step.hidden
-        assert data is not None
-        clock = time.perf_counter()
-        decode = step.decode if step.decode is not None else _GREEDY
-        keep = decode.n_score if self.engine.is_last else 0
-        if decode.n_score > step.n:
-            raise ValueError(f"decode scores {decode.n_score} positions, the step has {step.n}")
-        output = self.engine.step(
-            step.session, step.pos0, step.cache_len, step.mask_ranges, data, keep_last=keep
-        )
-        if not self.engine.is_last:
-            # astype copies: the engine's output buffer is reused by the session's next step
-            with np.errstate(over="ignore"):  # an overflow is detected just below
-                hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
-            if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
-                hidden = output.astype(
-                    np.float32
-                )  # an activation beyond float16's range: send this one as f32
-            self.stats.record_step(step.n, time.perf_counter() - clock)
-            self._send(
-                protocol.Step(
-                    step.session,
-                    step.seq,
-                    step.pos0,
-                    step.cache_len,
-                    step.mask_ranges,
-                    hidden=hidden,
-                    decode=step.decode,
-                    trace=self._trace(step.trace, received, started),
-                )
-            )
-            return
-        tokens, accepted, top_ids, top_logprobs = score(output, decode)
-        self.stats.record_step(step.n, time.perf_counter() - clock)
-        self._send(
-            protocol.Result(
-                step.session,
-                step.seq,
-                tokens,
-                accepted,
-                top_ids,
-                top_logprobs,
-                self._trace(step.trace, received, started),
-            )
-        )
-
-    def _control(self, control: protocol.Control) -> None:
-        session, value = control.session, 0
-        if control.kind == protocol.Kind.OPEN:
-            if not self.engine.has(session) and len(self.engine.sessions) >= self.config.max_sessions:
-                raise ValueError(f"max_sessions ({self.config.max_sessions}) reached")
-            self.engine.open(session)
-        elif control.kind == protocol.Kind.CLOSE:
-            self.engine.close(session)
-        elif control.kind == protocol.Kind.RESET:
-            self.engine.reset(session)
-        elif control.kind == protocol.Kind.COMPACT:
-            clock = time.perf_counter()
-            value = self.engine.compact(session, control.cache_len)
-            logger.info(
-                "session %d compacted %d -> %d slots in %.1f ms",
-                session,
-                control.cache_len,
-                value,
-                (time.perf_counter() - clock) * 1e3,
-            )
-        if self.config.next is not None:
-            self._send(control)
-        else:
-            self._send(protocol.Ack(control.kind, session, control.seq, value))
-
-    def _hello(self, received: float, started: float, hello: protocol.Hello) -> None:
-        trace = self._trace(hello.trace, received, started)
-        if self.config.next is not None:
-            self._send(protocol.Hello(hello.seq, trace))
-        else:
-            stages = len(trace) // protocol.TRACE_FIELDS
-            self._send(protocol.Ack(protocol.Kind.HELLO, 0, hello.seq, stages, trace))
-
-    def _propose(self, received: float, started: float, propose: protocol.Propose) -> None:
-        """Draft: feed the tokens, then propose k tokens, feeding each proposal but the last."""
-        decode = propose.decode
-        if not decode.greedy and propose.support <= 0:
-            raise ValueError("propose: sampling needs support > 0")
-        clock = time.perf_counter()
-        session, position = propose.session, propose.pos0
-        output = self.engine.step(
-            session, position, propose.cache_len, propose.mask_ranges, propose.tokens, keep_last=1
-        )
-        position += len(propose.tokens)
-        uniforms = (
-            decode.uniforms
-            if len(decode.uniforms) >= propose.k
-            else np.random.default_rng().random(propose.k)
-        )
-        tokens = np.zeros(propose.k, np.int64)
-        support = 0 if decode.greedy else propose.support
-        ids = np.zeros((propose.k, support), np.int64)
-        probs = np.zeros((propose.k, support), np.float32)
-        for index in range(propose.k):
-            logits = output[-1]
-            if decode.greedy:
-                tokens[index] = int(np.argmax(logits))
-            else:
-                row_ids, row_probs = propose_distribution(logits, decode, support)
-                ids[index, : len(row_ids)], probs[index, : len(row_probs)] = row_ids, row_probs
-                tokens[index] = sample(row_ids, row_probs, float(uniforms[index]))
-            if index < propose.k - 1:
-                output = self.engine.step(
-                    session, position, self.engine.cache_len(session), _NO_RANGES, tokens[index : index + 1]
-                )
-                position += 1
-        self.stats.record_step(len(propose.tokens) + propose.k - 1, time.perf_counter() - clock)
-        self._send(
-            protocol.Proposal(
-                session,
-                propose.seq,
-                tokens,
-                ids,
-                probs,
-                self._trace(np.zeros(0, np.float64), received, started),
-            )
-        )

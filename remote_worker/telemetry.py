@@ -53,8 +53,14 @@ class StageStats:
     role: str
     steps: int = 0
     tokens: int = 0
-    errors: int = 0
-    dropped: int = 0
+    errors: int = 0  # messages whose serving failed (each answered with an Error down the chain)
+    dropped: int = 0  # unparseable or unexpected frames (no header to answer to)
+    received: int = 0  # multipart messages read from the data socket
+    rejected: int = 0  # requests with a sound header but a bad body or shape (answered with an Error)
+    overflow: int = 0  # requests refused because the queue's byte budget was full (answered with an Error)
+    refused: int = 0  # peers whose handshake failed (CURVE, ZAP, not ZeroMQ at all)
+    control_errors: int = 0  # control requests answered with an error
+    unsent: int = 0  # messages that could not be sent downstream
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
     handled: Counter = field(default_factory=Counter)  # message kinds served
@@ -102,6 +108,9 @@ class StageStats:
             "cache_slots": cache_slots,
             "dropped": self.dropped,
             "errors": self.errors,
+            "rejected": self.rejected,
+            "overflow": self.overflow,
+            "refused": self.refused,
             "pid": os.getpid(),
         }
 
@@ -111,6 +120,12 @@ class StageStats:
             "tokens": self.tokens,
             "errors": self.errors,
             "dropped": self.dropped,
+            "received": self.received,
+            "rejected": self.rejected,
+            "overflow": self.overflow,
+            "refused": self.refused,
+            "control_errors": self.control_errors,
+            "unsent": self.unsent,
             "busy_seconds": round(self.busy_seconds, 3),
             "last_step_ms": round(self.last_step_ms, 3),
             "handled": {kind: count for kind, count in sorted(self.handled.items())},

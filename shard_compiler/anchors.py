@@ -22,9 +22,17 @@ from typing import Any
 
 from remote_worker.manifest import load_manifest
 
-GENAI_FILES = ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
-               "openvino_detokenizer.bin", "config.json", "generation_config.json", "tokenizer_config.json",
-               "tokenizer.json", "special_tokens_map.json")
+GENAI_FILES = (
+    "openvino_tokenizer.xml",
+    "openvino_tokenizer.bin",
+    "openvino_detokenizer.xml",
+    "openvino_detokenizer.bin",
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+)
 
 
 def _list(text: str) -> list[int]:
@@ -35,8 +43,12 @@ def _list(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shard_compiler.anchors", description=__doc__.splitlines()[0])
-    parser.add_argument("--shard", type=Path, required=True, help="compiled shard directory with exactly one stage")
+    parser = argparse.ArgumentParser(
+        prog="python -m shard_compiler.anchors", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--shard", type=Path, required=True, help="compiled shard directory with exactly one stage"
+    )
     parser.add_argument("--prompt-ids", type=_list, required=True, help="prompt token ids, comma-separated")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens to generate (EOS is ignored)")
     parser.add_argument("--threads", type=int, default=0, help="inference threads (0 = plugin default)")
@@ -97,7 +109,9 @@ def _pipeline(folder: Path, device: str, properties: dict[str, Any]) -> tuple[An
         try:
             return openvino_genai.LLMPipeline(str(folder), device, **properties), "default"
         except RuntimeError as second:
-            raise RuntimeError(f"SDPA backend: {_first_line(first)}; default backend: {_first_line(second)}") from None
+            raise RuntimeError(
+                f"SDPA backend: {_first_line(first)}; default backend: {_first_line(second)}"
+            ) from None
 
 
 def _generate(pipe: Any, prompt: list[int], tokens: int) -> tuple[list[int], Any, float]:
@@ -124,7 +138,9 @@ def _effective(folder: Path, device: str, properties: dict[str, Any]) -> dict[st
 
     try:
         compiled = ov.Core().compile_model(str(folder / "openvino_model.xml"), device, properties)
-        return {key: str(compiled.get_property(key)) for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION")}
+        return {
+            key: str(compiled.get_property(key)) for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION")
+        }
     except RuntimeError:
         return {}
 
@@ -160,7 +176,9 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": len(arguments.prompt_ids),
         "precision": {
             "weights": manifest.precision,
-            "inference": effective.get("INFERENCE_PRECISION_HINT", arguments.inference_precision or "default"),
+            "inference": effective.get(
+                "INFERENCE_PRECISION_HINT", arguments.inference_precision or "default"
+            ),
             "kv_cache": effective.get("KV_CACHE_PRECISION", arguments.kv_cache_precision or "default"),
         },
         "backend": backend,

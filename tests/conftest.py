@@ -32,3 +32,9 @@ def no_leftover_workers() -> Iterator[None]:
         except (ProcessLookupError, PermissionError):
             process.kill()
     psutil.wait_procs(_worker_children(), timeout=5)
+
+
+@pytest.fixture(autouse=True)
+def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deployment records, run folders and worker logs of a test go to its own state folder, not the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))

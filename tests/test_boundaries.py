@@ -94,3 +94,142 @@ def test_fleettui_help_is_instant_no_heavy_import() -> None:
 def test_linters_pass(command: list[str]) -> None:
     result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+# -- layers inside fleettui: each package imports only the packages below it ---------------------------
+
+LAYERS: dict[str, set[str]] = {
+    "errors": set(),
+    "model": {"errors"},  # the model description: shape, builtin models, GGUF header
+    "config": {"errors", "model"},
+    "planning": {"errors", "model", "config"},
+    "runtime": {"errors"},
+    "provision": {"errors", "config"},
+    "control": {"errors", "model", "config", "planning", "runtime", "provision"},
+    "serve": {"errors", "config", "runtime", "control"},  # the HTTP API over a running fleet
+    "bench": {"errors", "model", "config", "planning", "runtime", "control", "serve"},
+    "ui": {"errors", "config", "runtime", "control", "serve"},
+    "commands": {"errors", "model", "config", "planning", "runtime", "control", "serve", "bench", "ui"},
+    "cli": {"errors", "config", "commands"},
+    "__main__": {"cli"},
+}
+# The wire and shard contract: the only parts of remote_worker that fleettui may use.
+CONTRACT = {
+    "remote_worker",
+    "remote_worker.protocol",
+    "remote_worker.config",
+    "remote_worker.manifest",
+    "remote_worker.replies",
+}
+
+
+def _package(path: str) -> str:
+    parts = Path(path).with_suffix("").parts
+    return parts[1]
+
+
+def test_fleettui_packages_import_only_the_layers_below_them() -> None:
+    wrong = []
+    for path, names in imported_modules("fleettui").items():
+        package = _package(path)
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "fleettui" or len(parts) < 2 or parts[1] == package:
+                continue
+            if parts[1] not in LAYERS.get(package, set()):
+                wrong.append(f"{path}: {name}")
+    assert wrong == []
+
+
+def test_fleettui_uses_only_the_contract_of_remote_worker() -> None:
+    used = {
+        f"{path}: {name}"
+        for path, names in imported_modules("fleettui").items()
+        for name in names
+        if name.split(".")[0] == "remote_worker" and name not in CONTRACT
+    }
+    assert used == set()
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """The same analysis as /work/shared/tools/import_cycles.py: every import statement counts."""
+    for package in ("fleettui", "remote_worker", "shard_compiler"):
+        modules = {}
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        graph: dict[str, set[str]] = {name: set() for name in modules}
+        for name, path in modules.items():
+            base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets: list[str] = []
+                if isinstance(node, ast.ImportFrom):
+                    module = node.module or ""
+                    if node.level:
+                        prefix = base.split(".")[: len(base.split(".")) - (node.level - 1)]
+                        module = ".".join(prefix + ([node.module] if node.module else []))
+                    for alias in node.names:
+                        sub = f"{module}.{alias.name}"
+                        targets.append(sub if sub in modules else module)
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                graph[name].update(t for t in targets if t in modules and t != name)
+        assert _cycles(graph) == [], package
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for following in graph[node]:
+            if following not in index:
+                visit(following)
+                low[node] = min(low[node], low[following])
+            elif following in stack:
+                low[node] = min(low[node], index[following])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_modules_stay_under_500_lines() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {count}"
+        for package in ("fleettui", "remote_worker", "shard_compiler")
+        for path in (ROOT / package).rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > 520
+    ]
+    assert long == []
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ruff", "format", "--check", "fleettui", "remote_worker", "shard_compiler", "tests"],
+        [
+            "mypy", "--disallow-untyped-defs", "--disallow-incomplete-defs", "--disallow-any-generics",
+            "--warn-return-any", "fleettui/runtime", "fleettui/control",
+        ],
+    ],
+    ids=["ruff-format", "mypy-strict-runtime-control"],
+)  # fmt: skip
+def test_strict_checks_pass(command: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -203,3 +203,95 @@ def test_draft_equal_to_target_is_always_accepted() -> None:
     )
     tokens, accepted, _, _ = score(np.stack([p, p]).astype(np.float32), decode)
     assert accepted == 1 and tokens[0] == 2
+
+
+# ----------------------------------------------------------------------------------------------- penalties
+def _penalty_decode(**fields: object) -> Decode:
+    return Decode(**fields)  # type: ignore[arg-type]
+
+
+def test_frequency_and_presence_penalties_follow_openai() -> None:
+    from remote_worker.decoding import penalize
+
+    logits = np.array([[1.0, 2.0, 3.0, 0.5]], np.float32)
+    decode = _penalty_decode(
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        penalty_ids=np.array([0, 2, 3], np.int64),
+        penalty_counts=np.array([0, 3, 1], np.int32),  # id 0 is only in the prompt: no OpenAI penalty
+    )
+    np.testing.assert_allclose(penalize(logits, decode), [[1.0, 2.0, 3.0 - 1.5 - 0.25, 0.5 - 0.5 - 0.25]])
+
+
+def test_repetition_penalty_follows_hf_over_the_whole_context() -> None:
+    from remote_worker.decoding import penalize
+
+    logits = np.array([[2.0, -2.0, 3.0, 1.0]], np.float32)
+    decode = _penalty_decode(
+        repetition_penalty=2.0, penalty_ids=np.array([0, 1], np.int64), penalty_counts=np.zeros(2, np.int32)
+    )
+    np.testing.assert_allclose(penalize(logits, decode), [[1.0, -4.0, 3.0, 1.0]])
+    assert penalize(logits, Decode()) is logits  # no penalty: no copy
+
+
+def _sequential_penalized_greedy(
+    logits: np.ndarray, base: dict[int, int], seen: set[int], **p: float
+) -> list:
+    """Plain decoding, one token at a time, each position penalized by what was emitted before it."""
+    counts, context, tokens = dict(base), set(seen), []
+    for row in logits:
+        values = row.astype(np.float64).copy()
+        for token in context:
+            values[token] = values[token] / p["r"] if values[token] > 0 else values[token] * p["r"]
+        for token, count in counts.items():
+            if count:
+                values[token] -= count * p["f"] + p["p"]
+        token = int(np.argmax(values))
+        tokens.append(token)
+        counts[token] = counts.get(token, 0) + 1
+        context.add(token)
+    return tokens
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_penalties_are_exact_under_speculation(seed: int) -> None:
+    """Verify position j counts the drafts before j: accepting the sequential choices reproduces them."""
+    rng = np.random.default_rng(seed)
+    vocab, k = 12, 5
+    logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
+    logits[:, 3] += 2.5  # a token plain greedy would repeat without penalties
+    ids = np.array([1, 3, 7], np.int64)
+    counts = np.array([0, 2, 1], np.int32)
+    options = {"f": 0.4, "p": 0.3, "r": 1.3}
+    expected = _sequential_penalized_greedy(logits, {1: 0, 3: 2, 7: 1}, {1, 3, 7}, **options)
+    fields = {
+        "frequency_penalty": options["f"],
+        "presence_penalty": options["p"],
+        "repetition_penalty": options["r"],
+        "penalty_ids": ids,
+        "penalty_counts": counts,
+    }
+    tokens, accepted, _, _ = score(logits, Decode(draft_tokens=np.array(expected[:k], np.int64), **fields))
+    assert accepted == k and tokens.tolist() == expected
+    wrong = list(expected[:k])
+    wrong[2] = (wrong[2] + 1) % vocab
+    tokens, accepted, _, _ = score(logits, Decode(draft_tokens=np.array(wrong, np.int64), **fields))
+    assert accepted == 2 and tokens.tolist() == expected[:3]
+    unpenalized, _, _, _ = score(logits, Decode(draft_tokens=np.array(expected[:k], np.int64)))
+    assert unpenalized.tolist() != expected  # the penalties changed the choice
+
+
+def test_sampling_uses_penalized_distribution() -> None:
+    logits = np.array([[5.0, 0.0, 0.0]], np.float32)
+    decode = Decode(
+        temperature=1.0,
+        uniforms=np.array([0.5, 0.5]),
+        presence_penalty=2.0,
+        frequency_penalty=2.0,
+        penalty_ids=np.array([0], np.int64),
+        penalty_counts=np.array([2], np.int32),
+    )
+    tokens, _, _, _ = score(logits, decode)  # 5 - 4 - 2 = -1: token 0 is now the least likely
+    assert tokens.tolist() == [1]
+    plain, _, _, _ = score(logits, Decode(temperature=1.0, uniforms=np.array([0.5, 0.5])))
+    assert plain.tolist() == [0]

@@ -60,7 +60,7 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
             generations = await asyncio.gather(*calls)
         else:
             generations = [await call for call in calls]
-        pids = [w.process.pid for w in controller.launcher.workers.values()]
+        pids = list(controller.worker_pids().values())
         info = {"pids": pids, "stats": [g.stats for g in generations], "texts": [g.text for g in generations]}
         return [list(g.token_ids) for g in generations], info
     finally:

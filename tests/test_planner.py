@@ -10,10 +10,10 @@ import pytest
 
 from fleettui.config.fleet import Host
 from fleettui.errors import PlanError
-from fleettui.planning.gguf_header import gguf_shape
-from fleettui.planning.models import shape_for_model
+from fleettui.model.builtin import shape_for_model
+from fleettui.model.gguf_header import gguf_shape
+from fleettui.model.shape import BUILTIN_SHAPES, GIB, ModelShape, check_manual_layers
 from fleettui.planning.planner import format_plan, plan
-from fleettui.planning.shape import BUILTIN_SHAPES, GIB, ModelShape, check_manual_layers
 
 LLAMA_70B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -278,3 +278,85 @@ def test_random_garbage_never_escapes_as_another_exception() -> None:
                 target[int(rng.integers(len(target)))] = int(rng.integers(256))
         with contextlib.suppress(ProtocolError):  # anything else escaping fails the test
             decode([bytes(frame) for frame in frames])
+
+
+# -- the typed control plane: telemetry samples and ping replies are validated like data frames ----------
+
+
+def test_telemetry_samples_and_ping_replies_are_validated_and_keep_unknown_fields() -> None:
+    import math
+
+    from remote_worker.replies import PingReply, ReplyError, TelemetrySample
+
+    good = {
+        "name": "a", "stage": 0, "role": "stage", "state": "ready", "time": 1.0, "steps_per_s": 2.0,
+        "tokens_per_s": 3.0, "busy": 0.5, "queue": 1, "last_step_ms": 4.0, "rss_mb": 300.0, "temp_c": None,
+        "sessions": 2, "cache_slots": 64, "dropped": 0, "errors": 0, "pid": 7, "lease_left": 12.5,
+    }  # fmt: skip
+    sample = TelemetrySample.parse(good)
+    assert sample.sessions == 2 and sample.temp_c is None and sample.extra == {"lease_left": 12.5}
+    assert TelemetrySample.parse(sample.to_dict()) == sample
+    for broken in (
+        {**good, "busy": math.nan},
+        {**good, "state": "asleep"},
+        {**good, "queue": "1"},
+        {key: value for key, value in good.items() if key != "sessions"},
+        [good],
+    ):
+        with pytest.raises(ReplyError):
+            TelemetrySample.parse(broken)
+    reply = PingReply.parse(
+        {"state": "ready", "stage": 1, "name": "b", "pid": 9, "role": "stage", "deployment": "d1",
+         "properties": {"INFERENCE_PRECISION_HINT": "f32"}, "layers": [15, 30], "busy_since": None}
+    )  # fmt: skip
+    assert reply.layers == (15, 30) and reply.properties["INFERENCE_PRECISION_HINT"] == "f32"
+    assert reply.extra == {"busy_since": None}
+    with pytest.raises(ReplyError):
+        PingReply.parse(
+            {"state": "ready", "stage": 1, "name": "b", "pid": "9", "role": "stage", "deployment": "x"}
+        )
+
+
+def test_decode_penalties_round_trip_and_out_of_range_is_a_request_error() -> None:
+    import numpy as np
+
+    from remote_worker import protocol
+
+    decode = protocol.Decode(
+        frequency_penalty=0.5,
+        presence_penalty=-1.0,
+        repetition_penalty=1.2,
+        penalty_ids=np.array([2, 9, 40], np.int64),
+        penalty_counts=np.array([0, 1, 3], np.int32),
+    )
+    step = protocol.Step(
+        4, 9, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([1, 2], np.int64), decode=decode
+    )
+    back = protocol.decode([bytes(f) for f in protocol.encode(step)])
+    assert isinstance(back, protocol.Step) and back.decode is not None
+    assert back.decode.penalty_ids.tolist() == [2, 9, 40] and back.decode.penalty_counts.tolist() == [0, 1, 3]
+    assert back.decode.repetition_penalty == pytest.approx(1.2) and back.decode.presence_penalty == -1.0
+    for bad in (
+        {"top_p": 2.0},
+        {"temperature": -1.0},
+        {"frequency_penalty": 3.0},
+        {"repetition_penalty": 0.0},
+        {"penalty_ids": np.array([9, 2], np.int64), "penalty_counts": np.zeros(2, np.int32)},
+    ):
+        wrong = protocol.Step(
+            4,
+            11,
+            0,
+            0,
+            np.zeros((0, 2), np.int64),
+            tokens=np.array([1], np.int64),
+            decode=protocol.Decode(**bad),
+        )
+        with pytest.raises(protocol.RequestError) as caught:
+            protocol.decode([bytes(f) for f in protocol.encode(wrong)])
+        assert (
+            caught.value.session == 4 and caught.value.seq == 11 and caught.value.kind == protocol.Kind.STEP
+        )
+    with pytest.raises(protocol.ProtocolError) as dropped:
+        protocol.decode([b"garbage"])
+    assert not isinstance(dropped.value, protocol.RequestError)

@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import socket
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, ResilienceSettings, load_fleet
+from fleettui.control import store
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.control.states import Lost, RecoveryReport, StageChanged
@@ -54,10 +54,21 @@ Fault = Callable[[FleetController], None]
 async def run_with_fault(
     fleet: Fleet, prompts: list[str], fault: Fault | None, events: list[object] | None = None
 ) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
-    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens."""
+    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens.
+
+    At each recovery report the deployment record must name the live workers (so `fleettui stop` finds them).
+    """
     events = events if events is not None else []
-    run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
-    controller = FleetController(fleet, on_event=events.append, run_dir=Path(run_dir.name))
+
+    def on_event(event: object) -> None:
+        events.append(event)
+        if isinstance(event, RecoveryReport):
+            record = store.load(fleet)
+            launched = {e.placement.config.name: e.process.pid for e in controller.launched if e.process}
+            assert record is not None and record.pids() == launched
+            assert all(psutil.pid_exists(pid) for pid in record.pids().values())
+
+    controller = FleetController(fleet, on_event=on_event)
     fired = asyncio.Event()
     try:
         coordinator = await controller.start()
@@ -82,7 +93,6 @@ async def run_with_fault(
         return [list(g.token_ids) for g in generations], controller, reports
     finally:
         await controller.stop()
-        run_dir.cleanup()
 
 
 def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
@@ -90,9 +100,16 @@ def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
 
     def fault(controller: FleetController) -> None:
         for name in names.split("+"):
-            os.kill(controller.launcher.workers[name].process.pid, sig)
+            os.kill(controller.worker_pids()[name], sig)
 
     return fault
+
+
+def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
+    """A process still running a worker of the controller's deployment."""
+    deployment = controller.deployment
+    command = " ".join(process.info["cmdline"] or ())
+    return deployment is not None and "remote_worker" in command and f"/runs/{deployment.id}/" in command
 
 
 @pytest.fixture(scope="session")
@@ -140,7 +157,8 @@ def test_kill_9_mid_answer_completes_exactly(
     assert all("signal 9" in reason for r in reports for reason in r.reasons)
     lost = [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
     assert sorted(e.name for e in lost) == sorted(victims)
-    assert controller.launcher.workers == {}  # stop() took the relaunched worker down too
+    assert controller.launched == [] and store.load(fleet) is None  # stop() took the relaunched ones too
+    assert not [p for p in psutil.process_iter(["cmdline"]) if fleet_worker(p, controller)]
 
 
 def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
@@ -149,7 +167,7 @@ def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
     stopped: list[int] = []
 
     def freeze(controller: FleetController) -> None:
-        pid = controller.launcher.workers["stage-1"].process.pid
+        pid = controller.worker_pids()["stage-1"]
         os.kill(pid, signal.SIGSTOP)
         stopped.append(pid)
         asyncio.get_running_loop().call_later(10.0, _wake, pid)
@@ -178,9 +196,10 @@ def test_host_that_does_not_come_back_is_planned_around(
     squatters: list[socket.socket] = []
 
     def lose_for_good(controller: FleetController) -> None:
-        worker = controller.launcher.workers["stage-1"]
-        os.kill(worker.process.pid, signal.SIGKILL)
-        worker.process.wait()
+        worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
+        assert worker.popen is not None
+        os.kill(worker.popen.pid, signal.SIGKILL)
+        worker.popen.wait()
         squatter = socket.socket()
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", worker.placement.config.data_port))
@@ -211,17 +230,18 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
     plan_fleet(fleet)  # the pair still holds it
 
     async def scenario() -> list[BaseException | object]:
-        run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
-        controller = FleetController(fleet, run_dir=Path(run_dir.name))
+        controller = FleetController(fleet)
         try:
             coordinator = await controller.start()
             sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
-            blocked = controller.launcher.workers["stage-0"]
+            blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
+            assert blocked is not None and controller.recovery is not None
+            recovery = controller.recovery
 
             def on_tokens(tokens: list[int], _text: str) -> None:
-                if blocked.process.poll() is None:
-                    os.kill(blocked.process.pid, signal.SIGKILL)
-                    controller.launcher.python = "/nonexistent/python"  # the host never comes back
+                if blocked.poll() is None:
+                    os.kill(blocked.pid, signal.SIGKILL)
+                    recovery.python = "/nonexistent/python"  # the host never comes back
 
             params = GenerationParams(max_tokens=TOKENS)
             calls = [
@@ -231,7 +251,6 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
             return list(await asyncio.gather(*calls, return_exceptions=True))
         finally:
             await controller.stop()
-            run_dir.cleanup()
 
     outcomes = asyncio.run(scenario())
     for outcome in outcomes:
@@ -257,10 +276,7 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
             stop.wait(0.01)
 
     async def scenario() -> None:
-        run_dir = tempfile.TemporaryDirectory(prefix="fleettui-test-run-")
-        controller = FleetController(
-            make_fleet(shard_cache, 2), on_event=events.append, run_dir=Path(run_dir.name)
-        )
+        controller = FleetController(make_fleet(shard_cache, 2), on_event=events.append)
         threads: list[threading.Thread] = []
         try:
             coordinator = await controller.start()
@@ -276,7 +292,7 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
                 nonlocal steps
                 steps += 1
                 if steps == 16 and not threads:  # the baseline window is measured: slow stage 1 down
-                    pid = controller.launcher.workers["stage-1"].process.pid
+                    pid = controller.worker_pids()["stage-1"]
                     threads.append(threading.Thread(target=duty_cycle, args=(pid,), daemon=True))
                     threads[0].start()
 
@@ -289,7 +305,6 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
             for thread in threads:
                 thread.join()
             await controller.stop()
-            run_dir.cleanup()
 
     asyncio.run(scenario())
     throttled = [e for e in events if isinstance(e, Throttled) and e.reason]

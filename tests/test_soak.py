@@ -17,9 +17,7 @@ pytestmark = pytest.mark.slow
 def test_soak_loses_nothing_and_memory_stays_bounded(tmp_path: Path) -> None:
     cache = Path(os.environ.get("FLEETTUI_TEST_CACHE") or tmp_path / "shards")
     fleet = make_fleet(cache, 2, "self-int4", 3)
-    report = asyncio.run(
-        soak(fleet, seconds=60.0, sessions=8, kill_every=15.0, max_tokens=32, run_dir=tmp_path)
-    )
+    report = asyncio.run(soak(fleet, seconds=60.0, sessions=8, kill_every=15.0, max_tokens=32))
     print(report.summary())
     assert report.errors == [] and report.mismatches == []
     assert len(report.kills) >= 3 and report.answers >= 8

@@ -380,8 +380,8 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     """The real model's 2-stage pipeline deployed over SSH answers like the same split run locally."""
     from fleettui.control.controller import FleetController, compile_model
     from fleettui.control.deployment import build_deployment
+    from fleettui.control.launcher import SshLauncher
     from fleettui.planning.planner import plan_fleet
-    from fleettui.provision.cli import deploy_placements
     from fleettui.runtime.chat_format import ChatFormat
     from fleettui.runtime.coordinator import Coordinator, GenerationParams
     from fleettui.runtime.transport import ZmqLink
@@ -395,7 +395,7 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     question = "What is the capital of France?"
 
     deployment = build_deployment(fleet, ranges, lambda host: str(target.directory))
-    report = await deploy_placements(fleet, deployment, target.directory)
+    report = await SshLauncher(fleet, target.directory, deployment.keys).deploy_all(deployment)
     try:
         assert report.ok, report.summary()
         head, tail = deployment.stages[0], deployment.stages[-1]
@@ -426,7 +426,7 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
 
         # redeploy: same shard and wheelhouse, so 0 bytes of shard and no reinstall; the old stages are replaced
         again = build_deployment(fleet, ranges, lambda host: str(target.directory))
-        second = await deploy_placements(fleet, again, target.directory)
+        second = await SshLauncher(fleet, target.directory, again.keys).deploy_all(again)
         assert second.ok, second.summary()
         for host in second.hosts:
             assert host.shard_push is not None and host.shard_push.bytes_sent == 0
@@ -447,7 +447,7 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
 
 def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
     from fleettui.config.fleet import FLEETS_DIR
-    from fleettui.provision.cli import rest_can_run
+    from fleettui.planning.planner import rest_can_run
 
     office = load_fleet(FLEETS_DIR / "office.toml")
     assert rest_can_run(office, {"pc-b"}).startswith("without pc-b the rest can run it: pc-a [0, ")

@@ -16,7 +16,7 @@ from tui_fakes import FakeController, demo_fleet, sample
 
 from fleettui.config.fleet import load_fleet
 from fleettui.control.controller import generation_params
-from fleettui.control.states import Failed, Ready, Serving
+from fleettui.control.states import Failed, Progress, Ready, Serving
 from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
@@ -103,9 +103,10 @@ def test_monitor_derives_the_state_of_stages_the_controller_does_not_track():
 
 
 def test_newer_telemetry_of_the_same_stage_supersedes_a_queued_one():
-    older, newer, other = (TelemetrySampled("a", {}), TelemetrySampled("a", {}), TelemetrySampled("b", {}))
+    a, b = sample("a", 0, 0), sample("b", 1, 0)
+    older, newer, other = (TelemetrySampled("a", a), TelemetrySampled("a", a), TelemetrySampled("b", b))
     assert older.can_replace(newer) and not older.can_replace(other)
-    assert not older.can_replace(DeployProgressed("a", "shard", 1, 2, ""))
+    assert not older.can_replace(DeployProgressed(Progress("a", "shard", 1, 2, "")))
 
 
 def test_help_rows_cover_every_app_binding():
@@ -157,7 +158,7 @@ async def test_a_failed_deploy_is_reported_and_d_retries():
     app.controller.fail_start = "shard compiler: no space left on device"
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.sub_title == "deploy failed", 10, "the failure")
-        assert app.coordinator is None
+        assert not app.ready
         deploy = app.query_one("#deploy")
         assert (
             deploy.row("fleet").failed
@@ -175,7 +176,7 @@ async def test_a_failed_deploy_is_reported_and_d_retries():
 async def test_prompt_streams_a_markdown_reply_with_its_statistics():
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
         await pilot.press(*"hello", "enter")
         session = app.query_one(ChatPane).active
         await wait_until(pilot, lambda: session.replies and session.replies[-1].done, 10, "the reply")
@@ -189,8 +190,8 @@ async def test_prompt_streams_a_markdown_reply_with_its_statistics():
 async def test_two_sessions_generate_at_the_same_time():
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
-        app.coordinator.gate = gate = asyncio.Event()
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
+        app.controller.coordinator.gate = gate = asyncio.Event()
         await pilot.press(*"one", "enter", "ctrl+n", *"two", "enter")
         chat = app.query_one(ChatPane)
         await wait_until(pilot, lambda: all(s.busy for s in chat.sessions), 10, "both sessions answering")
@@ -198,7 +199,7 @@ async def test_two_sessions_generate_at_the_same_time():
         assert sorted(w.group for w in running) == ["chat-1", "chat-2"]
         gate.set()
         await wait_until(pilot, lambda: all(s.replies[-1].done for s in chat.sessions), 10, "both replies")
-        assert app.coordinator.most_active == 2
+        assert app.controller.coordinator.most_active == 2
         assert [s.replies[-1].text for s in chat.sessions] == [
             "You said **one** in session 1.",
             "You said **two** in session 2.",
@@ -208,8 +209,8 @@ async def test_two_sessions_generate_at_the_same_time():
 async def test_a_busy_session_refuses_a_second_prompt_and_sessions_switch_by_number():
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
-        app.coordinator.gate = asyncio.Event()
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
+        app.controller.coordinator.gate = asyncio.Event()
         chat = app.query_one(ChatPane)
         await pilot.press(*"one", "enter")
         await wait_until(pilot, lambda: chat.active.busy, 10, "session 1 answering")
@@ -222,7 +223,7 @@ async def test_a_busy_session_refuses_a_second_prompt_and_sessions_switch_by_num
         assert chat.active.number == 2
         await pilot.press("ctrl+pagedown")
         assert chat.active.number == 1
-        app.coordinator.gate.set()
+        app.controller.coordinator.gate.set()
 
 
 async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
@@ -234,7 +235,7 @@ async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
         await pilot.press("enter")
 
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
         session = app.query_one(ChatPane).active
         for count in range(1, 4):
             await send()
@@ -243,7 +244,7 @@ async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
             )
         await pilot.pause(0.1)
         assert session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y  # followed the end
-        app.coordinator.gate = gate = asyncio.Event()
+        app.controller.coordinator.gate = gate = asyncio.Event()
         await send()
         await wait_until(pilot, lambda: len(session.replies) == 4, 10, "the fourth reply to start")
         session.scroll_home(animate=False)  # the reader scrolls up while the reply streams
@@ -268,7 +269,7 @@ async def test_help_screen_lists_the_keys():
 async def test_quit_does_what_the_operator_chose(key, stopped, exits):
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.coordinator is not None, 10, "ready")
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
         await pilot.press("ctrl+q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press(key)
@@ -340,14 +341,14 @@ async def deployed(pilot: Pilot, app: FleetApp) -> list[int]:
     names = [host.name for host in app.fleet.hosts]
     await wait_until(
         pilot,
-        lambda: app.coordinator is not None or app.sub_title == "deploy failed",
+        lambda: app.ready or app.sub_title == "deploy failed",
         REAL_TIMEOUT,
         "the deploy",
     )
-    assert app.coordinator is not None, app.sub_title
+    assert app.ready, app.sub_title
     assert all(isinstance(app.controller.states[name], (Ready, Serving)) for name in names)
     assert all(app.monitor.stages[name].state.label in ("ready", "serving") for name in names)
-    return [worker.process.pid for worker in app.controller.launcher.workers.values()]
+    return list(app.controller.worker_pids().values())
 
 
 async def quit_stopping_the_fleet(pilot: Pilot, app: FleetApp, pids: list[int]) -> None:
@@ -355,7 +356,7 @@ async def quit_stopping_the_fleet(pilot: Pilot, app: FleetApp, pids: list[int]) 
     await wait_until(pilot, lambda: isinstance(app.screen, QuitScreen), 10, "the quit dialog")
     await pilot.click("#stop")
     await wait_until(pilot, lambda: app.return_code is not None, 60, "the app to stop the fleet and exit")
-    assert app.return_code == 0 and app.controller.launcher.workers == {}
+    assert app.return_code == 0 and app.controller.worker_pids() == {}
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
 
 
@@ -409,3 +410,12 @@ async def test_real_fleet_serves_two_sessions_at_once():
         assert {host.name for host in app.fleet.hosts} <= served_both
         assert all(s.replies[-1].text and "failed" not in s.replies[-1].classes for s in chat.sessions)
         await quit_stopping_the_fleet(pilot, app, pids)
+
+
+def test_what_next_is_a_function_of_the_stage_states():
+    from fleettui.control.states import Idle, Loading, next_step
+
+    assert next_step({"a": Idle(), "b": Idle()}) == "launch"
+    assert next_step({"a": Ready(), "b": Loading()}) == "wait"
+    assert next_step({"a": Ready(), "b": Serving(2)}) == "serve"
+    assert next_step({"a": Serving(1), "b": Failed("lost")}) == "recover"

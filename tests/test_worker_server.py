@@ -232,8 +232,13 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
         client.send_raw(frames)
     client.send(Result(1, 1, np.array([5], np.int64), 0))  # well formed, but no stage expects a Result
     client.send(Control(Kind.OPEN, 1, 2))
+    # a sound header with a bad body is answered (so the coordinator fails fast); the rest is dropped
+    refusals = [client.receive(), client.receive()]
+    assert all(isinstance(r, Error) and r.stage == 0 and r.session == 1 and r.seq == 1 for r in refusals)
+    assert "open" in refusals[0].message and "step" in refusals[1].message  # type: ignore[union-attr]
     assert isinstance(opened := client.receive(), Ack) and opened.kind == Kind.OPEN and opened.session == 1
-    assert client.control(first, {"op": "stats"})["dropped"] == len(garbage) + 1  # type: ignore[index]
+    stats = client.control(first, {"op": "stats"})
+    assert stats is not None and stats["dropped"] == len(garbage) - 2 + 1 and stats["rejected"] == 2
 
     # plain greedy decoding through both processes
     from shards import chat_ids
@@ -302,7 +307,7 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
     assert isinstance(error, Error) and error.stage == 0 and error.seq == 30 and "12345" in error.message
     stats = client.control(last, {"op": "stats"})
     assert stats is not None and stats["sessions"]["1"]["cache_len"] == len(prompt) + 6
-    assert stats["handled"]["Error"] == 1 and stats["handled"]["Step"] == 11
+    assert stats["handled"]["Error"] == 3 and stats["handled"]["Step"] == 11
 
     # telemetry: one JSON sample about once a second
     subscriber = client.context.socket(zmq.SUB)
@@ -420,7 +425,26 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
             stranger.receive(timeout=1.0)
         stats = trusted.control(worker, {"op": "stats"})
         assert stats is not None and stats["steps"] == 0 and stats["sessions"] == {} and stats["dropped"] == 0
-        assert stats["refused_clients"] >= 1
+        assert stats["refused_clients"] >= 1 and stats["refused"] >= 1  # ZAP refusals fail the handshake too
+
+        # a peer with the wrong server key fails the CURVE handshake before ZAP: counted and logged as well
+        stranger.close()
+        before = trusted.control(worker, {"op": "ping"})["refused"]  # type: ignore[index]
+        impostor = zmq.Context()
+        wrong = impostor.socket(zmq.PUSH)
+        wrong.linger = 0
+        wrong.curve_publickey, wrong.curve_secretkey = (key.encode() for key in coordinator)
+        wrong.curve_serverkey = generate_keypair()[0].encode()
+        wrong.connect(worker.url(worker.config.data_port))
+        try:
+            deadline = time.monotonic() + 30
+            while "HANDSHAKE_FAILED_PROTOCOL" not in worker.log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ping = trusted.control(worker, {"op": "ping"})
+            assert ping is not None and ping["refused"] > before
+            assert "refused a peer on data" in worker.log.read_text()
+        finally:
+            impostor.destroy(linger=0)
 
         trusted.send(Control(Kind.OPEN, 1, 1))
         trusted.send(Step(1, 2, 0, 0, NO_RANGES, hidden=hidden))
@@ -554,6 +578,7 @@ class _FakeEngine:
     """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output is chosen."""
 
     is_first, is_last = True, False
+    hidden_size = 4
 
     def __init__(self, output: np.ndarray) -> None:
         from remote_worker.manifest import LayerRange
@@ -570,6 +595,9 @@ class _FakeEngine:
 
     def has(self, session: int) -> bool:
         return session in self.sessions
+
+    def mark_broken(self, session: int, reason: str) -> None:
+        self.broken = reason
 
     def step(
         self,

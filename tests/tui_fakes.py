@@ -1,4 +1,4 @@
-"""Provides a deterministic stand-in for FleetController (and its coordinator) to drive the TUI without a model."""
+"""Provides a deterministic FleetControl (fleettui.control.api) to drive the TUI without a model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fleettui.control.states import (
     Idle,
     Loading,
     LogLine,
+    ModelInfo,
     Progress,
     Provisioning,
     Ready,
@@ -21,6 +22,7 @@ from fleettui.control.states import (
     StageChanged,
     StageState,
     Telemetry,
+    TelemetrySample,
 )
 from fleettui.runtime.coordinator import GenerationParams, GenerationStats
 
@@ -35,7 +37,7 @@ def demo_fleet(path: str = "fleets/local.toml") -> Fleet:
     return replace(fleet, hosts=fleet.hosts + (office, laptop))
 
 
-def sample(name: str, index: int, second: int, **overrides: Any) -> dict[str, Any]:
+def sample(name: str, index: int, second: int, **overrides: Any) -> TelemetrySample:
     """A telemetry sample with values that vary smoothly (and reproducibly) with `second`."""
     wave = (second * 7 + index * 3) % 20
     values = {
@@ -58,7 +60,7 @@ def sample(name: str, index: int, second: int, **overrides: Any) -> dict[str, An
         "hop_ms": 0.4 + index / 10,
     }
     values.update(overrides)
-    return values
+    return TelemetrySample.parse(values)
 
 
 @dataclass
@@ -135,8 +137,10 @@ class FakeController:
         self.fleet = fleet
         self._on_event = on_event or (lambda event: None)
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
-        self.telemetry: dict[str, dict] = {}
+        self.samples: dict[str, TelemetrySample] = {}
         self.coordinator = FakeCoordinator()
+        self.attached = False
+        self.detached = 0
         self.started = 0
         self.stopped = 0
         self.fail_start: str | None = None
@@ -150,7 +154,7 @@ class FakeController:
         bounds = [30 * index // count for index in range(count + 1)]
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
-    async def start(self) -> FakeCoordinator:
+    async def start(self) -> None:
         self.started += 1
         names = [host.name for host in self.fleet.hosts]
         for name in names:
@@ -167,7 +171,7 @@ class FakeController:
             self._set(name, Ready())
             self._on_event(LogLine(name, "ready: stage up"))
         if remote:
-            self._on_event(Progress(remote[0], "shard", 12e6, 40e6))
+            self._on_event(Progress(remote[0], "shard", 12_000_000, 40_000_000))
             self._set(remote[0], Provisioning("shard"))
         if len(remote) > 1:
             self._set(remote[1], Failed("connect: [Errno 113] No route to host"))
@@ -179,15 +183,15 @@ class FakeController:
                 sample("draft", 0, second, role="draft", tokens_per_s=30.0, temp_c=None, hop_ms=None)
             )
         await asyncio.sleep(0)
-        return self.coordinator
 
-    def _sample(self, values: dict[str, Any]) -> None:
-        self.telemetry[values["name"]] = values
-        if values["name"] in self.states and not isinstance(self.states[values["name"]], Failed):
-            state = Serving(1) if values["name"] == self.fleet.hosts[0].name else Ready()
-            if self.states[values["name"]] != state:
-                self._set(values["name"], state)
-        self._on_event(Telemetry(values["name"], values))
+    def _sample(self, values: TelemetrySample) -> None:
+        name = values.name
+        self.samples[name] = values
+        if name in self.states and not isinstance(self.states[name], Failed):
+            state = Serving(1) if name == self.fleet.hosts[0].name else Ready()
+            if self.states[name] != state:
+                self._set(name, state)
+        self._on_event(Telemetry(name, values))
 
     async def stop(self) -> list[str]:
         self.stopped += 1
@@ -198,3 +202,34 @@ class FakeController:
 
     async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]:
         return {name: [f"{name} log line {i}" for i in range(2)] for name in self.states}
+
+    async def detach(self) -> list[str]:
+        self.detached += 1
+        return [f"{name}: left running" for name in self.states]
+
+    async def open_session(self, seed: int = 0) -> FakeSession:
+        return await self.coordinator.open_session(seed)
+
+    async def chat(
+        self,
+        session: Any,
+        text: str,
+        params: GenerationParams,
+        on_tokens: Callable[[list[int], str], Awaitable[None] | None] | None = None,
+    ) -> FakeGeneration:
+        return await self.coordinator.chat(session, text, params, on_tokens)
+
+    async def close_session(self, session: Any) -> None:
+        await self.coordinator.close_session(session)
+
+    def telemetry(self) -> dict[str, TelemetrySample]:
+        return self.samples
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("fake", 8192, tuple(self.layer_ranges()), "fp16", "self-int4", False)
+
+    def worker_pids(self) -> dict[str, int]:
+        return {}
+
+    def kill(self) -> None:
+        pass

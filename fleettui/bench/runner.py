@@ -23,19 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fleettui.bench.machine import CpuWitness, machine_info
 from fleettui.bench.report import (
     Row,
     Trip,
     add_ratios,
-    document,
-    dumps,
-    format_table,
-    format_targets,
-    plot,
     short_precision,
     short_precisions,
     stage_breakdown,
-    targets,
 )
 from fleettui.config.fleet import Fleet, Host
 
@@ -173,44 +168,6 @@ def bench_fleet(fleet: Fleet, stages: int, pinned: bool) -> Fleet:
     return replace(fleet, hosts=tuple(hosts))
 
 
-class CpuWitness:
-    """How much of the machine other programs used during a measurement (this bench's process tree excluded).
-
-    The bench often shares its machine; a row measured while something else ran is slower for that reason
-    alone, so every row reports the share of all CPUs that was busy outside this bench.
-    """
-
-    def __init__(self) -> None:
-        self.busy, self.ours, self.started = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, float, float]:
-        import psutil
-
-        times = psutil.cpu_times()
-        busy = sum(
-            getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal")
-        )
-        me = psutil.Process()
-        own = me.cpu_times()
-        ours = own.user + own.system + own.children_user + own.children_system
-        for child in me.children(recursive=True):
-            try:
-                times_of_child = child.cpu_times()
-            except psutil.Error:
-                continue
-            ours += times_of_child.user + times_of_child.system
-        return busy, ours, time.monotonic()
-
-    def others(self) -> float:
-        """Share (0..1) of all CPUs busy outside this process tree since construction."""
-        busy, ours, now = self._read()
-        capacity = (now - self.started) * len(os.sched_getaffinity(0))
-        return (
-            max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity)) if capacity > 0 else 0.0
-        )
-
-
 class TraceRecorder:
     """A Link that passes requests through and keeps each Result's per-stage trace (for the time split)."""
 
@@ -312,7 +269,6 @@ async def run_fleet_group(
     """Start one fleet for rows sharing stages/pinning/delay, measure each row, stop it."""
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.control.states import LogLine
     from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.coordinator import GenerationParams
 
@@ -326,25 +282,17 @@ async def run_fleet_group(
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
         return rows
-    properties: list[dict[str, Any]] = []
-
-    def on_event(event: Any) -> None:
-        if isinstance(event, LogLine) and event.text.startswith("ready: "):
-            try:
-                reply = json.loads(event.text[len("ready: ") :])
-            except ValueError:
-                return
-            if isinstance(reply, dict) and event.source != "draft":
-                properties.append(reply)
-
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
-    controller = FleetController(variant, on_event=on_event)
+    controller = FleetController(variant)
     try:
         progress(
             f"starting {first.stages} stage(s){' pinned' if first.pinned else ''}"
             f"{f', {first.hop_delay_ms:g} ms per hop' if hops else ''} (compiles shards on first use)"
         )
-        coordinator = await controller.start(endpoint_map=hops)
+        coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
+        properties: list[dict[str, Any]] = [
+            dict(reply.properties) for name, reply in controller.ready_replies.items() if name != "draft"
+        ]
         assert controller.target is not None
         recorder = TraceRecorder(coordinator.target)
         coordinator.target = recorder
@@ -450,57 +398,6 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     return row
 
 
-# -------------------------------------------------------------------------------------------- machine
-def machine_info() -> dict[str, Any]:
-    """CPU, cores, memory, OS and package versions; OpenVINO's devices from a child process."""
-    import platform
-    from importlib import metadata
-
-    import psutil
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": sorted(os.sched_getaffinity(0)),
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next(
-            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-            platform.processor(),
-        )
-        flags = next(
-            (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
-        )
-        info["cpu_flags"] = [
-            f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
-        ]
-    except OSError:
-        info["cpu"] = platform.processor()
-    versions: dict[str, str | None] = {}
-    for package in ("fleettui", "openvino", "openvino-genai", "openvino-tokenizers", "pyzmq", "numpy"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    info["versions"] = versions
-    probe = subprocess.run(
-        [sys.executable, "-m", "remote_worker.mono", "--probe"], capture_output=True, text=True
-    )
-    info["openvino_devices"] = json.loads(probe.stdout)["devices"] if probe.returncode == 0 else ["CPU"]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent,
-    )
-    info["git_commit"] = commit.stdout.strip() or None
-    return info
-
-
 # ------------------------------------------------------------------------------------------------ run
 async def run_bench(
     fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any, repeats: int = 1
@@ -553,69 +450,3 @@ async def run_bench(
     ordered = [results[spec] for spec in specs]
     add_ratios(ordered)
     return ordered, machine
-
-
-class Progress:
-    """One line per row on stderr: `[i/n] name ... result`."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.index = 0
-
-    def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
-        if row:
-            self.index += 1
-            print(f"[{self.index}/{self.total}] {text} ...", end="", file=sys.stderr, flush=True)
-        elif result:
-            print(f" {text}", file=sys.stderr, flush=True)
-        else:
-            print(f"  - {text}", file=sys.stderr, flush=True)
-
-
-def run_bench_cli(fleet: Fleet, args: Any) -> int:
-    """`fleettui --bench FLEET [--quick] [--json FILE|-] [--exact] [--spec-k K | --no-spec] [--max-tokens N]`."""
-    from fleettui.control.controller import with_overrides
-    from fleettui.errors import FleetError
-
-    fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
-    tokens = args.max_tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS)
-    if tokens < 1:
-        raise FleetError(f"--max-tokens: {tokens} must be at least 1")
-    specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec)
-    progress = Progress(len(specs))
-    started = time.perf_counter()
-    repeats = 1 if args.quick else FULL_REPEATS
-    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
-    settings = {
-        "profile": "quick" if args.quick else "full",
-        "tokens_per_user": tokens,
-        "repeats": repeats,
-        "command": " ".join(["fleettui", *sys.argv[1:]]),
-        "fleet": str(fleet.path) if fleet.path else None,
-        "model": fleet.model.name,
-        "weights": fleet.model.precision,
-        "exact": fleet.runtime.exact,
-        "draft": fleet.speculation.draft,
-        "prompts": list(PROMPTS),
-        "ignore_eos": True,
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-    }
-    doc = document(rows, machine, settings)
-    report = sys.stderr if args.json == "-" else sys.stdout
-    load = machine.get("load_average_at_start", [0.0])[0]
-    print(
-        f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
-        f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
-        f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
-        file=report,
-    )
-    print(format_table(rows), file=report)
-    print("\ntargets:\n" + format_targets(targets(rows)), file=report)
-    print("\n" + plot(rows), file=report)
-    if args.json == "-":
-        print(dumps(doc))
-    elif args.json:
-        Path(args.json).write_text(dumps(doc) + "\n")
-        print(f"\nJSON written to {args.json}", file=report)
-    return 1 if any(row.status.startswith("failed") for row in rows) else 0

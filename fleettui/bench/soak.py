@@ -16,7 +16,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.states import ControllerEvent, RecoveryReport
@@ -100,7 +99,6 @@ async def soak(
     kill_every: float = 60.0,
     max_tokens: int = 48,
     seed: int = 0,
-    run_dir: Path | None = None,
     on_event: Callable[[ControllerEvent], None] | None = None,
     on_line: Callable[[str], None] | None = None,
 ) -> SoakReport:
@@ -109,7 +107,7 @@ async def soak(
     from fleettui.runtime.coordinator import GenerationParams
 
     say = on_line or (lambda line: None)
-    controller = FleetController(fleet, on_event=on_event, run_dir=run_dir)
+    controller = FleetController(fleet, on_event=on_event)
     report = SoakReport(seconds, sessions)
     params = GenerationParams(max_tokens=max_tokens)
     chooser = random.Random(seed)
@@ -127,7 +125,7 @@ async def soak(
         deadline = started + seconds
 
         def sample_memory() -> None:
-            workers = [w.process.pid for w in controller.launcher.workers.values()]
+            workers = list(controller.worker_pids().values())
             report.rss_mb.append((time.monotonic() - started, _rss([os.getpid()]), _rss(workers)))
 
         async def user(index: int) -> None:
@@ -155,11 +153,11 @@ async def soak(
                 if time.monotonic() >= deadline:
                     return
                 sample_memory()
-                names = sorted(controller.launcher.workers)
-                if not names:
+                pids = controller.worker_pids()
+                if not pids:
                     continue
-                victim = chooser.choice(names)
-                os.kill(controller.launcher.workers[victim].process.pid, signal.SIGKILL)
+                victim = chooser.choice(sorted(pids))
+                os.kill(pids[victim], signal.SIGKILL)
                 report.kills.append(victim)
                 say(f"{time.monotonic() - started:6.1f} s: killed {victim}")
 

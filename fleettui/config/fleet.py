@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
+from remote_worker import config as contract
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,15 +27,15 @@ DEFAULT_FLEET = (
     Path(__file__).resolve().parent / "local.toml"
 )  # ships in the wheel; a copy of fleets/local.toml
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-INFERENCE_PRECISIONS = ("auto", "f32", "f16", "bf16")
-KV_CACHE_PRECISIONS = ("auto", "f32", "f16", "u8")
-WIRE_DTYPES = ("f16", "f32")
-ENCRYPTIONS = ("curve", "plaintext")
+PRECISIONS = contract.WEIGHT_PRECISIONS
+INFERENCE_PRECISIONS = ("auto", *contract.INFERENCE_PRECISIONS)
+KV_CACHE_PRECISIONS = ("auto", *contract.KV_CACHE_PRECISIONS)
+WIRE_DTYPES = contract.WIRE_DTYPES
+ENCRYPTIONS = contract.ENCRYPTIONS
 BUILTIN_DRAFTS = ("self-int4", "prompt-lookup", "none")
 TRANSPORTS = ("local", "ssh")
 HOST_KEY_POLICIES = ("verify", "tofu")
-DEVICES = ("CPU", "GPU", "NPU", "AUTO")
+DEVICES = contract.DEVICES
 PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
@@ -94,8 +95,7 @@ class ResilienceSettings:
     """Fault handling: how fast a lost stage is declared, how long a host may stay away, rebalancing."""
 
     heartbeat_seconds: float = 0.5  # ping every stage's control socket this often
-    detect_seconds: float = 2.0  # a stage silent this long (and not visibly busy) is lost
-    unresponsive_seconds: float = 30.0  # a live, running process may stay silent this long (long step)
+    detect_seconds: float = 2.0  # a stage silent this long is lost (workers answer pings while computing)
     grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
     rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
     throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
@@ -261,7 +261,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
 
 
 def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
-    from fleettui.planning.shape import BUILTIN_SHAPES
+    from fleettui.model.shape import BUILTIN_SHAPES
 
     section.reject_unknown(("name", "precision", "shards"))
     name = section.get("name", str, ModelSettings.name)
@@ -329,22 +329,17 @@ def _sessions(section: Section) -> SessionSettings:
 
 def _resilience(section: Section) -> ResilienceSettings:
     section.reject_unknown(
-        ("heartbeat_seconds", "detect_seconds", "unresponsive_seconds", "grace_seconds", "rebalance",
-         "throttle_ratio")
-    )  # fmt: skip
+        ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio")
+    )
     heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
     detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
     if detect < 2 * heartbeat:
         raise section.error(
             "detect_seconds", f"{detect} must be at least twice heartbeat_seconds ({heartbeat})"
         )
-    unresponsive = section.number(
-        "unresponsive_seconds", float, 30.0, lambda v: detect <= v <= 86400.0, f"{detect}..86400"
-    )
     return ResilienceSettings(
         heartbeat_seconds=heartbeat,
         detect_seconds=detect,
-        unresponsive_seconds=unresponsive,
         grace_seconds=section.number("grace_seconds", float, 30.0, lambda v: 0.0 <= v <= 86400.0, "0..86400"),
         rebalance=section.choice("rebalance", REBALANCE_MODES, "propose"),
         throttle_ratio=section.number(
@@ -477,8 +472,8 @@ def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
     """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
     if not fleet.manual_layers:
         return
-    from fleettui.planning.models import shape_for_model
-    from fleettui.planning.shape import check_manual_layers
+    from fleettui.model.builtin import shape_for_model
+    from fleettui.model.shape import check_manual_layers
 
     try:
         shape = shape_for_model(fleet.model.name)

@@ -1,26 +1,48 @@
-"""Provides the fleet controller: compile, deploy, hand-shake, chat and stop — the API any script or the TUI drives."""
+"""Provides the fleet controller: the one path from a fleet file to running stages (plan, launch, connect, serve).
+
+`start()` attaches to the fleet's recorded deployment when it is alive, or compiles, launches every stage
+(local and SSH behind one launcher interface), hand-shakes, records the deployment and connects. A fleet
+started for one command holds its workers on a lease the controller renews; `detach()` hands them to the
+record (`fleettui stop` finds them) and `stop()` stops exactly this deployment's workers.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import sys
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from fleettui.config.fleet import Fleet
+from fleettui.control import store
+from fleettui.control.api import SessionHandle
+from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
+from fleettui.control.connection import Connection, Lease, connect
 from fleettui.control.deployment import Deployment, Placement, build_deployment
-from fleettui.control.launcher import LocalLauncher
+from fleettui.control.launcher import (
+    Launched,
+    LaunchError,
+    LocalLauncher,
+    SshLauncher,
+    StageLauncher,
+    check_ports,
+    fetch_logs,
+    kill_now,
+    remove_folders,
+    stop_local,
+    stop_remote,
+)  # fmt: skip
 from fleettui.control.recovery import Recovery
+from fleettui.control.settings import apply, generation_params, with_overrides
 from fleettui.control.states import (
     ControllerEvent,
     Failed,
     Idle,
     Loading,
     LogLine,
+    ModelInfo,
     Progress,
     Provisioning,
     Ready,
@@ -28,117 +50,54 @@ from fleettui.control.states import (
     StageState,
     Telemetry,
     next_state,
+    provision_state,
 )  # fmt: skip
-from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams
-from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
-from fleettui.runtime.transport import TelemetryFeed, ZmqLink
-from remote_worker import protocol
+from fleettui.control.store import DeploymentRecord, Settings
+from fleettui.provision.events import ProvisionEvent
+from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
 from remote_worker.config import Endpoint
-from remote_worker.manifest import Manifest, load_manifest
+from remote_worker.manifest import load_manifest
+from remote_worker.replies import PingReply, TelemetrySample
+
+__all__ = [
+    "ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
+LEASE_SECONDS = 30.0  # a worker started for one command exits this long after its controller vanished
 
 
 class ControllerError(RuntimeError):
-    """The fleet could not be brought up; the message says which part and why."""
-
-
-@dataclass(frozen=True)
-class CompiledModel:
-    directory: Path
-    manifest: Manifest
-
-
-def with_overrides(
-    fleet: Fleet, exact: bool | None = None, draft: str | None = None, k: int | None = None
-) -> Fleet:
-    """The fleet with command-line overrides applied (`--exact`, `--no-spec`, `--spec-k`)."""
-    if exact:
-        runtime = replace(
-            fleet.runtime, inference_precision="f32", kv_cache_precision="f32", wire_dtype="f32", exact=True
-        )
-        fleet = replace(fleet, runtime=runtime, model=replace(fleet.model, precision="fp32"))
-    if draft is not None or k is not None:
-        speculation = fleet.speculation
-        if draft is not None:
-            speculation = replace(speculation, draft=draft)
-        if k is not None:
-            speculation = replace(speculation, k=k, max_k=max(speculation.max_k, k))
-        fleet = replace(fleet, speculation=speculation)
-    return fleet
-
-
-async def compile_model(
-    model: str,
-    ranges: list[tuple[int, int]],
-    precision: str,
-    cache_root: Path,
-    on_progress: Callable[[str], None] | None = None,
-) -> CompiledModel:
-    """Run the shard compiler in a child process (it needs torch; the operator side must not import it)."""
-    split = ",".join(str(bound) for bound in [ranges[0][0], *(end for _, end in ranges)])
-    command = [
-        sys.executable,
-        "-m",
-        "shard_compiler",
-        "--model",
-        model,
-        "--split",
-        split,
-        "--precision",
-        precision,
-        "--cache-root",
-        str(cache_root),
-    ]
-    process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    assert process.stdout is not None and process.stderr is not None
-    errors: list[str] = []
-
-    async def follow_progress(stream: asyncio.StreamReader) -> None:
-        async for raw in stream:
-            line = raw.decode(errors="replace").rstrip()
-            if line:
-                errors.append(line)
-                if on_progress is not None:
-                    on_progress(line)
-
-    progress_task = asyncio.ensure_future(follow_progress(process.stderr))
-    output = (await process.stdout.read()).decode(errors="replace").strip().splitlines()
-    await progress_task
-    if await process.wait() != 0 or not output:
-        reason = errors[-1] if errors else f"exit code {process.returncode}"
-        raise ControllerError(f"shard compiler: {reason}")
-    last = output[-1]
-    directory = Path(json.loads(last)["out"] if last.startswith("{") else last)
-    return CompiledModel(directory, load_manifest(directory))
+    """The fleet could not be brought up or attached; the message says which part and why."""
 
 
 class FleetController:
-    """Owns one running fleet: its shards, worker processes, links, coordinator and live stage states."""
+    """Owns one fleet for one process: its deployment (launched or attached), links, coordinator and states."""
 
     def __init__(
         self,
         fleet: Fleet,
         on_event: Callable[[ControllerEvent], None] | None = None,
-        run_dir: Path | None = None,
+        settings: Settings | None = None,
+        lease: float = LEASE_SECONDS,
     ) -> None:
-        self.fleet = fleet
+        self.settings = settings or Settings()
+        self.base_fleet = fleet
+        self.fleet = apply(fleet, self.settings)
         self._on_event = on_event or (lambda event: None)
-        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="fleettui-run-"))
-        self.launcher = LocalLauncher(self.run_dir)
+        self.lease = lease
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
-        self.telemetry: dict[str, dict] = {}
+        self.samples: dict[str, TelemetrySample] = {}
         self.target: CompiledModel | None = None
         self.draft: CompiledModel | None = None
         self.deployment: Deployment | None = None
-        self.coordinator: Coordinator | None = None
-        self._links: list[ZmqLink] = []
-        self.remote_report: object | None = None
-        self.hops_ms: dict[str, float] = {}
-        self._feed: TelemetryFeed | None = None
-        self.recovery: Recovery | None = None  # resilience hook: watches workers, recovers lost stages
+        self.record: DeploymentRecord | None = None
+        self.attached = False  # True: serving a deployment another command launched
+        self.launched: list[Launched] = []
+        self.ready_replies: dict[str, PingReply] = {}
+        self._connection: Connection | None = None
+        self._lease: Lease | None = None
+        self.recovery: Recovery | None = None  # watches the workers, recovers lost stages
 
     # -- events -------------------------------------------------------------------------------------
     def _emit(self, event: ControllerEvent) -> None:
@@ -152,79 +111,166 @@ class FleetController:
             self.states[name] = state
             self._emit(StageChanged(name, state))
 
-    def _observe_hops(self, result: protocol.Result, received: float) -> None:
-        """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in ms."""
-        trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
-        if self.deployment is None or len(trace) != len(self.deployment.stages):
-            return
-        arrivals = [*trace[1:, 1], received]
-        for (stage, _received, _started, _finished, sent), arrival in zip(trace, arrivals, strict=False):
-            name = self.deployment.stages[int(stage)].config.name
-            sample = (arrival - sent) * 1000.0
-            previous = self.hops_ms.get(name)
-            self.hops_ms[name] = sample if previous is None else 0.8 * previous + 0.2 * sample
+    def fail(self, name: str, reason: str) -> None:
+        self._set_state(name, Failed(reason))
 
-    def _on_sample(self, sample: dict) -> None:
-        name = str(sample.get("name", ""))
-        if name in self.hops_ms:
-            sample = {**sample, "hop_ms": round(self.hops_ms[name], 2)}
-        self.telemetry[name] = sample
-        if self.recovery is not None:  # resilience hook: temperatures for the throttle check
+    def _on_sample(self, sample: TelemetrySample) -> None:
+        name = sample.name
+        self.samples[name] = sample
+        if self.recovery is not None:  # temperatures for the throttle check
             self.recovery.observe_sample(sample)
         if name in self.states:
             self._set_state(name, next_state(self.states[name], sample))
         self._emit(Telemetry(name, sample))
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- what the UI and scripts read ---------------------------------------------------------------
+    @property
+    def coordinator(self) -> Coordinator | None:
+        return self._connection.coordinator if self._connection else None
+
+    @property
+    def connection(self) -> Connection | None:
+        return self._connection
+
+    def telemetry(self) -> Mapping[str, TelemetrySample]:
+        return self.samples
+
+    def worker_pids(self) -> dict[str, int]:
+        """Local worker processes of the fleet (launched here or recorded by the one that launched them)."""
+        if self.record is not None:
+            return self.record.pids()
+        return {
+            each.placement.config.name: each.process.pid for each in self.launched if each.process is not None
+        }
+
+    def model_info(self) -> ModelInfo | None:
+        if self.target is None:
+            return None
+        manifest = self.target.manifest
+        return ModelInfo(
+            name=self.fleet.model.name,
+            context_length=manifest.max_position_embeddings,
+            stages=tuple((s.layers.start, s.layers.end) for s in manifest.stages),
+            precision=manifest.precision,
+            draft=self.fleet.speculation.draft,
+            exact=self.fleet.runtime.exact,
+        )
+
     def layer_ranges(self) -> list[tuple[int, int]]:
         from fleettui.planning.planner import plan_fleet
 
-        return [tuple(r) for r in plan_fleet(self.fleet).ranges]  # type: ignore[misc]
+        return [(start, end) for start, end in plan_fleet(self.fleet).ranges]
 
+    # -- lifecycle ----------------------------------------------------------------------------------
     async def prepare(self) -> None:
         """Compile (or find in the cache) the target shards and the draft model."""
         for host in self.fleet.hosts:
             self._set_state(host.name, Provisioning("compile"))
-        ranges = self.layer_ranges()
-        model = self.fleet.model
 
         def progress(line: str) -> None:
             self._emit(LogLine("shard_compiler", line))
             self._emit(Progress("compiler", "compile", message=line))
 
         try:
-            self.target = await compile_model(model.name, ranges, model.precision, model.shards, progress)
-        except ControllerError as error:
+            self.target, self.draft = await compile_fleet(self.fleet, self.layer_ranges(), progress)
+        except CompileError as error:
             for host in self.fleet.hosts:
                 self.fail(host.name, str(error))
-            raise
-        draft = self.fleet.speculation.draft
-        if draft == "self-int4":
-            num_layers = self.target.manifest.num_layers
-            self.draft = await compile_model(model.name, [(0, num_layers)], "int4", model.shards, progress)
-        elif draft not in ("none", "prompt-lookup"):
-            path = Path(draft)
-            if (path / "manifest.json").exists():
-                self.draft = CompiledModel(path, load_manifest(path))
-            else:
-                self.draft = await compile_model(
-                    draft, [(0, self._layers_of(path))], "int4", model.shards, progress
+            raise ControllerError(str(error)) from None
+
+    async def start(
+        self,
+        ready_timeout: float = 600.0,
+        endpoint_map: Callable[[Endpoint], Endpoint] | None = None,
+        *,
+        attach: bool = True,
+        record: bool = True,
+    ) -> Coordinator:
+        """Attach to the fleet's live deployment, or launch one; returns the connected coordinator.
+
+        `endpoint_map` reroutes every data link of the chain (e.g. through the bench's hop-delay proxies);
+        such a fleet is never attached to nor recorded.
+        """
+        if self.coordinator is not None:  # connected already (a failed stage is recovery's business)
+            return self.coordinator
+        if attach and endpoint_map is None and await self.attach():
+            assert self.coordinator is not None
+            return self.coordinator
+        return await self._launch(ready_timeout, endpoint_map, record and endpoint_map is None)
+
+    async def attach(self) -> bool:
+        """Connect to the recorded deployment of this fleet file; False when none is alive (a stale one is cleared)."""
+        found = store.load(self.base_fleet)
+        if found is None:
+            return False
+        owner = store.busy_owner(found)
+        if owner is not None:  # even a stale fleet is that process's to recover or stop
+            raise ControllerError(
+                f"{found.fleet_path} is in use by pid {owner.pid} (deployment {found.id}); "
+                "wait for it, or `fleettui stop` the fleet"
+            )
+        reason = store.staleness(found, self.base_fleet)
+        if reason is None:
+            self._check_settings(found)
+            deployment = found.deployment(apply(self.base_fleet, found.settings))
+            replies = await asyncio.gather(
+                *(self._ping(p, deployment) for p in deployment.placements), return_exceptions=True
+            )
+            silent = [
+                p.config.name for p, r in zip(deployment.placements, replies, strict=True) if r is not True
+            ]
+            if silent:
+                reason = f"deployment {found.id} is stale: {', '.join(silent)} does not answer"
+        if reason is not None:
+            self._emit(LogLine("fleet", f"{reason}; clearing it"))
+            log.warning("%s; clearing it", reason)
+            self.record = found
+            for line in await self._stop_recorded(found):
+                self._emit(LogLine("fleet", line))
+            self.record = None
+            return False
+        self.settings = found.settings
+        self.fleet = apply(self.base_fleet, found.settings)
+        self.deployment = deployment
+        self.target = CompiledModel(Path(found.target_dir), load_manifest(Path(found.target_dir)))
+        self.record = store.held_by(found, os.getpid())
+        store.save(self.record)
+        self.attached = True
+        self._emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
+        await self._connect(deployment, None)
+        return True
+
+    def _check_settings(self, found: DeploymentRecord) -> None:
+        wanted, running = self.settings, found.settings
+        for name in ("exact", "draft", "k"):
+            value = getattr(wanted, name)
+            if value not in (None, False) and value != getattr(running, name):
+                raise ControllerError(
+                    f"{found.fleet_path} is deployed (deployment {found.id}) with {name} = "
+                    f"{getattr(running, name)!r}, not {value!r}: `fleettui stop` it first"
                 )
 
     @staticmethod
-    def _layers_of(path: Path) -> int:
-        from fleettui.planning.shape import ModelShape
+    async def _ping(placement: Placement, deployment: Deployment) -> bool:
+        from fleettui.runtime.transport import control_request
 
-        return ModelShape.from_config_file(path / "config.json").num_layers
+        reply = await control_request(
+            placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=3.0
+        )
+        return (
+            reply is not None and reply.get("deployment") == deployment.id and reply.get("state") == "ready"
+        )
 
-    async def start(
-        self, ready_timeout: float = 600.0, endpoint_map: Callable[[Endpoint], Endpoint] | None = None
+    async def _launch(
+        self, ready_timeout: float, endpoint_map: Callable[[Endpoint], Endpoint] | None, record: bool
     ) -> Coordinator:
-        """Prepare, launch every worker, wait for their handshakes and the chain's Hello; returns the coordinator.
-
-        `endpoint_map` reroutes every data link of the chain (coordinator -> stage 0 -> ... -> coordinator),
-        e.g. through the hop-delay proxies of `fleettui.bench.runner`; control and telemetry links stay direct.
-        """
+        local_hosts = [host for host in self.fleet.hosts if host.is_local]
+        try:
+            check_ports(local_hosts)  # before anything is compiled or started
+        except LaunchError as error:
+            for host in local_hosts:
+                self.fail(host.name, str(error))
+            raise ControllerError(str(error)) from None
         if self.target is None:
             await self.prepare()
         assert self.target is not None
@@ -237,208 +283,235 @@ class FleetController:
             str(self.draft.directory) if self.draft else None,
         )
         if endpoint_map is not None:  # every stage's downstream link too, not only the coordinator's ends
-            deployment = replace(
-                deployment,
-                stages=tuple(
-                    replace(p, config=replace(p.config, next=endpoint_map(p.config.next)))
-                    if p.config.next
-                    else p
-                    for p in deployment.stages
-                ),
+            stages = tuple(
+                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
+                for p in deployment.stages
             )
+            deployment = replace(deployment, stages=stages)
         self.deployment = deployment
-        workers = []
-        for placement in deployment.placements:
-            if placement.host.is_local:
-                self._set_state(placement.config.name, Loading())
-                workers.append(self.launcher.start(placement))
-        remote = [p for p in deployment.stages if not p.host.is_local]
-        waits = [self.launcher.wait_ready(w, deployment.keys, ready_timeout) for w in workers]
-        results = await asyncio.gather(
-            self._deploy_remote(remote, ready_timeout), *waits, return_exceptions=True
-        )
-        failures = []
-        for worker, outcome in zip([None, *workers], results, strict=False):
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception):
-                    raise outcome
-                failures.append(str(outcome))
-                if worker is not None:
-                    self.fail(worker.placement.config.name, str(outcome))
-            elif worker is not None:
-                self._set_state(worker.placement.config.name, Ready())
-                properties = json.dumps(outcome.get("properties", {}))  # type: ignore[union-attr]
-                self._emit(LogLine(worker.placement.config.name, f"ready: {properties}"))
+        local = [p for p in deployment.placements if p.host.is_local]
+        local_launcher = LocalLauncher(deployment.keys)
+        for placement in local:
+            self._set_state(placement.config.name, Loading())
+            self.launched.append(await local_launcher.start(placement))
+        if record and self.base_fleet.path is not None:
+            self.record = self._record(deployment, owner=os.getpid())
+            store.save(self.record)
+        remote = SshLauncher(self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout)
+        jobs = [self._bring_up(local_launcher, each, ready_timeout) for each in list(self.launched)]
+        jobs += [self._bring_up_remote(remote, p) for p in deployment.stages if not p.host.is_local]
+        outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        failures = [str(o) for o in outcomes if isinstance(o, Exception)]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome
         if failures:
+            if any(not p.host.is_local for p in deployment.stages):
+                from fleettui.planning.planner import rest_can_run
+
+                failed = {name for name, state in self.states.items() if isinstance(state, Failed)}
+                failures.append(rest_can_run(self.fleet, failed))
             await self.stop()
             raise ControllerError("; ".join(failures))
-        head, tail = deployment.stages[0], deployment.stages[-1]
-        route = endpoint_map or (lambda endpoint: endpoint)
-        head_url = route(Endpoint(head.connect_address, head.config.data_port)).url()
-        tail_url = route(Endpoint(tail.connect_address, tail.config.result_port)).url()  # type: ignore[arg-type]
-        link = ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)
-        self._links.append(link)
-        drafter = self._drafter(deployment)
-        from fleettui.runtime.chat_format import ChatFormat
+        if self.record is not None:
+            self.record = self._record(deployment, owner=os.getpid())  # SSH configs name the pushed shards
+            store.save(self.record)
+        await self._connect(deployment, endpoint_map)
+        if self.lease > 0:
+            self._lease = Lease(deployment, self.lease)
+            await self._lease.start()
+        return self._connection.coordinator  # type: ignore[union-attr]
 
-        chat_format = ChatFormat(self.target.directory, self.target.manifest)
-        coordinator = Coordinator(link, chat_format, drafter, max_k=self.fleet.speculation.max_k)
-        k = self.fleet.speculation.k
-        if isinstance(k, int):
-            coordinator.policy.fixed_k = k if drafter is not None else 0
-        stages = await coordinator.hello()
-        if stages != len(deployment.stages):
-            raise ControllerError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
-        coordinator.result_observers.append(self._observe_hops)
-        self.coordinator = coordinator
-        urls = [(p.telemetry_url, p.server_key) for p in deployment.placements]
-        self._feed = TelemetryFeed(urls, deployment.keys, self._on_sample)
-        self._feed.start()
-        self.recovery = Recovery(
-            self, compile_model
-        )  # resilience hook: heartbeats and recovery of lost stages
-        self.recovery.start()
-        return coordinator
-
-    async def _deploy_remote(self, placements: list[Placement], ready_timeout: float) -> None:
-        """Provision SSH hosts concurrently; raises when any stage could not be brought up."""
-        if not placements:
-            return
-        from fleettui.provision.cli import deploy_placements, rest_can_run
-
-        assert self.target is not None and self.deployment is not None
-        remote = {p.host.name for p in placements}
-
-        def on_event(event: object) -> None:
-            name, step = event.host, event.step  # type: ignore[attr-defined]
-            message = event.message  # type: ignore[attr-defined]
-            self._emit(Progress(name, step, event.bytes_done, event.bytes_total, message))  # type: ignore[attr-defined]
-            if message:
-                self._emit(LogLine(name, f"{step}: {message}"))
-            if name not in remote:
-                return
-            if step == "failed":
-                self._set_state(name, Failed(message or "deploy failed"))
-            elif step == "ready":
-                self._set_state(name, Loading())
-            elif step == "done":
-                self._set_state(name, Ready())
-            elif step != "skipped":
-                self._set_state(name, Provisioning(step))
-
-        report = await deploy_placements(
-            self.fleet, self.deployment, self.target.directory, on_event, ready_timeout
-        )
-        self.remote_report = report
-        if not report.ok:
-            failed = {h.host for h in report.failed}
-            lines = "; ".join(f"{h.host}: {h.step}: {h.error}" for h in report.failed)
-            raise ControllerError(
-                f"deploy failed on {len(failed)} host(s): {lines}. {rest_can_run(self.fleet, failed)}"
-            )
-
-    def _drafter(self, deployment: Deployment) -> Drafter | None:
-        draft = self.fleet.speculation.draft
-        if draft == "none":
-            return None
-        if draft == "prompt-lookup":
-            return PromptLookupDrafter()
-        assert deployment.draft is not None
-        link = ZmqLink(
-            deployment.draft.data_url,
-            deployment.draft.result_url,
-            deployment.keys,
-            deployment.draft.server_key,
-            deployment.draft.server_key,
-        )
-        self._links.append(link)
-        return ModelDrafter(link, name=draft)
-
-    async def ask(
-        self,
-        question: str,
-        params: GenerationParams,
-        on_tokens: Callable[[list[int], str], None] | None = None,
-    ) -> Generation:
-        """One prompt through the whole fleet in a fresh session."""
-        coordinator = self.coordinator or await self.start()
-        session = await coordinator.open_session(params.seed)
+    async def _bring_up(self, launcher: StageLauncher, launched: Launched, timeout: float) -> None:
+        name = launched.placement.config.name
         try:
-            return await coordinator.chat(session, question, params, on_tokens)
-        finally:
-            await coordinator.close_session(session)
+            reply = await launcher.handshake(launched, timeout)
+        except LaunchError as error:
+            self.fail(name, str(error))
+            raise
+        self.ready_replies[name] = reply
+        self._set_state(name, Ready())
+        self._emit(LogLine(name, f"ready (pid {reply.pid})"))
+
+    async def _bring_up_remote(self, launcher: SshLauncher, placement: Placement) -> None:
+        launched = await launcher.start(placement)
+        self.launched.append(launched)
+        self.ready_replies[placement.config.name] = await launcher.handshake(launched, 30.0)
+
+    def _on_provision(self, event: ProvisionEvent) -> None:
+        name, step, message = event.host, event.step, event.message
+        self._emit(event)
+        if message:
+            self._emit(LogLine(name, f"{step}: {message}"))
+        state = provision_state(step, message)
+        if state is not None:
+            self._set_state(name, state)
+
+    def _record(self, deployment: Deployment, owner: int | None) -> DeploymentRecord:
+        assert self.target is not None
+        running = {
+            each.placement.config.name: (each.placement.config, each.process) for each in self.launched
+        }
+        draft = str(self.draft.directory) if self.draft else None
+        return store.record_of(
+            self.base_fleet, self.settings, deployment, running, str(self.target.directory), draft, owner
+        )
+
+    async def _connect(
+        self, deployment: Deployment, endpoint_map: Callable[[Endpoint], Endpoint] | None
+    ) -> None:
+        assert self.target is not None
+        try:
+            self._connection = await connect(
+                self.fleet, deployment, self.target, endpoint_map, self._on_sample
+            )
+        except (RuntimeError, ValueError) as error:
+            raise ControllerError(f"connect: {error}") from None
+        for placement in deployment.stages:
+            self._set_state(placement.config.name, Ready())
+        self.recovery = Recovery(self, compile_model)  # launched or attached: heartbeats and recovery
+        self.recovery.start()
+
+    async def _release(self) -> None:
+        """Stop recovery and the lease watcher, close the telemetry feed and every link (workers untouched)."""
+        if self.recovery is not None:  # stop watching before the workers go away
+            await self.recovery.stop()
+            self.recovery = None
+        if self._lease is not None:
+            await self._lease.cancel()
+            self._lease = None
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
 
     async def stop(self) -> list[str]:
-        """Stop exactly the workers this controller started; returns what it did, one line each."""
+        """Stop exactly this deployment's workers (launched here or recorded), forget its record and folders."""
         await self._release()
-        keys = self.deployment.keys if self.deployment else None
-        report = await self.launcher.stop(keys)
-        if self.deployment is not None and any(not h.is_local for h in self.fleet.hosts):
-            from fleettui.provision.deploy import stop_fleet
-
-            stopped = await stop_fleet(self.fleet, self.deployment.id)
-            report.extend(stopped.summary().splitlines())
+        report: list[str] = []
+        if self.record is not None:
+            report = await self._stop_recorded(self.record)
+        elif self.deployment is not None:
+            report = await self._stop_launched(self.deployment)
+        self.launched.clear()
+        self.record = None
+        self.attached = False
         for name in self.states:
             if not isinstance(self.states[name], Failed):
                 self._set_state(name, Idle())
-        self.coordinator = None
         return report
 
-    async def _release(self) -> None:
-        """Close the telemetry feed and every link (the workers are not touched)."""
-        if self.recovery is not None:  # resilience hook: stop watching before workers go away
-            await self.recovery.stop()
-            self.recovery = None
-        if self._feed is not None:
-            await self._feed.stop()
-            self._feed = None
-        for link in self._links:
-            await link.close()
-        self._links.clear()
+    async def _stop_launched(self, deployment: Deployment) -> list[str]:
+        jobs = []
+        for each in self.launched:
+            if each.placement.host.is_local:
+                jobs.append(stop_local(each.placement, each.process, deployment.keys, popen=each.popen))
+        jobs += [stop_remote(self.fleet, p) for p in deployment.stages if not p.host.is_local]
+        report = [str(line) for line in await asyncio.gather(*jobs)]
+        remove_folders(deployment.id)
+        return report
 
-    def fail(self, name: str, reason: str) -> None:
-        self._set_state(name, Failed(reason))
+    async def _stop_recorded(self, found: DeploymentRecord) -> list[str]:
+        hosts = {host.name: host for host in self.base_fleet.hosts}
+        popens = {each.placement.config.name: each.popen for each in self.launched}
+        jobs = []
+        for stage in found.stages:
+            placement = stage.placement(hosts)
+            if stage.local:
+                jobs.append(stop_local(placement, stage.process, found.keys, popen=popens.get(stage.name)))
+            else:
+                jobs.append(stop_remote(self.base_fleet, placement))
+        report = [str(line) for line in await asyncio.gather(*jobs)]
+        remove_folders(found.id)
+        store.remove(found)
+        return report
+
+    async def detach(self) -> list[str]:
+        """Leave every worker running for the record (lease off); `fleettui stop` or an attach finds them."""
+        if self.deployment is None:
+            return []
+        if self._lease is not None:
+            await self._lease.end()
+        await self._release()
+        lines = []
+        if self.record is not None:
+            self.record = (
+                store.handed_over(self.record) if not self.attached else store.held_by(self.record, None)
+            )
+            path = store.save(self.record)
+            lines.append(
+                f"deployment {self.record.id} left running ({len(self.record.stages)} workers), record {path}"
+            )
+        else:
+            lines.append(f"deployment {self.deployment.id} left running, unrecorded")
+        self.launched.clear()
+        self.attached = False
+        return lines
+
+    async def deploy(self, ready_timeout: float = 600.0) -> list[str]:
+        """Bring the fleet up (or find it up) and leave it running for later commands."""
+        await self.start(ready_timeout)
+        was_attached = self.attached
+        lines = await self.detach()
+        if was_attached:
+            lines.insert(0, "already deployed")
+        return lines
+
+    def kill(self) -> None:
+        """Synchronous last resort (a crash, a second signal): kill every local worker this controller started."""
+        kill_now(self.launched)
+        if self.deployment is not None and self.launched:
+            remove_folders(self.deployment.id)
+        if self.record is not None and not self.attached:
+            store.remove(self.record)
+        self.launched.clear()
+
+    # -- sessions -----------------------------------------------------------------------------------
+    def _coordinator(self) -> Coordinator:
+        if self.coordinator is None:
+            raise ControllerError("the fleet is not running")
+        return self.coordinator
+
+    async def open_session(self, seed: int = 0) -> Session:
+        return await self._coordinator().open_session(seed)
+
+    async def close_session(self, session: SessionHandle) -> None:
+        assert isinstance(session, Session)
+        await self._coordinator().close_session(session)
+
+    async def chat(
+        self,
+        session: SessionHandle,
+        text: str,
+        params: GenerationParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> Generation:
+        assert isinstance(session, Session)
+        return await self._coordinator().chat(session, text, params, on_tokens)
+
+    async def generate(
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> Generation:
+        """A raw continuation of token ids (no chat template), for the HTTP API's completions."""
+        return await self._coordinator().generate(session, prompt, params, on_tokens)
+
+    async def ask(
+        self, question: str, params: GenerationParams, on_tokens: TokenCallback | None = None
+    ) -> Generation:
+        """One prompt through the whole fleet in a fresh session."""
+        if self.coordinator is None:
+            await self.start()
+        session = await self.open_session(params.seed)
+        try:
+            return await self.chat(session, question, params, on_tokens)
+        finally:
+            await self.close_session(session)
 
     async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]:
         """The last lines of every worker's log: local files, and remote logs over SSH."""
-        logs = {name: worker.log_tail(lines).split(" | ") for name, worker in self.launcher.workers.items()}
-        remote = [host for host in self.fleet.hosts if not host.is_local]
-        if remote:
-            from fleettui.provision.deploy import fetch_log
-
-            texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
-            for host, text in zip(remote, texts, strict=False):
-                logs[host.name] = (
-                    f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
-                ).splitlines()[-lines:]
-        return logs
-
-    async def detach(self) -> list[str]:
-        """Leave every worker running and let go of them (`fleettui --stop` finds them by their pid files)."""
-        await self._release()
-        self.coordinator = None
-        return self.launcher.detach()
-
-    def kill(self) -> None:
-        """Synchronous last resort (after a crash): kill every local worker this controller started."""
-        self.launcher.kill_all()
-
-
-def generation_params(
-    fleet: Fleet,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    no_spec: bool = False,
-    spec_k: int | None = None,
-) -> GenerationParams:
-    """Sampling settings from the fleet file, overridden by the command line."""
-    sessions = fleet.sessions
-    return GenerationParams(
-        max_tokens=max_tokens or sessions.max_tokens,
-        temperature=sessions.temperature if temperature is None else temperature,
-        top_p=sessions.top_p if top_p is None else top_p,
-        seed=sessions.seed if seed is None else seed,
-        spec_k=0 if no_spec else spec_k,
-    )
+        if self.deployment is None:
+            return {}
+        return await fetch_logs(self.fleet, self.deployment, lines)

@@ -161,6 +161,7 @@ def build_deployment(
             curve=curve,
             cpu_cores=host.cores,
             deployment=deployment_id,
+            max_sessions=fleet.sessions.max_sessions,
             extra={"layers": list(ranges[index])} if index < len(ranges) else {},
         )
         placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
@@ -189,6 +190,7 @@ def build_deployment(
             curve=curve,
             cpu_cores=host.cores,
             deployment=deployment_id,
+            max_sessions=fleet.sessions.max_sessions,
         )
         draft = Placement(host, config, LOCALHOST)
     keys = ClientKeys(*coordinator) if coordinator is not None else None

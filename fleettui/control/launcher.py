@@ -1,171 +1,313 @@
-"""Provides the local launcher: starts stage workers as processes on this machine and stops them cleanly."""
+"""Provides the launchers behind one interface: start a stage (local process or SSH host), hand-shake, stop it.
+
+`LocalLauncher` starts `python -m remote_worker` in its own session, with its config (0600) and pid file
+in the deployment's run folder (`state/runs/<deployment>`) and its log in `log/<deployment>`; both folders
+go when the fleet stops. `SshLauncher` deploys one SSH host (push, install, launch) through
+`fleettui.provision.deploy`. Every stop checks the deployment id and the process start time first.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
-from fleettui.control.deployment import Placement, write_config
+from fleettui.config import paths
+from fleettui.config.fleet import Fleet, Host
+from fleettui.control.deployment import Deployment, Placement, write_config
+from fleettui.control.store import ProcessId
+from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent
 from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
+from remote_worker.replies import PingReply
 
 log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
-    """A worker that did not come up; the message names it and quotes its log."""
+    """A worker that did not come up, or a port held by someone else; the message says which and why."""
 
 
 @dataclass
-class LocalWorker:
-    placement: Placement
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    config_path: Path
-    pid_path: Path
+class Launched:
+    """A stage this process brought up: its placement (with the config it really runs) and its process."""
 
-    def log_tail(self, lines: int = 8) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(text[-lines:])
+    placement: Placement
+    process: ProcessId | None  # None on SSH hosts (their pid file lives there)
+    popen: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+class StageLauncher(Protocol):
+    """Brings one stage up and down; the controller drives every stage through this."""
+
+    async def start(self, placement: Placement) -> Launched: ...
+
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply: ...
+
+    async def stop(self, launched: Launched) -> str: ...
+
+
+async def handshake(
+    placement: Placement,
+    keys: ClientKeys | None,
+    timeout: float,
+    failure: Callable[[], str | None] = lambda: None,
+) -> PingReply:
+    """The one handshake: ping the stage's control socket until it says ready (CurveZMQ when keyed)."""
+    try:
+        return await wait_until_ready(placement.control_url, keys, placement.server_key, timeout, failure)
+    except LinkError as error:
+        raise LaunchError(f"{placement.config.name}: {error}") from None
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP `port` here ("pid N (command)"), or None when nobody does."""
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for connection in connections:
+        if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+            if connection.pid is None:
+                return "another process"
+            try:
+                command = " ".join(psutil.Process(connection.pid).cmdline()[:6])
+            except psutil.Error:
+                command = "?"
+            return f"pid {connection.pid} ({command})"
+    return None
+
+
+def check_ports(hosts: Sequence[Host]) -> None:
+    """Fail at once, naming the port and its holder, when a port of a local stage is taken."""
+    for host in hosts:
+        for port in (host.data_port, host.control_port, host.telemetry_port, host.result_port):
+            holder = port_holder(port)
+            if holder is not None:
+                raise LaunchError(f"port {port} of {host.name} is held by {holder}")
+
+
+def run_folder(deployment: str) -> Path:
+    return paths.private_dir(paths.state_dir() / "runs" / deployment)
+
+
+def log_folder(deployment: str) -> Path:
+    path = paths.log_dir() / deployment
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def remove_folders(deployment: str) -> None:
+    """The run and log folders of a stopped deployment (its configs hold secret keys)."""
+    shutil.rmtree(paths.state_dir() / "runs" / deployment, ignore_errors=True)
+    shutil.rmtree(paths.log_dir() / deployment, ignore_errors=True)
+
+
+def log_tail(path: Path | None, lines: int = 8) -> list[str]:
+    if path is None:
+        return []
+    try:
+        return path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 @dataclass
 class LocalLauncher:
-    """Starts `python -m remote_worker` per placement, each in its own process group."""
+    """Starts workers on this machine, each in its own session so a terminal's signals do not reach them."""
 
-    run_dir: Path
+    keys: ClientKeys | None
     python: str = sys.executable
-    workers: dict[str, LocalWorker] = field(default_factory=dict)
 
-    def start(self, placement: Placement) -> LocalWorker:
-        config_path = write_config(placement, self.run_dir)
-        log_path = self.run_dir / f"{placement.config.name}.log"
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                [self.python, "-m", "remote_worker", "--config", str(config_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=_worker_environment(),
-            )
-        worker = LocalWorker(
-            placement, process, log_path, config_path, _record_pid(placement, process, log_path)
-        )
-        self.workers[placement.config.name] = worker
-        log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
-        return worker
+    async def start(self, placement: Placement) -> Launched:
+        return spawn(placement, self.python)
 
-    async def wait_ready(self, worker: LocalWorker, keys: ClientKeys | None, timeout: float = 600.0) -> dict:
-        """Handshake with the worker's control socket; fails fast if the process exits."""
-        name = worker.placement.config.name
-
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply:
         def exited() -> str | None:
-            if worker.process.poll() is None:
+            if launched.popen is None or launched.popen.poll() is None:
                 return None
-            return f"{name} exited with code {worker.process.returncode}: {worker.log_tail()}"
+            tail = " | ".join(log_tail(launched.log_path, 4))
+            return f"exited with code {launched.popen.returncode}: {tail}"
 
         try:
-            return await wait_until_ready(
-                worker.placement.control_url, keys, worker.placement.server_key, timeout, exited
-            )
-        except LinkError as error:
-            tail = "" if worker.process.poll() is not None else worker.log_tail()
-            raise LaunchError(f"{error} {tail}".strip()) from None
+            return await handshake(launched.placement, self.keys, timeout, exited)
+        except LaunchError as error:
+            raise LaunchError(f"{error} {' | '.join(log_tail(launched.log_path, 4))}".strip()) from None
 
-    async def stop(self, keys: ClientKeys | None, grace: float = 5.0) -> list[str]:
-        """Ask every worker to shut down, then terminate what is left; returns one line per worker."""
-        report = []
-        for name, worker in list(self.workers.items()):
-            if worker.process.poll() is None:
-                await control_request(
-                    worker.placement.control_url,
-                    {"op": "shutdown"},
-                    keys,
-                    worker.placement.server_key,
-                    timeout=1.0,
-                )
-            how = "exited"
-            try:
-                await asyncio.to_thread(worker.process.wait, grace)
-            except subprocess.TimeoutExpired:
-                how = "terminated"
-                _signal_group(worker.process, signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(worker.process.wait, grace)
-                except subprocess.TimeoutExpired:
-                    how = "killed"
-                    _signal_group(worker.process, signal.SIGKILL)
-                    await asyncio.to_thread(worker.process.wait)
-            _signal_group(worker.process, signal.SIGKILL)  # stray children of the group, if any
-            report.append(f"{name}: pid {worker.process.pid} {how}")
-            worker.pid_path.unlink(missing_ok=True)
-            del self.workers[name]
-        return report
-
-    def detach(self) -> list[str]:
-        """Forget the workers without stopping them; their pid files stay for `fleettui --stop`."""
-        report = [
-            f"{name}: left running as pid {w.process.pid} ({w.pid_path})" for name, w in self.workers.items()
-        ]
-        self.workers.clear()
-        return report
-
-    def kill_all(self) -> None:
-        """Synchronous last resort (atexit, signal handlers)."""
-        for worker in self.workers.values():
-            _signal_group(worker.process, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.process.wait(5)
-        self.workers.clear()
+    async def stop(self, launched: Launched, grace: float = 5.0) -> str:
+        """Shut the worker down (control request, then TERM, then KILL) if it is still the one started."""
+        return await stop_local(launched.placement, launched.process, self.keys, grace, launched.popen)
 
 
-def pid_file(placement: Placement) -> Path:
-    """Where a local worker's pid record lives: the same place `fleettui --deploy` / `--stop` use."""
-    return Path(placement.host.workdir).expanduser() / "run" / f"{placement.config.name}.pid"
+def spawn(placement: Placement, python: str = sys.executable) -> Launched:
+    """Start one worker process now (config and pid in the deployment's run folder, output to its log)."""
+    deployment = placement.config.deployment
+    config_path = write_config(placement, run_folder(deployment))
+    log_path = log_folder(deployment) / f"{placement.config.name}.log"
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as output:
+        process = subprocess.Popen(
+            [python, "-m", "remote_worker", "--config", str(config_path)],
+            stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True, env=environment,
+        )  # fmt: skip
+    log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
+    return Launched(placement, ProcessId.of(process.pid), process, log_path)
 
 
-def _record_pid(placement: Placement, process: subprocess.Popen[bytes], log_path: Path) -> Path:
-    """Pid, start time and deployment of a started worker, so exactly it can be stopped later."""
+async def stop_local(
+    placement: Placement,
+    process: ProcessId | None,
+    keys: ClientKeys | None,
+    grace: float = 5.0,
+    popen: subprocess.Popen[bytes] | None = None,
+) -> str:
+    """Stop one local worker of a deployment; never signals a process that is not exactly that worker."""
     import psutil
 
-    path = pid_file(placement)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    name = placement.config.name
+    if process is None:
+        return f"{name}: no process recorded"
+    if not process.alive():
+        _reap(popen)
+        return f"{name}: pid {process.pid} already exited"
     try:
-        start: str | None = f"{psutil.Process(process.pid).create_time():.2f}"
+        command = " ".join(psutil.Process(process.pid).cmdline())
     except psutil.Error:
-        start = None
-    record = {
-        "pid": process.pid,
-        "start": start,
-        "deployment": placement.config.deployment,
-        "argv": [str(part) for part in process.args],  # type: ignore[union-attr]
-        "log": str(log_path),
-        "started": time.time(),
-    }  # type: ignore[arg-type]
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record))
-    os.replace(temporary, path)
-    return path
+        command = ""
+    if f"{os.sep}runs{os.sep}{placement.config.deployment}{os.sep}" not in command:
+        return f"{name}: pid {process.pid} is not a worker of deployment {placement.config.deployment}; left alone"
+    await control_request(placement.control_url, {"op": "shutdown"}, keys, placement.server_key, timeout=1.0)
+    how = "exited"
+    for sig, action in ((None, "exited"), (signal.SIGTERM, "terminated"), (signal.SIGKILL, "killed")):
+        if sig is not None:
+            how = action
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        if await asyncio.to_thread(_wait_gone, process, grace):
+            break
+    _reap(popen)
+    return f"{name}: pid {process.pid} {how}"
 
 
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)
+def _wait_gone(process: ProcessId, timeout: float) -> bool:
+    import psutil
+
+    try:
+        psutil.Process(process.pid).wait(timeout)
+    except psutil.TimeoutExpired:
+        return not process.alive()
+    except psutil.Error:
+        pass
+    return True
 
 
-def _worker_environment() -> dict[str, str]:
-    environment = dict(os.environ)
-    environment.setdefault("PYTHONUNBUFFERED", "1")
-    return environment
+def _reap(popen: subprocess.Popen[bytes] | None) -> None:
+    if popen is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
+            popen.wait(1)
+
+
+def kill_now(launched: list[Launched]) -> None:
+    """Synchronous last resort (a crash, a signal during the shutdown): SIGKILL every worker started here."""
+    for each in launched:
+        if each.process is not None and each.process.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(each.process.pid, signal.SIGKILL)
+        _reap(each.popen)
+
+
+@dataclass
+class SshLauncher:
+    """Deploys one SSH host per stage: push the shard (and the worker), write the config, launch, hand-shake."""
+
+    fleet: Fleet
+    shard_dir: Path
+    keys: ClientKeys | None
+    on_event: Callable[[ProvisionEvent], None] | None = None
+    ready_timeout: float = 600.0
+    reports: dict[str, HostDeployment] = field(default_factory=dict)
+
+    async def start(self, placement: Placement) -> Launched:
+        from fleettui.errors import ProvisionError
+        from fleettui.provision.deploy import DeployOptions, ShardAssignment, deploy_host
+
+        host = placement.host
+        configured: dict[str, Placement] = {}
+
+        def config(remote: object) -> str:
+            configured["placement"] = replace(
+                placement,
+                config=replace(placement.config, shard_dir=remote.shard),  # type: ignore[attr-defined]
+            )
+            return configured["placement"].config.to_json()
+
+        async def ready(_host: object, _result: object) -> None:
+            await handshake(placement, self.keys, self.ready_timeout)
+
+        result = await deploy_host(
+            host,
+            ShardAssignment(self.shard_dir, placement.config.stage_index),
+            config,
+            placement.config.deployment,
+            DeployOptions(deployment=placement.config.deployment),
+            self.on_event,
+            ready,
+        )
+        self.reports[host.name] = result
+        if not result.ok:
+            raise LaunchError(str(ProvisionError(host.name, result.step, result.error or "failed")))
+        return Launched(configured.get("placement", placement), None)
+
+    async def handshake(self, launched: Launched, timeout: float) -> PingReply:
+        return await handshake(launched.placement, self.keys, timeout)
+
+    async def stop(self, launched: Launched) -> str:
+        return await stop_remote(self.fleet, launched.placement)
+
+    async def deploy_all(self, deployment: Deployment) -> DeployReport:
+        """Every SSH stage of the deployment at once; the report says per host how far it got."""
+        remote = [p for p in deployment.stages if not p.host.is_local]
+        await asyncio.gather(*(self.start(p) for p in remote), return_exceptions=True)
+        missing = HostDeployment("?", False, "unknown", error="no outcome")
+        return DeployReport(deployment.id, tuple(self.reports.get(p.host.name, missing) for p in remote))
+
+
+async def stop_remote(fleet: Fleet, placement: Placement) -> str:
+    """Stop the stage of this deployment on its SSH host (the host's pid file names the deployment)."""
+    from fleettui.provision.deploy import DeployOptions, stop_host
+
+    outcome = await stop_host(placement.host, placement.config.deployment, DeployOptions())
+    if not outcome.ok:
+        return f"{placement.config.name}: cannot stop: {outcome.error}"
+    done = ", ".join(f"pid {p.pid} {p.action}" for p in outcome.processes) or "nothing running"
+    return f"{placement.config.name}: {done}"
+
+
+async def fetch_logs(fleet: Fleet, deployment: Deployment, lines: int = 20) -> dict[str, list[str]]:
+    """The last lines of every worker's log: local files of the deployment, and remote logs over SSH."""
+    logs: dict[str, list[str]] = {}
+    for placement in deployment.placements:
+        if placement.host.is_local:
+            path = paths.log_dir() / deployment.id / f"{placement.config.name}.log"
+            logs[placement.config.name] = log_tail(path, lines)
+    remote = [host for host in fleet.hosts if not host.is_local]
+    if remote:
+        from fleettui.provision.deploy import fetch_log
+
+        texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
+        for host, text in zip(remote, texts, strict=False):
+            message = f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
+            logs[host.name] = message.splitlines()[-lines:]
+    return logs

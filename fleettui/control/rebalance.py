@@ -17,6 +17,7 @@ from typing import Any
 from fleettui.control.balance import Balancer
 from fleettui.control.states import ControllerEvent, LogLine, RebalanceProposal, Throttled
 from remote_worker import protocol
+from remote_worker.replies import TelemetrySample
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 def head_layers(model: str) -> float:
     """The lm_head's cost in layer equivalents (by weight size), 0 when the shape is unknown offline."""
     from fleettui.errors import PlanError
-    from fleettui.planning.models import shape_for_model
+    from fleettui.model.builtin import shape_for_model
 
     try:
         shape = shape_for_model(model)
@@ -83,13 +84,9 @@ class Rebalancer:
             self.names = list(names)
         self.flagged.clear()
 
-    def observe_sample(self, sample: dict[str, Any]) -> None:
-        name = str(sample.get("name", ""))
-        if name in self.names:
-            temp = sample.get("temp_c")
-            self.balancer.hint(
-                self.names.index(name), float(temp) if temp is not None else None, local_clock_ratio()
-            )
+    def observe_sample(self, sample: TelemetrySample) -> None:
+        if sample.name in self.names:
+            self.balancer.hint(self.names.index(sample.name), sample.temp_c, local_clock_ratio())
 
     def observe(self, result: protocol.Result, received: float) -> None:
         self.balancer.observe(result, received)

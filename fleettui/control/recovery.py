@@ -2,8 +2,8 @@
 
 The `Recovery` is given a started `FleetController`. Its `Watcher` declares a stage lost; the recovery then
 pauses every session (the coordinator's `resume` event), fails the lost link's pending requests at once,
-relaunches the worker on the same host (local: through the launcher; SSH: the pushed shard and config,
-re-pushed only when hashes differ), rebuilds every open session's KV cache by replaying its token history,
+relaunches the worker on the same host (control/relaunch.py: local through the `LocalLauncher`, SSH through
+the `SshLauncher`, which re-pushes only what changed; the deployment record follows), rebuilds every open session's KV cache by replaying its token history,
 and lets the sessions retry the round that was in flight. A host that does not come back within
 `grace_seconds` is planned around: the remaining hosts get a new split (compiled on this machine with the
 usual compile path), or the fleet is `Degraded` with the memory it lacks. Each step is timed in a
@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 from fleettui.config.fleet import Fleet, ResilienceSettings
+from fleettui.control import relaunch
 from fleettui.control.deployment import Deployment, Placement, build_deployment
 from fleettui.control.rebalance import Rebalancer, head_layers
 from fleettui.control.states import (
@@ -32,13 +33,12 @@ from fleettui.control.states import (
     Recovering,
     RecoveryReport,
 )  # fmt: skip
-from fleettui.runtime.transport import LinkError, StageLost, ZmqLink
-from fleettui.runtime.watch import Target, Watcher, WatchSettings, local_process_status, unknown_process
-from remote_worker.config import Endpoint
+from fleettui.runtime.transport import StageLost
+from fleettui.runtime.watch import Target, Watcher, WatchSettings
+from remote_worker.replies import TelemetrySample
 
 log = logging.getLogger(__name__)
 RETRY_SECONDS = 1.0
-READY_TIMEOUT = 300.0
 
 
 class HostGone(RuntimeError):
@@ -61,11 +61,7 @@ class Recovery:
         assert controller.deployment is not None and controller.coordinator is not None
         self.watcher = Watcher(
             controller.deployment.keys,
-            WatchSettings(
-                self.settings.heartbeat_seconds,
-                self.settings.detect_seconds,
-                self.settings.unresponsive_seconds,
-            ),
+            WatchSettings(self.settings.heartbeat_seconds, self.settings.detect_seconds),
             self._on_lost,
             self._on_reply,
         )
@@ -77,6 +73,7 @@ class Recovery:
         self.rebalancer: Rebalancer | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self.python = sys.executable  # the interpreter local workers are relaunched with
 
     # -- watching -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,22 +94,15 @@ class Recovery:
         )
         controller.coordinator.result_observers.append(self.rebalancer.observe)
 
-    def observe_sample(self, sample: dict[str, Any]) -> None:
+    def observe_sample(self, sample: TelemetrySample) -> None:
         """A telemetry sample (temperature) for the throttle check."""
         if self.rebalancer is not None:
             self.rebalancer.observe_sample(sample)
 
     def _watch(self, placement: Placement) -> None:
-        name = placement.config.name
-        launcher = self.controller.launcher
-
-        def process() -> Any:
-            worker = launcher.workers.get(name)
-            if not placement.host.is_local or worker is None:
-                return unknown_process()
-            return local_process_status(worker.process)
-
-        self.watcher.watch(Target(name, placement.control_url, placement.server_key, process))
+        name, controller = placement.config.name, self.controller
+        status = lambda: relaunch.process_status(controller, placement)  # noqa: E731
+        self.watcher.watch(Target(name, placement.control_url, placement.server_key, status))
 
     def _on_reply(self, name: str, reply: dict[str, Any]) -> None:
         self.replies[name] = reply
@@ -131,23 +121,12 @@ class Recovery:
         controller._emit(LogLine("recovery", f"{name} lost: {reason}"))
         self._lost[name] = (reason, silent)
         self.idle.clear()
-        if coordinator is not None:
+        connection = controller.connection
+        if coordinator is not None and connection is not None:
             coordinator.resume.clear()
-            error = StageLost(f"{name} lost: {reason}")
-            link = self._draft_link() if name == "draft" else coordinator.target
-            if name == "draft":
-                coordinator.draft_epoch += 1
-            else:
-                coordinator.target_epoch += 1
-            if isinstance(link, ZmqLink):
-                link.block(error)
+            connection.block(StageLost(f"{name} lost: {reason}"), draft=name == "draft")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._recover(), name="recovery")
-
-    def _draft_link(self) -> ZmqLink | None:
-        drafter = self.controller.coordinator.drafter if self.controller.coordinator else None
-        link = getattr(drafter, "link", None)
-        return link if isinstance(link, ZmqLink) else None
 
     # -- recovering ---------------------------------------------------------------------------------
     async def _recover(self) -> None:
@@ -211,9 +190,7 @@ class Recovery:
             relaunch = time.monotonic() - started
             if self._lost:
                 continue  # lost another one meanwhile: bring it back before replaying
-            for link in (coordinator.target, self._draft_link()):
-                if isinstance(link, ZmqLink):
-                    link.unblock()
+            self.controller.connection.unblock()
             for name in batch:
                 if name not in gone_all:
                     self.controller._set_state(name, Recovering("replay"))
@@ -251,9 +228,9 @@ class Recovery:
             attempt += 1
             try:
                 if placement.host.is_local:
-                    await self._relaunch_local(placement, deployment)
+                    await relaunch.relaunch_local(self.controller, placement, self.python)
                 else:
-                    await self._relaunch_remote(placement, deployment)
+                    await relaunch.relaunch_remote(self.controller, placement)
                 self._watch(placement)
                 return
             except Exception as error:  # any failure to come back counts against the grace period
@@ -263,38 +240,6 @@ class Recovery:
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     raise HostGone(f"{name}: {error}") from None
                 await asyncio.sleep(RETRY_SECONDS)
-
-    async def _relaunch_local(self, placement: Placement, deployment: Deployment) -> None:
-        launcher = self.controller.launcher
-        old = launcher.workers.pop(placement.config.name, None)
-        if old is not None:  # stopped or hung: it must let go of its ports first
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                import os
-
-                os.killpg(old.process.pid, signal.SIGKILL)
-            await asyncio.to_thread(old.process.wait)
-        worker = launcher.start(placement)
-        try:
-            await launcher.wait_ready(worker, deployment.keys, READY_TIMEOUT)
-        except Exception:
-            if worker.process.poll() is None:
-                worker.process.kill()
-            await asyncio.to_thread(worker.process.wait)
-            raise
-
-    async def _relaunch_remote(self, placement: Placement, deployment: Deployment) -> None:
-        from fleettui.provision.cli import deploy_placements
-        from fleettui.provision.deploy import stop_fleet
-
-        target = self.controller.target
-        assert target is not None
-        single = replace(self.controller.fleet, hosts=(placement.host,))
-        await stop_fleet(single, deployment.id)  # a stale worker of this deployment (it woke up) goes first
-        report = await deploy_placements(
-            single, replace(deployment, stages=(placement,), draft=None), target.directory
-        )
-        if not report.ok:
-            raise LinkError("; ".join(f"{h.step}: {h.error}" for h in report.failed))
 
     # -- switching the split (rebalance) -------------------------------------------------------------
     async def switch_split(self, ranges: list[tuple[int, int]], compiled: Any = None) -> None:
@@ -376,45 +321,12 @@ class Recovery:
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.deployment is not None
         old = controller.deployment
-        for placement in old.stages:  # the old split's survivors hold the wrong layers: stop them
+        for placement in old.stages:  # the old split's survivors hold the wrong layers: they go
             self.watcher.forget(placement.config.name)
-            worker = controller.launcher.workers.pop(placement.config.name, None)
-            if worker is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    import os
-
-                    os.killpg(worker.process.pid, signal.SIGKILL)
-                await asyncio.to_thread(worker.process.wait)
-        if any(not host.is_local for host in fleet.hosts):
-            from fleettui.provision.deploy import stop_fleet
-
-            await stop_fleet(fleet, old.id)
         deployment = _rekeyed(build_deployment(fleet, ranges, lambda host: str(compiled.directory)), old)
-        controller.fleet, controller.target, controller.deployment = fleet, compiled, deployment
-        workers = [controller.launcher.start(p) for p in deployment.stages if p.host.is_local]
-        remote = [p for p in deployment.stages if not p.host.is_local]
-        await asyncio.gather(
-            controller._deploy_remote(remote, READY_TIMEOUT),
-            *(controller.launcher.wait_ready(w, deployment.keys, READY_TIMEOUT) for w in workers),
-        )
-        head, tail = deployment.stages[0], deployment.stages[-1]
-        link = ZmqLink(
-            Endpoint(head.connect_address, head.config.data_port).url(),
-            tail.result_url,
-            deployment.keys,
-            head.server_key,
-            tail.server_key,
-        )
-        controller._links.append(link)
-        previous, coordinator.target = coordinator.target, link
-        if isinstance(previous, ZmqLink):
-            await previous.close()
-            with contextlib.suppress(ValueError):
-                controller._links.remove(previous)
-        coordinator.target_epoch += 1
-        stages = await coordinator.hello()
-        if stages != len(deployment.stages):
-            raise LinkError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+        controller.fleet, controller.target = fleet, compiled
+        await relaunch.launch_split(controller, fleet, old, deployment)
+        await controller.connection.retarget(deployment)
         for placement in deployment.stages:
             controller._set_state(placement.config.name, Ready())
             self._watch(placement)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Literal, Union
+
+from fleettui.provision.events import ProvisionEvent, Step
+from remote_worker.replies import TelemetrySample
+
+__all__ = ["TelemetrySample"]  # re-exported: the UI reads samples through the control layer
 
 
 @dataclass(frozen=True)
@@ -67,32 +73,19 @@ class Degraded:
 StageState = Union[Idle, Provisioning, Loading, Ready, Serving, Failed, Lost, Recovering, Degraded]
 
 
-def next_state(current: StageState, sample: dict[str, Any] | None) -> StageState:
+def next_state(current: StageState, sample: TelemetrySample | None) -> StageState:
     """The state a telemetry sample implies (a failure or a loss stays until the stage is back)."""
     if isinstance(current, (Failed, Lost, Recovering, Degraded)) or sample is None:
         return current
-    if sample.get("state") != "ready":
+    if sample.state != "ready":
         return Loading()
-    sessions = int(sample.get("sessions") or 0)
-    busy = float(sample.get("busy") or 0.0)
-    return Serving(sessions) if sessions and busy > 0.0 else Ready()
+    return Serving(sample.sessions) if sample.sessions and sample.busy > 0.0 else Ready()
 
 
 @dataclass(frozen=True)
 class StageChanged:
     name: str
     state: StageState
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A step of preparing or deploying a host (bytes for transfers, a fraction for compiles)."""
-
-    name: str
-    step: str
-    done: float = 0.0
-    total: float = 0.0
-    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,7 +97,7 @@ class LogLine:
 @dataclass(frozen=True)
 class Telemetry:
     name: str
-    sample: dict[str, Any]
+    sample: TelemetrySample
 
 
 @dataclass(frozen=True)
@@ -145,6 +138,46 @@ class RebalanceProposal:
     applied: bool = False
 
 
+Progress = ProvisionEvent  # the one deploy event, for compile steps too
 ControllerEvent = Union[
-    StageChanged, Progress, LogLine, Telemetry, RecoveryReport, Throttled, RebalanceProposal
+    StageChanged, ProvisionEvent, LogLine, Telemetry, RecoveryReport, Throttled, RebalanceProposal
 ]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a running fleet serves: the model, its context length and split, and how it computes."""
+
+    name: str
+    context_length: int
+    stages: tuple[tuple[int, int], ...]
+    precision: str
+    draft: str
+    exact: bool
+
+
+NextStep = Literal["launch", "wait", "serve", "recover"]
+
+
+def next_step(states: Mapping[str, StageState]) -> NextStep:
+    """What to do next, from the stages' states alone: launch (all idle), wait (some provisioning or loading),
+    serve (all ready or serving) or recover (a stage failed, was lost or the fleet is degraded)."""
+    values = list(states.values())
+    if any(isinstance(state, (Failed, Lost, Degraded)) for state in values):
+        return "recover"
+    if values and all(isinstance(state, (Ready, Serving)) for state in values):
+        return "serve"
+    if all(isinstance(state, Idle) for state in values):
+        return "launch"
+    return "wait"
+
+
+def provision_state(step: Step, message: str = "") -> StageState | None:
+    """The state a deploy step of an SSH host implies (None: no change)."""
+    if step == "failed":
+        return Failed(message or "deploy failed")
+    if step == "ready":
+        return Loading()
+    if step == "done":
+        return Ready()
+    return None if step == "skipped" else Provisioning(step)

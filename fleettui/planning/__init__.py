@@ -1,1 +1,1 @@
-"""Provides model shapes and the stage planner (from a config alone, no weights)."""
+"""Provides the stage planner: a split of the model over the fleet's hosts with the memory each stage needs."""

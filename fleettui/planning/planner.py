@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fleettui.errors import PlanError
-from fleettui.planning.models import shape_for_model
-from fleettui.planning.shape import (
+from fleettui.model.builtin import shape_for_model
+from fleettui.model.shape import (
     GIB,
     PRECISION_ORDER,
     ModelShape,
@@ -327,3 +327,16 @@ def format_plan(plan: Plan) -> str:
         f"{_gb(plan.total_bytes):>11}{_gb(plan.usable_bytes):>11}{plan.total_bytes / plan.usable_bytes:>6.0%}"
     )
     return "\n".join(lines)
+
+
+def rest_can_run(fleet: Fleet, failed: set[str]) -> str:
+    """Whether the hosts that did not fail could still hold the model, as one line."""
+    rest = tuple(host for host in fleet.hosts if host.name not in failed)
+    if not rest:
+        return "no host is left to run the model"
+    try:
+        plan = plan_fleet(replace(fleet, hosts=tuple(replace(host, layers=None) for host in rest), path=None))
+    except PlanError as error:
+        return f"without {', '.join(sorted(failed))} the model does not fit: {error}"
+    ranges = ", ".join(f"{stage.host} [{stage.start}, {stage.end})" for stage in plan.stages)
+    return f"without {', '.join(sorted(failed))} the rest can run it: {ranges} (remove the failed hosts and deploy again)"

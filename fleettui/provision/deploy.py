@@ -29,6 +29,7 @@ from fleettui.provision.events import (
     ProvisionEvent,
     PushResult,
     RemotePaths,
+    Step,
     StoppedProcess,
     StopReport,
 )
@@ -108,7 +109,7 @@ class HostSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def emit(self, step: str, message: str = "", done: int = 0, total: int = 0) -> None:
+    def emit(self, step: Step, message: str = "", done: int = 0, total: int = 0) -> None:
         _emit(self.on_event, ProvisionEvent(self.host.name, step, done, total, message))
 
     async def open(self, timeout: float = 10.0) -> None:
@@ -192,7 +193,7 @@ class HostSession:
         self.emit("preflight", preflight.summary())
         return preflight
 
-    async def push(self, files: Sequence[Any], step: str) -> PushResult:
+    async def push(self, files: Sequence[Any], step: Step) -> PushResult:
         def progress(done: int, total: int, name: str) -> None:
             self.emit(step, name, done, total)
 

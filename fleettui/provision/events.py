@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-STEPS = (
-    "connect", "preflight", "wheelhouse", "install", "devices", "shard", "config", "launch", "ready",
+Step = Literal[
+    "compile", "connect", "preflight", "wheelhouse", "install", "devices", "shard", "config", "launch", "ready",
     "done", "failed", "skipped", "stop", "logs",
-)  # fmt: skip
+]  # fmt: skip
+STEPS: tuple[Step, ...] = get_args(Step)
 
 
 @dataclass(frozen=True)
 class ProvisionEvent:
-    """One progress report of one host: the step it is in and, for transfers, bytes done / total."""
+    """The one deploy event: a host's (or the compiler's) step and, for transfers, bytes done / total."""
 
     host: str
-    step: str
+    step: Step
     bytes_done: int = 0
     bytes_total: int = 0
     message: str = ""

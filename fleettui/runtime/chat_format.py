@@ -51,7 +51,7 @@ class ChatFormat:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
+        return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))
 
 
 def _raise_template_error(message: str) -> None:

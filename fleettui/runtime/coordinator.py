@@ -17,12 +17,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.limits import validate_request
 from fleettui.runtime.speculation import Draft, Drafter, KPolicy, Sampling
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
@@ -42,6 +43,13 @@ class GenerationParams:
     spec_k: int | None = None  # None = adaptive; 0 = no speculation
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: count exactly max_tokens
+    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
+    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def sampling(self) -> Sampling:
@@ -101,6 +109,28 @@ class _Round:
     verify_seconds: float
 
 
+def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
+    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
+
+    The last stage adds the verify window's draft tokens itself, position by position (exact under
+    speculation). Without penalties nothing extra travels.
+    """
+    if not params.penalized:
+        return {}
+    ids = np.unique(np.asarray(history, np.int64))
+    counts = np.zeros(len(ids), np.int32)
+    if generated:
+        reply_ids, reply_counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        counts[np.searchsorted(ids, reply_ids)] = reply_counts
+    return {
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "penalty_ids": ids,
+        "penalty_counts": counts,
+    }
+
+
 class Session:
     """One user's conversation: messages, the token history and the ledgers of target and draft caches."""
 
@@ -130,8 +160,10 @@ class Coordinator:
         max_k: int = 8,
         compaction_ratio: float = 0.5,
         compaction_minimum: int = 64,
+        context_length: int | None = None,
     ) -> None:
         self.target = target
+        self.context_length = context_length  # the model's max_position_embeddings (None: unchecked)
         self.chat_format = chat_format
         self.drafter = drafter
         self.max_k = max_k if drafter is not None else 0
@@ -252,7 +284,12 @@ class Coordinator:
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
     ) -> Generation:
-        """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares."""
+        """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares.
+
+        Raises `limits.RequestError` (a ValueError naming the field) before anything is sent when the
+        parameters are out of range or the prompt plus `max_tokens` does not fit the model's context.
+        """
+        validate_request(params, len(prompt), self.context_length)
         if session.busy:
             raise RuntimeError(f"session {session.id} is already generating")
         session.busy = True
@@ -275,7 +312,9 @@ class Coordinator:
             await self._guarded(session, functools.partial(self._prefill_chunk, session))
         while len(generated) < params.max_tokens:
             remaining = params.max_tokens - len(generated)
-            round_ = await self._guarded(session, functools.partial(self._round, session, params, remaining))
+            round_ = await self._guarded(
+                session, functools.partial(self._round, session, params, remaining, generated)
+            )
             k, draft, feed, result = round_.k, round_.draft, round_.feed, round_.result
             draft_seconds, verify_seconds = round_.draft_seconds, round_.verify_seconds
             catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
@@ -332,7 +371,9 @@ class Coordinator:
         feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
         await self._step(session, feed, None)
 
-    async def _round(self, session: Session, params: GenerationParams, remaining: int) -> _Round:
+    async def _round(
+        self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
+    ) -> _Round:
         """One draft + verify round (the unit a recovery retries)."""
         await self._maybe_compact(session)
         sampling = params.sampling
@@ -356,6 +397,7 @@ class Coordinator:
             draft.ids.astype(np.int64),
             draft.probs.astype(np.float32),
             uniforms,
+            **_penalties(params, session.history, generated),
         )
         result = await self._step(session, feed, decode)
         return _Round(k, draft, feed, result, draft_seconds, time.perf_counter() - verify_started)

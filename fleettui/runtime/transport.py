@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from remote_worker import protocol
+from remote_worker.replies import PingReply, TelemetrySample
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ async def wait_until_ready(
     server_key: str | None,
     timeout: float,
     failure: Callable[[], str | None] = lambda: None,
-) -> dict[str, Any]:
+) -> PingReply:
     """Ping a worker's control socket until it reports "ready" (its handshake); `failure()` aborts early."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
@@ -203,7 +204,10 @@ async def wait_until_ready(
             raise LinkError(reason)
         reply = await control_request(url, {"op": "ping"}, keys, server_key, timeout=1.0)
         if reply is not None and reply.get("state") == "ready":
-            return reply
+            try:
+                return PingReply.parse(reply)
+            except ValueError as error:
+                raise LinkError(f"{url}: a malformed ping reply: {error}") from None
         if reply is None:
             continue  # the poll itself waited; a worker still compiling does not answer yet
         await asyncio.sleep(0.2)  # answered "loading": ask again shortly
@@ -211,17 +215,18 @@ async def wait_until_ready(
 
 
 class TelemetryFeed:
-    """Subscribes to every stage's telemetry socket and calls `on_sample(sample_dict)` for each report."""
+    """Subscribes to every stage's telemetry socket and calls `on_sample(sample)` for each valid report."""
 
     def __init__(
         self,
         urls: list[tuple[str, str | None]],
         keys: ClientKeys | None,
-        on_sample: Callable[[dict[str, Any]], None],
+        on_sample: Callable[[TelemetrySample], None],
     ) -> None:
         self._urls = urls
         self._keys = keys
         self._on_sample = on_sample
+        self.dropped = 0  # reports that were not valid samples
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -247,11 +252,12 @@ class TelemetryFeed:
             while True:
                 for ready, _ in await poller.poll():
                     try:
-                        sample = json.loads(await ready.recv())
-                    except ValueError:
+                        sample = TelemetrySample.parse(json.loads(await ready.recv()))
+                    except ValueError as error:  # ReplyError too: validated like a data frame
+                        self.dropped += 1
+                        log.debug("dropped a telemetry report: %s", error)
                         continue
-                    if isinstance(sample, dict):
-                        self._on_sample(sample)
+                    self._on_sample(sample)
         finally:
             for each in sockets:
                 each.close(0)

@@ -1,10 +1,9 @@
 """Provides the heartbeat watcher: pings every worker's control socket and watches its process; declares loss.
 
-A stage is lost when its process exited (at once), or it stopped answering for `detect_seconds` while its
-process is stopped (SIGSTOP, a sleeping laptop) or unknown (an SSH host: unreachable). A live, running
-process that is silent — a worker busy in a long step that cannot answer pings yet — gets
-`unresponsive_seconds` before it is declared lost, as does a worker whose last answer said it was busy.
-The decision is the pure function `verdict`; the `Watcher` only gathers its inputs.
+A stage is lost when its process exited (at once), or it stopped answering for `detect_seconds`: its
+process is stopped (SIGSTOP, a sleeping laptop), unknown (an SSH host: unreachable) or running but stuck.
+Workers answer pings on their own I/O thread within milliseconds even during a long step, so a silent
+worker is not merely busy. The decision is the pure function `verdict`; the `Watcher` gathers its inputs.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ class ProcessStatus:
 class WatchSettings:
     heartbeat_seconds: float = 0.5
     detect_seconds: float = 2.0
-    unresponsive_seconds: float = 30.0
 
 
 def verdict(
@@ -48,11 +46,8 @@ def verdict(
         return None
     if process.kind == "stopped":
         return f"stopped ({process.detail or 'SIGSTOP or asleep'}), silent for {silent:.1f} s"
-    busy = last_reply is not None and bool(last_reply.get("busy_since"))
-    if process.kind == "running" or busy:
-        if silent < settings.unresponsive_seconds:
-            return None
-        return f"not answering for {silent:.0f} s although its process runs"
+    if process.kind == "running":
+        return f"stuck: not answering for {silent:.1f} s although its process runs"
     return f"unreachable: no heartbeat for {silent:.1f} s"
 
 
@@ -78,6 +73,26 @@ def local_process_status(process: Any) -> ProcessStatus:
             code = None
         if code is not None:
             return ProcessStatus("exited", f"signal {-code}" if code < 0 else f"exit code {code}")
+        return ProcessStatus("exited", status)
+    return ProcessStatus("running")
+
+
+def recorded_process_status(pid: int, started: float | None) -> ProcessStatus:
+    """Status of a local worker this process did not start (an attached fleet): by pid and start time."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if started is not None and abs(process.create_time() - started) >= 0.05:
+            return ProcessStatus("exited", "pid reused")
+        status = process.status()
+    except psutil.NoSuchProcess:
+        return ProcessStatus("exited", "vanished")
+    except psutil.Error:
+        return ProcessStatus("unknown")
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return ProcessStatus("stopped", "SIGSTOP")
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
         return ProcessStatus("exited", status)
     return ProcessStatus("running")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -16,7 +14,17 @@ from textual.widgets import Footer, Header, Input
 from textual.worker import Worker, WorkerState
 
 from fleettui.config.fleet import Fleet
-from fleettui.control.states import ControllerEvent, Failed, LogLine, Progress, StageChanged, Telemetry
+from fleettui.control.api import ControlFactory, FleetControl
+from fleettui.control.states import (
+    ControllerEvent,
+    Failed,
+    LogLine,
+    Progress,
+    StageChanged,
+    Telemetry,
+    next_step,
+)
+from fleettui.control.store import Settings
 from fleettui.runtime.coordinator import GenerationParams
 from fleettui.ui.formatting import stats_text, truncate
 from fleettui.ui.messages import (
@@ -37,7 +45,6 @@ from fleettui.ui.widgets.log_pane import LogPane
 log = logging.getLogger(__name__)
 DEPLOY_ROW = "fleet"  # the deploy panel's row for failures of the deploy as a whole
 REDRAW_SECONDS = 0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
-ControllerFactory = Callable[..., Any]  # (fleet, on_event=...) -> FleetController or a look-alike
 
 
 def _session_keys() -> list[Binding]:
@@ -87,7 +94,7 @@ class FleetApp(App[int]):
     def __init__(
         self,
         fleet: Fleet,
-        controller_factory: ControllerFactory,
+        controller_factory: ControlFactory,
         params: GenerationParams | None = None,
         auto_deploy: bool = True,
     ) -> None:
@@ -101,10 +108,12 @@ class FleetApp(App[int]):
         )
         self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
         self.auto_deploy = auto_deploy
-        self.coordinator: Any = None
+        self.ready = False  # the fleet answers (launched here or attached)
         self.monitor = FleetMonitor()
         self.quit_choice: QuitChoice | None = None
         self._log_handler = PaneLogHandler(self)
+        self.handle_signals = False  # run_app: SIGHUP/SIGTERM stop the fleet (tests drive the app in-process)
+        self.detached_lines: list[str] = []
         self.sub_title = "idle"
 
     # -- layout -------------------------------------------------------------------------------------
@@ -124,6 +133,13 @@ class FleetApp(App[int]):
 
     def on_mount(self) -> None:
         logging.getLogger().addHandler(self._log_handler)
+        if self.handle_signals:
+            import asyncio
+            import signal
+
+            loop = asyncio.get_running_loop()
+            for number in (signal.SIGHUP, signal.SIGTERM):
+                loop.add_signal_handler(number, self.hang_up)
         ranges = self._layer_ranges()
         for index, host in enumerate(self.fleet.hosts):
             layers = ranges[index] if ranges and index < len(ranges) else None
@@ -156,9 +172,7 @@ class FleetApp(App[int]):
         elif isinstance(event, StageChanged):
             self.post_message(StageStateChanged(event.name, event.state))
         elif isinstance(event, Progress):
-            self.post_message(
-                DeployProgressed(event.name, event.step, event.done, event.total, event.message)
-            )
+            self.post_message(DeployProgressed(event))
         elif isinstance(event, LogLine):
             self.post_message(LogWritten(event.source, event.text))
 
@@ -174,7 +188,8 @@ class FleetApp(App[int]):
 
     def on_deploy_progressed(self, message: DeployProgressed) -> None:
         for panel in self.query(DeployPanel):
-            panel.show_progress(message.name, message.step, message.done, message.total, message.text)
+            event = message.event
+            panel.show_progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
 
     def on_log_written(self, message: LogWritten) -> None:
         for pane in self.query(LogPane):  # none while the app shuts down
@@ -186,9 +201,12 @@ class FleetApp(App[int]):
         self.sub_title = "deploying…"
         for panel in self.query(DeployPanel):
             panel.forget(DEPLOY_ROW)
-        self.coordinator = await self.controller.start()
-        self.sub_title = "ready"
-        log.info("fleet ready: %d stages", len(self.fleet.hosts))
+        await self.controller.start()
+        self.ready = True
+        self.sub_title = "attached" if self.controller.attached else "ready"
+        log.info(
+            "fleet %s: %d stages", "attached" if self.controller.attached else "ready", len(self.fleet.hosts)
+        )
 
     @work(exclusive=True, group="fleet", exit_on_error=False, name="stop")
     async def stop_fleet(self, exit_after: bool = False) -> None:
@@ -199,7 +217,7 @@ class FleetApp(App[int]):
         for pane in self.query(ChatPane):  # the sessions die with the fleet; a redeploy opens new ones
             for session in pane.sessions:
                 session.handle = None
-        self.coordinator = None
+        self.ready = False
         for line in await self.controller.stop():
             log.info("%s", line)
         self.sub_title = "stopped"
@@ -220,12 +238,12 @@ class FleetApp(App[int]):
         try:
             reply = await session.begin_reply(text)
             if session.handle is None:
-                session.handle = await self.coordinator.open_session(self.params.seed)
+                session.handle = await self.controller.open_session(self.params.seed)
 
             async def on_tokens(_tokens: list[int], delta: str) -> None:
                 await reply.write(delta)
 
-            generation = await self.coordinator.chat(session.handle, text, self.params, on_tokens)
+            generation = await self.controller.chat(session.handle, text, self.params, on_tokens)
             stats = generation.stats
             await reply.finish(
                 stats_text(stats.tokens, stats.tokens_per_second, stats.acceptance_rate, stats.mean_k)
@@ -267,7 +285,7 @@ class FleetApp(App[int]):
     # -- actions ------------------------------------------------------------------------------------
     def on_chat_pane_prompt_submitted(self, message: ChatPane.PromptSubmitted) -> None:
         session = message.session
-        if self.coordinator is None:
+        if not self.ready:
             self.notify("The fleet is not ready yet (d deploys it).", severity="warning")
             return
         if session.busy:
@@ -285,7 +303,7 @@ class FleetApp(App[int]):
         )
 
     def action_deploy(self) -> None:
-        if self.coordinator is not None:
+        if self.ready and next_step(self.controller.states) in ("serve", "wait"):
             self.notify("The fleet is already running.")
             return
         self.deploy()
@@ -311,9 +329,6 @@ class FleetApp(App[int]):
         self.chat.active.focus()
 
     def action_fetch_logs(self) -> None:
-        if not hasattr(self.controller, "fetch_logs"):
-            self.notify("This controller cannot fetch worker logs.", severity="warning")
-            return
         self.fetch_logs()
 
     def action_help(self) -> None:
@@ -324,7 +339,7 @@ class FleetApp(App[int]):
         if isinstance(self.screen, QuitScreen):
             return
         deploying = any(worker.group == "fleet" and worker.is_running for worker in self.workers)
-        running = self.coordinator is not None or deploying
+        running = self.ready or deploying
         self.push_screen(QuitScreen(running), self._quit_chosen)
 
     def _quit_chosen(self, choice: QuitChoice | None) -> None:
@@ -333,38 +348,80 @@ class FleetApp(App[int]):
             self.stop_fleet(exit_after=True)
         elif choice == "leave":
             self.quit_choice = choice
-            log.info("leaving the fleet running")
-            self.exit(0)
+            self.detach_fleet()
+
+    @work(exclusive=True, group="fleet", exit_on_error=False, name="detach")
+    async def detach_fleet(self) -> None:
+        """Leave the workers running for the deployment record and exit."""
+        self.ready = False
+        for worker in self.workers:
+            if worker.group.startswith("chat-"):
+                worker.cancel()
+        self.detached_lines = await self.controller.detach()
+        log.info("leaving the fleet running")
+        self.exit(0)
+
+    def hang_up(self) -> None:
+        """SIGHUP/SIGTERM (the terminal went away): stop the fleet this app started and exit; keep an attached one."""
+        if self.quit_choice is not None:
+            return
+        if self.controller.attached:
+            self.quit_choice = "leave"
+            self.detach_fleet()
+        else:
+            self.quit_choice = "stop"
+            self.stop_fleet(exit_after=True)
 
 
-def run_app(fleet: Fleet, args: argparse.Namespace) -> int:
-    """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal."""
-    from fleettui.control.controller import FleetController, generation_params, with_overrides
+def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
+    """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal.
 
-    draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
-    fleet = with_overrides(
-        fleet, exact=getattr(args, "exact", False), draft=draft, k=getattr(args, "spec_k", None)
-    )
+    SIGHUP and SIGTERM stop the fleet this app started (or let go of an attached one) before exiting;
+    if the app dies anyway, its workers are killed here, and their lease ends them if this process is killed.
+    """
+    import functools
+    import signal
+
+    from fleettui.control.controller import FleetController
+    from fleettui.control.settings import apply, generation_params
+
+    applied = apply(fleet, settings)
     params = generation_params(
-        fleet, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
+        applied, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
     )  # fmt: skip
-    app = FleetApp(fleet, FleetController, params)
+    app = FleetApp(fleet, functools.partial(FleetController, settings=settings), params)
+    app.handle_signals = True
     root = logging.getLogger()
     streams = [handler for handler in root.handlers if isinstance(handler, logging.StreamHandler)]
     level = root.level
     for handler in streams:  # a stderr handler would scribble over the screen
         root.removeHandler(handler)
     root.setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGHUP, signal.SIGTERM)}
     try:
         code = app.run()
     finally:
         root.setLevel(level)
         for handler in streams:
             root.addHandler(handler)
+        for number, previous_handler in previous.items():
+            signal.signal(number, previous_handler)
         if app.quit_choice != "leave":
-            app.controller.kill()  # last resort after a crash; a no-op after a clean stop
-    if app.quit_choice == "leave":
-        for line in app.controller.launcher.detach():
-            print(f"fleettui: {line}; `fleettui --stop` stops it", file=sys.stderr)
+            _clean_up(app.controller)
+    for line in app.detached_lines:
+        print(f"fleettui: {line}; `fleettui stop {fleet.path}` stops it", file=sys.stderr)
     return code if isinstance(code, int) else 0
+
+
+def _clean_up(controller: FleetControl) -> None:
+    """After the app ended without a clean stop (a crash): let go of an attached fleet, stop a launched one."""
+    import asyncio
+
+    try:
+        if controller.attached:
+            asyncio.run(asyncio.wait_for(controller.detach(), 30))
+        elif controller.worker_pids():
+            asyncio.run(asyncio.wait_for(controller.stop(), 30))
+    except BaseException:
+        controller.kill()

@@ -8,7 +8,7 @@ from typing import Any
 
 from textual.message import Message
 
-from fleettui.control.states import StageState
+from fleettui.control.states import ProvisionEvent, StageState, TelemetrySample
 
 
 @dataclass
@@ -22,7 +22,7 @@ class TelemetrySampled(Message):
     """About one sample a second per stage; a newer sample of the same stage supersedes a queued one."""
 
     name: str
-    sample: dict[str, Any]
+    sample: TelemetrySample
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, TelemetrySampled) and message.name == self.name
@@ -32,16 +32,12 @@ class TelemetrySampled(Message):
 class DeployProgressed(Message):
     """One step of deploying a host; byte counts of a transfer can arrive many times a second."""
 
-    name: str
-    step: str
-    done: float
-    total: float
-    text: str
+    event: ProvisionEvent
 
     def can_replace(self, message: Message) -> bool:
-        return isinstance(message, DeployProgressed) and (message.name, message.step) == (
-            self.name,
-            self.step,
+        return isinstance(message, DeployProgressed) and (message.event.host, message.event.step) == (
+            self.event.host,
+            self.event.step,
         )
 
 

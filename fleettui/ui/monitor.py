@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from fleettui.control.states import Failed, Idle, StageState, next_state
+from fleettui.control.states import (
+    Failed,
+    Idle,
+    Provisioning,
+    Serving,
+    StageState,
+    TelemetrySample,
+    next_state,
+)
 from fleettui.ui.formatting import (
     Series,
     layers_text,
@@ -29,7 +36,7 @@ class StageView:
     layers: tuple[int, int] | None = None
     device: str = "—"
     state: StageState = field(default_factory=Idle)
-    sample: dict[str, Any] | None = None
+    sample: TelemetrySample | None = None
     tokens: Series = field(default_factory=Series)
     temperature: Series = field(default_factory=Series)
 
@@ -37,22 +44,22 @@ class StageView:
     def state_text(self) -> str:
         if isinstance(self.state, Failed):
             return f"failed: {self.state.reason}"
-        step = getattr(self.state, "step", "")
+        step = self.state.step if isinstance(self.state, Provisioning) else ""
         return f"{self.state.label} ({step})" if step else self.state.label
 
-    def record(self, sample: dict[str, Any]) -> None:
-        at = float(sample.get("time") or 0.0)
+    def record(self, sample: TelemetrySample) -> None:
         self.sample = sample
-        self.tokens.add(at, _number(sample.get("tokens_per_s")))
-        self.temperature.add(at, _number(sample.get("temp_c")))
+        self.tokens.add(sample.time, sample.tokens_per_s)
+        self.temperature.add(sample.time, sample.temp_c)
 
     def cells(self, spark_width: int = SPARK_WIDTH) -> dict[str, str]:
         """The row's text, by column key (colours are the widget's business)."""
-        sample = self.sample or {}
-        tokens = _number(sample.get("tokens_per_s"))
-        temperature = _number(sample.get("temp_c"))
-        hop = _number(sample.get("hop_ms"))
-        stage = "draft" if sample.get("role") == "draft" else ("—" if self.index is None else str(self.index))
+        sample = self.sample
+        tokens = sample.tokens_per_s if sample else None
+        temperature = sample.temp_c if sample else None
+        hop = sample.hop_ms if sample else None
+        draft = sample is not None and sample.role == "draft"
+        stage = "draft" if draft else ("—" if self.index is None else str(self.index))
         tokens_spark = sparkline(self.tokens.values(), spark_width) if len(self.tokens) else " " * spark_width
         if temperature is None:
             temperature_cell = temperature_text(None)
@@ -68,11 +75,11 @@ class StageView:
             "device": self.device,
             "state": self.state_text,
             "tokens": f"{rate_text(tokens):>6} {tokens_spark}",
-            "busy": percent_text(_number(sample.get("busy"))),
-            "queue": "—" if sample.get("queue") is None else str(sample["queue"]),
+            "busy": percent_text(sample.busy if sample else None),
+            "queue": "—" if sample is None else str(sample.queue),
             "hop": "n/a" if hop is None else f"{hop:.1f}",
             "temperature": temperature_cell,
-            "memory": memory_text(_number(sample.get("rss_mb"))),
+            "memory": memory_text(sample.rss_mb if sample else None),
         }
 
 
@@ -112,7 +119,7 @@ class FleetMonitor:
         self.view(name).state = state
         self.version += 1
 
-    def record(self, name: str, sample: dict[str, Any], known: bool) -> None:
+    def record(self, name: str, sample: TelemetrySample, known: bool) -> None:
         """A telemetry sample; `known` says the controller tracks this stage's state itself."""
         view = self.view(name)
         view.record(sample)
@@ -121,13 +128,4 @@ class FleetMonitor:
         self.version += 1
 
     def serving(self) -> list[str]:
-        return [name for name, view in self.stages.items() if view.state.label == "serving"]
-
-
-def _number(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+        return [name for name, view in self.stages.items() if isinstance(view.state, Serving)]

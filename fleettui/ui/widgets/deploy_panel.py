@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Label, ProgressBar
 
-from fleettui.control.states import Failed, StageState
+from fleettui.control.states import Failed, Idle, Provisioning, Ready, Serving, StageState
 from fleettui.ui.formatting import TransferRate, transfer_text, truncate
 
 DETAIL_WIDTH = 60
@@ -53,12 +53,14 @@ class DeployRow(Horizontal):
         self.failed = isinstance(state, Failed)
         if isinstance(state, Failed):
             self.step, self.detail, self.total = "failed", state.reason, 0.0
-        elif state.label in ("ready", "serving"):
+        elif isinstance(state, (Ready, Serving)):
             self.step, self.detail, self.total = "ready", "", 0.0
-        elif state.label == "idle":
+        elif isinstance(state, Idle):
             self.step, self.detail, self.total = "idle", "", 0.0
+        elif isinstance(state, Provisioning) and state.step:
+            self.step = state.step
         else:
-            self.step = getattr(state, "step", "") or state.label
+            self.step = state.label
         self._draw()
 
     def _draw(self) -> None:

@@ -5,17 +5,18 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
+from fleettui.control.states import Failed, Idle, Loading, Provisioning, Ready, Serving
 from fleettui.ui.formatting import truncate
 from fleettui.ui.monitor import COLUMNS, FleetMonitor
 
 STATE_WIDTH = 22
-STATE_COLOURS = {  # lifecycle label → theme variable
-    "idle": "foreground-muted",
-    "provisioning": "warning",
-    "loading": "warning",
-    "ready": "success",
-    "serving": "accent",
-    "failed": "error",
+STATE_COLOURS: dict[type, str] = {  # lifecycle state → theme variable
+    Idle: "foreground-muted",
+    Provisioning: "warning",
+    Loading: "warning",
+    Ready: "success",
+    Serving: "accent",
+    Failed: "error",
 }
 
 
@@ -41,7 +42,7 @@ class FleetPanel(DataTable[Text]):
         for name, view in self.monitor.stages.items():
             cells = view.cells()
             cells["state"] = truncate(cells["state"], STATE_WIDTH)
-            colour = variables.get(STATE_COLOURS.get(view.state.label, "foreground"), "")
+            colour = variables.get(STATE_COLOURS.get(type(view.state), "foreground"), "")
             row = {key: Text(value, style=colour if key == "state" else "") for key, value in cells.items()}
             if name in self.rows:
                 for key, _ in COLUMNS:
@@ -52,6 +53,6 @@ class FleetPanel(DataTable[Text]):
 
     def _summary(self) -> str:
         serving = self.monitor.serving()
-        ready = sum(view.state.label in ("ready", "serving") for view in self.monitor.stages.values())
+        ready = sum(isinstance(view.state, (Ready, Serving)) for view in self.monitor.stages.values())
         text = f"{ready}/{len(self.monitor.stages)} up"
         return text + (f" · serving: {', '.join(serving)}" if serving else "")

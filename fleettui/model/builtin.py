@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleettui.errors import PlanError
-from fleettui.planning.shape import BUILTIN_SHAPES, ModelShape
+from fleettui.model.shape import BUILTIN_SHAPES, ModelShape
 
 
 def shape_for_model(model: str) -> ModelShape | None:
@@ -18,7 +18,7 @@ def shape_for_model(model: str) -> ModelShape | None:
     if path.is_file() and path.suffix == ".json":
         return ModelShape.from_config_file(path)
     if path.is_file() and path.suffix == ".gguf":
-        from fleettui.planning.gguf_header import gguf_shape
+        from fleettui.model.gguf_header import gguf_shape
 
         return gguf_shape(path)
     if path.exists():

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleettui.errors import PlanError
+from remote_worker.config import WEIGHT_PRECISIONS
 
 GIB = 1 << 30
-PRECISION_ORDER = ("fp32", "fp16", "int8", "int4")
+PRECISION_ORDER = WEIGHT_PRECISIONS  # widest first (the contract's vocabulary)
 KV_BYTES = {"auto": 2.0, "f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0}  # auto: f16 (upper bound of CPU u8)
 
 

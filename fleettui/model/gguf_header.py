@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fleettui.errors import PlanError
-from fleettui.planning.shape import ModelShape
+from fleettui.model.shape import ModelShape
 
 _GGUF_SCALARS = {
     0: "<B",

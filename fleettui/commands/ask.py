@@ -1,0 +1,113 @@
+"""Provides `fleettui ask FLEET PROMPT|-`: one answer, through the deployed fleet when it runs, else a fresh one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fleettui.commands import options
+from fleettui.errors import FleetError
+
+NAME = "ask"
+HELP = "answer one prompt headless (attaches to a deployed fleet, else starts and stops one)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_fleet(parser, required=True)
+    parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
+    options.add_settings(parser)
+    options.add_sampling(parser)
+    parser.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="print JSON (token_ids, stats) instead of text"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleettui.commands.running import run as run_loop
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise FleetError("the prompt is empty")
+    fleet = options.load(args)
+    settings = options.settings(args)
+    options.sampling(fleet, args)  # refuse bad sampling settings before anything starts
+
+    async def main() -> int:
+        return await _ask(fleet, settings, prompt, args)
+
+    return run_loop(main)
+
+
+async def _ask(fleet, settings, prompt: str, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from fleettui.control.controller import ControllerError, FleetController
+
+    controller = FleetController(fleet, settings=settings)
+    streaming = args.json is None and sys.stdout.isatty()
+
+    def show(_tokens: list[int], delta: str) -> None:
+        if streaming and delta:
+            print(delta, end="", flush=True)
+
+    attached = False
+    try:
+        await controller.start()
+        attached = controller.attached
+        params = options.sampling(controller.fleet, args)
+        generation = await controller.ask(prompt, params, show)
+    except ControllerError as error:
+        print(f"fleettui: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if controller.attached:
+            await controller.detach()  # the deployment stays for the next command
+        else:
+            for line in await controller.stop():
+                if args.verbose:
+                    print(f"fleettui: {line}", file=sys.stderr)
+    stats = generation.stats
+    info = controller.model_info()
+    if args.json is not None:
+        document = {
+            "text": generation.text,
+            "token_ids": list(generation.token_ids),
+            "prompt_tokens": stats.prompt_tokens,
+            "stats": {
+                "tokens": stats.tokens,
+                "seconds": round(stats.seconds, 4),
+                "tokens_per_second": round(stats.tokens_per_second, 2),
+                "ttft_s": round(stats.ttft, 4),
+                "rounds": stats.rounds,
+                "drafted": stats.drafted,
+                "accepted": stats.accepted,
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_k": round(stats.mean_k, 2),
+                "finish_reason": stats.finish_reason,
+            },
+            "fleet": {
+                "stages": [list(stage) for stage in info.stages] if info else [],
+                "precision": info.precision if info else None,
+                "exact": controller.fleet.runtime.exact,
+                "draft": controller.fleet.speculation.draft,
+                "encryption": controller.fleet.runtime.encryption,
+                "attached": attached,
+            },
+        }
+        text = json.dumps(document, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")  # noqa: ASYNC240 - once, after the answer
+        return 0
+    if streaming:
+        print()
+    else:
+        print(generation.text)
+    rate = stats.acceptance_rate
+    print(
+        f"[{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, first token {stats.ttft * 1000:.0f} ms, "
+        f"acceptance {'n/a' if rate is None else f'{rate:.0%}'}, mean K {stats.mean_k:.1f}]",
+        file=sys.stderr,
+    )
+    return 0

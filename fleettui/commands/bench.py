@@ -1,0 +1,128 @@
+"""Provides `fleettui bench FLEET`: measure the fleet against one PC, headless."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleettui.commands import options
+from fleettui.errors import FleetError
+
+if TYPE_CHECKING:
+    from fleettui.config.fleet import Fleet
+
+NAME = "bench"
+HELP = "measure the fleet against one PC, headless"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_fleet(parser)
+    parser.add_argument("--quick", action="store_true", help="the small smoke-test profile")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE (- for stdout)")
+    parser.add_argument("--exact", action="store_true", help="exact arithmetic (fp32, f32 inference and KV)")
+    spec = parser.add_mutually_exclusive_group()
+    spec.add_argument("--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)")
+    spec.add_argument("--no-spec", action="store_true", help="no speculative decoding")
+    parser.add_argument("--max-tokens", type=int, help="tokens per user")
+    parser.add_argument(
+        "--soak", type=float, nargs="?", const=600.0, metavar="SECONDS",
+        help="soak test instead: exact answers for SECONDS (600) while a random worker is killed every minute",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kill-every", type=float, default=60.0, metavar="S", help="soak: seconds between kills"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    options.settings(args)  # validates --spec-k
+    if args.soak is not None:
+        return run_soak_cli(options.load(args), args)
+    return run_bench_cli(options.load(args), args)
+
+
+def run_soak_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui bench FLEET --soak [SECONDS] [--kill-every S]`: exit 1 when any answer was lost or differed."""
+    from fleettui.bench.soak import soak
+    from fleettui.control.settings import with_overrides
+
+    if args.soak <= 0 or args.kill_every <= 0:
+        raise FleetError("--soak and --kill-every: seconds must be positive")
+    fleet = with_overrides(fleet, exact=True, draft="none" if args.no_spec else None)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = asyncio.run(
+        soak(fleet, args.soak, kill_every=args.kill_every, max_tokens=args.max_tokens or 48, on_line=say)
+    )
+    print(report.summary())
+    return 1 if report.errors or report.mismatches else 0
+
+
+class Progress:
+    """One line per row on stderr: `[i/n] name ... result`."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.index = 0
+
+    def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
+        if row:
+            self.index += 1
+            print(f"[{self.index}/{self.total}] {text} ...", end="", file=sys.stderr, flush=True)
+        elif result:
+            print(f" {text}", file=sys.stderr, flush=True)
+        else:
+            print(f"  - {text}", file=sys.stderr, flush=True)
+
+
+def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui --bench FLEET [--quick] [--json FILE|-] [--exact] [--spec-k K | --no-spec] [--max-tokens N]`."""
+    from fleettui.bench.report import document, dumps, format_table, format_targets, plot, targets
+    from fleettui.bench.runner import FULL_REPEATS, FULL_TOKENS, PROMPTS, QUICK_TOKENS, plan_rows, run_bench
+    from fleettui.control.settings import with_overrides
+
+    fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
+    tokens = args.max_tokens or (QUICK_TOKENS if args.quick else FULL_TOKENS)
+    if tokens < 1:
+        raise FleetError(f"--max-tokens: {tokens} must be at least 1")
+    specs = plan_rows(fleet, args.quick, args.spec_k, args.no_spec)
+    progress = Progress(len(specs))
+    started = time.perf_counter()
+    repeats = 1 if args.quick else FULL_REPEATS
+    rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+    settings = {
+        "profile": "quick" if args.quick else "full",
+        "tokens_per_user": tokens,
+        "repeats": repeats,
+        "command": " ".join(["fleettui", *sys.argv[1:]]),
+        "fleet": str(fleet.path) if fleet.path else None,
+        "model": fleet.model.name,
+        "weights": fleet.model.precision,
+        "exact": fleet.runtime.exact,
+        "draft": fleet.speculation.draft,
+        "prompts": list(PROMPTS),
+        "ignore_eos": True,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    doc = document(rows, machine, settings)
+    report = sys.stderr if args.json == "-" else sys.stdout
+    load = machine.get("load_average_at_start", [0.0])[0]
+    print(
+        f"\n{fleet.model.name}, {tokens} tokens per user, EOS ignored; precision = weights/inference/KV; "
+        f"per-stage split in ms per generated token; {len(machine['usable_cpus'])} CPUs, load average "
+        f"{load:.1f} at the start; 'others' = share of all CPUs busy outside this bench during the row",
+        file=report,
+    )
+    print(format_table(rows), file=report)
+    print("\ntargets:\n" + format_targets(targets(rows)), file=report)
+    print("\n" + plot(rows), file=report)
+    if args.json == "-":
+        print(dumps(doc))
+    elif args.json:
+        Path(args.json).write_text(dumps(doc) + "\n")
+        print(f"\nJSON written to {args.json}", file=report)
+    return 1 if any(row.status.startswith("failed") for row in rows) else 0

@@ -1,0 +1,71 @@
+"""Provides the argument groups the subcommands share and the one way they load a fleet with its overrides."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleettui.errors import FleetError
+
+if TYPE_CHECKING:
+    from fleettui.config.fleet import Fleet
+    from fleettui.control.store import Settings
+    from fleettui.runtime.coordinator import GenerationParams
+
+
+def add_fleet(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    help_text = "fleet TOML file" + ("" if required else " (default: the embedded local fleet)")
+    parser.add_argument("fleet", nargs=None if required else "?", metavar="FLEET", help=help_text)
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """How the fleet computes (recorded with a deployment; an attach must match them)."""
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="exact arithmetic: fp32 weights, f32 inference and f32 KV cache on every stage and the draft",
+    )
+    spec = parser.add_mutually_exclusive_group()
+    spec.add_argument("--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)")
+    spec.add_argument("--no-spec", action="store_true", help="no speculative decoding")
+    parser.add_argument("--draft", help="draft override: self-int4 | prompt-lookup | none | PATH")
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, help="stop after this many new tokens")
+    parser.add_argument("--temperature", type=float, help="0 = greedy (default from the fleet file)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling threshold")
+    parser.add_argument("--seed", type=int, help="sampling seed")
+
+
+def load(args: argparse.Namespace) -> Fleet:
+    from fleettui.config.fleet import load_fleet, resolve_fleet
+
+    return load_fleet(resolve_fleet(getattr(args, "fleet", None)))
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    from fleettui.control.store import Settings
+
+    spec_k = getattr(args, "spec_k", None)
+    if spec_k is not None and not 0 <= spec_k <= 16:
+        raise FleetError(f"--spec-k: {spec_k} is out of range 0..16")
+    draft = "none" if getattr(args, "no_spec", False) else getattr(args, "draft", None)
+    return Settings(exact=bool(getattr(args, "exact", False)), draft=draft, k=spec_k)
+
+
+def sampling(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
+    from fleettui.control.settings import generation_params
+
+    max_tokens = getattr(args, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise FleetError(f"--max-tokens: {max_tokens} must be at least 1")
+    return generation_params(
+        fleet, max_tokens, getattr(args, "temperature", None), getattr(args, "top_p", None),
+        getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
+    )  # fmt: skip
+
+
+def output_path(value: str | None) -> Path | None:
+    return None if value in (None, "-") else Path(value)  # type: ignore[arg-type]

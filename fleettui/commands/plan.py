@@ -1,0 +1,53 @@
+"""Provides `fleettui plan FLEET [--json]`: the stage plan (layer ranges, memory per host) without starting anything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fleettui.commands import options
+
+NAME = "plan"
+HELP = "show the stage plan (layer ranges, memory) and exit"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_fleet(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--model-config", type=Path, help="a Hugging Face config.json to plan for")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleettui.model.shape import ModelShape
+    from fleettui.planning.planner import format_plan, plan_fleet
+
+    fleet = options.load(args)
+    shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
+    plan = plan_fleet(fleet, shape)
+    if not args.json:
+        print(format_plan(plan))
+        return 0
+    document = {
+        "model": plan.shape.name,
+        "precision": plan.precision,
+        "kv_cache_precision": plan.kv_cache_precision,
+        "context_tokens": plan.context_tokens,
+        "sessions": plan.sessions,
+        "manual": plan.manual,
+        "total_bytes": plan.total_bytes,
+        "usable_bytes": plan.usable_bytes,
+        "stages": [
+            {
+                "host": stage.host,
+                "layers": list(stage.layers),
+                "weight_bytes": stage.weight_bytes,
+                "kv_bytes": stage.kv_bytes,
+                "total_bytes": stage.total_bytes,
+                "usable_bytes": stage.usable_bytes,
+            }
+            for stage in plan.stages
+        ],
+    }
+    print(json.dumps(document, indent=2))
+    return 0

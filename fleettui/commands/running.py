@@ -1,0 +1,49 @@
+"""Provides how a command runs its event loop: SIGINT, SIGTERM and SIGHUP stop it cleanly, once, never twice."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(Exception):
+    """The command was stopped by a signal; `code` is the shell's 128 + signal number."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(signal.Signals(number).name)
+        self.code = 128 + number
+
+
+def run(main: Callable[[], Awaitable[int]]) -> int:
+    """Run `main()`; the first of SIGINT/SIGTERM/SIGHUP cancels it (its `finally` stops the fleet) and any
+    further signal is ignored until that cleanup is over, so two quick Ctrl-C never orphan a worker."""
+
+    async def guarded() -> int:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        received: list[int] = []
+
+        def on_signal(number: int) -> None:
+            received.append(number)
+            if len(received) == 1:
+                print(f"\nfleettui: {signal.Signals(number).name}, stopping…", file=sys.stderr, flush=True)
+                task.cancel()
+
+        for number in SIGNALS:
+            loop.add_signal_handler(number, on_signal, number)
+        try:
+            return await main()
+        except asyncio.CancelledError:
+            if received:
+                raise Interrupted(received[0]) from None
+            raise
+        finally:
+            for number in SIGNALS:
+                loop.remove_signal_handler(number)
+
+    return asyncio.run(guarded())

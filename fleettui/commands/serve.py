@@ -1,0 +1,58 @@
+"""Provides `fleettui serve [FLEET]`: the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fleettui.commands import options
+from fleettui.errors import FleetError
+
+NAME = "serve"
+HELP = "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts one)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_fleet(parser)
+    options.add_settings(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    parser.add_argument("--api-key-file", type=Path, help="file of bearer API keys, one per line, mode 0600")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate: serve HTTPS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument("--max-queued", type=int, default=16, help="requests that may wait for a slot")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleettui.commands.running import run as run_loop
+
+    if not 0 <= args.port <= 65535:
+        raise FleetError(f"--port: {args.port} is out of range 0..65535")
+    if args.max_queued < 0:
+        raise FleetError(f"--max-queued: {args.max_queued} must be >= 0")
+    fleet = options.load(args)
+    settings = options.settings(args)
+
+    async def main() -> int:
+        from fleettui.control.controller import ControllerError
+        from fleettui.serve.command import serve_fleet
+
+        def ready(url: str) -> None:
+            print(
+                f"fleettui serve: {url}/v1 (model {fleet.model.name}); ctrl+c stops",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        try:
+            await serve_fleet(
+                fleet, settings, args.host, args.port, args.api_key_file, args.tls_cert, args.tls_key, ready,
+                max_queued=args.max_queued,
+            )  # fmt: skip
+        except ControllerError as error:
+            print(f"fleettui: {error}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_loop(main)

@@ -1,0 +1,198 @@
+"""Provides the connection to a running deployment: data links, drafter, coordinator, hop times and telemetry feed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from fleettui.config.fleet import Fleet
+from fleettui.control.compile import CompiledModel
+from fleettui.control.deployment import Deployment
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
+from fleettui.runtime.transport import StageLost, TelemetryFeed, ZmqLink, control_request
+from remote_worker import protocol
+from remote_worker.config import Endpoint
+from remote_worker.replies import TelemetrySample
+
+
+@dataclass
+class Connection:
+    """What this process holds open to a deployment; closing it leaves the workers running."""
+
+    coordinator: Coordinator
+    links: list[ZmqLink]
+    feed: TelemetryFeed
+    hops_ms: dict[str, float] = field(default_factory=dict)
+
+    def draft_link(self) -> ZmqLink | None:
+        link = getattr(self.coordinator.drafter, "link", None)
+        return link if isinstance(link, ZmqLink) else None
+
+    def block(self, error: StageLost, draft: bool) -> None:
+        """A stage was lost: its chain's pending requests fail now, new ones until `unblock()`; sessions replay."""
+        if draft:
+            self.coordinator.draft_epoch += 1
+        else:
+            self.coordinator.target_epoch += 1
+        link = self.draft_link() if draft else self.coordinator.target
+        if isinstance(link, ZmqLink):
+            link.block(error)
+
+    def unblock(self) -> None:
+        for link in (self.coordinator.target, self.draft_link()):
+            if isinstance(link, ZmqLink):
+                link.unblock()
+
+    async def retarget(self, deployment: Deployment) -> None:
+        """Link the coordinator to a new chain (a new split) and check it with Hello; the old link closes."""
+        head, tail = deployment.stages[0], deployment.stages[-1]
+        head_url = Endpoint(head.connect_address, head.config.data_port).url()
+        link = ZmqLink(head_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
+        previous, self.coordinator.target = self.coordinator.target, link
+        self.links = [link, *(each for each in self.links if each is not previous)]
+        if isinstance(previous, ZmqLink):
+            await previous.close()
+        self.coordinator.target_epoch += 1
+        self.hops_ms.clear()
+        stages = await self.coordinator.hello()
+        if stages != len(deployment.stages):
+            raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+
+    async def close(self) -> None:
+        await self.feed.stop()
+        for link in self.links:
+            await link.close()
+        self.links.clear()
+
+
+async def connect(
+    fleet: Fleet,
+    deployment: Deployment,
+    target: CompiledModel,
+    endpoint_map: Callable[[Endpoint], Endpoint] | None,
+    on_sample: Callable[[TelemetrySample], None],
+) -> Connection:
+    """Link to the chain's head and tail (and the draft), check the chain with Hello, follow telemetry."""
+    from fleettui.runtime.chat_format import ChatFormat
+
+    head, tail = deployment.stages[0], deployment.stages[-1]
+    route = endpoint_map or (lambda endpoint: endpoint)
+    assert tail.config.result_port is not None
+    head_url = route(Endpoint(head.connect_address, head.config.data_port)).url()
+    tail_url = route(Endpoint(tail.connect_address, tail.config.result_port)).url()
+    links = [ZmqLink(head_url, tail_url, deployment.keys, head.server_key, tail.server_key)]
+    drafter = _drafter(fleet, deployment, links)
+    coordinator = Coordinator(
+        links[0],
+        ChatFormat(target.directory, target.manifest),
+        drafter,
+        max_k=fleet.speculation.max_k,
+        context_length=target.manifest.max_position_embeddings,
+    )
+    k = fleet.speculation.k
+    if isinstance(k, int):
+        coordinator.policy.fixed_k = k if drafter is not None else 0
+    hops: dict[str, float] = {}
+
+    def sample_with_hop(sample: TelemetrySample) -> None:
+        on_sample(replace(sample, hop_ms=round(hops[sample.name], 2)) if sample.name in hops else sample)
+
+    feed = TelemetryFeed(
+        [(p.telemetry_url, p.server_key) for p in deployment.placements], deployment.keys, sample_with_hop
+    )
+    connection = Connection(coordinator, links, feed, hops)
+    try:
+        stages = await coordinator.hello()
+        if stages != len(deployment.stages):
+            raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+    except BaseException:
+        for link in links:
+            await link.close()
+        raise
+    coordinator.result_observers.append(
+        lambda result, received: _observe_hops(deployment, hops, result, received)
+    )
+    feed.start()
+    return connection
+
+
+def _drafter(fleet: Fleet, deployment: Deployment, links: list[ZmqLink]) -> Drafter | None:
+    draft = fleet.speculation.draft
+    if draft == "none":
+        return None
+    if draft == "prompt-lookup":
+        return PromptLookupDrafter()
+    if deployment.draft is None:
+        raise RuntimeError(f"draft {draft!r} has no draft worker in deployment {deployment.id}")
+    placement = deployment.draft
+    link = ZmqLink(
+        placement.data_url, placement.result_url, deployment.keys, placement.server_key, placement.server_key
+    )
+    links.append(link)
+    return ModelDrafter(link, name=draft)
+
+
+def _observe_hops(
+    deployment: Deployment, hops: dict[str, float], result: protocol.Result, received: float
+) -> None:
+    """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in ms."""
+    trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
+    if len(trace) != len(deployment.stages):
+        return
+    arrivals = [*trace[1:, 1], received]
+    for (stage, _received, _started, _finished, sent), arrival in zip(trace, arrivals, strict=False):
+        name = deployment.stages[int(stage)].config.name
+        sample = (arrival - sent) * 1000.0
+        previous = hops.get(name)
+        hops[name] = sample if previous is None else 0.8 * previous + 0.2 * sample
+
+
+class Lease:
+    """Workers started for one command live on a lease this process renews; they exit when it lapses.
+
+    Any control request renews it, so the watcher pings every few seconds; `end()` sets 0 (no lease) when
+    the workers are handed to a deployment record. Workers that predate the op answer an error: ignored.
+    """
+
+    RENEW_SECONDS = 5.0
+
+    def __init__(self, deployment: Deployment, seconds: float) -> None:
+        self.deployment = deployment
+        self.seconds = seconds
+        self._task: asyncio.Task[None] | None = None
+
+    async def _send(self, seconds: float) -> None:
+        request = {"op": "lease", "seconds": seconds}
+        keys = self.deployment.keys
+        await asyncio.gather(
+            *(
+                control_request(p.control_url, request, keys, p.server_key, 1.0)
+                for p in self.deployment.placements
+            ),
+            return_exceptions=True,
+        )
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.RENEW_SECONDS)
+            await self._send(self.seconds)
+
+    async def start(self) -> None:
+        await self._send(self.seconds)
+        self._task = asyncio.get_running_loop().create_task(self._renew(), name="lease-watcher")
+
+    async def cancel(self) -> None:
+        """Stop renewing (the lease then lapses unless the workers are stopped or handed over first)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def end(self) -> None:
+        """No lease any more: the workers stay until stopped."""
+        await self.cancel()
+        await self._send(0)

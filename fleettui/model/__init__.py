@@ -1,0 +1,1 @@
+"""Provides the model description: its shape from a Hugging Face config or a GGUF header, and the builtin models."""

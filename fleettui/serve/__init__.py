@@ -1,0 +1,1 @@
+"""Provides `fleettui serve`: the fleet as an OpenAI-compatible HTTP service (Starlette on uvicorn)."""

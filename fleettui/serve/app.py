@@ -1,0 +1,340 @@
+"""Provides `FleetServer`: the OpenAI-compatible Starlette app over a `ServedFleet` (sessions, queue, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.limits import RequestError as LimitError
+from fleettui.runtime.limits import validate_request
+from fleettui.runtime.session_pool import SessionPool
+from fleettui.serve.admission import Admission, QueueFull, Ticket
+from fleettui.serve.fleet import ServedFleet
+from fleettui.serve.metrics import ServerMetrics
+from fleettui.serve.responses import Envelope, error_body, finish_reason, model_card, sse
+from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
+from fleettui.serve.security import KeyChecker
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 * 2**20
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    generation: Generation
+    prompt_tokens: int
+    reused_tokens: int
+
+
+def error_response(
+    message: str, status: int, param: str | None = None, code: str | None = None, **headers: str
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers or None)
+
+
+class FleetServer:
+    """One HTTP front of a fleet: validation, admission, the session pool, generation jobs and metrics."""
+
+    def __init__(
+        self,
+        fleet: ServedFleet,
+        api_keys: tuple[str, ...] = (),
+        max_sessions: int = 4,
+        max_queued: int = 16,
+        max_idle: int = 8,
+    ) -> None:
+        self.fleet = fleet
+        self.model = fleet.model_info()
+        self.defaults: GenerationParams = fleet.defaults()
+        self.keys = KeyChecker(api_keys)
+        self.admission = Admission(max_sessions, max_queued)
+        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle, max_open=max_sessions)
+        self.metrics = ServerMetrics(fleet.stage_telemetry)
+        self.jobs: set[asyncio.Task[Outcome]] = set()
+        routes = [
+            Route("/v1/chat/completions", self._guard("chat", self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", self._guard("completions", self.completions), methods=["POST"]),
+            Route("/v1/models", self._guard("models", self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._guard("models", self.model_detail), methods=["GET"]),
+            Route("/metrics", self._guard("metrics", self.metrics_text), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        handlers: dict[Any, Any] = {HTTPException: self._http_error, Exception: self._server_error}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _guard(self, endpoint: str, handler: Handler) -> Handler:
+        """Key check, OpenAI-style errors for anything unexpected, and the per-status request counter."""
+
+        async def guarded(request: Request) -> Response:
+            if not self.keys.allows(request.headers.get("authorization")):
+                response: Response = error_response(
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    401,
+                    code="invalid_api_key",
+                    **{"WWW-Authenticate": "Bearer"},
+                )
+            else:
+                try:
+                    response = await handler(request)
+                except RequestError as error:
+                    response = error_response(error.message, error.status, error.param, error.code)
+                except QueueFull as error:
+                    response = error_response(
+                        str(error), 429, code="queue_full", **{"Retry-After": str(error.retry_after)}
+                    )
+            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+
+        return guarded
+
+    async def _http_error(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        return error_response(str(error.detail), error.status_code)
+
+    async def _server_error(self, request: Request, error: Exception) -> Response:
+        log.exception("request %s failed", request.url.path, exc_info=error)
+        return error_response(f"internal error: {type(error).__name__}", 500)
+
+    async def _body(self, request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise RequestError(f"the request body is larger than {MAX_BODY_BYTES} bytes", None, 413)
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise RequestError(f"malformed JSON in the request body: {error}", None) from None
+
+    def _update_gauges(self) -> None:
+        self.metrics.active.set(self.admission.active)
+        self.metrics.queued.set(self.admission.queued)
+        self.metrics.pooled.set(self.pool.idle)
+
+    # -- endpoints ----------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        stages = await self.fleet.stage_health()
+        ready = bool(stages) and all(stage.up for stage in stages)
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "model": self.model.name,
+            "stages": [{"name": s.name, "up": s.up, "detail": s.detail} for s in stages],
+            "active": self.admission.active,
+            "queued": self.admission.queued,
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(self.model)]})
+
+    async def model_detail(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.model.name:
+            raise RequestError(f"The model '{name}' does not exist", "model", 404, "model_not_found")
+        return JSONResponse(model_card(self.model))
+
+    async def metrics_text(self, request: Request) -> Response:
+        self._update_gauges()
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        body = await self._body(request)
+        parsed = parse_request(body, chat, self.model.name, self.defaults, self.model.context_length)
+        if parsed.messages is not None:
+            prompt = self.fleet.encode_chat(list(parsed.messages))
+            field = "messages"
+        else:
+            assert parsed.prompt is not None
+            prompt = self.fleet.encode_text(parsed.prompt)
+            field = "prompt"
+        room = self.model.context_length - len(prompt)
+        if room <= 0:
+            raise RequestError(
+                f"the prompt is {len(prompt)} tokens; this model's context is {self.model.context_length}",
+                field,
+                code="context_length_exceeded",
+            )
+        params = parsed.sampling.params(self.defaults.max_tokens, room)
+        try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
+            validate_request(params, len(prompt), self.model.context_length)
+        except LimitError as error:
+            raise RequestError(str(error), error.field) from None
+        ticket = self.admission.admit()  # QueueFull -> 429 before any byte of the response
+        if parsed.stream:
+            return self._stream(parsed, prompt, params, ticket, chat)
+        return await self._answer(request, parsed, prompt, params, ticket, chat)
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _start_job(
+        self, prompt: list[int], params: GenerationParams, ticket: Ticket, on_delta: Callable[[str], None]
+    ) -> asyncio.Task[Outcome]:
+        job = asyncio.get_running_loop().create_task(self._generate(prompt, params, ticket, on_delta))
+        self.jobs.add(job)
+        job.add_done_callback(self.jobs.discard)
+        return job
+
+    async def _generate(
+        self, prompt: list[int], params: GenerationParams, ticket: Ticket, on_delta: Callable[[str], None]
+    ) -> Outcome:
+        """Wait for a slot, lease a session, generate; the session goes back to the pool only if all went well."""
+        admitted = time.perf_counter()
+        lease = None
+        completed = False
+        try:
+            self._update_gauges()
+            await ticket.wait()
+            self._update_gauges()
+            lease = await self.pool.acquire(prompt, params.seed)
+            last: list[float] = []
+
+            def on_tokens(tokens: list[int], delta: str) -> None:
+                now = time.perf_counter()
+                if tokens:
+                    if last:
+                        self.metrics.inter_token.observe(now - last[0])
+                    else:
+                        self.metrics.ttft.observe(now - admitted)
+                    last[:] = [now]
+                if delta:
+                    on_delta(delta)
+
+            started = time.perf_counter()
+            generation = await self.fleet.generate(lease.session, prompt, params, on_tokens)
+            self.admission.record(time.perf_counter() - started)
+            completed = True
+            self._record(generation, len(prompt))
+            return Outcome(generation, len(prompt), lease.reused_tokens)
+        finally:
+            ticket.release()
+            if lease is not None:
+                # A cancelled or failed step may have reached the stages without the ledger knowing:
+                # such a session is closed on every stage, never reused.
+                try:
+                    await self.pool.release(lease.session, reusable=completed)
+                except Exception as error:
+                    log.warning("could not release session %d: %s", lease.session.id, error)
+            self._update_gauges()
+
+    def _record(self, generation: Generation, prompt_tokens: int) -> None:
+        stats = generation.stats
+        self.metrics.tokens.labels("prompt").inc(prompt_tokens)
+        self.metrics.tokens.labels("completion").inc(stats.tokens)
+        if stats.acceptance_rate is not None:
+            self.metrics.acceptance.set(stats.acceptance_rate)
+        self.metrics.mean_k.set(stats.mean_k)
+
+    async def _answer(
+        self,
+        request: Request,
+        parsed: CompletionRequest,
+        prompt: list[int],
+        params: GenerationParams,
+        ticket: Ticket,
+        chat: bool,
+    ) -> Response:
+        job = self._start_job(prompt, params, ticket, lambda delta: None)
+        watcher = asyncio.get_running_loop().create_task(_disconnected(request))
+        try:
+            await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not job.done():  # the client left (or this handler was cancelled): stop generating
+                job.cancel()
+                self.metrics.disconnects.inc()
+        if job.cancelled():
+            return error_response("the client closed the connection", 499)
+        error = job.exception()
+        if error is not None:
+            return _generation_error(error)
+        outcome = job.result()
+        envelope = Envelope(chat, self.model.name)
+        body = envelope.complete(
+            outcome.generation.text, outcome.generation.stats, outcome.prompt_tokens, outcome.reused_tokens
+        )
+        return JSONResponse(body)
+
+    def _stream(
+        self,
+        parsed: CompletionRequest,
+        prompt: list[int],
+        params: GenerationParams,
+        ticket: Ticket,
+        chat: bool,
+    ) -> StreamingResponse:
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        job = self._start_job(prompt, params, ticket, deltas.put_nowait)
+        job.add_done_callback(lambda _: deltas.put_nowait(None))
+        envelope = Envelope(chat, self.model.name)
+        usage = parsed.include_usage
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage))
+                while (delta := await deltas.get()) is not None:
+                    yield sse(envelope.chunk(delta, with_usage=usage))
+                error = asyncio.CancelledError() if job.cancelled() else job.exception()
+                if error is not None:
+                    failure = _generation_error(error)
+                    yield sse(json.loads(bytes(failure.body)))
+                else:
+                    outcome = job.result()
+                    stats = outcome.generation.stats
+                    yield sse(envelope.chunk(None, finish_reason(stats), with_usage=usage))
+                    if usage:
+                        yield sse(envelope.usage_chunk(stats, outcome.prompt_tokens, outcome.reused_tokens))
+                yield sse("[DONE]")
+            finally:
+                # Runs when the client disconnects too (Starlette cancels this generator): no awaiting here,
+                # the job's own cleanup closes the session on every stage.
+                if not job.done():
+                    job.cancel()
+                    self.metrics.disconnects.inc()
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def close(self) -> None:
+        """Cancel every generation, wait for their cleanup, close the pooled sessions."""
+        for job in list(self.jobs):
+            job.cancel()
+        if self.jobs:
+            await asyncio.gather(*self.jobs, return_exceptions=True)
+        await self.pool.close_all()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _generation_error(error: BaseException) -> JSONResponse:
+    from fleettui.runtime.transport import LinkError
+
+    if isinstance(error, LinkError):
+        return error_response(f"the fleet could not answer: {error}", 503, code="fleet_unavailable")
+    if isinstance(error, asyncio.CancelledError):
+        return error_response("the generation was cancelled (the server is stopping)", 503)
+    log.error("generation failed: %r", error, exc_info=error)
+    return error_response(f"generation failed: {type(error).__name__}: {error}", 500)

@@ -1,0 +1,138 @@
+"""Provides `ServedFleet`: everything the HTTP server needs from a running fleet, behind one small protocol.
+
+The server never touches the controller, coordinator or deployment directly; `ControllerFleet` adapts a
+started `FleetController` to this protocol, so pointing the server at another orchestrator API means
+writing one more adapter here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fleettui.runtime.chat_format import ChatMessage
+from fleettui.runtime.coordinator import Generation, GenerationParams, Session, TokenCallback
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    context_length: int
+    num_layers: int
+    created: int  # Unix time the shards were compiled (OpenAI's `created`)
+
+
+@dataclass(frozen=True)
+class StageHealth:
+    name: str
+    up: bool
+    detail: str = ""
+
+
+class ServedFleet(Protocol):
+    """A running fleet as the server sees it: tokenizer, sessions, generation and stage telemetry."""
+
+    def model_info(self) -> ModelInfo: ...
+
+    def defaults(self) -> GenerationParams:
+        """Sampling defaults of the fleet file (max_tokens, temperature, top_p, seed)."""
+        ...
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    async def open_session(self, seed: int) -> Session: ...
+
+    async def close_session(self, session: Session) -> None: ...
+
+    async def generate(
+        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback
+    ) -> Generation: ...
+
+    async def stage_health(self) -> list[StageHealth]:
+        """Ask every stage (and the draft) whether it answers; never raises."""
+        ...
+
+    def stage_telemetry(self) -> dict[str, dict[str, Any]]:
+        """The latest telemetry sample per stage name (tok/s, busy, queue, hop_ms, rss_mb, temp_c ...)."""
+        ...
+
+
+class ControllerFleet:
+    """`ServedFleet` over a started `fleettui.control.controller.FleetController`."""
+
+    def __init__(self, controller: Any) -> None:
+        if controller.coordinator is None or controller.target is None or controller.deployment is None:
+            raise RuntimeError("the fleet controller has not been started")
+        self.controller = controller
+        self.coordinator = controller.coordinator
+        if self.coordinator.chat_format is None:
+            raise RuntimeError("this fleet's shards carry no tokenizer")
+        self.chat_format = self.coordinator.chat_format
+
+    def model_info(self) -> ModelInfo:
+        manifest = self.controller.target.manifest
+        created = _unix_time(manifest.created_at)
+        return ModelInfo(manifest.model_name, manifest.max_position_embeddings, manifest.num_layers, created)
+
+    def defaults(self) -> GenerationParams:
+        sessions = self.controller.fleet.sessions
+        return GenerationParams(
+            max_tokens=sessions.max_tokens,
+            temperature=sessions.temperature,
+            top_p=sessions.top_p,
+            seed=sessions.seed,
+        )
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        return self.chat_format.encode_chat(messages)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.chat_format.encode(text)
+
+    async def open_session(self, seed: int) -> Session:
+        return await self.coordinator.open_session(seed)
+
+    async def close_session(self, session: Session) -> None:
+        await self.coordinator.close_session(session)
+
+    async def generate(
+        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback
+    ) -> Generation:
+        return await self.coordinator.generate(session, prompt, params, on_tokens)
+
+    async def stage_health(self) -> list[StageHealth]:
+        from fleettui.runtime.transport import control_request
+
+        deployment = self.controller.deployment
+        placements = list(deployment.placements)
+
+        async def ping(placement: Any) -> StageHealth:
+            name = placement.config.name
+            try:
+                reply = await control_request(
+                    placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=2.0
+                )
+            except Exception as error:  # a broken socket is an unhealthy stage, not a server error
+                return StageHealth(name, False, str(error))
+            if reply is None:
+                return StageHealth(name, False, "no answer within 2 s")
+            state = str(reply.get("state", "?"))
+            return StageHealth(name, state == "ready", state)
+
+        return list(await asyncio.gather(*(ping(p) for p in placements)))
+
+    def stage_telemetry(self) -> dict[str, dict[str, Any]]:
+        return {name: sample.to_dict() for name, sample in self.controller.telemetry().items()}
+
+
+def _unix_time(stamp: str) -> int:
+    from datetime import datetime
+
+    try:
+        return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp())
+    except (ValueError, AttributeError):
+        return int(time.time())

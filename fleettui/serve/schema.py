@@ -1,0 +1,215 @@
+"""Provides validation of OpenAI-style request bodies into typed requests; every error names its field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from fleettui.runtime.chat_format import ChatMessage
+from fleettui.runtime.coordinator import GenerationParams
+
+ROLES = ("system", "user", "assistant", "developer")
+MAX_STOP_SEQUENCES = 4
+MAX_SEED = 2**63 - 1
+# Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are refused.
+PENALTIES = ("frequency_penalty", "presence_penalty")
+SUPPORTED_PENALTIES = frozenset(PENALTIES) & {f.name for f in fields(GenerationParams)}
+
+
+class RequestError(ValueError):
+    """A bad request: OpenAI answers these with 400 and an error naming `param`."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling part of a request, before the prompt length caps `max_tokens`."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    penalties: dict[str, Any]
+
+    def params(self, default_max_tokens: int, room: int) -> GenerationParams:
+        """GenerationParams for a prompt that leaves `room` positions of the context."""
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise RequestError(
+                f"max_tokens {self.max_tokens} does not fit: the prompt leaves {room} of the model's context",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
+        wanted = default_max_tokens if self.max_tokens is None else self.max_tokens
+        params = GenerationParams(
+            max_tokens=max(1, min(wanted, room)),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=self.stop,
+        )
+        return replace(params, **self.penalties) if self.penalties else params
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated /v1/chat/completions (`messages`) or /v1/completions (`prompt`) request."""
+
+    model: str
+    messages: tuple[ChatMessage, ...] | None
+    prompt: str | None
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"'{name}' must be a number", name)
+    if not low <= value <= high:
+        raise RequestError(f"'{name}' must be between {low:g} and {high:g}, got {value:g}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{name}' must be an integer", name)
+    if not low <= value <= high:
+        raise RequestError(f"'{name}' must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
+        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    return tuple(items)
+
+
+def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: int) -> Sampling:
+    n = _integer(body, "n", 1, 128)
+    if n is not None and n != 1:
+        raise RequestError("'n' must be 1: this server returns one choice per request", "n")
+    best_of = _integer(body, "best_of", 1, 128)
+    if best_of is not None and best_of != 1:
+        raise RequestError("'best_of' must be 1", "best_of")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise RequestError("'logprobs' is not supported", "logprobs")
+    max_tokens = _integer(body, "max_tokens", 1, context_length)
+    completion = _integer(body, "max_completion_tokens", 1, context_length)
+    if completion is not None:
+        max_tokens = completion if max_tokens is None else min(max_tokens, completion)
+    penalties: dict[str, Any] = {}
+    for name in PENALTIES:
+        value = _number(body, name, 0.0, -2.0, 2.0)
+        if value == 0.0:
+            continue
+        if name not in SUPPORTED_PENALTIES:
+            raise RequestError(f"'{name}' is not supported by this fleet (only 0)", name)
+        penalties[name] = value
+    seed = _integer(body, "seed", -MAX_SEED, MAX_SEED)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
+        seed=abs(defaults.seed if seed is None else seed),
+        stop=_stop(body),
+        penalties=penalties,
+    )
+
+
+def _content(value: Any, index: int) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise RequestError("only text content parts are supported", f"messages[{index}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError("'content' must be a string or a list of text parts", f"messages[{index}].content")
+
+
+def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    value = body.get("messages")
+    if not isinstance(value, list):
+        raise RequestError("'messages' is required and must be a list", "messages")
+    if not value:
+        raise RequestError("'messages' must contain at least one message", "messages")
+    messages = []
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise RequestError("each message must be an object", f"messages[{index}]")
+        role = item.get("role")
+        if role not in ROLES:
+            raise RequestError(
+                f"'role' must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{index}].role"
+            )
+        content = _content(item.get("content"), index)
+        messages.append(ChatMessage("system" if role == "developer" else role, content))
+    return tuple(messages)
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    value = body.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if not isinstance(value, str):
+        raise RequestError("'prompt' is required and must be a string", "prompt")
+    if not value:
+        raise RequestError("'prompt' must not be empty", "prompt")
+    if body.get("suffix"):
+        raise RequestError("'suffix' is not supported", "suffix")
+    if body.get("echo"):
+        raise RequestError("'echo' is not supported", "echo")
+    return value
+
+
+def parse_request(
+    body: Any, chat: bool, model: str, defaults: GenerationParams, context_length: int
+) -> CompletionRequest:
+    """Validate a decoded JSON body; raises `RequestError` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise RequestError("'model' is required", "model")
+    if name != model:
+        raise RequestError(
+            f"The model '{name}' does not exist; this fleet serves '{model}'", "model", code="model_not_found"
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise RequestError("'stream_options' must be an object and needs 'stream': true", "stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
+    messages = _messages(body) if chat else None
+    prompt = None if chat else _prompt(body)
+    sampling = _sampling(body, defaults, context_length)
+    return CompletionRequest(name, messages, prompt, sampling, stream, include_usage)

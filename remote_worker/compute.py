@@ -1,0 +1,229 @@
+"""Provides the compute side of a stage worker's loop: serve one admitted message and send the outcome onward.
+
+Runs on the compute thread only, which alone uses the outgoing PUSH socket. A step feeds the engine and
+forwards hidden states (or, on the last stage, scores the logits into tokens); a control message opens,
+closes, resets or compacts a session; a failure becomes an `Error` sent down the chain, never silence.
+NaN/Inf out of the model is such a failure: it names stage and session instead of yielding a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from remote_worker import protocol
+from remote_worker.config import StageConfig
+from remote_worker.decoding import propose_distribution, sample, score
+from remote_worker.telemetry import StageStats
+
+logger = logging.getLogger("remote_worker.server")
+
+SEND_TIMEOUT_MS = 10_000  # a send that cannot complete (no coordinator) errors instead of hanging
+_GREEDY = protocol.Decode()
+_NO_RANGES = np.zeros((0, 2), np.int64)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def rarely(count: int) -> bool:
+    """Log the first few of a kind, then every thousandth: a flood must not flood the log too."""
+    return count <= 20 or count % 1000 == 0
+
+
+class StageCompute:
+    """The serving half of `StageServer` (which provides the sockets, the inbox and the I/O thread)."""
+
+    config: StageConfig
+    engine: Any
+    stats: StageStats
+    output: zmq.Socket | None
+
+    def _send(self, message: protocol.Message, block: bool = True) -> None:
+        """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it."""
+        assert self.output is not None
+        try:
+            self.output.send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.unsent += 1
+            if block or rarely(self.stats.unsent):
+                logger.error(
+                    "could not send %s downstream (%d unsent)", type(message).__name__, self.stats.unsent
+                )
+
+    def _serve(self, received: float, message: protocol.Message) -> None:
+        started = time.time()
+        kind = type(message).__name__
+        try:
+            if isinstance(message, protocol.Step):
+                self._step(received, started, message)
+            elif isinstance(message, protocol.Control):
+                self._control(message)
+            elif isinstance(message, protocol.Hello):
+                self._hello(received, started, message)
+            elif isinstance(message, protocol.Propose) and self.config.role == "draft":
+                self._propose(received, started, message)
+            elif isinstance(message, protocol.Error):
+                self._send(message)  # an upstream failure travels on to the coordinator
+            else:  # the I/O thread admits nothing else
+                raise ValueError(f"unexpected {kind} at stage {self.config.stage_index}")
+            self.stats.handled[kind] += 1
+        except Exception as error:  # noqa: BLE001 - any failure must reach the coordinator as an Error
+            self.stats.errors += 1
+            reason = one_line(error)
+            session = getattr(message, "session", 0)
+            if rarely(self.stats.errors):
+                logger.error("%s session %d seq %d failed: %s", kind, session, message.seq, reason)
+            self._send(protocol.Error(session, message.seq, self.config.stage_index, reason))
+        finally:
+            self.stats.busy_seconds += time.time() - started
+
+    def _trace(self, trace: np.ndarray, received: float, started: float) -> np.ndarray:
+        finished = time.time()
+        return protocol.append_trace(trace, self.config.stage_index, received, started, finished, time.time())
+
+    def _step(self, received: float, started: float, step: protocol.Step) -> None:
+        data = step.tokens if step.tokens is not None else step.hidden
+        assert data is not None
+        clock = time.perf_counter()
+        decode = step.decode if step.decode is not None else _GREEDY
+        keep = decode.n_score if self.engine.is_last else 0
+        if decode.n_score > step.n:
+            raise ValueError(f"decode scores {decode.n_score} positions, the step has {step.n}")
+        output = self.engine.step(
+            step.session, step.pos0, step.cache_len, step.mask_ranges, data, keep_last=keep
+        )
+        self._check_finite(step.session, output)
+        if not self.engine.is_last:
+            # astype copies: the engine's output buffer is reused by the session's next step
+            with np.errstate(over="ignore"):  # an overflow is detected just below
+                hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
+            if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
+                hidden = output.astype(
+                    np.float32
+                )  # an activation beyond float16's range: send this one as f32
+            self.stats.record_step(step.n, time.perf_counter() - clock)
+            self._send(
+                protocol.Step(
+                    step.session,
+                    step.seq,
+                    step.pos0,
+                    step.cache_len,
+                    step.mask_ranges,
+                    hidden=hidden,
+                    decode=step.decode,
+                    trace=self._trace(step.trace, received, started),
+                )
+            )
+            return
+        tokens, accepted, top_ids, top_logprobs = score(output, decode)
+        self.stats.record_step(step.n, time.perf_counter() - clock)
+        self._send(
+            protocol.Result(
+                step.session,
+                step.seq,
+                tokens,
+                accepted,
+                top_ids,
+                top_logprobs,
+                self._trace(step.trace, received, started),
+            )
+        )
+
+    def _check_finite(self, session: int, output: np.ndarray) -> None:
+        """NaN/Inf out of the model: an Error naming stage and session, never a token; the cache is distrusted."""
+        if bool(np.isfinite(output).all()):
+            return
+        what = "logits" if self.engine.is_last else "hidden states"
+        reason = f"session {session}: stage {self.config.stage_index} computed non-finite {what} (NaN/Inf)"
+        self.engine.mark_broken(session, reason)
+        raise ValueError(reason)
+
+    def _control(self, control: protocol.Control) -> None:
+        session, value = control.session, 0
+        if control.kind == protocol.Kind.OPEN:
+            count, limit = len(self.engine.sessions), self.config.max_sessions
+            if not self.engine.has(session) and count >= limit:
+                raise ValueError(
+                    f"max_sessions: stage {self.config.stage_index} serves at most {limit} sessions and "
+                    f"{count} are open; close one or wait"
+                )
+            self.engine.open(session)
+        elif control.kind == protocol.Kind.CLOSE:
+            self.engine.close(session)
+        elif control.kind == protocol.Kind.RESET:
+            self.engine.reset(session)
+        elif control.kind == protocol.Kind.COMPACT:
+            clock = time.perf_counter()
+            value = self.engine.compact(session, control.cache_len)
+            logger.info(
+                "session %d compacted %d -> %d slots in %.1f ms",
+                session,
+                control.cache_len,
+                value,
+                (time.perf_counter() - clock) * 1e3,
+            )
+        if self.config.next is not None:
+            self._send(control)
+        else:
+            self._send(protocol.Ack(control.kind, session, control.seq, value))
+
+    def _hello(self, received: float, started: float, hello: protocol.Hello) -> None:
+        trace = self._trace(hello.trace, received, started)
+        if self.config.next is not None:
+            self._send(protocol.Hello(hello.seq, trace))
+        else:
+            stages = len(trace) // protocol.TRACE_FIELDS
+            self._send(protocol.Ack(protocol.Kind.HELLO, 0, hello.seq, stages, trace))
+
+    def _propose(self, received: float, started: float, propose: protocol.Propose) -> None:
+        """Draft: feed the tokens, then propose k tokens, feeding each proposal but the last."""
+        decode = propose.decode
+        if not decode.greedy and propose.support <= 0:
+            raise ValueError("propose: sampling needs support > 0")
+        clock = time.perf_counter()
+        session, position = propose.session, propose.pos0
+        output = self.engine.step(
+            session, position, propose.cache_len, propose.mask_ranges, propose.tokens, keep_last=1
+        )
+        position += len(propose.tokens)
+        uniforms = (
+            decode.uniforms
+            if len(decode.uniforms) >= propose.k
+            else np.random.default_rng().random(propose.k)
+        )
+        tokens = np.zeros(propose.k, np.int64)
+        support = 0 if decode.greedy else propose.support
+        ids = np.zeros((propose.k, support), np.int64)
+        probs = np.zeros((propose.k, support), np.float32)
+        for index in range(propose.k):
+            self._check_finite(session, output[-1:])
+            logits = output[-1]
+            if decode.greedy:
+                tokens[index] = int(np.argmax(logits))
+            else:
+                row_ids, row_probs = propose_distribution(logits, decode, support)
+                ids[index, : len(row_ids)], probs[index, : len(row_probs)] = row_ids, row_probs
+                tokens[index] = sample(row_ids, row_probs, float(uniforms[index]))
+            if index < propose.k - 1:
+                output = self.engine.step(
+                    session, position, self.engine.cache_len(session), _NO_RANGES, tokens[index : index + 1]
+                )
+                position += 1
+        self.stats.record_step(len(propose.tokens) + propose.k - 1, time.perf_counter() - clock)
+        self._send(
+            protocol.Proposal(
+                session,
+                propose.seq,
+                tokens,
+                ids,
+                probs,
+                self._trace(np.zeros(0, np.float64), received, started),
+            )
+        )

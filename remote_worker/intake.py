@@ -1,0 +1,108 @@
+"""Provides what a stage worker's I/O thread needs: a byte-bounded inbox and the parsing of control requests."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from remote_worker import protocol
+
+MAX_CONTROL_BYTES = 64 << 10  # a control request is a small JSON object
+MAX_REFUSALS = 1024  # pending Error replies for refused requests; beyond this they are only counted
+MAX_LEASE_SECONDS = 86400.0
+
+
+class ControlRequestError(ValueError):
+    """A control request that is answered with {"error": message}."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An Error to send down the chain for a request refused at intake (it never reaches the engine)."""
+
+    error: protocol.Error
+
+
+class Inbox:
+    """FIFO of received messages bounded in bytes and in count; refusals jump the queue (they are tiny)."""
+
+    def __init__(self, max_bytes: int, max_messages: int = 4096) -> None:
+        self.max_bytes = max_bytes
+        self.max_messages = max_messages
+        self._items: deque[tuple[float, protocol.Message, int]] = deque()
+        self._refusals: deque[Refusal] = deque()  # served first, in their own order
+        self._bytes = 0
+        self._condition = threading.Condition()
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._refusals)
+
+    def put(self, received: float, message: protocol.Message, size: int) -> bool:
+        """Queue a message; False (and nothing queued) when it would exceed the byte or count budget."""
+        with self._condition:
+            if self._bytes + size > self.max_bytes or len(self._items) >= self.max_messages:
+                return False
+            self._items.append((received, message, size))
+            self._bytes += size
+            self._condition.notify()
+            return True
+
+    def refuse(self, error: protocol.Error) -> bool:
+        """Queue an Error reply ahead of the waiting work; False when too many are already pending."""
+        with self._condition:
+            if len(self._refusals) >= MAX_REFUSALS:
+                return False
+            self._refusals.append(Refusal(error))
+            self._condition.notify()
+            return True
+
+    def get(self, timeout: float) -> tuple[float, protocol.Message | Refusal] | None:
+        """The next item, or None after `timeout` seconds (or a `wake()`)."""
+        with self._condition:
+            if not self._items and not self._refusals:
+                self._condition.wait(timeout)
+            if self._refusals:
+                return 0.0, self._refusals.popleft()
+            if not self._items:
+                return None
+            received, item, size = self._items.popleft()
+            self._bytes -= size
+            return received, item
+
+    def wake(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+
+def parse_control(frames: list[bytes]) -> tuple[str, dict[str, Any]]:
+    """(op, request) of one control request; ControlRequestError says, in one line, why it cannot be served."""
+    if len(frames) != 1:
+        raise ControlRequestError(f"expected a request of one frame, got {len(frames)} frames")
+    raw = frames[0]
+    if len(raw) > MAX_CONTROL_BYTES:
+        raise ControlRequestError(f"request of {len(raw)} bytes exceeds {MAX_CONTROL_BYTES} bytes")
+    try:
+        request = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: b"[" * 100000
+        raise ControlRequestError("not a JSON document") from None
+    if not isinstance(request, dict) or not isinstance(request.get("op"), str):
+        raise ControlRequestError("expected a JSON object with a string 'op'")
+    return request["op"], request
+
+
+def lease_seconds(request: dict[str, Any]) -> float:
+    """The `seconds` of a lease request: a number in 0..86400 (0 turns the lease off)."""
+    seconds = request.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ControlRequestError("lease: 'seconds' must be a number")
+    if not 0 <= seconds <= MAX_LEASE_SECONDS:
+        raise ControlRequestError(f"lease: seconds {seconds} outside 0..{MAX_LEASE_SECONDS:g}")
+    return float(seconds)

@@ -1,0 +1,223 @@
+"""Unit tests of the server's pure parts: request validation, admission queue, session pool, API keys."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fleettui.runtime.coordinator import GenerationParams, Session
+from fleettui.runtime.ledger import Feed
+from fleettui.runtime.session_pool import SessionPool, common_prefix
+from fleettui.serve.admission import Admission, QueueFull
+from fleettui.serve.schema import RequestError, parse_request
+from fleettui.serve.security import KeyChecker, SecurityError, check_bind, is_loopback, load_api_keys
+
+DEFAULTS = GenerationParams(max_tokens=256)
+
+
+def parse(body: object, chat: bool = True):  # type: ignore[no-untyped-def]
+    return parse_request(body, chat, "m", DEFAULTS, 100)
+
+
+def test_valid_chat_request_maps_every_field() -> None:
+    request = parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            "max_completion_tokens": 50,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    assert [m.content for m in request.messages or ()] == ["be brief", "hi"]
+    params = request.sampling.params(DEFAULTS.max_tokens, room=30)
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop) == (
+        30,
+        0.7,
+        0.9,
+        3,
+        ("END",),
+    )
+    assert request.stream and request.include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ([], None),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3},
+            "frequency_penalty",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+            "stream_options",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ],
+)
+def test_bad_requests_name_their_field(body: object, param: str | None) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse(body)
+    assert caught.value.param == param and caught.value.status == 400
+
+
+def test_penalties_are_refused_until_generation_params_has_them() -> None:
+    from dataclasses import fields
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}
+    if "presence_penalty" in {f.name for f in fields(GenerationParams)}:
+        params = parse(body).sampling.params(10, 10)
+        assert params.presence_penalty == 0.5  # type: ignore[attr-defined]
+    else:
+        with pytest.raises(RequestError, match="not supported"):
+            parse(body)
+    assert parse({**body, "presence_penalty": 0}).sampling.penalties == {}
+
+
+def test_completion_prompt() -> None:
+    assert parse({"model": "m", "prompt": ["once"]}, chat=False).prompt == "once"
+    with pytest.raises(RequestError) as caught:
+        parse({"model": "m", "prompt": "x", "echo": True}, chat=False)
+    assert caught.value.param == "echo"
+
+
+async def test_admission_is_fifo_bounded_and_releases_cancelled_waiters() -> None:
+    admission = Admission(max_active=1, max_queued=2)
+    first = admission.admit()
+    second, third = admission.admit(), admission.admit()
+    with pytest.raises(QueueFull) as full:
+        admission.admit()
+    assert full.value.retry_after >= 1
+    await first.wait()
+    waiter = asyncio.ensure_future(second.wait())
+    await asyncio.sleep(0)
+    waiter.cancel()  # a client that leaves the queue frees its place
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert admission.queued == 1
+    first.release()
+    await asyncio.wait_for(third.wait(), 1)  # the next in line, not the cancelled one
+    assert admission.active == 1 and admission.queued == 0
+    third.release()
+    third.release()  # twice is harmless
+    assert admission.active == 0
+
+
+class FakeSessions:
+    def __init__(self) -> None:
+        self.open: set[int] = set()
+        self.next = 0
+
+    async def opener(self, seed: int) -> Session:
+        self.next += 1
+        await asyncio.sleep(0.01)
+        self.open.add(self.next)
+        return Session(self.next, seed)
+
+    async def closer(self, session: Session) -> None:
+        self.open.discard(session.id)
+
+
+def fill(session: Session, tokens: list[int]) -> None:
+    session.ledger.commit(Feed(0, 0, tuple(tokens), ()))
+
+
+async def test_pool_picks_the_longest_prefix_and_evicts_lru() -> None:
+    fake = FakeSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=2)
+    a = (await pool.acquire([1, 2, 3], 0)).session
+    fill(a, [1, 2, 3, 4])
+    b = (await pool.acquire([1, 9], 0)).session
+    fill(b, [1, 9, 9])
+    await pool.release(a, reusable=True)
+    await pool.release(b, reusable=True)
+    lease = await pool.acquire([1, 2, 3, 4, 5, 6], 0)
+    assert lease.session is a and lease.reused_tokens == 4
+    await pool.release(a, reusable=False)  # a cancelled generation: closed, never reused
+    assert a.id not in fake.open
+    c = (await pool.acquire([7], 0)).session  # nothing shared: a new session
+    assert c not in (a, b)
+    fill(c, [7, 8])
+    d = (await pool.acquire([5], 0)).session
+    for session in (c, d):
+        await pool.release(session, reusable=True)
+    assert pool.idle == 2 and b.id not in fake.open  # b was the least recently used
+    await pool.close_all()
+    assert not fake.open and common_prefix([1, 2], [1, 3]) == 1
+
+
+async def test_pool_never_keeps_more_sessions_open_than_the_stages_allow() -> None:
+    fake = FakeSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=4, max_open=2)
+    a = (await pool.acquire([1], 0)).session
+    fill(a, [1, 2])
+    await pool.release(a, reusable=True)
+    b = (await pool.acquire([3], 0)).session
+    c = (await pool.acquire([4], 0)).session  # a third open session would exceed 2: idle `a` is closed first
+    assert len(fake.open) == 2 and a.id not in fake.open and {b.id, c.id} == fake.open
+    for session in (b, c):
+        await pool.release(session, reusable=True)
+    await pool.close_all()
+    assert not fake.open
+
+
+async def test_pool_closes_a_session_whose_opener_was_cancelled() -> None:
+    fake = FakeSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=2)
+    acquiring = asyncio.ensure_future(pool.acquire([1, 2], 0))
+    await asyncio.sleep(0)
+    acquiring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+    await pool.close_all()
+    assert fake.next == 1 and not fake.open
+
+
+def test_keys_file_mode_and_constant_time_check(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# comment\nsk-0123456789abcdef\n\nsk-fedcba9876543210\n")
+    path.chmod(0o640)
+    with pytest.raises(SecurityError, match="chmod 600"):
+        load_api_keys(path)
+    path.chmod(0o600)
+    keys = load_api_keys(path)
+    checker = KeyChecker(keys)
+    assert checker.allows("Bearer sk-fedcba9876543210") and checker.allows("bearer sk-0123456789abcdef")
+    assert (
+        not checker.allows(None)
+        and not checker.allows("Bearer ")
+        and not checker.allows("sk-0123456789abcdef")
+    )
+    assert KeyChecker(()).allows(None)
+    with pytest.raises(SecurityError, match="no keys"):
+        path.write_text("# none\n")
+        load_api_keys(path)
+
+
+def test_bind_rules() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.org")
+    check_bind("127.0.0.1", ())
+    check_bind("0.0.0.0", ("k" * 16,))
+    with pytest.raises(SecurityError, match="without --api-key-file"):
+        check_bind("0.0.0.0", ())
