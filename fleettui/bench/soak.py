@@ -15,7 +15,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.states import ControllerEvent, RecoveryReport
@@ -107,6 +107,8 @@ async def soak(
     from fleettui.runtime.coordinator import GenerationParams
 
     say = on_line or (lambda line: None)
+    admitted = max(fleet.sessions.max_sessions, sessions)  # every user holds a session on every stage
+    fleet = replace(fleet, sessions=replace(fleet.sessions, max_sessions=admitted))
     controller = FleetController(fleet, on_event=on_event)
     report = SoakReport(seconds, sessions)
     params = GenerationParams(max_tokens=max_tokens)
