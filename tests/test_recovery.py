@@ -347,3 +347,48 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
     assert tokens == reference
     assert running == split
     assert [r.action for r in reports] == ["rebalance"]
+
+
+def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """A deployment launched by another controller: its lost worker comes back from the recorded config,
+    the record names the new process, and a later stop ends it."""
+    fleet = make_fleet(shard_cache, 2)
+    killed: list[int] = []
+
+    async def scenario() -> tuple[list[int], list[RecoveryReport], dict[str, int]]:
+        await FleetController(fleet).deploy()  # launched, recorded and handed over
+        attached = FleetController(fleet)
+        try:
+            await attached.start()
+            assert attached.attached and attached.launched == []
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if not killed and len(tokens) > 0:
+                    killed.append(attached.worker_pids()["stage-1"])
+                    os.kill(killed[0], signal.SIGKILL)
+
+            generation = await attached.ask(PROMPTS[0], GenerationParams(max_tokens=TOKENS), on_tokens)
+            reports = list(attached.recovery.reports) if attached.recovery else []
+            await attached.detach()
+        except BaseException:
+            await attached.stop()
+            raise
+        recorded = store.load(fleet)
+        assert recorded is not None
+        last = FleetController(fleet)
+        await last.start()  # attaches to the relaunched worker
+        assert last.attached
+        await last.stop()
+        return list(generation.token_ids), reports, recorded.pids()
+
+    tokens, reports, pids = asyncio.run(scenario())
+    _print(reports)
+    assert tokens == reference[0]
+    assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
+    assert pids["stage-1"] != killed[0]
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids.values()
+    )
+    assert store.load(fleet) is None
