@@ -226,3 +226,11 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
 def test_bad_resilience_keys_are_refused_with_the_key(tmp_path: Path, table: str, message: str) -> None:
     with pytest.raises(FleetConfigError, match=message):
         load_fleet(_fleet(tmp_path, table))
+
+
+def test_a_lost_or_degraded_stage_means_recover_and_a_recovering_one_wait() -> None:
+    from fleettui.control.states import Degraded, Lost, Ready, Recovering, next_step
+
+    assert next_step({"a": Ready(), "b": Lost("process exited (signal 9)")}) == "recover"
+    assert next_step({"a": Ready(), "b": Degraded("needs 1.0 GB more")}) == "recover"
+    assert next_step({"a": Ready(), "b": Recovering("replay")}) == "wait"
