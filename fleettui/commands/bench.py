@@ -34,11 +34,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GROUP",
         help="one group (anchors, fleet, spec, delay, pcs, scale) and the rows it is paired with",
     )
+    parser.add_argument(
+        "--soak", type=float, nargs="?", const=600.0, metavar="SECONDS",
+        help="soak test instead: exact answers for SECONDS (600) while a random worker is killed every minute",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kill-every", type=float, default=60.0, metavar="S", help="soak: seconds between kills"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     options.settings(args)  # validates --spec-k
+    if args.soak is not None:
+        return run_soak_cli(options.load(args), args)
     return run_bench_cli(options.load(args), args)
+
+
+def run_soak_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui bench FLEET --soak [SECONDS] [--kill-every S]`: exit 1 when any answer was lost or differed."""
+    from fleettui.bench.soak import soak
+    from fleettui.control.settings import with_overrides
+
+    if args.soak <= 0 or args.kill_every <= 0:
+        raise FleetError("--soak and --kill-every: seconds must be positive")
+    fleet = with_overrides(fleet, exact=True, draft="none" if args.no_spec else None)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = asyncio.run(
+        soak(fleet, args.soak, kill_every=args.kill_every, max_tokens=args.max_tokens or 48, on_line=say)
+    )
+    print(report.summary())
+    return 1 if report.errors or report.mismatches else 0
 
 
 class Progress:

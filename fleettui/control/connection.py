@@ -13,7 +13,7 @@ from fleettui.control.deployment import Deployment
 from fleettui.model.shape import SYNTHETIC_REFUSAL
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
-from fleettui.runtime.transport import TelemetryFeed, ZmqLink, control_request
+from fleettui.runtime.transport import StageLost, TelemetryFeed, ZmqLink, control_request
 from remote_worker import protocol
 from remote_worker.config import Endpoint
 from remote_worker.replies import TelemetrySample
@@ -27,6 +27,40 @@ class Connection:
     links: list[ZmqLink]
     feed: TelemetryFeed
     hops_ms: dict[str, float] = field(default_factory=dict)
+
+    def draft_link(self) -> ZmqLink | None:
+        link = getattr(self.coordinator.drafter, "link", None)
+        return link if isinstance(link, ZmqLink) else None
+
+    def block(self, error: StageLost, draft: bool) -> None:
+        """A stage was lost: its chain's pending requests fail now, new ones until `unblock()`; sessions replay."""
+        if draft:
+            self.coordinator.draft_epoch += 1
+        else:
+            self.coordinator.target_epoch += 1
+        link = self.draft_link() if draft else self.coordinator.target
+        if isinstance(link, ZmqLink):
+            link.block(error)
+
+    def unblock(self) -> None:
+        for link in (self.coordinator.target, self.draft_link()):
+            if isinstance(link, ZmqLink):
+                link.unblock()
+
+    async def retarget(self, deployment: Deployment) -> None:
+        """Link the coordinator to a new chain (a new split) and check it with Hello; the old link closes."""
+        head, tail = deployment.stages[0], deployment.stages[-1]
+        head_url = Endpoint(head.connect_address, head.config.data_port).url()
+        link = ZmqLink(head_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
+        previous, self.coordinator.target = self.coordinator.target, link
+        self.links = [link, *(each for each in self.links if each is not previous)]
+        if isinstance(previous, ZmqLink):
+            await previous.close()
+        self.coordinator.target_epoch += 1
+        self.hops_ms.clear()
+        stages = await self.coordinator.hello()
+        if stages != len(deployment.stages):
+            raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
 
     async def close(self) -> None:
         await self.feed.stop()

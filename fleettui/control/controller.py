@@ -34,6 +34,7 @@ from fleettui.control.launcher import (
     stop_local,
     stop_remote,
 )  # fmt: skip
+from fleettui.control.recovery import Recovery
 from fleettui.control.settings import apply, generation_params, with_overrides
 from fleettui.control.states import (
     ControllerEvent,
@@ -99,6 +100,7 @@ class FleetController:
         self.ready_replies: dict[str, PingReply] = {}
         self._connection: Connection | None = None
         self._lease: Lease | None = None
+        self.recovery: Recovery | None = None  # watches the workers, recovers lost stages
 
     # -- events -------------------------------------------------------------------------------------
     def _emit(self, event: ControllerEvent) -> None:
@@ -118,6 +120,8 @@ class FleetController:
     def _on_sample(self, sample: TelemetrySample) -> None:
         name = sample.name
         self.samples[name] = sample
+        if self.recovery is not None:  # temperatures for the throttle check
+            self.recovery.observe_sample(sample)
         if name in self.states:
             self._set_state(name, next_state(self.states[name], sample))
         self._emit(Telemetry(name, sample))
@@ -126,6 +130,10 @@ class FleetController:
     @property
     def coordinator(self) -> Coordinator | None:
         return self._connection.coordinator if self._connection else None
+
+    @property
+    def connection(self) -> Connection | None:
+        return self._connection
 
     def telemetry(self) -> Mapping[str, TelemetrySample]:
         return self.samples
@@ -367,9 +375,14 @@ class FleetController:
             raise ControllerError(f"connect: {error}") from None
         for placement in deployment.stages:
             self._set_state(placement.config.name, Ready())
+        self.recovery = Recovery(self, compile_model)  # launched or attached: heartbeats and recovery
+        self.recovery.start()
 
     async def _release(self) -> None:
-        """Stop the lease watcher, close the telemetry feed and every link (the workers are not touched)."""
+        """Stop recovery and the lease watcher, close the telemetry feed and every link (workers untouched)."""
+        if self.recovery is not None:  # stop watching before the workers go away
+            await self.recovery.stop()
+            self.recovery = None
         if self._lease is not None:
             await self._lease.cancel()
             self._lease = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import secrets
 import socket
 from collections.abc import Callable
@@ -26,16 +27,26 @@ def generate_keypair() -> tuple[str, str]:
 def free_port_block(count: int = 4, host: str = LOCALHOST) -> int:
     """A base port whose next `count` ports are free on `host` right now.
 
-    Chosen below the kernel's ephemeral range (32768+ on Linux): a port from that range can be taken by any
-    outgoing connection, e.g. a handshake's retries towards another stage, before its worker binds it.
+    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
+    taken as the source port of any outgoing connection before the worker binds it ("Address already in
+    use" on a busy machine).
     """
-    import random
-
+    low, high = _ephemeral_range()
+    candidates = (1024, low) if low - 1024 > 1000 else (high + 1, 65535)
+    generator = random.Random()
     for _ in range(500):
-        base = random.randrange(20000, 32000 - count)
+        base = generator.randrange(candidates[0], candidates[1] - count)
         if all(_port_free(host, base + offset) for offset in range(count)):
             return base
     raise RuntimeError("no free block of ports")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535  # the IANA dynamic range (Windows, macOS)
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -46,12 +46,36 @@ class Failed:
     label = "failed"
 
 
-StageState = Union[Idle, Provisioning, Loading, Ready, Serving, Failed]
+@dataclass(frozen=True)
+class Lost:
+    """Declared lost by the heartbeat watcher (dead, stopped, unreachable); recovery is under way."""
+
+    reason: str
+    label = "lost"
+
+
+@dataclass(frozen=True)
+class Recovering:
+    """Relaunching the stage's worker or replaying the sessions' histories into the pipeline."""
+
+    step: str = ""  # relaunch | replay | replan
+    label = "recovering"
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """The fleet cannot run the model without a host that did not come back."""
+
+    reason: str
+    label = "degraded"
+
+
+StageState = Union[Idle, Provisioning, Loading, Ready, Serving, Failed, Lost, Recovering, Degraded]
 
 
 def next_state(current: StageState, sample: TelemetrySample | None) -> StageState:
-    """The state a telemetry sample implies (a failure stays until the stage is redeployed)."""
-    if isinstance(current, Failed) or sample is None:
+    """The state a telemetry sample implies (a failure or a loss stays until the stage is back)."""
+    if isinstance(current, (Failed, Lost, Recovering, Degraded)) or sample is None:
         return current
     if sample.state != "ready":
         return Loading()
@@ -76,8 +100,48 @@ class Telemetry:
     sample: TelemetrySample
 
 
+@dataclass(frozen=True)
+class RecoveryReport:
+    """One recovery: which stages were lost and why, what was done, and how long each step took (seconds).
+
+    `detect` runs from the last good heartbeat to the declaration; `relaunch` from the declaration to the
+    new workers' handshakes (or the new split's launch); `replay` is the rebuild of every open session.
+    """
+
+    stages: tuple[str, ...]
+    reasons: tuple[str, ...]
+    action: str  # relaunch | replan | degraded | failed
+    detect: float
+    relaunch: float
+    replay: float
+    sessions: int
+    replayed_tokens: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """A stage runs slower than its own baseline (ratio) and/or reports heat or a lowered clock."""
+
+    name: str
+    ratio: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class RebalanceProposal:
+    """A better split computed from measured per-stage costs; `applied` when rebalance = "auto" did it."""
+
+    ranges: tuple[tuple[int, int], ...]
+    current: tuple[tuple[int, int], ...]
+    gain: float  # expected bottleneck time saved, as a fraction
+    applied: bool = False
+
+
 Progress = ProvisionEvent  # the one deploy event, for compile steps too
-ControllerEvent = Union[StageChanged, ProvisionEvent, LogLine, Telemetry]
+ControllerEvent = Union[
+    StageChanged, ProvisionEvent, LogLine, Telemetry, RecoveryReport, Throttled, RebalanceProposal
+]
 
 
 @dataclass(frozen=True)
@@ -97,9 +161,9 @@ NextStep = Literal["launch", "wait", "serve", "recover"]
 
 def next_step(states: Mapping[str, StageState]) -> NextStep:
     """What to do next, from the stages' states alone: launch (all idle), wait (some provisioning or loading),
-    serve (all ready or serving) or recover (a stage failed)."""
+    serve (all ready or serving) or recover (a stage failed, was lost or the fleet is degraded)."""
     values = list(states.values())
-    if any(isinstance(state, Failed) for state in values):
+    if any(isinstance(state, (Failed, Lost, Degraded)) for state in values):
         return "recover"
     if values and all(isinstance(state, (Ready, Serving)) for state in values):
         return "serve"

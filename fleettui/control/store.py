@@ -275,3 +275,20 @@ def record_of(
         owner=ProcessId.of(owner) if owner is not None else None,
         holder=ProcessId.of(owner) if owner is not None else None,
     )
+
+
+def restaged(
+    record: DeploymentRecord,
+    deployment: Deployment,
+    running: Mapping[str, tuple[StageConfig, ProcessId | None]],
+    target_dir: str,
+) -> DeploymentRecord:
+    """The record after a recovery: relaunched workers (`running`) or a new split; the rest as recorded."""
+    known = {stage.name: (stage.config, stage.process) for stage in record.stages}
+    stages = []
+    for placement in deployment.placements:
+        name = placement.config.name
+        config, process = running.get(name) or known.get(name) or (placement.config, None)
+        host = placement.host
+        stages.append(StageRecord(host.name, host.is_local, placement.connect_address, config, process))
+    return replace(record, stages=tuple(stages), target_dir=target_dir)

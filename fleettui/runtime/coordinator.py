@@ -10,12 +10,14 @@ the stages serve whatever arrives, so while stage 1 works on user A, stage 0 wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,13 +26,14 @@ from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.policy import KPolicy, choose_drafter, round_costs
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
-from fleettui.runtime.transport import Link
+from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
 NO_UNIFORMS = np.zeros(0)  # greedy rounds draw nothing: one shared empty array, not one per round
 NO_UNIFORMS.flags.writeable = False
+MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,23 @@ class Generation:
 
 
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
+_T = TypeVar("_T")
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Round:
+    k: int
+    draft: Draft
+    feed: Feed
+    result: protocol.Result
+    draft_seconds: float
+    verify_seconds: float
+    asked: int  # the K asked of the drafter (it may propose fewer)
+    policy: KPolicy  # whose costs and acceptance this round updates
 
 
 def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
@@ -128,6 +148,11 @@ class Session:
         self.busy = False
         self.last_stats: GenerationStats | None = None
         self.policies: dict[str, KPolicy] = {}  # per drafter: this session's acceptance (costs are shared)
+        # Recovery: a round and a rebuild never overlap; an epoch behind the coordinator's means the
+        # pipeline (or the draft) lost this session's cache and it must be replayed from `history`.
+        self.lock = asyncio.Lock()
+        self.target_epoch = -1
+        self.draft_epoch = -1
 
 
 class Coordinator:
@@ -160,6 +185,14 @@ class Coordinator:
         self._ids = itertools.count(1)
         # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
         self.result_observers: list[Callable[[protocol.Result, float], None]] = []
+        # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch for what
+        # was lost, rebuilds every session and sets `resume` again; `fatal` ends every session clearly.
+        self.resume = asyncio.Event()
+        self.resume.set()
+        self.target_epoch = 0
+        self.draft_epoch = 0
+        self.fatal: str | None = None
+        self.replayed_tokens = 0
 
     async def hello(self, timeout: float = 30.0) -> int:
         """End-to-end handshake through every stage; returns the number of stages that answered."""
@@ -170,17 +203,74 @@ class Coordinator:
 
     async def open_session(self, seed: int = 0) -> Session:
         session = Session(next(self._ids), seed)
-        await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
-        if self.drafter is not None:
-            await self.drafter.open(session.id)
         self.sessions[session.id] = session
+        try:
+            await self._guarded(session, _nothing)  # opening is the rebuild of an empty history
+        except BaseException:
+            self.sessions.pop(session.id, None)
+            raise
         return session
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+        with contextlib.suppress(StageLost):  # a relaunched stage never knew it; the others were reset
+            await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
         if self.drafter is not None:
-            await self.drafter.close(session.id)
+            with contextlib.suppress(StageLost):
+                await self.drafter.close(session.id)
+
+    # -- recovery ---------------------------------------------------------------------------------
+    async def _guarded(self, session: Session, action: Callable[[], Awaitable[_T]]) -> _T:
+        """Run one round of `session` (after any rebuild it needs); a lost stage pauses it and retries it.
+
+        The session's RNG is rewound before a retry, so a sampled round draws the same numbers again.
+        """
+        spurious = 0  # failures with no loss declared since the attempt began
+        while spurious < MAX_RECOVERIES_PER_ROUND:
+            await self.resume.wait()
+            if self.fatal is not None:
+                raise LinkError(self.fatal)
+            rng_state = session.rng.bit_generator.state
+            epochs = (self.target_epoch, self.draft_epoch)
+            try:
+                async with session.lock:
+                    await self._ensure_rebuilt(session)
+                    return await action()
+            except StageLost as error:
+                session.rng.bit_generator.state = rng_state
+                log.info("session %d paused: %s", session.id, error)
+                if (self.target_epoch, self.draft_epoch) == epochs:
+                    spurious += 1
+                await asyncio.sleep(0.05)  # let the recovery clear `resume` if it has not yet
+        raise LinkError(f"session {session.id}: the pipeline kept failing during recovery")
+
+    async def _ensure_rebuilt(self, session: Session) -> None:
+        """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
+        target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
+        if session.target_epoch != target_epoch:
+            session.ledger.reset()
+            await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
+            prefix = session.history[:-1]  # the last token is fed by the next round, as in a normal run
+            while session.ledger.logical_len < len(prefix):
+                end = min(len(prefix), session.ledger.logical_len + PREFILL_CHUNK)
+                await self._step(session, session.ledger.plan(prefix[:end]), None)
+            self.replayed_tokens += len(prefix)
+            session.target_epoch = target_epoch
+        if session.draft_epoch != draft_epoch:
+            if self.drafter is not None:
+                await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
+            session.draft_epoch = draft_epoch
+
+    async def rebuild_all(self) -> int:
+        """Rebuild every open session now (the recovery's replay); returns the tokens replayed."""
+        before = self.replayed_tokens
+
+        async def rebuild(session: Session) -> None:
+            async with session.lock:
+                await self._ensure_rebuilt(session)
+
+        await asyncio.gather(*(rebuild(session) for session in list(self.sessions.values())))
+        return self.replayed_tokens - before
 
     async def chat(
         self,
@@ -228,54 +318,20 @@ class Coordinator:
         started = time.perf_counter()
         session.history = list(prompt)
         generated: list[int] = []
-        sampling = params.sampling
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
         while len(session.history) - session.ledger.logical_len > PREFILL_CHUNK:
-            await self._maybe_compact(session)
-            end = session.ledger.logical_len + PREFILL_CHUNK
-            feed = session.ledger.plan(session.history[: end + 1])
-            feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
-            await self._step(session, feed, None)
+            await self._guarded(session, functools.partial(self._prefill_chunk, session))
         while len(generated) < params.max_tokens:
-            await self._maybe_compact(session)
-            left = params.max_tokens - len(generated) - 1
-            loaded = sum(1 for other in self.sessions.values() if other.busy) > 1
-            drafter, policy = self.drafter, self.policy
-            if params.spec_k is not None:
-                k = min(params.spec_k, self.max_k, left)
-            elif self.policy.fixed_k is not None or self.drafter is None:
-                k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
-            else:
-                name, k = choose_drafter(self._candidates(session), loaded)
-                k = min(k, left)
-                policy = session.policies.get(name) or next(iter(session.policies.values()))
-                drafter = self.lookup if name == "lookup" else self.drafter
-            draft_started = time.perf_counter()
-            draft = Draft.empty()
-            asked = k
-            if k > 0 and drafter is not None:
-                draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
-            draft_seconds = time.perf_counter() - draft_started
-            k = len(draft.tokens)
-            verify_started = time.perf_counter()
-            feed = session.ledger.plan(session.history + list(draft.tokens))
-            uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
-            decode = protocol.Decode(
-                sampling.temperature,
-                sampling.top_p,
-                sampling.top_k,
-                np.array(draft.tokens, np.int64),
-                np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
-                np.asarray(draft.probs, np.float32),
-                uniforms,
-                **_penalties(params, session.history, generated),
+            remaining = params.max_tokens - len(generated)
+            round_ = await self._guarded(
+                session, functools.partial(self._round, session, params, remaining, generated)
             )
-            result = await self._step(session, feed, decode)
-            verify_seconds = time.perf_counter() - verify_started
+            k, draft, feed, result = round_.k, round_.draft, round_.feed, round_.result
+            draft_seconds, verify_seconds = round_.draft_seconds, round_.verify_seconds
             catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
             own, compute = round_costs(result.trace, verify_seconds)
-            policy.record_round(
-                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, asked
+            round_.policy.record_round(
+                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked
             )
             stats.rounds += 1
             stats.drafted += k
@@ -318,6 +374,58 @@ class Coordinator:
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats)
+
+    async def _prefill_chunk(self, session: Session) -> None:
+        """Feed the next PREFILL_CHUNK prompt tokens without scoring them (none left after a rebuild)."""
+        if len(session.history) - session.ledger.logical_len <= PREFILL_CHUNK:
+            return
+        await self._maybe_compact(session)
+        end = session.ledger.logical_len + PREFILL_CHUNK
+        feed = session.ledger.plan(session.history[: end + 1])
+        feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
+        await self._step(session, feed, None)
+
+    async def _round(
+        self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
+    ) -> _Round:
+        """One draft + verify round (the unit a recovery retries)."""
+        await self._maybe_compact(session)
+        sampling = params.sampling
+        left = remaining - 1
+        loaded = sum(1 for other in self.sessions.values() if other.busy) > 1
+        drafter, policy = self.drafter, self.policy
+        if params.spec_k is not None:
+            k = min(params.spec_k, self.max_k, left)
+        elif self.policy.fixed_k is not None or self.drafter is None:
+            k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
+        else:
+            name, k = choose_drafter(self._candidates(session), loaded)
+            k = min(k, left)
+            policy = session.policies.get(name) or next(iter(session.policies.values()))
+            drafter = self.lookup if name == "lookup" else self.drafter
+        draft_started = time.perf_counter()
+        draft = Draft.empty()
+        asked = k
+        if k > 0 and drafter is not None:
+            draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
+        draft_seconds = time.perf_counter() - draft_started
+        k = len(draft.tokens)
+        verify_started = time.perf_counter()
+        feed = session.ledger.plan(session.history + list(draft.tokens))
+        uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
+        decode = protocol.Decode(
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            np.array(draft.tokens, np.int64),
+            np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
+            np.asarray(draft.probs, np.float32),
+            uniforms,
+            **_penalties(params, session.history, generated),
+        )
+        result = await self._step(session, feed, decode)
+        verify_seconds = time.perf_counter() - verify_started
+        return _Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy)
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""

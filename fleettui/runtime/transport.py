@@ -27,6 +27,10 @@ class StageFailure(LinkError):
         self.stage = stage
 
 
+class StageLost(LinkError):
+    """A stage of this link was declared lost: the request may be retried once recovery is done."""
+
+
 @dataclass(frozen=True)
 class ClientKeys:
     """The coordinator's CurveZMQ key pair (Z85 text)."""
@@ -43,7 +47,7 @@ class Link(Protocol):
     async def close(self) -> None: ...
 
 
-def _secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
+def secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
     if keys is None:
         return
     if server_key is None:
@@ -76,14 +80,15 @@ class ZmqLink:
         self._pull = self._context.socket(zmq.PULL)
         for socket in (self._push, self._pull):
             socket.linger = 0
-        _secure(self._push, keys, head_key)
-        _secure(self._pull, keys, tail_key)
+        secure(self._push, keys, head_key)
+        secure(self._pull, keys, tail_key)
         self._push.connect(head)
         self._pull.connect(tail)
         self._timeout = timeout
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._blocked: StageLost | None = None
         self.dropped = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -115,7 +120,19 @@ class ZmqLink:
             else:
                 future.set_result(message)
 
+    def block(self, error: StageLost) -> None:
+        """Fail every pending request with `error` now, and every new one until `unblock()` (fail fast)."""
+        self._blocked = error
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(StageLost(str(error)))
+
+    def unblock(self) -> None:
+        self._blocked = None
+
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        if self._blocked is not None:
+            raise StageLost(str(self._blocked))
         self._ensure_reader()
         seq = next(self._sequence) & 0xFFFFFFFF
         message = replace(message, seq=seq)  # type: ignore[type-var]
@@ -128,7 +145,10 @@ class ZmqLink:
             await asyncio.wait_for(self._push.send_multipart(frames, copy=False), timeout or self._timeout)
             return await asyncio.wait_for(future, timeout or self._timeout)
         except asyncio.TimeoutError:
-            raise LinkError(f"no answer from the pipeline within {timeout or self._timeout:.0f} s") from None
+            raise LinkError(
+                f"no answer from the pipeline within {timeout or self._timeout:.0f} s "
+                f"({type(message).__name__} seq {seq})"
+            ) from None
         finally:
             self._pending.pop(seq, None)
 
@@ -158,7 +178,7 @@ async def control_request(
     socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
     socket.linger = 0
     try:
-        _secure(socket, keys, server_key)
+        secure(socket, keys, server_key)
         socket.connect(url)
         await socket.send(json.dumps(request).encode())
         if not await socket.poll(int(timeout * 1000)):
@@ -221,7 +241,7 @@ class TelemetryFeed:
         for url, server_key in self._urls:
             socket = context.socket(zmq.SUB)
             socket.linger = 0
-            _secure(socket, self._keys, server_key)
+            secure(socket, self._keys, server_key)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(url)
             sockets.append(socket)

@@ -1,0 +1,195 @@
+"""Provides slow/hot stage detection and rebalancing: pure decisions from measured per-stage step times.
+
+`throttle_reason` compares a stage's recent step time with its own baseline and reads its temperature and
+clock; `propose_split` turns measured per-stage compute into per-layer costs (the last stage's lm_head
+counted separately, in layer equivalents) and finds the contiguous split that minimises the slowest stage;
+`Balancer` feeds both from result traces and says when one stage has stayed the bottleneck long enough
+to propose (or, with `rebalance = "auto"`, apply) a new split.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from remote_worker import protocol
+
+HOT_CELSIUS = 90.0  # a CPU this hot is throttling or about to
+LOW_CLOCK = 0.7  # current / maximum frequency below this counts as a lowered clock
+
+
+def throttle_reason(
+    baseline: float | None,
+    recent: float | None,
+    ratio_limit: float,
+    temp_c: float | None = None,
+    freq_ratio: float | None = None,
+) -> tuple[float, str] | None:
+    """(slowdown ratio, why) when a stage counts as throttled, else None (pure)."""
+    ratio = recent / baseline if baseline and recent else 1.0
+    reasons = []
+    if ratio >= ratio_limit:
+        reasons.append(f"{ratio:.1f}x its own baseline step time")
+    if temp_c is not None and temp_c >= HOT_CELSIUS:
+        reasons.append(f"CPU at {temp_c:.0f} °C")
+    if freq_ratio is not None and freq_ratio < LOW_CLOCK:
+        reasons.append(f"clock at {freq_ratio:.0%} of its maximum")
+    return (ratio, ", ".join(reasons)) if reasons else None
+
+
+def stage_costs(
+    ranges: Sequence[tuple[int, int]], seconds: Sequence[float], head_layers: float = 0.0
+) -> list[float]:
+    """Per-layer cost of each stage's host; the last stage's time also pays `head_layers` of lm_head."""
+    costs = []
+    for index, ((start, end), spent) in enumerate(zip(ranges, seconds, strict=True)):
+        layers = (end - start) + (head_layers if index == len(ranges) - 1 else 0.0)
+        costs.append(spent / layers if layers > 0 else 0.0)
+    return costs
+
+
+def best_split(
+    num_layers: int,
+    costs: Sequence[float],
+    head_layers: float = 0.0,
+    capacity: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
+    """The contiguous split (≥ 1 layer per host, ≤ capacity) minimising the slowest stage's time (pure).
+
+    Stage time = layers × host cost (+ the head on the last host). Adding layers one at a time to the host
+    whose time grows least is optimal for this separable min-max problem.
+    """
+    count = len(costs)
+    if count == 0 or num_layers < count:
+        raise ValueError(f"cannot split {num_layers} layers over {count} hosts")
+    limits = list(capacity) if capacity is not None else [num_layers] * count
+    layers = [1] * count
+
+    def time_with(index: int, extra: int) -> float:
+        head = head_layers * costs[index] if index == count - 1 else 0.0
+        return (layers[index] + extra) * costs[index] + head
+
+    for _ in range(num_layers - count):
+        candidates = [i for i in range(count) if layers[i] < limits[i]]
+        if not candidates:
+            raise ValueError("the hosts' capacity cannot hold every layer")
+        chosen = min(candidates, key=lambda i: (time_with(i, 1), i))
+        layers[chosen] += 1
+    ranges, start = [], 0
+    for n in layers:
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def bottleneck_time(ranges: Sequence[tuple[int, int]], costs: Sequence[float], head_layers: float) -> float:
+    last = len(ranges) - 1
+    return max(
+        ((end - start) + (head_layers if i == last else 0.0)) * cost
+        for i, ((start, end), cost) in enumerate(zip(ranges, costs, strict=True))
+    )
+
+
+def propose_split(
+    ranges: Sequence[tuple[int, int]],
+    seconds: Sequence[float],
+    head_layers: float = 0.0,
+    min_gain: float = 0.1,
+    capacity: Sequence[int] | None = None,
+) -> tuple[list[tuple[int, int]], float] | None:
+    """A better split and its expected gain (fraction of the bottleneck saved), or None if < min_gain."""
+    costs = stage_costs(ranges, seconds, head_layers)
+    if any(cost <= 0 for cost in costs):
+        return None
+    num_layers = ranges[-1][1] - ranges[0][0]
+    candidate = best_split(num_layers, costs, head_layers, capacity)
+    candidate = [(start + ranges[0][0], end + ranges[0][0]) for start, end in candidate]
+    now = bottleneck_time(ranges, costs, head_layers)
+    then = bottleneck_time(candidate, costs, head_layers)
+    gain = 1.0 - then / now if now > 0 else 0.0
+    if candidate == list(ranges) or gain < min_gain:
+        return None
+    return candidate, gain
+
+
+@dataclass
+class _Series:
+    baseline: list[float] = field(default_factory=list)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+
+class Balancer:
+    """Per-stage step times from result traces; throttle flags and a split proposal when one stage lags.
+
+    `window` steps make one comparison; a proposal needs the same bottleneck in `patience` windows running.
+    """
+
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        head_layers: float = 0.0,
+        ratio_limit: float = 1.5,
+        window: int = 32,
+        patience: int = 3,
+        min_gain: float = 0.1,
+    ) -> None:
+        self.ranges = list(ranges)
+        self.head_layers = head_layers
+        self.ratio_limit = ratio_limit
+        self.window = window
+        self.patience = patience
+        self.min_gain = min_gain
+        self.series = [_Series() for _ in ranges]
+        self.sums = [0.0] * len(ranges)
+        self.steps = 0
+        self.streak: tuple[int, int] = (-1, 0)  # (bottleneck stage, windows in a row)
+        self.hints: dict[int, tuple[float | None, float | None]] = {}  # stage -> (temp_c, freq_ratio)
+
+    def observe(self, result: protocol.Result, _received: float = 0.0) -> None:
+        trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
+        if len(trace) != len(self.ranges):
+            return
+        for stage, _arrived, started, finished, _sent in trace:
+            index = int(stage)
+            spent = max(0.0, float(finished - started))
+            self.sums[index] += spent
+            series = self.series[index]
+            if len(series.baseline) < self.window:
+                series.baseline.append(spent)
+            series.recent.append(spent)
+        self.steps += 1
+
+    def hint(self, stage: int, temp_c: float | None, freq_ratio: float | None) -> None:
+        self.hints[stage] = (temp_c, freq_ratio)
+
+    def throttled(self) -> dict[int, tuple[float, str]]:
+        """Stages that count as throttled now: stage -> (ratio, reason)."""
+        flagged = {}
+        for index, series in enumerate(self.series):
+            baseline = statistics.median(series.baseline) if len(series.baseline) >= self.window else None
+            enough = len(series.recent) >= (series.recent.maxlen or 1) // 2
+            recent = statistics.median(series.recent) if enough else None
+            temp_c, freq_ratio = self.hints.get(index, (None, None))
+            verdict = throttle_reason(baseline, recent, self.ratio_limit, temp_c, freq_ratio)
+            if verdict is not None:
+                flagged[index] = verdict
+        return flagged
+
+    def proposal(self) -> tuple[list[tuple[int, int]], float] | None:
+        """At the end of each window: a new split once the same stage was the bottleneck `patience` times."""
+        if self.steps < self.window:
+            return None
+        seconds = list(self.sums)
+        self.sums = [0.0] * len(self.ranges)
+        self.steps = 0
+        slowest = max(range(len(seconds)), key=seconds.__getitem__)  # compute spent = layers x cost
+        stage, run = self.streak
+        self.streak = (slowest, run + 1 if stage == slowest else 1)
+        if self.streak[1] < self.patience:
+            return None
+        proposed = propose_split(self.ranges, seconds, self.head_layers, self.min_gain)
+        if proposed is not None:
+            self.streak = (-1, 0)
+        return proposed

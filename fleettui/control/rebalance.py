@@ -1,0 +1,127 @@
+"""Provides the rebalancer: watches per-stage step times, flags throttled stages, proposes or applies a split.
+
+Fed by the coordinator's result traces (compute per stage and step) and by telemetry samples (CPU
+temperature; the local CPU clock where psutil exposes it), it emits `Throttled` and `RebalanceProposal`
+events. With `rebalance = "auto"` it compiles the proposed split in the background while serving, then
+switches at a safe point between rounds through the recovery's replay path, so no session loses anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fleettui.control.balance import Balancer
+from fleettui.control.states import ControllerEvent, LogLine, RebalanceProposal, Throttled
+from remote_worker import protocol
+from remote_worker.replies import TelemetrySample
+
+log = logging.getLogger(__name__)
+
+
+def head_layers(model: str) -> float:
+    """The lm_head's cost in layer equivalents (by weight size), 0 when the shape is unknown offline."""
+    from fleettui.errors import PlanError
+    from fleettui.model.builtin import shape_for_model
+
+    try:
+        shape = shape_for_model(model)
+    except PlanError:
+        return 0.0
+    if shape is None:
+        return 0.0
+    return shape.head_bytes("fp32") / shape.layer_bytes("fp32")
+
+
+def local_clock_ratio() -> float | None:
+    """This machine's current / maximum CPU clock, where the OS says (local stages share it)."""
+    import psutil
+
+    try:
+        frequency = psutil.cpu_freq()
+    except (AttributeError, NotImplementedError, OSError):
+        return None
+    if frequency is None or not frequency.max:
+        return None
+    return float(frequency.current / frequency.max)
+
+
+class Rebalancer:
+    """Turns measurements into throttle flags and split proposals; `apply` switches to a proposal."""
+
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        names: Sequence[str],
+        mode: str,
+        ratio_limit: float,
+        head: float,
+        emit: Callable[[ControllerEvent], None],
+        apply: Callable[[list[tuple[int, int]]], Any],
+        window: int = 64,
+        patience: int = 3,
+    ) -> None:
+        self.mode = mode
+        self.ratio_limit = ratio_limit
+        self.head = head
+        self.emit = emit
+        self.apply = apply
+        self.window = window
+        self.patience = patience
+        self.names = list(names)
+        self.flagged: dict[int, str] = {}
+        self.proposals: list[RebalanceProposal] = []
+        self.task: asyncio.Task[None] | None = None
+        self.balancer = Balancer(ranges, head, ratio_limit, window, patience)
+
+    def reset(self, ranges: Sequence[tuple[int, int]], names: Sequence[str] | None = None) -> None:
+        """A new split is running: measure it from scratch."""
+        self.balancer = Balancer(ranges, self.head, self.ratio_limit, self.window, self.patience)
+        if names is not None:
+            self.names = list(names)
+        self.flagged.clear()
+
+    def observe_sample(self, sample: TelemetrySample) -> None:
+        if sample.name in self.names:
+            self.balancer.hint(self.names.index(sample.name), sample.temp_c, local_clock_ratio())
+
+    def observe(self, result: protocol.Result, received: float) -> None:
+        self.balancer.observe(result, received)
+        flagged = self.balancer.throttled()
+        for index, (ratio, reason) in flagged.items():
+            if self.flagged.get(index) != reason and index < len(self.names):
+                self.emit(Throttled(self.names[index], ratio, reason))
+        for index in set(self.flagged) - set(flagged):
+            if index < len(self.names):
+                self.emit(Throttled(self.names[index], 1.0, ""))  # back to normal
+        self.flagged = {index: reason for index, (_, reason) in flagged.items()}
+        if self.mode == "off" or (self.task is not None and not self.task.done()):
+            return
+        proposed = self.balancer.proposal()
+        if proposed is None:
+            return
+        ranges, gain = proposed
+        proposal = RebalanceProposal(tuple(ranges), tuple(self.balancer.ranges), gain)
+        self.proposals.append(proposal)
+        self.emit(proposal)
+        self.emit(LogLine("rebalance", f"proposed split {ranges} (bottleneck {gain:.0%} shorter)"))
+        if self.mode == "auto":
+            self.task = asyncio.get_running_loop().create_task(self._apply(proposal), name="rebalance")
+
+    async def _apply(self, proposal: RebalanceProposal) -> None:
+        started = time.monotonic()
+        try:
+            await self.apply([tuple(r) for r in proposal.ranges])  # type: ignore[misc]
+        except Exception as error:  # a failed switch is reported; the recovery keeps the fleet serving
+            log.exception("rebalance failed")
+            self.emit(LogLine("rebalance", f"switching to {list(proposal.ranges)} failed: {error}"))
+            return
+        applied = RebalanceProposal(proposal.ranges, proposal.current, proposal.gain, applied=True)
+        self.proposals.append(applied)
+        self.emit(applied)
+        self.emit(
+            LogLine("rebalance", f"switched to {list(proposal.ranges)} in {time.monotonic() - started:.1f} s")
+        )

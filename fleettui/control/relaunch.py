@@ -1,0 +1,128 @@
+"""Provides the worker side of a recovery: stop a lost worker, start it again (or a new split) through the launchers.
+
+Every worker brought up here replaces its entry in the controller's `launched` list, and the deployment
+record (control/store.py) is rewritten with the new pid and start time, so `fleettui stop` and a later
+attach find the relaunched workers. Works for an attached fleet too: the record's configs are relaunched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fleettui.control import store
+from fleettui.control.deployment import Deployment, Placement
+from fleettui.control.launcher import Launched, LocalLauncher, SshLauncher, kill_now, stop_remote
+from fleettui.control.store import ProcessId
+from fleettui.runtime.watch import (
+    ProcessStatus,
+    local_process_status,
+    recorded_process_status,
+    unknown_process,
+)
+
+READY_TIMEOUT = 300.0
+
+
+def local_worker(controller: Any, name: str) -> tuple[ProcessId | None, subprocess.Popen[bytes] | None]:
+    """The local process of stage `name`: launched here (with its Popen) or recorded by who launched it."""
+    for each in controller.launched:
+        if each.placement.config.name == name and each.process is not None:
+            return each.process, each.popen
+    record = controller.record
+    for stage in record.stages if record is not None else ():
+        if stage.name == name and stage.local:
+            return stage.process, None
+    return None, None
+
+
+def process_status(controller: Any, placement: Placement) -> ProcessStatus:
+    """What the watcher sees of a stage's process (unknown on SSH hosts)."""
+    if not placement.host.is_local:
+        return unknown_process()
+    process, popen = local_worker(controller, placement.config.name)
+    if popen is not None:
+        return local_process_status(popen)
+    if process is not None:
+        return recorded_process_status(process.pid, process.started)
+    return unknown_process()
+
+
+async def kill_local(controller: Any, name: str) -> None:
+    """SIGKILL the stage's old worker (stopped or hung: it must let go of its ports) and wait for it."""
+    process, popen = local_worker(controller, name)
+    if process is not None and process.alive():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    if popen is not None:
+        await asyncio.to_thread(popen.wait)
+    elif process is not None:
+        for _ in range(50):
+            if not process.alive():
+                break
+            await asyncio.sleep(0.1)
+
+
+def track(controller: Any, launched: Sequence[Launched], deployment: Deployment | None = None) -> None:
+    """Replace the controller's entries of `launched` (all stages for a new split) and rewrite the record."""
+    if deployment is not None:  # a new split replaces every stage (the draft stays)
+        controller.deployment = deployment
+        controller.launched = [e for e in controller.launched if e.placement.config.role == "draft"]
+    names = {each.placement.config.name for each in launched}
+    kept = [each for each in controller.launched if each.placement.config.name not in names]
+    controller.launched = kept + list(launched)
+    if controller.record is not None and controller.target is not None:
+        running = {e.placement.config.name: (e.placement.config, e.process) for e in controller.launched}
+        directory = str(controller.target.directory)
+        controller.record = store.restaged(controller.record, controller.deployment, running, directory)
+        store.save(controller.record)
+
+
+async def relaunch_local(controller: Any, placement: Placement, python: str = sys.executable) -> None:
+    """Kill what is left of the stage's worker, start it again from its config, hand-shake, track it."""
+    deployment = controller.deployment
+    await kill_local(controller, placement.config.name)
+    launcher = LocalLauncher(deployment.keys, python)
+    launched = await launcher.start(placement)
+    try:
+        await launcher.handshake(launched, READY_TIMEOUT)
+    except BaseException:
+        kill_now([launched])
+        raise
+    track(controller, [launched])
+
+
+def ssh_launcher(controller: Any, fleet: Any, deployment: Deployment) -> SshLauncher:
+    return SshLauncher(fleet, controller.target.directory, deployment.keys, controller._emit, READY_TIMEOUT)
+
+
+async def relaunch_remote(controller: Any, placement: Placement) -> None:
+    """Stop a stale worker of this deployment on the SSH host, deploy the stage again (re-push only changes)."""
+    deployment = controller.deployment
+    await stop_remote(controller.fleet, placement)
+    launched = await ssh_launcher(controller, controller.fleet, deployment).start(placement)
+    track(controller, [launched])
+
+
+async def launch_split(controller: Any, fleet: Any, old: Deployment, deployment: Deployment) -> None:
+    """Stop every stage worker of `old`, start `deployment`'s (local and SSH) and track them."""
+    for placement in old.stages:
+        if placement.host.is_local:
+            await kill_local(controller, placement.config.name)
+        else:
+            await stop_remote(controller.fleet, placement)
+    launcher = LocalLauncher(deployment.keys)
+    local = [await launcher.start(p) for p in deployment.stages if p.host.is_local]
+    track(controller, local, deployment)  # tracked before the handshakes: a failure leaves no orphan
+    remote = ssh_launcher(controller, fleet, deployment)
+    outcomes = await asyncio.gather(
+        *(launcher.handshake(each, READY_TIMEOUT) for each in local),
+        *(remote.start(p) for p in deployment.stages if not p.host.is_local),
+    )
+    track(controller, [each for each in outcomes if isinstance(each, Launched)])

@@ -1,0 +1,394 @@
+"""Integration tests of recovery with the real parts: real shards, real worker processes, exact settings.
+
+A worker is killed (SIGKILL), frozen (SIGSTOP) or kept from coming back while answers stream; every answer
+must complete and equal the uninterrupted run token for token. The fault is triggered from the token
+callback after a few tokens, never by a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, ResilienceSettings, load_fleet
+from fleettui.control import store
+from fleettui.control.controller import FleetController, with_overrides
+from fleettui.control.deployment import free_port_block
+from fleettui.control.states import Lost, RecoveryReport, StageChanged
+from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.transport import LinkError
+
+pytestmark = pytest.mark.slow
+TOKENS = 48
+KILL_AFTER = 6  # tokens streamed (in the first session) before the fault
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip, briefly.",
+]
+
+
+def make_fleet(
+    cache: Path, stages: int, draft: str = "none", k: int | str = "auto", **resilience: float
+) -> Fleet:
+    base = load_fleet(DEFAULT_FLEET)
+    hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(stages))
+    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache))
+    fleet = with_overrides(fleet, exact=True, draft=draft)
+    fleet = replace(fleet, resilience=replace(ResilienceSettings(), **resilience))
+    return replace(fleet, speculation=replace(fleet.speculation, k=k))
+
+
+Fault = Callable[[FleetController], None]
+
+
+async def run_with_fault(
+    fleet: Fleet, prompts: list[str], fault: Fault | None, events: list[object] | None = None
+) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
+    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens.
+
+    At each recovery report the deployment record must name the live workers (so `fleettui stop` finds them).
+    """
+    events = events if events is not None else []
+
+    def on_event(event: object) -> None:
+        events.append(event)
+        if isinstance(event, RecoveryReport):
+            record = store.load(fleet)
+            launched = {e.placement.config.name: e.process.pid for e in controller.launched if e.process}
+            assert record is not None and record.pids() == launched
+            assert all(psutil.pid_exists(pid) for pid in record.pids().values())
+
+    controller = FleetController(fleet, on_event=on_event)
+    fired = asyncio.Event()
+    try:
+        coordinator = await controller.start()
+        sessions = [await coordinator.open_session() for _ in prompts]
+        streamed = 0
+
+        def on_tokens(tokens: list[int], _text: str) -> None:
+            nonlocal streamed
+            streamed += len(tokens)
+            if fault is not None and streamed >= KILL_AFTER and not fired.is_set():
+                fired.set()
+                fault(controller)
+
+        params = GenerationParams(max_tokens=TOKENS)
+        calls = [
+            coordinator.chat(session, prompt, params, on_tokens if index == 0 else None)
+            for index, (session, prompt) in enumerate(zip(sessions, prompts, strict=True))
+        ]
+        generations = await asyncio.gather(*calls)
+        assert fault is None or fired.is_set()
+        reports = list(controller.recovery.reports) if controller.recovery else []
+        return [list(g.token_ids) for g in generations], controller, reports
+    finally:
+        await controller.stop()
+
+
+def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
+    """Signal the workers named in `names` ("stage-1+draft": both at once)."""
+
+    def fault(controller: FleetController) -> None:
+        for name in names.split("+"):
+            os.kill(controller.worker_pids()[name], sig)
+
+    return fault
+
+
+def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
+    """A process still running a worker of the controller's deployment."""
+    deployment = controller.deployment
+    command = " ".join(process.info["cmdline"] or ())
+    return deployment is not None and "remote_worker" in command and f"/runs/{deployment.id}/" in command
+
+
+@pytest.fixture(scope="session")
+def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
+
+
+@pytest.fixture(scope="session")
+def reference(shard_cache: Path) -> list[list[int]]:
+    """The uninterrupted answers (exact mode: every pipeline gives these tokens)."""
+    tokens, _, reports = asyncio.run(run_with_fault(make_fleet(shard_cache, 2), PROMPTS, None))
+    assert reports == []
+    return tokens
+
+
+def _print(reports: list[RecoveryReport]) -> None:
+    for r in reports:
+        print(
+            f"recovery {r.action} {r.stages} {r.reasons}: detect {r.detect:.2f} s, relaunch {r.relaunch:.2f} s, "
+            f"replay {r.replay:.2f} s ({r.sessions} sessions, {r.replayed_tokens} tokens) {r.message}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("victim", "stages", "draft", "users"),
+    [
+        ("stage-0", 2, "none", 1),
+        ("stage-1", 2, "none", 3),
+        ("draft", 2, "self-int4", 3),
+        ("stage-1+draft", 2, "self-int4", 3),
+    ],
+)
+def test_kill_9_mid_answer_completes_exactly(
+    shard_cache: Path, reference: list[list[int]], victim: str, stages: int, draft: str, users: int
+) -> None:
+    events: list[object] = []
+    fleet = make_fleet(shard_cache, stages, draft, 3 if draft != "none" else "auto")
+    tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:users], kill(victim), events))
+    _print(reports)
+    assert tokens == reference[:users]
+    victims = victim.split("+")
+    assert {r.action for r in reports} == {"relaunch"}
+    assert sorted(name for r in reports for name in r.stages) == sorted(victims)
+    assert all("signal 9" in reason for r in reports for reason in r.reasons)
+    lost = [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
+    assert sorted(e.name for e in lost) == sorted(victims)
+    assert controller.launched == [] and store.load(fleet) is None  # stop() took the relaunched ones too
+    assert not [p for p in psutil.process_iter(["cmdline"]) if fleet_worker(p, controller)]
+
+
+def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    stopped: list[int] = []
+
+    def freeze(controller: FleetController) -> None:
+        pid = controller.worker_pids()["stage-1"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        asyncio.get_running_loop().call_later(10.0, _wake, pid)
+
+    fleet = make_fleet(shard_cache, 2)
+    try:
+        tokens, _, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:2], freeze))
+    finally:
+        for pid in stopped:
+            _wake(pid)
+    _print(reports)
+    assert tokens == reference[:2]
+    assert len(reports) == 1 and "stopped" in reports[0].reasons[0]
+    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def _wake(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_host_that_does_not_come_back_is_planned_around(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """Stage 1 of 3 dies and its ports stay taken: after the grace period the model moves onto two hosts."""
+    squatters: list[socket.socket] = []
+
+    def lose_for_good(controller: FleetController) -> None:
+        worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
+        assert worker.popen is not None
+        os.kill(worker.popen.pid, signal.SIGKILL)
+        worker.popen.wait()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", worker.placement.config.data_port))
+        squatter.listen()
+        squatters.append(squatter)
+
+    fleet = make_fleet(shard_cache, 3, grace_seconds=3.0)
+    try:
+        tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS, lose_for_good))
+    finally:
+        for squatter in squatters:
+            squatter.close()
+    _print(reports)
+    assert tokens == reference
+    assert [r.action for r in reports] == ["replan"]
+    assert [h.name for h in controller.fleet.hosts] == ["stage-0", "stage-2"]
+    assert controller.deployment is not None and len(controller.deployment.stages) == 2
+
+
+def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:
+    """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
+    from fleettui.planning.planner import plan_fleet
+
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0)
+    need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
+    hosts = tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts)
+    fleet = replace(fleet, hosts=hosts)
+    plan_fleet(fleet)  # the pair still holds it
+
+    async def scenario() -> list[BaseException | object]:
+        controller = FleetController(fleet)
+        try:
+            coordinator = await controller.start()
+            sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
+            blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
+            assert blocked is not None and controller.recovery is not None
+            recovery = controller.recovery
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if blocked.poll() is None:
+                    os.kill(blocked.pid, signal.SIGKILL)
+                    recovery.python = "/nonexistent/python"  # the host never comes back
+
+            params = GenerationParams(max_tokens=TOKENS)
+            calls = [
+                coordinator.chat(sessions[0], PROMPTS[0], params, on_tokens),
+                coordinator.chat(sessions[1], PROMPTS[1], params),
+            ]
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+        finally:
+            await controller.stop()
+
+    outcomes = asyncio.run(scenario())
+    for outcome in outcomes:
+        assert isinstance(outcome, LinkError), outcome
+        assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
+
+
+def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_cache: Path) -> None:
+    """Stage 1 is slowed about fivefold (SIGSTOP/SIGCONT duty cycle, never long enough to count as lost)."""
+    import threading
+
+    from fleettui.control.balance import Balancer
+    from fleettui.control.states import RebalanceProposal, Throttled
+
+    events: list[object] = []
+    stop = threading.Event()
+
+    def duty_cycle(pid: int) -> None:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(0.04)
+            os.kill(pid, signal.SIGCONT)
+            stop.wait(0.01)
+
+    async def scenario() -> None:
+        controller = FleetController(make_fleet(shard_cache, 2), on_event=events.append)
+        threads: list[threading.Thread] = []
+        try:
+            coordinator = await controller.start()
+            assert controller.recovery is not None and controller.recovery.rebalancer is not None
+            rebalancer = controller.recovery.rebalancer
+            rebalancer.balancer = Balancer(
+                rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
+            )
+            sessions = [await coordinator.open_session() for _ in PROMPTS]
+            steps = 0
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                nonlocal steps
+                steps += 1
+                if steps == 16 and not threads:  # the baseline window is measured: slow stage 1 down
+                    pid = controller.worker_pids()["stage-1"]
+                    threads.append(threading.Thread(target=duty_cycle, args=(pid,), daemon=True))
+                    threads[0].start()
+
+            params = GenerationParams(max_tokens=96, ignore_eos=True)
+            await asyncio.gather(
+                *(coordinator.chat(s, p, params, on_tokens) for s, p in zip(sessions, PROMPTS, strict=True))
+            )
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            await controller.stop()
+
+    asyncio.run(scenario())
+    throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
+    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
+    proposals = [e for e in events if isinstance(e, RebalanceProposal)]
+    assert proposals and not proposals[0].applied
+    (_, old_end), (new_end) = proposals[0].current[0], proposals[0].ranges[0][1]
+    assert new_end > old_end  # layers move away from the slowed last stage
+    assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
+
+
+def test_switching_the_split_between_rounds_keeps_answers_exact(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """What `rebalance = "auto"` does with a proposal: compile it while serving, switch between rounds, replay."""
+    from fleettui.control.controller import compile_model
+
+    switching: list[asyncio.Task[None]] = []
+    fleet = make_fleet(shard_cache, 2)
+    split = [(0, 22), (22, 30)]
+
+    async def scenario() -> tuple[list[list[int]], list[RecoveryReport], list[tuple[int, int]]]:
+        model = fleet.model
+        compiled = await compile_model(
+            model.name, split, model.precision, model.shards
+        )  # the background part
+
+        def switch(controller: FleetController) -> None:
+            assert controller.recovery is not None
+            current = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+            assert current[0] != split[0]
+            switching.append(asyncio.ensure_future(controller.recovery.switch_split(split, compiled)))
+
+        tokens, controller, reports = await run_with_fault(fleet, PROMPTS, switch)
+        await switching[0]
+        return tokens, reports, [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+
+    tokens, reports, running = asyncio.run(scenario())
+    _print(reports)
+    assert tokens == reference
+    assert running == split
+    assert [r.action for r in reports] == ["rebalance"]
+
+
+def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """A deployment launched by another controller: its lost worker comes back from the recorded config,
+    the record names the new process, and a later stop ends it."""
+    fleet = make_fleet(shard_cache, 2)
+    killed: list[int] = []
+
+    async def scenario() -> tuple[list[int], list[RecoveryReport], dict[str, int]]:
+        await FleetController(fleet).deploy()  # launched, recorded and handed over
+        attached = FleetController(fleet)
+        try:
+            await attached.start()
+            assert attached.attached and attached.launched == []
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if not killed and len(tokens) > 0:
+                    killed.append(attached.worker_pids()["stage-1"])
+                    os.kill(killed[0], signal.SIGKILL)
+
+            generation = await attached.ask(PROMPTS[0], GenerationParams(max_tokens=TOKENS), on_tokens)
+            reports = list(attached.recovery.reports) if attached.recovery else []
+            await attached.detach()
+        except BaseException:
+            await attached.stop()
+            raise
+        recorded = store.load(fleet)
+        assert recorded is not None
+        last = FleetController(fleet)
+        await last.start()  # attaches to the relaunched worker
+        assert last.attached
+        await last.stop()
+        return list(generation.token_ids), reports, recorded.pids()
+
+    tokens, reports, pids = asyncio.run(scenario())
+    _print(reports)
+    assert tokens == reference[0]
+    assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
+    assert pids["stage-1"] != killed[0]
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids.values()
+    )
+    assert store.load(fleet) is None

@@ -1,0 +1,236 @@
+"""Unit tests of the resilience logic: loss verdicts, pause/rebuild/retry in the coordinator, throttling,
+split proposals from measured costs, and the [resilience] fleet table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_coordinator_unit import PROMPTS, VOCAB, FakePipeline, _model
+
+from fleettui.config.fleet import ResilienceSettings, load_fleet
+from fleettui.control.balance import Balancer, best_split, propose_split, stage_costs, throttle_reason
+from fleettui.errors import FleetConfigError
+from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.speculation import Draft
+from fleettui.runtime.transport import LinkError, StageLost
+from fleettui.runtime.watch import ProcessStatus, WatchSettings, verdict
+from remote_worker import protocol
+
+SETTINGS = WatchSettings(heartbeat_seconds=0.5, detect_seconds=2.0)
+
+
+# -- verdict ------------------------------------------------------------------------------------------
+def test_an_exited_process_is_lost_at_once() -> None:
+    assert verdict(0.1, ProcessStatus("exited", "signal 9"), None, SETTINGS) == "process exited (signal 9)"
+
+
+def test_a_stopped_process_is_lost_after_the_detection_time() -> None:
+    assert verdict(1.9, ProcessStatus("stopped", "SIGSTOP"), None, SETTINGS) is None
+    assert "stopped (SIGSTOP)" in str(verdict(2.1, ProcessStatus("stopped", "SIGSTOP"), None, SETTINGS))
+
+
+def test_a_running_but_silent_process_is_stuck_after_the_detection_time() -> None:
+    """Workers answer pings on their I/O thread even mid-step: a silent running worker is not just busy."""
+    running = ProcessStatus("running")
+    assert verdict(1.9, running, {"busy_since": 123.0}, SETTINGS) is None
+    assert "stuck: not answering for 2.1 s" in str(verdict(2.1, running, {"busy_since": 123.0}, SETTINGS))
+
+
+def test_a_remote_stage_is_unreachable_after_the_detection_time_busy_or_not() -> None:
+    remote = ProcessStatus("unknown")
+    assert verdict(1.0, remote, None, SETTINGS) is None
+    assert "unreachable" in str(verdict(2.5, remote, {"state": "ready"}, SETTINGS))
+    assert "unreachable" in str(verdict(2.5, remote, {"busy_since": 123.0}, SETTINGS))
+
+
+def test_a_recorded_worker_is_seen_by_pid_and_start_time() -> None:
+    """An attached fleet's workers were started elsewhere: status from the pid, a reused pid counts as exited."""
+    import os
+
+    import psutil
+
+    from fleettui.runtime.watch import recorded_process_status
+
+    started = psutil.Process().create_time()
+    assert recorded_process_status(os.getpid(), started).kind == "running"
+    assert recorded_process_status(os.getpid(), started - 100.0) == ProcessStatus("exited", "pid reused")
+
+
+# -- coordinator: pause, rebuild, retry ---------------------------------------------------------------
+class LosingPipeline(FakePipeline):
+    """Forgets every session's cache at step `lose_at` (a relaunched stage) and fails that step as lost."""
+
+    def __init__(self, lose_at: int) -> None:
+        super().__init__()
+        self.lose_at = lose_at
+        self.coordinator: Coordinator | None = None
+        self.losses = 0
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        if isinstance(message, protocol.Step) and self.steps + 1 == self.lose_at and not self.losses:
+            self.losses += 1
+            assert self.coordinator is not None
+            self.coordinator.resume.clear()
+            self.coordinator.target_epoch += 1
+            self.slots.clear()
+            asyncio.get_running_loop().call_later(0.05, self.coordinator.resume.set)
+            raise StageLost("stage-0 lost: test")
+        losses = self.losses
+        message = protocol.decode(protocol.encode(message))
+        await asyncio.sleep(0)
+        if self.losses != losses:  # in flight when the stage was lost: failed fast, like ZmqLink.block()
+            raise StageLost("stage-0 lost: test")
+        return self._serve(message)
+
+
+class PositionalDrafter:
+    """Greedy drafts corrupted at fixed positions: a retried round is proposed exactly the same draft."""
+
+    name = "positional"
+    costs_time = True
+
+    async def open(self, session: int) -> None:
+        return None
+
+    async def close(self, session: int) -> None:
+        return None
+
+    async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
+        tokens, sequence = [], list(history)
+        for _ in range(k):
+            best = int(np.argmax(_model(list(enumerate(sequence)))))
+            if len(sequence) % 3 == 0:
+                best = (best + 1) % VOCAB
+            tokens.append(best)
+            sequence.append(best)
+        return Draft.deterministic(tokens)
+
+
+async def _answers(
+    pipeline: FakePipeline, params: GenerationParams, drafter: object = None
+) -> list[list[int]]:
+    coordinator = Coordinator(pipeline, None, drafter)  # type: ignore[arg-type]
+    if isinstance(pipeline, LosingPipeline):
+        pipeline.coordinator = coordinator
+    sessions = [await coordinator.open_session(seed=5) for _ in PROMPTS]
+    generations = await asyncio.gather(
+        *(coordinator.generate(s, p, params) for s, p in zip(sessions, PROMPTS, strict=True))
+    )
+    return [list(g.token_ids) for g in generations]
+
+
+@pytest.mark.parametrize("lose_at", [1, 3, 9, 20])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_lost_round_is_replayed_and_the_output_does_not_change(lose_at: int, temperature: float) -> None:
+    params = GenerationParams(max_tokens=24, temperature=temperature, spec_k=3)
+    expected = asyncio.run(_answers(FakePipeline(), params, PositionalDrafter()))
+    pipeline = LosingPipeline(lose_at)
+    assert asyncio.run(_answers(pipeline, params, PositionalDrafter())) == expected
+    assert pipeline.losses == 1
+
+
+def test_recovery_impossible_ends_the_session_with_the_reason() -> None:
+    async def scenario() -> None:
+        pipeline = FakePipeline()
+        coordinator = Coordinator(pipeline, None)  # type: ignore[arg-type]
+        session = await coordinator.open_session()
+        coordinator.fatal = "degraded: needs 1.2 GB more"
+        with pytest.raises(LinkError, match="degraded: needs 1.2 GB more"):
+            await coordinator.generate(session, [1, 2, 3], GenerationParams(max_tokens=4))
+
+    asyncio.run(scenario())
+
+
+# -- throttling and rebalancing ------------------------------------------------------------------------
+def test_throttle_reasons() -> None:
+    assert throttle_reason(0.010, 0.011, 1.5) is None
+    ratio, why = throttle_reason(0.010, 0.020, 1.5)  # type: ignore[misc]
+    assert ratio == pytest.approx(2.0) and "2.0x" in why
+    assert "95 °C" in throttle_reason(0.010, 0.010, 1.5, temp_c=95.0)[1]  # type: ignore[index]
+    assert "clock at 50%" in throttle_reason(None, None, 1.5, freq_ratio=0.5)[1]  # type: ignore[index]
+
+
+def test_stage_costs_count_the_head_on_the_last_stage() -> None:
+    assert stage_costs([(0, 10), (10, 20)], [1.0, 1.7], head_layers=7.0) == [0.1, pytest.approx(0.1)]
+
+
+def test_best_split_balances_hosts_of_different_speed() -> None:
+    assert best_split(30, [1.0, 1.0]) == [(0, 15), (15, 30)]
+    assert best_split(30, [1.0, 2.0]) == [(0, 20), (20, 30)]
+    # a head worth 6 layers on the last host moves layers to the first
+    assert best_split(30, [1.0, 1.0], head_layers=6.0) == [(0, 18), (18, 30)]
+    assert best_split(30, [1.0, 1.0], capacity=[10, 30]) == [(0, 10), (10, 30)]
+    with pytest.raises(ValueError):
+        best_split(2, [1.0, 1.0, 1.0])
+
+
+def test_a_slowed_stage_gets_fewer_layers_and_a_balanced_one_keeps_its_split() -> None:
+    ranges = [(0, 15), (15, 30)]
+    assert propose_split(ranges, [0.15, 0.15]) is None
+    proposed, gain = propose_split(ranges, [0.15, 0.45])  # type: ignore[misc]
+    assert proposed == [(0, 23), (23, 30)] and gain > 0.4
+
+
+def _result(times: list[float]) -> protocol.Result:
+    rows = [(i, 0.0, 0.0, t, t) for i, t in enumerate(times)]
+    trace = np.array(rows, dtype=np.float64).reshape(-1)
+    return protocol.Result(1, 1, np.array([5], np.int64), 0, trace=trace)
+
+
+def test_balancer_flags_a_throttled_stage_and_proposes_after_patience() -> None:
+    balancer = Balancer([(0, 15), (15, 30)], window=8, patience=2)
+    for _ in range(8):
+        balancer.observe(_result([0.010, 0.010]))
+    assert balancer.proposal() is None and balancer.throttled() == {}
+    proposals = []
+    for _ in range(3):
+        for _ in range(8):
+            balancer.observe(_result([0.010, 0.030]))  # stage 1 slows down threefold
+        proposals.append(balancer.proposal())
+    assert 1 in balancer.throttled() and balancer.throttled()[1][0] == pytest.approx(3.0)
+    assert proposals[0] is None and proposals[1] is not None
+    assert proposals[1][0] == [(0, 23), (23, 30)]
+
+
+# -- the [resilience] table ----------------------------------------------------------------------------
+def _fleet(tmp_path: Path, table: str) -> Path:
+    path = tmp_path / "fleet.toml"
+    path.write_text(f'{table}\n[[hosts]]\nname = "a"\n')
+    return path
+
+
+def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
+    assert load_fleet(_fleet(tmp_path, "")).resilience == ResilienceSettings()
+    fleet = load_fleet(
+        _fleet(tmp_path, '[resilience]\ndetect_seconds = 3\ngrace_seconds = 60\nrebalance = "auto"')
+    )
+    assert fleet.resilience.detect_seconds == 3.0 and fleet.resilience.grace_seconds == 60.0
+    assert fleet.resilience.rebalance == "auto"
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("[resilience]\ndetect = 3", "resilience.detect: unknown key"),
+        ('[resilience]\nrebalance = "sometimes"', "resilience.rebalance"),
+        ("[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3", "at least twice heartbeat_seconds"),
+        ("[resilience]\nthrottle_ratio = 1.0", "resilience.throttle_ratio"),
+        ("[resilience]\nunresponsive_seconds = 30", "resilience.unresponsive_seconds: unknown key"),
+        ('[resilience]\ngrace_seconds = "soon"', "expected a number"),
+    ],
+)
+def test_bad_resilience_keys_are_refused_with_the_key(tmp_path: Path, table: str, message: str) -> None:
+    with pytest.raises(FleetConfigError, match=message):
+        load_fleet(_fleet(tmp_path, table))
+
+
+def test_a_lost_or_degraded_stage_means_recover_and_a_recovering_one_wait() -> None:
+    from fleettui.control.states import Degraded, Lost, Ready, Recovering, next_step
+
+    assert next_step({"a": Ready(), "b": Lost("process exited (signal 9)")}) == "recover"
+    assert next_step({"a": Ready(), "b": Degraded("needs 1.0 GB more")}) == "recover"
+    assert next_step({"a": Ready(), "b": Recovering("replay")}) == "wait"
