@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fleettui.config import paths
+from fleettui.config.resilience import ResilienceSettings, parse_resilience
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
 from remote_worker import config as contract
@@ -41,7 +42,6 @@ PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
 MAX_K = 16
-REBALANCE_MODES = ("off", "propose", "auto")
 
 
 @dataclass(frozen=True)
@@ -87,17 +87,6 @@ class SessionSettings:
     temperature: float | None = None  # None: fleettui.config.recommended (greedy under --exact)
     top_p: float | None = None
     seed: int = 0  # fixed, so a sampled answer can be reproduced
-
-
-@dataclass(frozen=True)
-class ResilienceSettings:
-    """Fault handling: how fast a lost stage is declared, how long a host may stay away, rebalancing."""
-
-    heartbeat_seconds: float = 0.5  # ping every stage's control socket this often
-    detect_seconds: float = 2.0  # a stage silent this long is lost (workers answer pings while computing)
-    grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
-    rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
-    throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
 
 
 @dataclass(frozen=True)
@@ -266,7 +255,9 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
         Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
     )
     sessions = _sessions(Section(path, lines, "sessions", 0, "sessions", data.get("sessions", {})))
-    resilience = _resilience(Section(path, lines, "resilience", 0, "resilience", data.get("resilience", {})))
+    resilience = parse_resilience(
+        Section(path, lines, "resilience", 0, "resilience", data.get("resilience", {}))
+    )
 
     raw_hosts = data.get("hosts", [])
     if not isinstance(raw_hosts, list) or not raw_hosts:
@@ -363,27 +354,6 @@ def _sessions(section: Section) -> SessionSettings:
             "top_p", float, None, lambda v: v is None or 0.0 < v <= 1.0, "greater than 0, at most 1"
         ),
         seed=section.number("seed", int, 0, lambda v: 0 <= v < 2**63, "0..2^63-1"),
-    )
-
-
-def _resilience(section: Section) -> ResilienceSettings:
-    section.reject_unknown(
-        ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio")
-    )
-    heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
-    detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
-    if detect < 2 * heartbeat:
-        raise section.error(
-            "detect_seconds", f"{detect} must be at least twice heartbeat_seconds ({heartbeat})"
-        )
-    return ResilienceSettings(
-        heartbeat_seconds=heartbeat,
-        detect_seconds=detect,
-        grace_seconds=section.number("grace_seconds", float, 30.0, lambda v: 0.0 <= v <= 86400.0, "0..86400"),
-        rebalance=section.choice("rebalance", REBALANCE_MODES, "propose"),
-        throttle_ratio=section.number(
-            "throttle_ratio", float, 1.5, lambda v: 1.0 < v <= 100.0, "over 1, at most 100"
-        ),
     )
 
 

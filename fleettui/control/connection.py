@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.compile import CompiledModel
-from fleettui.control.deployment import Deployment
+from fleettui.control.deployment import Deployment, Placement
 from fleettui.model.shape import SYNTHETIC_REFUSAL
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.speculation import Drafter, ModelDrafter, PromptLookupDrafter
@@ -202,3 +202,11 @@ class Lease:
         """No lease any more: the workers stay until stopped."""
         await self.cancel()
         await self._send(0)
+
+
+async def answers_ping(placement: Placement, deployment: Deployment) -> bool:
+    """Whether the worker of `placement` answers as a ready member of `deployment` (within 3 s)."""
+    reply = await control_request(
+        placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=3.0
+    )
+    return reply is not None and reply.get("deployment") == deployment.id and reply.get("state") == "ready"

@@ -19,7 +19,7 @@ from fleettui.config.fleet import Fleet
 from fleettui.control import store
 from fleettui.control.api import SessionHandle
 from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
-from fleettui.control.connection import Connection, Lease, connect
+from fleettui.control.connection import Connection, Lease, answers_ping, connect
 from fleettui.control.deployment import Deployment, Placement, build_deployment
 from fleettui.control.launcher import (
     Launched,
@@ -214,10 +214,12 @@ class FleetController:
             )
         reason = store.staleness(found, self.base_fleet)
         if reason is None:
-            self._check_settings(found)
+            conflict = store.settings_conflict(self.settings, found)
+            if conflict:
+                raise ControllerError(conflict)
             deployment = found.deployment(apply(self.base_fleet, found.settings))
             replies = await asyncio.gather(
-                *(self._ping(p, deployment) for p in deployment.placements), return_exceptions=True
+                *(answers_ping(p, deployment) for p in deployment.placements), return_exceptions=True
             )
             silent = [
                 p.config.name for p, r in zip(deployment.placements, replies, strict=True) if r is not True
@@ -242,27 +244,6 @@ class FleetController:
         self._emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
         await self._connect(deployment, None)
         return True
-
-    def _check_settings(self, found: DeploymentRecord) -> None:
-        wanted, running = self.settings, found.settings
-        for name in ("exact", "draft", "k"):
-            value = getattr(wanted, name)
-            if value not in (None, False) and value != getattr(running, name):
-                raise ControllerError(
-                    f"{found.fleet_path} is deployed (deployment {found.id}) with {name} = "
-                    f"{getattr(running, name)!r}, not {value!r}: `fleettui stop` it first"
-                )
-
-    @staticmethod
-    async def _ping(placement: Placement, deployment: Deployment) -> bool:
-        from fleettui.runtime.transport import control_request
-
-        reply = await control_request(
-            placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=3.0
-        )
-        return (
-            reply is not None and reply.get("deployment") == deployment.id and reply.get("state") == "ready"
-        )
 
     async def _launch(
         self, ready_timeout: float, endpoint_map: Callable[[Endpoint], Endpoint] | None, record: bool

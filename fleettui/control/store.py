@@ -85,6 +85,19 @@ class Settings:
     k: int | None = None
 
 
+def settings_conflict(wanted: Settings, found: DeploymentRecord) -> str | None:
+    """Why an attach with `wanted` settings would silently differ from the running deployment, or None."""
+    running = found.settings
+    for name in ("exact", "draft", "k"):
+        value = getattr(wanted, name)
+        if value not in (None, False) and value != getattr(running, name):
+            return (
+                f"{found.fleet_path} is deployed (deployment {found.id}) with {name} = "
+                f"{getattr(running, name)!r}, not {value!r}: `fleettui stop` it first"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class DeploymentRecord:
     id: str
