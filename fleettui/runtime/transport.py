@@ -180,7 +180,10 @@ async def control_request(
     try:
         secure(socket, keys, server_key)
         socket.connect(url)
-        await socket.send(json.dumps(request).encode())
+        try:  # bounded too: a REQ blocks on send until its peer's handshake completed, which may never happen
+            await asyncio.wait_for(socket.send(json.dumps(request).encode()), timeout)
+        except asyncio.TimeoutError:
+            return None
         if not await socket.poll(int(timeout * 1000)):
             return None
         reply = json.loads(await socket.recv())
