@@ -478,3 +478,32 @@ async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests(
         await quit_stopping_the_fleet(pilot, app, pids)
     with pytest.raises(httpx.ConnectError):  # the API stopped with the fleet
         await asyncio.to_thread(httpx.get, url + "/models", timeout=5)
+
+
+def test_stage_row_shows_lost_recovering_degraded_and_throttled():
+    from fleettui.control.states import Degraded, Lost, Recovering
+
+    monitor = FleetMonitor()
+    monitor.add(StageView("stage-b", "127.0.0.1", 1, (23, 30), "CPU"))
+    monitor.set_state("stage-b", Lost("process exited with -9"))
+    assert monitor.stages["stage-b"].state_text == "lost (process exited with -9)"
+    monitor.set_state("stage-b", Recovering("replay"))
+    assert monitor.stages["stage-b"].state_text == "recovering (replay)"
+    monitor.set_throttled("stage-b", "1.8x its baseline, 96 °C")
+    assert monitor.stages["stage-b"].state_text == "recovering (replay), throttled: 1.8x its baseline, 96 °C"
+    monitor.set_throttled("stage-b", "")
+    monitor.set_state("stage-b", Degraded("needs 2.1 GB more"))
+    assert monitor.stages["stage-b"].state_text == "degraded: needs 2.1 GB more"
+
+
+async def test_throttled_events_reach_the_fleet_panel():
+    from fleettui.control.states import Throttled
+
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        name = app.fleet.hosts[0].name
+        app.handle_controller_event(Throttled(name, 2.0, "slower than its baseline"))
+        await wait_until(pilot, lambda: bool(app.monitor.stages[name].throttled), 10, "the throttle flag")
+        assert "2.0x its baseline" in app.monitor.stages[name].state_text
+        app.handle_controller_event(Throttled(name, 1.0, ""))
+        await wait_until(pilot, lambda: not app.monitor.stages[name].throttled, 10, "the flag to clear")

@@ -23,6 +23,7 @@ from fleettui.control.states import (
     Progress,
     StageChanged,
     Telemetry,
+    Throttled,
     next_step,
 )
 from fleettui.control.store import Settings
@@ -34,6 +35,7 @@ from fleettui.ui.messages import (
     LogWritten,
     PaneLogHandler,
     StageStateChanged,
+    StageThrottled,
     TelemetrySampled,
 )
 from fleettui.ui.monitor import FleetMonitor, StageView
@@ -186,6 +188,12 @@ class FleetApp(App[int]):
             self.post_message(DeployProgressed(event))
         elif isinstance(event, LogLine):
             self.post_message(LogWritten(event.source, event.text))
+        elif isinstance(event, Throttled):
+            reason = f"{event.ratio:.1f}x its baseline" + (f", {event.reason}" if event.reason else "")
+            self.post_message(StageThrottled(event.name, reason if event.ratio > 1.0 else ""))
+
+    def on_stage_throttled(self, message: StageThrottled) -> None:
+        self.monitor.set_throttled(message.name, message.reason)
 
     def on_telemetry_sampled(self, message: TelemetrySampled) -> None:
         self.monitor.record(message.name, message.sample, known=message.name in self.controller.states)

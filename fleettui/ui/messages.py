@@ -18,6 +18,14 @@ class StageStateChanged(Message):
 
 
 @dataclass
+class StageThrottled(Message):
+    """A stage runs slower than its own baseline (`reason`), or is back to normal (`reason` empty)."""
+
+    name: str
+    reason: str
+
+
+@dataclass
 class TelemetrySampled(Message):
     """About one sample a second per stage; a newer sample of the same stage supersedes a queued one."""
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleettui.control.states import (
+    Degraded,
     Failed,
     Idle,
+    Lost,
     Provisioning,
+    Recovering,
     Serving,
     StageState,
     TelemetrySample,
@@ -39,13 +42,18 @@ class StageView:
     sample: TelemetrySample | None = None
     tokens: Series = field(default_factory=Series)
     temperature: Series = field(default_factory=Series)
+    throttled: str = ""  # why the stage runs slower than its own baseline ("" = it does not)
 
     @property
     def state_text(self) -> str:
-        if isinstance(self.state, Failed):
-            return f"failed: {self.state.reason}"
-        step = self.state.step if isinstance(self.state, Provisioning) else ""
-        return f"{self.state.label} ({step})" if step else self.state.label
+        if isinstance(self.state, (Failed, Degraded)):
+            text = f"{self.state.label}: {self.state.reason}"
+        elif isinstance(self.state, Lost):
+            text = f"lost ({self.state.reason})"
+        else:
+            step = self.state.step if isinstance(self.state, (Provisioning, Recovering)) else ""
+            text = f"{self.state.label} ({step})" if step else self.state.label
+        return f"{text}, throttled: {self.throttled}" if self.throttled else text
 
     def record(self, sample: TelemetrySample) -> None:
         self.sample = sample
@@ -117,6 +125,10 @@ class FleetMonitor:
 
     def set_state(self, name: str, state: StageState) -> None:
         self.view(name).state = state
+        self.version += 1
+
+    def set_throttled(self, name: str, reason: str) -> None:
+        self.view(name).throttled = reason
         self.version += 1
 
     def record(self, name: str, sample: TelemetrySample, known: bool) -> None:

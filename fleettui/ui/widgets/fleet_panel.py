@@ -5,7 +5,17 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from fleettui.control.states import Failed, Idle, Loading, Provisioning, Ready, Serving
+from fleettui.control.states import (
+    Degraded,
+    Failed,
+    Idle,
+    Loading,
+    Lost,
+    Provisioning,
+    Ready,
+    Recovering,
+    Serving,
+)
 from fleettui.ui.formatting import truncate
 from fleettui.ui.monitor import COLUMNS, FleetMonitor
 
@@ -17,6 +27,9 @@ STATE_COLOURS: dict[type, str] = {  # lifecycle state → theme variable
     Ready: "success",
     Serving: "accent",
     Failed: "error",
+    Lost: "error",
+    Recovering: "warning",
+    Degraded: "error",
 }
 
 
