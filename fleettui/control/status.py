@@ -69,7 +69,7 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
         )
         pid = stage.process.pid if stage.process else None
         if stage.process is not None and not stage.process.alive():
-            state = "exited"
+            state = "lost (process exited)"
         else:
             answer = await control_request(
                 placement.control_url, {"op": "ping"}, record.keys, placement.server_key, 2.0
@@ -79,7 +79,7 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
             except ReplyError as error:
                 reply, state = None, f"a malformed answer ({error})"
             else:
-                state = "no answer"
+                state = "lost (no answer within 2 s)"
             if reply is not None and reply.deployment != record.id:
                 state = f"another deployment ({reply.deployment}) answers"
             elif reply is not None:
