@@ -265,7 +265,8 @@ def compile_shards(
     job = plan(model, stages, precision, root, inject_beam_idx)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and cached(target, job.cache_key) is not None:
-        _record_use(target)
+        if out is None:  # only the cache's own folders are listed and pruned by `fleettui cache`
+            _record_use(target)
         notify(Progress(None, "cached", 1.0, str(target)))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
