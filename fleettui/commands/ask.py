@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from fleettui.commands import options
 from fleettui.errors import FleetError
-from fleettui.model.shape import SYNTHETIC_PREFIX, SYNTHETIC_REFUSAL
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet
@@ -38,9 +37,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise FleetError("the prompt is empty")
-    fleet = options.load(args)
-    if fleet.model.name.startswith(SYNTHETIC_PREFIX):  # refuse before compiling anything
-        raise FleetError(SYNTHETIC_REFUSAL.format(model=fleet.model.name))
+    fleet = options.load_for_chat(args)
     settings = options.settings(args)
     options.sampling(fleet, args)  # refuse bad sampling settings before anything starts
 

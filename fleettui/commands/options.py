@@ -44,6 +44,16 @@ def load(args: argparse.Namespace) -> Fleet:
     return load_fleet(resolve_fleet(getattr(args, "fleet", None)))
 
 
+def load_for_chat(args: argparse.Namespace) -> Fleet:
+    """The fleet of a command that chats (ask, serve, tui): a synthetic model is refused before any compile."""
+    from fleettui.model.shape import SYNTHETIC_PREFIX, SYNTHETIC_REFUSAL
+
+    fleet = load(args)
+    if fleet.model.name.startswith(SYNTHETIC_PREFIX):
+        raise FleetError(SYNTHETIC_REFUSAL.format(model=fleet.model.name))
+    return fleet
+
+
 def settings(args: argparse.Namespace) -> Settings:
     from fleettui.control.store import Settings
 

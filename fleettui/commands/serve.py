@@ -8,7 +8,6 @@ from pathlib import Path
 
 from fleettui.commands import options
 from fleettui.errors import FleetError
-from fleettui.model.shape import SYNTHETIC_PREFIX, SYNTHETIC_REFUSAL
 
 NAME = "serve"
 HELP = "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts one)"
@@ -32,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise FleetError(f"--port: {args.port} is out of range 0..65535")
     if args.max_queued < 0:
         raise FleetError(f"--max-queued: {args.max_queued} must be >= 0")
-    fleet = options.load(args)
-    if fleet.model.name.startswith(SYNTHETIC_PREFIX):  # refuse before compiling anything
-        raise FleetError(SYNTHETIC_REFUSAL.format(model=fleet.model.name))
+    fleet = options.load_for_chat(args)
     settings = options.settings(args)
 
     async def main() -> int:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from fleettui.commands import options
 from fleettui.errors import FleetError
-from fleettui.model.shape import SYNTHETIC_PREFIX, SYNTHETIC_REFUSAL
 
 NAME = "tui"
 HELP = "the TUI (default): deploy or attach, monitor, chat"
@@ -35,7 +34,5 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.serve and (args.api_key_file is not None or args.host != "127.0.0.1" or args.port != 8000):
         raise FleetError("--host, --port and --api-key-file apply only with --serve")
-    fleet = options.load(args)
-    if fleet.model.name.startswith(SYNTHETIC_PREFIX):  # refuse before compiling anything
-        raise FleetError(SYNTHETIC_REFUSAL.format(model=fleet.model.name))
+    fleet = options.load_for_chat(args)
     return run_app(fleet, options.settings(args), args)
