@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from netns import SshHosts, available  # noqa: E402
 
 
 def _worker_children() -> list[psutil.Process]:
@@ -38,3 +43,16 @@ def no_leftover_workers() -> Iterator[None]:
 def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Deployment records, run folders and worker logs of a test go to its own state folder, not the user's."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
+    """Two real sshd hosts (network namespaces when root), shared by the SSH test files: installed once."""
+    reason = available()
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"CI must run the real-sshd tests: {reason}")  # .ci/test installs openssh-server as root
+    if reason:
+        pytest.skip(reason)
+    with SshHosts(2, tmp_path_factory.mktemp("sshd")) as hosts:
+        print(f"ssh test hosts ({hosts.mode}):", [(h.address, h.port) for h in hosts.hosts])
+        yield hosts

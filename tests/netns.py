@@ -233,6 +233,16 @@ class SshHosts:
                 host.process.wait(5)
         host.process = None
 
+    def set_link(self, index: int, up: bool) -> None:
+        """Cut a host off the network (its link down: nothing in or out, processes keep running) or restore it."""
+        host = self.hosts[index]
+        if not host.namespace:
+            raise RuntimeError("a link can only be cut in network-namespace mode")
+        state = "up" if up else "down"
+        _run(*self.command(host, "ip", "link", "set", f"fte{self.tag}{index}", state))
+        if up:  # the default route went with the link
+            _run(*self.command(host, "ip", "route", "replace", "default", "via", f"{self.subnet}.1"))
+
     def namespace_pids(self, host: SshHost) -> list[int]:
         if not host.namespace:
             return []

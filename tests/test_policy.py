@@ -101,3 +101,20 @@ def test_a_new_drafter_is_explored_before_it_is_judged() -> None:
     model.record_round(3, 0, 0.090, 0.018, asked=3)  # slow and useless
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert name != "model"
+
+
+def test_measured_tokens_per_second_overrule_a_model_that_says_speculation_pays() -> None:
+    """The stages' traces make verifying K + 1 tokens look nearly free, but every speculative round really
+    took longer per token than a plain one (an overhead the model does not see): speculation stops."""
+    policy = KPolicy(None, max_k=8)
+    for _ in range(20):
+        for k in (0, 3):
+            trace = _trace((0.0, 0.0, 0.010, 0.010))  # 10 ms compute whatever K
+            own, busiest = round_costs(trace, 0.010)
+            wall = 0.010 if k == 0 else 0.050  # measured: 4 tokens in 50 ms < 1 token in 10 ms
+            policy.record_round(k, k, 0.001 * k, wall, False, own, busiest, asked=k)
+    model_choice = max(range(9), key=lambda k: policy.expected_rate(k) or 0.0)
+    assert model_choice > 0  # what the fitted costs alone would pick
+    assert policy.costs.losing("draft", loaded=False)
+    assert policy.choose() == 0
+    assert not policy.costs.losing("draft", loaded=True)  # several users at once: measured apart

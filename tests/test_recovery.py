@@ -260,24 +260,15 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
 
 def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_cache: Path) -> None:
     """Stage 1 is slowed about fivefold (SIGSTOP/SIGCONT duty cycle, never long enough to count as lost)."""
-    import threading
-
+    from fleettui.bench.throttle import Throttle
     from fleettui.control.balance import Balancer
     from fleettui.control.states import RebalanceProposal, Throttled
 
     events: list[object] = []
-    stop = threading.Event()
-
-    def duty_cycle(pid: int) -> None:
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            stop.wait(0.04)
-            os.kill(pid, signal.SIGCONT)
-            stop.wait(0.01)
+    throttles: list[Throttle] = []
 
     async def scenario() -> None:
         controller = FleetController(make_fleet(shard_cache, 2), on_event=events.append)
-        threads: list[threading.Thread] = []
         try:
             coordinator = await controller.start()
             assert controller.recovery is not None and controller.recovery.rebalancer is not None
@@ -291,19 +282,17 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
             def on_tokens(tokens: list[int], _text: str) -> None:
                 nonlocal steps
                 steps += 1
-                if steps == 16 and not threads:  # the baseline window is measured: slow stage 1 down
+                if steps == 16 and not throttles:  # the baseline window is measured: slow stage 1 down
                     pid = controller.worker_pids()["stage-1"]
-                    threads.append(threading.Thread(target=duty_cycle, args=(pid,), daemon=True))
-                    threads[0].start()
+                    throttles.append(Throttle(lambda: pid, 0.2, period=0.05).start())
 
             params = GenerationParams(max_tokens=96, ignore_eos=True)
             await asyncio.gather(
                 *(coordinator.chat(s, p, params, on_tokens) for s, p in zip(sessions, PROMPTS, strict=True))
             )
         finally:
-            stop.set()
-            for thread in threads:
-                thread.join()
+            for throttle in throttles:
+                throttle.stop()
             await controller.stop()
 
     asyncio.run(scenario())
@@ -313,6 +302,67 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
     assert proposals and not proposals[0].applied
     (_, old_end), (new_end) = proposals[0].current[0], proposals[0].ranges[0][1]
     assert new_end > old_end  # layers move away from the slowed last stage
+    assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
+
+
+def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_exact(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """`rebalance = "auto"` end to end: slowed stage 1 -> proposal -> background compile -> switch -> exact."""
+    import time
+
+    from fleettui.bench.throttle import Throttle
+    from fleettui.control.balance import Balancer
+    from fleettui.control.states import RebalanceProposal
+
+    events: list[object] = []
+
+    def applied() -> bool:
+        return any(isinstance(e, RebalanceProposal) and e.applied for e in events)
+
+    async def scenario() -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+        controller = FleetController(make_fleet(shard_cache, 2, rebalance="auto"), on_event=events.append)
+        try:
+            coordinator = await controller.start()
+            assert controller.recovery is not None and controller.recovery.rebalancer is not None
+            rebalancer = controller.recovery.rebalancer
+            rebalancer.balancer = Balancer(
+                rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
+            )
+            assert controller.deployment is not None
+            before = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
+
+            async def answer_all() -> list[list[int]]:
+                sessions = [await coordinator.open_session() for _ in PROMPTS]
+                params = GenerationParams(max_tokens=TOKENS)
+                try:
+                    answers = await asyncio.gather(
+                        *(coordinator.chat(s, p, params) for s, p in zip(sessions, PROMPTS, strict=True))
+                    )
+                finally:
+                    for session in sessions:
+                        await coordinator.close_session(session)
+                return [list(a.token_ids) for a in answers]
+
+            rounds = 0
+            with Throttle(lambda: controller.worker_pids().get("stage-1"), 0.25):
+                deadline = time.monotonic() + 600
+                while not applied():  # answers keep flowing while the new split compiles and is switched to
+                    assert time.monotonic() < deadline, "no split was applied within 10 minutes"
+                    assert await answer_all() == reference
+                    rounds += 1
+                assert await answer_all() == reference  # on the new split
+            assert controller.deployment is not None
+            after = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
+            return before, after, rounds
+        finally:
+            await controller.stop()
+
+    before, after, rounds = asyncio.run(scenario())
+    print(f"split {before} -> {after} after {rounds} rounds of answers")
+    assert after[0][1] > before[0][1]  # layers moved off the slowed last stage
+    reports = [e for e in events if isinstance(e, RecoveryReport)]
+    assert [r.action for r in reports] == ["rebalance"]
     assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
 
 

@@ -384,6 +384,24 @@ def test_bad_input_is_400_naming_the_field(
         assert "malformed JSON" in error["message"]
 
 
+def test_an_oversized_body_is_413_before_it_is_read_whole(main_server: tuple[FleetServer, str]) -> None:
+    """Declared too large (Content-Length) or streamed past the cap without a length: 413, one line."""
+    from fleettui.serve.app import MAX_BODY_BYTES
+
+    url = main_server[1] + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    declared = httpx.post(url, content=b" " * (MAX_BODY_BYTES + 1), headers=headers, timeout=60)
+    assert declared.status_code == 413 and "larger than" in declared.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # chunked transfer: no Content-Length to refuse up front
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    streamed = httpx.post(url, content=chunks(), headers=headers, timeout=60)
+    assert streamed.status_code == 413 and "larger than" in streamed.json()["error"]["message"]
+    assert httpx.get(main_server[1] + "/health", timeout=30).status_code == 200  # still serving
+
+
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)

@@ -83,6 +83,13 @@ def test_bad_requests_name_their_field(body: object, param: str | None) -> None:
     assert caught.value.param == param and caught.value.status == 400
 
 
+def test_top_p_zero_is_greedy() -> None:
+    """OpenAI's `top_p: 0` keeps only the most likely token: greedy, not an error and not top_p = 1."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0, "temperature": 0.9}
+    params = parse(body).sampling.params(DEFAULTS.max_tokens, room=100)
+    assert (params.temperature, params.top_p) == (0.0, 1.0)
+
+
 def test_penalties_are_refused_until_generation_params_has_them() -> None:
     from dataclasses import fields
 

@@ -13,7 +13,6 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from fleettui.config.fleet import Fleet, Host, load_fleet
 from fleettui.errors import ProvisionError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from netns import SshHosts, available  # noqa: E402
+from netns import SshHosts  # noqa: E402
 
 pytestmark = pytest.mark.ssh
 asyncssh = pytest.importorskip("asyncssh")
@@ -38,18 +37,6 @@ from fleettui.provision.deploy import (  # noqa: E402
 from fleettui.provision.events import ProvisionEvent  # noqa: E402
 
 SLEEPER = "import time; time.sleep(600)"
-
-
-@pytest.fixture(scope="module")
-def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
-    reason = available()
-    if reason and os.environ.get("CI"):
-        pytest.fail(f"CI must run the real-sshd tests: {reason}")  # .ci/test installs openssh-server as root
-    if reason:
-        pytest.skip(reason)
-    with SshHosts(2, tmp_path_factory.mktemp("sshd")) as hosts:
-        print(f"ssh test hosts ({hosts.mode}):", [(h.address, h.port) for h in hosts.hosts])
-        yield hosts
 
 
 @pytest.fixture(scope="module")

@@ -182,6 +182,20 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
+async def calibrate_hosts(fleet: Fleet, progress: Any) -> None:
+    """Measure the per-layer and head costs of the fleet's local hosts (cached per settings) before it is
+    planned, so its split comes from measured costs (as `fleettui plan --profile`), not from byte counts."""
+    from fleettui.errors import PlanError
+    from fleettui.planning.planner import plan_fleet
+    from fleettui.planning.profiles import calibrate
+
+    try:
+        layers = plan_fleet(fleet).shape.num_layers
+        await asyncio.to_thread(calibrate, fleet, layers, None, progress)
+    except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
+        progress(f"calibration skipped: {error}")
+
+
 def synthetic_prompts(vocab: int, count: int = 8, length: int = SYNTHETIC_PROMPT) -> list[list[int]]:
     """Seeded random prompt ids for a synthetic model (no tokenizer; ids 0..2 left out as specials)."""
     import numpy as np
@@ -241,6 +255,8 @@ async def run_fleet_group(
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
         return rows, partner_runs
+    if first.stages > 1:
+        await calibrate_hosts(variant, progress)
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
     # compile and worker start progress of the first use of these shards (commands.bench's reporter)
     controller = FleetController(variant, on_event=getattr(progress, "reporter", None))

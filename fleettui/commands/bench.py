@@ -41,12 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kill-every", type=float, default=60.0, metavar="S", help="soak: seconds between kills"
     )
+    parser.add_argument(
+        "--rebalance", type=float, nargs="?", const=0.4, metavar="SHARE",
+        help="tok/s before and after the last stage is held to SHARE of its CPU (0.4), then after auto rebalance",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     options.settings(args)  # validates --spec-k
     if args.soak is not None:
         return run_soak_cli(options.load(args), args)
+    if args.rebalance is not None:
+        return run_rebalance_cli(options.load(args), args)
     return run_bench_cli(options.load(args), args)
 
 
@@ -64,6 +70,25 @@ def run_soak_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     )
     print(report.summary())
     return 1 if report.errors or report.mismatches else 0
+
+
+def run_rebalance_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui bench FLEET --rebalance [SHARE]`: exit 1 when no better split was applied."""
+    from fleettui.bench.rebalance_bench import rebalance_bench
+    from fleettui.control.settings import with_overrides
+
+    if not 0.05 <= args.rebalance < 1.0:
+        raise FleetError(f"--rebalance: share {args.rebalance} must be in 0.05..0.99")
+    fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        report = asyncio.run(
+            rebalance_bench(fleet, tokens=args.max_tokens or 64, share=args.rebalance, on_line=say)
+        )
+    except ValueError as error:
+        raise FleetError(f"--rebalance: {error}") from None
+    print(report.summary())
+    return 0 if report.split_after else 1
 
 
 class Progress:

@@ -26,6 +26,7 @@ class Connection:
     coordinator: Coordinator
     links: list[ZmqLink]
     feed: TelemetryFeed
+    deployment: Deployment
     hops_ms: dict[str, float] = field(default_factory=dict)
 
     def draft_link(self) -> ZmqLink | None:
@@ -57,7 +58,9 @@ class Connection:
         if isinstance(previous, ZmqLink):
             await previous.close()
         self.coordinator.target_epoch += 1
+        self.deployment = deployment  # hop times and telemetry follow the new stage list
         self.hops_ms.clear()
+        await self.feed.retarget(_telemetry_urls(deployment))
         stages = await self.coordinator.hello()
         if stages != len(deployment.stages):
             raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
@@ -106,10 +109,8 @@ async def connect(
     def sample_with_hop(sample: TelemetrySample) -> None:
         on_sample(replace(sample, hop_ms=round(hops[sample.name], 2)) if sample.name in hops else sample)
 
-    feed = TelemetryFeed(
-        [(p.telemetry_url, p.server_key) for p in deployment.placements], deployment.keys, sample_with_hop
-    )
-    connection = Connection(coordinator, links, feed, hops)
+    feed = TelemetryFeed(_telemetry_urls(deployment), deployment.keys, sample_with_hop)
+    connection = Connection(coordinator, links, feed, deployment, hops)
     try:
         stages = await coordinator.hello()
         if stages != len(deployment.stages):
@@ -119,10 +120,14 @@ async def connect(
             await link.close()
         raise
     coordinator.result_observers.append(
-        lambda result, received: _observe_hops(deployment, hops, result, received)
+        lambda result, received: _observe_hops(connection.deployment, hops, result, received)
     )
     feed.start()
     return connection
+
+
+def _telemetry_urls(deployment: Deployment) -> list[tuple[str, str | None]]:
+    return [(p.telemetry_url, p.server_key) for p in deployment.placements]
 
 
 def _drafter(fleet: Fleet, deployment: Deployment, links: list[ZmqLink]) -> Drafter | None:
@@ -161,22 +166,25 @@ class Lease:
 
     Any control request renews it, so the watcher pings every few seconds; `end()` sets 0 (no lease) when
     the workers are handed to a deployment record. Workers that predate the op answer an error: ignored.
+    `current()` gives the deployment as it is now, so workers of a new split (a re-plan) are leased too.
     """
 
     RENEW_SECONDS = 5.0
 
-    def __init__(self, deployment: Deployment, seconds: float) -> None:
-        self.deployment = deployment
+    def __init__(self, current: Callable[[], Deployment | None], seconds: float) -> None:
+        self.current = current
         self.seconds = seconds
         self._task: asyncio.Task[None] | None = None
 
     async def _send(self, seconds: float) -> None:
+        deployment = self.current()
+        if deployment is None:
+            return
         request = {"op": "lease", "seconds": seconds}
-        keys = self.deployment.keys
         await asyncio.gather(
             *(
-                control_request(p.control_url, request, keys, p.server_key, 1.0)
-                for p in self.deployment.placements
+                control_request(p.control_url, request, deployment.keys, p.server_key, 1.0)
+                for p in deployment.placements
             ),
             return_exceptions=True,
         )

@@ -304,7 +304,7 @@ class FleetController:
             store.save(self.record)
         await self._connect(deployment, endpoint_map)
         if self.lease > 0:
-            self._lease = Lease(deployment, self.lease)
+            self._lease = Lease(lambda: self.deployment, self.lease)
             await self._lease.start()
         assert self._connection is not None
         return self._connection.coordinator

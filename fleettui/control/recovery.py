@@ -331,7 +331,7 @@ class Recovery:
             controller._set_state(placement.config.name, Ready())
             self._watch(placement)
         if self.rebalancer is not None:
-            self.rebalancer.reset(ranges)
+            self.rebalancer.reset(ranges, [p.config.name for p in deployment.stages])
 
 
 def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:

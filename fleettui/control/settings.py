@@ -54,6 +54,8 @@ def generation_params(
     sessions = fleet.sessions
     temperature = sessions.temperature if temperature is None else temperature
     top_p = sessions.top_p if top_p is None else top_p
+    if top_p == 0.0:  # the smallest nucleus is the single most likely token: `--top-p 0` is greedy
+        temperature, top_p = 0.0, 1.0
     model = GREEDY if fleet.runtime.exact else recommended_sampling(fleet.model.name)
     if temperature is None:
         temperature, top_k, repetition_penalty = model.temperature, model.top_k, model.repetition_penalty

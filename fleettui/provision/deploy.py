@@ -154,7 +154,7 @@ class HostSession:
         return f"{self.workdir}/venv/{layout}"
 
     def paths(self, shard_key: str = "", wheelhouse: str = "") -> RemotePaths:
-        run = f"{self.workdir}/run/{self.host.name}"
+        run = f"{self.workdir}/run/{run_name(self.host)}"
         return RemotePaths(
             workdir=self.workdir,
             venv_python=self.venv_python(),
@@ -324,8 +324,17 @@ class HostSession:
         return str((await self.operation("tail", {"path": path, "bytes": size}, "logs"))["text"])
 
 
+def run_name(host: Host) -> str:
+    """The stem of a stage's config, log and pid file on its host: its name and port block.
+
+    Two fleets may give a host the same name; only one of them can hold a port block, so deploying a stage
+    replaces the previous run on the same ports (which must go to free them) and never another fleet's.
+    """
+    return f"{host.name}-{host.base_port}"
+
+
 def _stage_pidfile(host: Host) -> str:
-    return f"{host.workdir}/run/{host.name}.pid"
+    return f"{host.workdir}/run/{run_name(host)}.pid"
 
 
 async def _await_ready(
@@ -509,7 +518,7 @@ async def stop_fleet(
 async def fetch_log(host: Host, size: int = 65536, timeout: float = 10.0) -> str:
     """The end of the stage's remote log (for the TUI's log pane)."""
     async with HostSession(host) as session:
-        return await session.tail(f"{host.workdir}/run/{host.name}.log", size)
+        return await session.tail(f"{host.workdir}/run/{run_name(host)}.log", size)
 
 
 def _remember(fleet: Fleet, report: DeployReport) -> None:

@@ -112,6 +112,7 @@ class _Round:
     verify_seconds: float
     asked: int  # the K asked of the drafter (it may propose fewer)
     policy: KPolicy  # whose costs and acceptance this round updates
+    loaded: bool  # other sessions were generating when it started
 
 
 def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
@@ -331,8 +332,9 @@ class Coordinator:
             catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
             own, compute = round_costs(result.trace, verify_seconds)
             round_.policy.record_round(
-                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked
-            )
+                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
+                round_.loaded,
+            )  # fmt: skip
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += result.accepted
@@ -425,7 +427,7 @@ class Coordinator:
         )
         result = await self._step(session, feed, decode)
         verify_seconds = time.perf_counter() - verify_started
-        return _Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy)
+        return _Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""

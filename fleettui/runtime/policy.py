@@ -26,25 +26,37 @@ class _LinearCost:
     Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
     takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
     K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
+    The fit is computed once per new sample (closed form), not per prediction: a round asks for dozens.
     """
 
     proportional: bool = False
     window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    _fit: tuple[float, float, float] | None = None  # (intercept, slope, the one size seen or 0)
 
     def add(self, size: float, seconds: float) -> None:
         self.window.append((size, seconds))
+        self._fit = None
+
+    def _fitted(self) -> tuple[float, float, float]:
+        if self._fit is None:
+            samples = np.array(self.window, np.float64)
+            sizes, times = samples[:, 0], samples[:, 1]
+            mean_size, mean_time = float(sizes.mean()), float(times.mean())
+            spread = float(((sizes - mean_size) ** 2).sum())
+            if spread == 0.0:
+                self._fit = (mean_time, 0.0, float(sizes[0]))
+            else:
+                slope = float(((sizes - mean_size) * (times - mean_time)).sum()) / spread
+                self._fit = (mean_time - slope * mean_size, slope, 0.0)
+        return self._fit
 
     def predict(self, size: float) -> float | None:
         if not self.window:
             return None
-        sizes = np.array([s for s, _ in self.window])
-        times = np.array([t for _, t in self.window])
-        if np.ptp(sizes) == 0:
-            if self.proportional and sizes[0] > 0:
-                return float(times.mean()) * size / float(sizes[0])
-            return float(times.mean())
-        slope, intercept = np.polyfit(sizes, times, 1)
-        return float(intercept + max(slope, 0.0) * size)
+        intercept, slope, only = self._fitted()
+        if only:  # one size measured so far (a size 0 leaves the flat mean)
+            return intercept * size / only if self.proportional else intercept
+        return intercept + max(slope, 0.0) * size
 
 
 def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
@@ -62,15 +74,52 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
 
 
 @dataclass
+class _Realized:
+    """Tokens per second actually achieved by one arm (plain decoding or one drafter), decayed."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+
+    def add(self, tokens: int, seconds: float, decay: float = 0.95) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.rounds = self.rounds * decay + 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+MIN_REALIZED_ROUNDS = 6.0  # decayed rounds per arm before realized rates may overrule the model
+
+
+@dataclass
 class CostModel:
-    """Verify and draft costs of one pipeline, shared by its sessions' policies."""
+    """Verify and draft costs of one pipeline, shared by its sessions' policies.
+
+    Beside the fitted costs it keeps what each arm really achieved (tokens per second of wall time, apart
+    for one session alone and for several at once): the guard that keeps speculation from being a loss
+    whatever the model misses (Python overheads, a draft that shares the stages' cores, queueing).
+    """
 
     latency: _LinearCost = field(default_factory=_LinearCost)  # one session: own round-trip latency
     compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, _LinearCost] = field(default_factory=dict)
+    realized: dict[tuple[str, bool], _Realized] = field(default_factory=dict)
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
+
+    def achieved(self, arm: str, loaded: bool) -> _Realized:
+        return self.realized.setdefault((arm, loaded), _Realized())
+
+    def losing(self, drafter: str, loaded: bool) -> bool:
+        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not."""
+        plain, spec = self.achieved("plain", loaded), self.achieved(drafter, loaded)
+        if min(plain.rounds, spec.rounds) < MIN_REALIZED_ROUNDS:
+            return False
+        return spec.rate < plain.rate
 
     def verify(self, size: int, loaded: bool) -> float | None:
         if loaded and self.compute.window:
@@ -132,6 +181,7 @@ class KPolicy:
         own_seconds: float | None = None,
         compute_seconds: float | None = None,
         asked: int | None = None,
+        loaded: bool = False,
     ) -> None:
         """Learn from one round of K drafts (ASKED were requested; a lookup may propose fewer).
 
@@ -152,6 +202,8 @@ class KPolicy:
         if not catch_up:
             self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
             self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
+            arm = self.drafter if k > 0 else "plain"
+            self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
 
     def expected_rate(self, k: int, free_draft: bool = False, loaded: bool = False) -> float | None:
         plain = self.costs.verify(1, loaded)
@@ -184,6 +236,8 @@ class KPolicy:
             self.probing = choice > 0
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
+            if choice and self.costs.losing(self.drafter, loaded):
+                choice = 0  # the model says it pays, the measured tokens per second say it does not
             self._rounds_since_probe = 0 if choice else self._rounds_since_probe + 1
             if choice:
                 self._probe_interval = self.probe_every

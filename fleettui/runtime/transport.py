@@ -265,8 +265,17 @@ class TelemetryFeed:
             for each in sockets:
                 each.close(0)
 
+    async def retarget(self, urls: list[tuple[str, str | None]]) -> None:
+        """Follow these telemetry sockets instead (a new split); a feed not started stays stopped."""
+        running = self._task is not None
+        await self.stop()
+        self._urls = urls
+        if running:
+            self.start()
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
                 await self._task
+            self._task = None

@@ -113,9 +113,18 @@ class FleetServer:
         return error_response(f"internal error: {type(error).__name__}", 500)
 
     async def _body(self, request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise RequestError(f"the request body is larger than {MAX_BODY_BYTES} bytes", None, 413)
+        """The JSON body, refused with 413 as soon as it is known to exceed MAX_BODY_BYTES (never read whole)."""
+        too_large = RequestError(f"the request body is larger than {MAX_BODY_BYTES} bytes", None, 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as error:

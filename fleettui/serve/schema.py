@@ -131,10 +131,14 @@ def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: 
             penalties.setdefault("top_k", defaults.top_k)
         if defaults.repetition_penalty != 1.0:
             penalties.setdefault("repetition_penalty", defaults.repetition_penalty)
+    temperature = _number(body, "temperature", defaults.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", defaults.top_p, 0.0, 1.0)
+    if top_p == 0.0:  # the smallest nucleus is the single most likely token: greedy, as OpenAI treats it
+        temperature, top_p = 0.0, 1.0
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
-        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
+        temperature=temperature,
+        top_p=top_p,
         seed=abs(defaults.seed if seed is None else seed),
         stop=_stop(body),
         penalties=penalties,
