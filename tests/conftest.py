@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netns import SshHosts, available  # noqa: E402
+
+_FRESH_CACHE: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The user's cache (shards, wheelhouse, measured cost profiles) stays out of the tests: a fresh one per
+    run, removed at the end, so no test passes only because a cache exists. FLEETTUI_TEST_CACHE_HOME names a
+    reusable one instead (a developer's speed-up, like FLEETTUI_TEST_CACHE; CI never sets it)."""
+    reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
+    if reuse:
+        os.environ["XDG_CACHE_HOME"] = reuse
+        return
+    _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
+    os.environ["XDG_CACHE_HOME"] = _FRESH_CACHE[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _FRESH_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _worker_children() -> list[psutil.Process]:

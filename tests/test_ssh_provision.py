@@ -247,6 +247,27 @@ async def test_one_host_down_is_reported_while_the_other_proceeds(
     assert not left, f"stage processes left: {left}"
 
 
+async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(fleet: Fleet, shard: Path) -> None:
+    """Same host name, same SSH host, other port block (another fleet file): neither replaces the other."""
+    from fleettui.provision.deploy import deploy_host, stop_host
+
+    options = DeployOptions(install=False, argv=("{python}", "-c", SLEEPER, "{config}"))
+    first, second = fleet.hosts[0], replace(fleet.hosts[0], base_port=fleet.hosts[0].base_port + 40)
+    one = await deploy_host(first, ShardAssignment(shard, 0), "{}", "fleet-one", options)
+    two = await deploy_host(second, ShardAssignment(shard, 0), "{}", "fleet-two", options)
+    try:
+        assert one.ok and two.ok and one.pid != two.pid
+        assert one.paths and two.paths and one.paths.pidfile != two.paths.pidfile
+        assert alive(one.pid) and alive(two.pid)  # the second deploy did not stop the first fleet's worker
+        again = await deploy_host(first, ShardAssignment(shard, 0), "{}", "fleet-one-again", options)
+        assert again.ok and not alive(one.pid) and alive(two.pid)  # a redeploy replaces only its own run
+        stopped = await stop_host(first, None, options)
+        assert [p.pid for p in stopped.processes] == [again.pid] and alive(two.pid)
+    finally:
+        await stop_host(second, None, options)
+    assert not alive(two.pid)
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

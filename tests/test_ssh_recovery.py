@@ -30,7 +30,7 @@ from test_recovery import (  # noqa: F401 - fixtures used by name
 
 from fleettui.config.fleet import Fleet, ResilienceSettings, load_fleet
 from fleettui.control.controller import FleetController, with_overrides
-from fleettui.provision.deploy import run_name
+from fleettui.provision.events import run_file
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 asyncssh = pytest.importorskip("asyncssh")
@@ -49,7 +49,7 @@ def ssh_fleet(ssh_hosts: SshHosts, cache: Path, tmp_path: Path) -> Fleet:
 def remote_pid(fleet: Fleet, name: str) -> int:
     """The pid of the worker of `name` on its SSH host, from the pid file the deployment wrote there."""
     host = next(h for h in fleet.hosts if h.name == name)
-    return int(json.loads(Path(f"{host.workdir}/run/{run_name(host)}.pid").read_text())["pid"])
+    return int(json.loads(Path(run_file(host.workdir, host.name, host.base_port, ".pid")).read_text())["pid"])
 
 
 def alive(pid: int) -> bool:

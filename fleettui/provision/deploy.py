@@ -32,6 +32,7 @@ from fleettui.provision.events import (
     Step,
     StoppedProcess,
     StopReport,
+    run_file,
 )
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
@@ -154,15 +155,15 @@ class HostSession:
         return f"{self.workdir}/venv/{layout}"
 
     def paths(self, shard_key: str = "", wheelhouse: str = "") -> RemotePaths:
-        run = f"{self.workdir}/run/{run_name(self.host)}"
+        host = self.host
         return RemotePaths(
             workdir=self.workdir,
             venv_python=self.venv_python(),
             wheelhouse=f"{self.workdir}/wheelhouse/{wheelhouse}".rstrip("/"),
             shard=f"{self.workdir}/shards/{shard_key}".rstrip("/"),
-            config=f"{run}.json",
-            log=f"{run}.log",
-            pidfile=f"{run}.pid",
+            config=run_file(self.workdir, host.name, host.base_port, ".json"),
+            log=run_file(self.workdir, host.name, host.base_port, ".log"),
+            pidfile=run_file(self.workdir, host.name, host.base_port, ".pid"),
         )
 
     # --- steps -------------------------------------------------------------------------------------
@@ -324,17 +325,8 @@ class HostSession:
         return str((await self.operation("tail", {"path": path, "bytes": size}, "logs"))["text"])
 
 
-def run_name(host: Host) -> str:
-    """The stem of a stage's config, log and pid file on its host: its name and port block.
-
-    Two fleets may give a host the same name; only one of them can hold a port block, so deploying a stage
-    replaces the previous run on the same ports (which must go to free them) and never another fleet's.
-    """
-    return f"{host.name}-{host.base_port}"
-
-
 def _stage_pidfile(host: Host) -> str:
-    return f"{host.workdir}/run/{run_name(host)}.pid"
+    return run_file(host.workdir, host.name, host.base_port, ".pid")
 
 
 async def _await_ready(
@@ -518,7 +510,7 @@ async def stop_fleet(
 async def fetch_log(host: Host, size: int = 65536, timeout: float = 10.0) -> str:
     """The end of the stage's remote log (for the TUI's log pane)."""
     async with HostSession(host) as session:
-        return await session.tail(f"{host.workdir}/run/{run_name(host)}.log", size)
+        return await session.tail(run_file(host.workdir, host.name, host.base_port, ".log"), size)
 
 
 def _remember(fleet: Fleet, report: DeployReport) -> None:

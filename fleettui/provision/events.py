@@ -105,6 +105,15 @@ class RemotePaths:
     pidfile: str
 
 
+def run_file(workdir: str, name: str, base_port: int, suffix: str) -> str:
+    """A stage's config, log or pid file on its host, named by host name and port block.
+
+    Two fleets may give a host the same name; only one of them can hold a port block, so deploying a stage
+    replaces the previous run on the same ports (which must go to free them) and never another fleet's.
+    """
+    return f"{workdir}/run/{name}-{base_port}{suffix}"
+
+
 @dataclass(frozen=True)
 class HostDeployment:
     """The outcome of deploying one stage to one host."""
