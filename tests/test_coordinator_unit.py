@@ -285,3 +285,37 @@ def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
     probes = [index for index in range(60) if policy.choose() > 0]
     gaps = [later - earlier for earlier, later in zip(probes, probes[1:], strict=False)]
     assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+
+
+async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
+    """A model draft never catches up on more than `window` tokens: a long prompt, or a long stretch without
+    speculation, restarts its cache from the recent tokens (the target verifies every draft regardless)."""
+    from fleettui.runtime.speculation import ModelDrafter, Sampling
+
+    sent: list[object] = []
+
+    class Recorder:
+        async def request(self, message: object, timeout: float | None = None) -> object:
+            sent.append(message)
+            if isinstance(message, protocol.Propose):
+                tokens = np.arange(message.k, dtype=np.int64)
+                return protocol.Proposal(
+                    message.session, 0, tokens, np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+                )
+            return protocol.Ack(protocol.Kind.OPEN, 0, 0)
+
+    drafter = ModelDrafter(Recorder(), window=8)  # type: ignore[arg-type]
+    await drafter.open(1)
+    history = list(range(100, 130))  # a 30-token prompt
+    rng = np.random.default_rng(0)
+    first = await drafter.propose(1, history, 2, Sampling(), rng)
+    proposals = [m for m in sent if isinstance(m, protocol.Propose)]
+    assert first.fed == 8 and list(proposals[-1].tokens) == history[-8:] and proposals[-1].pos0 == 0
+    history += [7, 8]  # one round later: only the new tokens are fed, the rejected draft token masked
+    await drafter.propose(1, history, 2, Sampling(), rng)
+    second = [m for m in sent if isinstance(m, protocol.Propose)][-1]
+    assert list(second.tokens) == [7, 8] and second.pos0 == 8 and second.mask_ranges.tolist() == [[8, 9]]
+    history += list(range(200, 220))  # 20 tokens without speculation: restart from the last 8
+    third = await drafter.propose(1, history, 2, Sampling(), rng)
+    last = [m for m in sent if isinstance(m, protocol.Propose)][-1]
+    assert third.fed == 8 and list(last.tokens) == history[-8:] and last.cache_len == 0

@@ -329,11 +329,12 @@ class Coordinator:
             )
             k, draft, feed, result = round_.k, round_.draft, round_.feed, round_.result
             draft_seconds, verify_seconds = round_.draft_seconds, round_.verify_seconds
-            catch_up = len(feed.tokens) != k + 1 or draft.fed > self.max_k + 1
+            prefilled = len(feed.tokens) != k + 1
+            catch_up = prefilled or draft.fed > self.max_k + 1
             own, compute = round_costs(result.trace, verify_seconds)
             round_.policy.record_round(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
-                round_.loaded,
+                round_.loaded, prefilled,
             )  # fmt: skip
             stats.rounds += 1
             stats.drafted += k

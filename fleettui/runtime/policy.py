@@ -107,6 +107,8 @@ class CostModel:
     compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, _LinearCost] = field(default_factory=dict)
     realized: dict[tuple[str, bool], _Realized] = field(default_factory=dict)
+    probe_intervals: dict[str, int] = field(default_factory=dict)  # per drafter: rounds between probes
+    since_probe: dict[str, int] = field(default_factory=dict)  # per drafter: rounds of any session since one
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
@@ -114,9 +116,16 @@ class CostModel:
     def achieved(self, arm: str, loaded: bool) -> _Realized:
         return self.realized.setdefault((arm, loaded), _Realized())
 
-    def losing(self, drafter: str, loaded: bool) -> bool:
-        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not."""
-        plain, spec = self.achieved("plain", loaded), self.achieved(drafter, loaded)
+    def losing(self, drafter: str, loaded: bool, own: _Realized | None = None) -> bool:
+        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not.
+
+        `own` is one session's record with that drafter: it speaks for the session once it has enough
+        rounds (acceptance differs a lot between sessions), else the pipeline's record does.
+        """
+        plain = self.achieved("plain", loaded)
+        spec = (
+            own if own is not None and own.rounds >= MIN_REALIZED_ROUNDS else self.achieved(drafter, loaded)
+        )
         if min(plain.rounds, spec.rounds) < MIN_REALIZED_ROUNDS:
             return False
         return spec.rate < plain.rate
@@ -154,8 +163,7 @@ class KPolicy:
         self._rejected = 1.0
         self._hits = 1.0  # decayed: rounds where the drafter proposed something when asked
         self._asks = 1.0
-        self._rounds_since_probe = 0
-        self._probe_interval = probe_every
+        self._own = {False: _Realized(), True: _Realized()}  # this session's speculative rounds
         self.last_choice = 0
         self.probing = False
 
@@ -182,12 +190,14 @@ class KPolicy:
         compute_seconds: float | None = None,
         asked: int | None = None,
         loaded: bool = False,
+        prefilled: bool = False,
     ) -> None:
         """Learn from one round of K drafts (ASKED were requested; a lookup may propose fewer).
 
         `catch_up` rounds (the first after a new prompt, which also prefilled the target or the draft) still
         teach acceptance but not costs: counting a prefill as the cost of a plain decode step would make
-        K = 0 look slow forever. `own_seconds` / `compute_seconds` come from the stages' trace
+        K = 0 look slow forever. The realized tokens per second skip only `prefilled` rounds (the target
+        took part of a new prompt): a draft's catch-up is the price of speculating now and then. `own_seconds` / `compute_seconds` come from the stages' trace
         (`round_costs`); without them the wall time stands for both.
         """
         decay = 0.97
@@ -202,8 +212,11 @@ class KPolicy:
         if not catch_up:
             self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
             self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
+        if not prefilled:  # what choosing this arm really cost, a draft's catch-up on the history included
             arm = self.drafter if k > 0 else "plain"
             self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
+            if k > 0:
+                self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
 
     def expected_rate(self, k: int, free_draft: bool = False, loaded: bool = False) -> float | None:
         plain = self.costs.verify(1, loaded)
@@ -236,16 +249,18 @@ class KPolicy:
             self.probing = choice > 0
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
-            if choice and self.costs.losing(self.drafter, loaded):
+            if choice and self.costs.losing(self.drafter, loaded, self._own[loaded]):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
-            self._rounds_since_probe = 0 if choice else self._rounds_since_probe + 1
+            intervals, since = self.costs.probe_intervals, self.costs.since_probe
+            since[self.drafter] = 0 if choice else since.get(self.drafter, 0) + 1
             if choice:
-                self._probe_interval = self.probe_every
-            elif self._rounds_since_probe >= self._probe_interval:
+                intervals[self.drafter] = self.probe_every
+            elif since[self.drafter] >= intervals.get(self.drafter, self.probe_every):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
-                # probes keep confirming K = 0, so exploring stays a small share of the work.
-                self._rounds_since_probe = 0
-                self._probe_interval = min(2 * self._probe_interval, 512)
+                # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
+                # count are the pipeline's: sessions take turns probing, none starts afresh.
+                since[self.drafter] = 0
+                intervals[self.drafter] = min(2 * intervals.get(self.drafter, self.probe_every), 512)
                 choice = min(2, self.max_k)
                 self.probing = True
         self.last_choice = choice

@@ -101,26 +101,41 @@ def lookup(history: list[int], k: int, max_ngram: int = 3) -> list[int]:
 
 
 class ModelDrafter:
-    """A draft model served by a 1-stage worker (role "draft") on the coordinator's machine."""
+    """A draft model served by a 1-stage worker (role "draft") on the coordinator's machine.
+
+    The draft never catches up on more than `window` tokens at once: when it has fallen further behind
+    (speculation was off for a while, or a long new prompt), its cache restarts from the last `window`
+    tokens of the history. A draft with less context proposes a little worse, never wrongly: the target
+    verifies every token, so exactness does not depend on it, while a probe stays cheap.
+    """
 
     costs_time = True
 
-    def __init__(self, link: Link, name: str = "draft-model") -> None:
+    def __init__(self, link: Link, name: str = "draft-model", window: int = 48) -> None:
         self.link = link
         self.name = name
+        self.window = window
         self._ledgers: dict[int, CacheLedger] = {}
+        self._starts: dict[int, int] = {}  # session -> first history index the draft's cache holds
 
     async def open(self, session: int) -> None:
         await self.link.request(protocol.Control(protocol.Kind.OPEN, session, 0))
         self._ledgers[session] = CacheLedger()
+        self._starts[session] = 0
 
     async def close(self, session: int) -> None:
+        self._starts.pop(session, None)
         if self._ledgers.pop(session, None) is not None:
             await self.link.request(protocol.Control(protocol.Kind.CLOSE, session, 0))
 
     async def propose(
         self, session: int, history: list[int], k: int, sampling: Sampling, rng: np.random.Generator
     ) -> Draft:
+        start = self._starts.get(session, 0)
+        if len(history) - start - self._ledgers[session].logical_len > self.window:
+            await self.open(session)  # far behind: restart from the recent window
+            start = self._starts[session] = max(0, len(history) - self.window)
+        history = history[start:]
         ledger = self._ledgers[session]
         if ledger.needs_compaction():
             ack = await self.link.request(
