@@ -107,8 +107,8 @@ class CostModel:
     compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, _LinearCost] = field(default_factory=dict)
     realized: dict[tuple[str, bool], _Realized] = field(default_factory=dict)
-    probe_intervals: dict[str, int] = field(default_factory=dict)  # per drafter: rounds between probes
-    since_probe: dict[str, int] = field(default_factory=dict)  # per drafter: rounds of any session since one
+    probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
+    since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
@@ -251,16 +251,16 @@ class KPolicy:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
             if choice and self.costs.losing(self.drafter, loaded, self._own[loaded]):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
-            intervals, since = self.costs.probe_intervals, self.costs.since_probe
-            since[self.drafter] = 0 if choice else since.get(self.drafter, 0) + 1
+            intervals, since, arm = self.costs.probe_intervals, self.costs.since_probe, (self.drafter, loaded)
+            since[arm] = 0 if choice else since.get(arm, 0) + 1
             if choice:
-                intervals[self.drafter] = self.probe_every
-            elif since[self.drafter] >= intervals.get(self.drafter, self.probe_every):
+                intervals[arm] = self.probe_every
+            elif since[arm] >= intervals.get(arm, self.probe_every):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
                 # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
                 # count are the pipeline's: sessions take turns probing, none starts afresh.
-                since[self.drafter] = 0
-                intervals[self.drafter] = min(2 * intervals.get(self.drafter, self.probe_every), 512)
+                since[arm] = 0
+                intervals[arm] = min(2 * intervals.get(arm, self.probe_every), 512)
                 choice = min(2, self.max_k)
                 self.probing = True
         self.last_choice = choice
