@@ -145,6 +145,19 @@ def test_bench_only_and_plan_profile_are_subcommand_flags(capsys: pytest.Capture
     assert "no such rows" in errors[1]
 
 
+def test_bench_rebalance_refuses_a_bad_share_or_fleet_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert build_parser().parse_args(["bench", "f.toml", "--rebalance"]).rebalance == 0.4
+    assert main(["bench", str(DEFAULT_FLEET), "--rebalance", "1.5"]) == 2  # refused before anything starts
+    one = tmp_path / "one.toml"
+    one.write_text('[[hosts]]\nname = "a"\n')
+    assert main(["bench", str(one), "--rebalance"]) == 2  # one stage: nothing to rebalance
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and errors[0].startswith("fleettui: --rebalance: share 1.5")
+    assert "at least two hosts" in errors[1]
+
+
 def test_a_start_on_held_ports_fails_at_once_naming_the_port_and_its_holder(tmp_path: Path) -> None:
     import os
     import socket

@@ -118,15 +118,23 @@ def _precision_from(properties: list[dict[str, Any]], weights: str, runtime: Any
 
 
 async def _measure(
-    coordinator: Any, spec: RowSpec, prompts: list[list[int]], tokens: int, recorder: TraceRecorder
+    coordinator: Any,
+    spec: RowSpec,
+    prompts: list[list[int]],
+    tokens: int,
+    recorder: TraceRecorder,
+    policies: dict[str | None, Any],
 ) -> dict[str, Any]:
+    """One row's answers. An adaptive row keeps its drafter's policy across the group's rounds (learned costs,
+    realized rates, probe schedule), as a serving fleet keeps it across requests: not a cold start each time."""
     from fleettui.runtime.coordinator import GenerationParams
     from fleettui.runtime.speculation import KPolicy, PromptLookupDrafter
 
     if spec.draft == "prompt-lookup":  # the free drafter, on the same running fleet, for this row only
         coordinator.drafter = PromptLookupDrafter()
     if spec.spec_k == "auto":
-        coordinator.policy = KPolicy(None if coordinator.drafter is not None else 0, coordinator.max_k)
+        fresh = KPolicy(None if coordinator.drafter is not None else 0, coordinator.max_k)
+        coordinator.policy = policies.setdefault(spec.draft, fresh)
     params = GenerationParams(
         max_tokens=tokens, ignore_eos=True, spec_k=None if spec.spec_k == "auto" else int(spec.spec_k)
     )
@@ -289,6 +297,7 @@ async def run_fleet_group(
             )
             await coordinator.close_session(session)
         attempts: list[list[dict[str, Any]]] = [[] for _ in specs]
+        policies: dict[str | None, Any] = {}  # per drafter, kept across rounds
         for round_index in range(repeats):
             for index, (spec, row) in enumerate(zip(specs, rows, strict=True)):
                 if not row.ok:
@@ -305,7 +314,9 @@ async def run_fleet_group(
                     continue
                 drafter = coordinator.drafter
                 try:
-                    attempts[index].append(await _measure(coordinator, spec, prompts, tokens, recorder))
+                    attempts[index].append(
+                        await _measure(coordinator, spec, prompts, tokens, recorder, policies)
+                    )
                     progress(f"{attempts[index][-1]['aggregate_tok_s']:.1f} tok/s", result=True)
                 except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
                     row.status = f"failed: {type(error).__name__}: {error}"

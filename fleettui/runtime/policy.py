@@ -91,7 +91,8 @@ class _Realized:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-MIN_REALIZED_ROUNDS = 6.0  # decayed rounds per arm before realized rates may overrule the model
+MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
+MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
 
 
 @dataclass
@@ -124,9 +125,11 @@ class CostModel:
         """
         plain = self.achieved("plain", loaded)
         spec = (
-            own if own is not None and own.rounds >= MIN_REALIZED_ROUNDS else self.achieved(drafter, loaded)
+            own
+            if own is not None and own.rounds >= MIN_SPECULATIVE_ROUNDS
+            else self.achieved(drafter, loaded)
         )
-        if min(plain.rounds, spec.rounds) < MIN_REALIZED_ROUNDS:
+        if plain.rounds < MIN_REALIZED_ROUNDS or spec.rounds < MIN_SPECULATIVE_ROUNDS:
             return False
         return spec.rate < plain.rate
 
