@@ -55,6 +55,15 @@ def available() -> str | None:
     return None
 
 
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (namespace hosts share this machine's pid space)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
 

@@ -258,10 +258,18 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
         assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
 
 
+def quick_rebalancer(controller: FleetController) -> None:
+    """Windows of 12 steps and a patience of 2: a proposal within one or two answers instead of minutes."""
+    from fleettui.control.balance import Balancer
+
+    assert controller.recovery is not None and controller.recovery.rebalancer is not None
+    rebalancer = controller.recovery.rebalancer
+    rebalancer.balancer = Balancer(rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2)
+
+
 def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_cache: Path) -> None:
     """Stage 1 is slowed about fivefold (SIGSTOP/SIGCONT duty cycle, never long enough to count as lost)."""
     from fleettui.bench.throttle import Throttle
-    from fleettui.control.balance import Balancer
     from fleettui.control.states import RebalanceProposal, Throttled
 
     events: list[object] = []
@@ -271,11 +279,7 @@ def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_ca
         controller = FleetController(make_fleet(shard_cache, 2), on_event=events.append)
         try:
             coordinator = await controller.start()
-            assert controller.recovery is not None and controller.recovery.rebalancer is not None
-            rebalancer = controller.recovery.rebalancer
-            rebalancer.balancer = Balancer(
-                rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
-            )
+            quick_rebalancer(controller)
             sessions = [await coordinator.open_session() for _ in PROMPTS]
             steps = 0
 
@@ -312,7 +316,6 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
     import time
 
     from fleettui.bench.throttle import Throttle
-    from fleettui.control.balance import Balancer
     from fleettui.control.states import RebalanceProposal
 
     events: list[object] = []
@@ -324,11 +327,7 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
         controller = FleetController(make_fleet(shard_cache, 2, rebalance="auto"), on_event=events.append)
         try:
             coordinator = await controller.start()
-            assert controller.recovery is not None and controller.recovery.rebalancer is not None
-            rebalancer = controller.recovery.rebalancer
-            rebalancer.balancer = Balancer(
-                rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
-            )
+            quick_rebalancer(controller)
             assert controller.deployment is not None
             before = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
 

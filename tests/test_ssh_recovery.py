@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from netns import SshHosts
+from netns import SshHosts, alive
 from test_recovery import (  # noqa: F401 - fixtures used by name
     PROMPTS,
     _print,
@@ -50,14 +50,6 @@ def remote_pid(fleet: Fleet, name: str) -> int:
     """The pid of the worker of `name` on its SSH host, from the pid file the deployment wrote there."""
     host = next(h for h in fleet.hosts if h.name == name)
     return int(json.loads(Path(run_file(host.workdir, host.name, host.base_port, ".pid")).read_text())["pid"])
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def workers_left(ssh_hosts: SshHosts) -> list[int]:

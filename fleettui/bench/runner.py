@@ -263,7 +263,7 @@ async def run_fleet_group(
                 f"skipped: device {', '.join(missing)} is not available here (devices: {', '.join(devices)})"
             )
         return rows, partner_runs
-    if first.stages > 1:
+    if first.stages > 1 and repeats > 1:  # the full profile; --quick (a smoke test) plans by byte counts
         await calibrate_hosts(variant, progress)
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
     # compile and worker start progress of the first use of these shards (commands.bench's reporter)
