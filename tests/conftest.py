@@ -67,6 +67,26 @@ def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 
 
 @pytest.fixture(scope="session")
+def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One compiled-shard cache for the whole test run, fresh each run (CI compiles every shard once);
+    FLEETTUI_TEST_CACHE reuses one while developing."""
+    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
+
+
+@pytest.fixture(scope="session")
+def recovery_reference(shard_cache: Path) -> list[list[int]]:
+    """The uninterrupted answers of the recovery tests (exact mode: every pipeline gives these tokens)."""
+    import asyncio
+
+    from faults import PROMPTS, make_fleet, run_with_fault
+
+    tokens, _, reports = asyncio.run(run_with_fault(make_fleet(shard_cache, 2), PROMPTS, None))
+    assert reports == []
+    return tokens
+
+
+@pytest.fixture(scope="session")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     """Two real sshd hosts (network namespaces when root), shared by the SSH test files: installed once."""
     reason = available()

@@ -39,12 +39,6 @@ def fleet_file(shard_cache: Path, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
-
-
 def fleettui(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fleettui", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT

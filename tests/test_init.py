@@ -200,12 +200,18 @@ def test_install_lists_the_openvino_devices(ssh_hosts: SshHosts, tmp_path: Path)
 
 @pytest.mark.ssh
 @pytest.mark.slow
-def test_from_init_to_an_answer_without_editing_the_file(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def test_from_init_to_an_answer_without_editing_the_file(
+    ssh_hosts: SshHosts, shard_cache: Path, tmp_path: Path
+) -> None:
     """The file init writes deploys as it is: a 1-host SSH fleet answers with the unsplit model's greedy text."""
     out = tmp_path / "fleet.toml"
-    cache = os.environ.get("FLEETTUI_TEST_CACHE") or str(tmp_path / "shards")
     written = init(
-        str(out), addresses(ssh_hosts)[1], "--install", "--shards", cache, *common(ssh_hosts, tmp_path)
+        str(out),
+        addresses(ssh_hosts)[1],
+        "--install",
+        "--shards",
+        str(shard_cache),
+        *common(ssh_hosts, tmp_path),
     )
     assert written.returncode == 0, written.stderr
     fleet = load_fleet(out)

@@ -42,11 +42,8 @@ async def _generate(fleet, runs: list[GenerationParams]) -> list:  # type: ignor
         await controller.stop()
 
 
-def test_penalties_are_exact_under_speculation_and_break_a_loop(tmp_path: Path) -> None:
-    import os
-
-    cache = Path(os.environ.get("FLEETTUI_TEST_CACHE") or tmp_path / "shards")
-    fleet = make_fleet(cache, 2, "self-int4", k=3, encryption="plaintext")
+def test_penalties_are_exact_under_speculation_and_break_a_loop(shard_cache: Path) -> None:
+    fleet = make_fleet(shard_cache, 2, "self-int4", k=3, encryption="plaintext")
     penalties = {"frequency_penalty": 0.3, "presence_penalty": 0.2, "repetition_penalty": 1.2}
     plain, penalized, speculative = asyncio.run(
         _generate(

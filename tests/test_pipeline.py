@@ -68,17 +68,6 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
 
 
 @pytest.fixture(scope="session")
-def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh cache per test run (CI compiles everything); FLEETTUI_TEST_CACHE reuses one while developing.
-
-    The compiler verifies every cached file's SHA-256 before reusing it, so a reused cache cannot make a
-    test pass that would fail on fresh shards.
-    """
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
-
-
-@pytest.fixture(scope="session")
 def reference(shard_cache: Path) -> list[list[int]]:
     """Greedy tokens of the unsplit model, one prompt at a time, no speculation."""
     tokens, info = asyncio.run(run_prompts(make_fleet(shard_cache, 1, "none"), PROMPTS, interleaved=False))

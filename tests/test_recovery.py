@@ -12,87 +12,20 @@ import contextlib
 import os
 import signal
 import socket
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
+from faults import PROMPTS, TOKENS, Fault, make_fleet, print_reports, run_with_fault
 
-from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, ResilienceSettings, load_fleet
 from fleettui.control import store
-from fleettui.control.controller import FleetController, with_overrides
-from fleettui.control.deployment import free_port_block
+from fleettui.control.controller import FleetController
 from fleettui.control.states import Lost, RecoveryReport, StageChanged
 from fleettui.runtime.coordinator import GenerationParams
 from fleettui.runtime.transport import LinkError
 
 pytestmark = pytest.mark.slow
-TOKENS = 48
-KILL_AFTER = 6  # tokens streamed (in the first session) before the fault
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three uses of a paperclip, briefly.",
-]
-
-
-def make_fleet(
-    cache: Path, stages: int, draft: str = "none", k: int | str = "auto", **resilience: float
-) -> Fleet:
-    base = load_fleet(DEFAULT_FLEET)
-    hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(stages))
-    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache))
-    fleet = with_overrides(fleet, exact=True, draft=draft)
-    fleet = replace(fleet, resilience=replace(ResilienceSettings(), **resilience))
-    return replace(fleet, speculation=replace(fleet.speculation, k=k))
-
-
-Fault = Callable[[FleetController], None]
-
-
-async def run_with_fault(
-    fleet: Fleet, prompts: list[str], fault: Fault | None, events: list[object] | None = None
-) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
-    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens.
-
-    At each recovery report the deployment record must name the live workers (so `fleettui stop` finds them).
-    """
-    events = events if events is not None else []
-
-    def on_event(event: object) -> None:
-        events.append(event)
-        if isinstance(event, RecoveryReport):
-            record = store.load(fleet)
-            launched = {e.placement.config.name: e.process.pid for e in controller.launched if e.process}
-            assert record is not None and record.pids() == launched
-            assert all(psutil.pid_exists(pid) for pid in record.pids().values())
-
-    controller = FleetController(fleet, on_event=on_event)
-    fired = asyncio.Event()
-    try:
-        coordinator = await controller.start()
-        sessions = [await coordinator.open_session() for _ in prompts]
-        streamed = 0
-
-        def on_tokens(tokens: list[int], _text: str) -> None:
-            nonlocal streamed
-            streamed += len(tokens)
-            if fault is not None and streamed >= KILL_AFTER and not fired.is_set():
-                fired.set()
-                fault(controller)
-
-        params = GenerationParams(max_tokens=TOKENS)
-        calls = [
-            coordinator.chat(session, prompt, params, on_tokens if index == 0 else None)
-            for index, (session, prompt) in enumerate(zip(sessions, prompts, strict=True))
-        ]
-        generations = await asyncio.gather(*calls)
-        assert fault is None or fired.is_set()
-        reports = list(controller.recovery.reports) if controller.recovery else []
-        return [list(g.token_ids) for g in generations], controller, reports
-    finally:
-        await controller.stop()
 
 
 def kill(names: str, sig: int = signal.SIGKILL) -> Fault:
@@ -112,28 +45,6 @@ def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
     return deployment is not None and "remote_worker" in command and f"/runs/{deployment.id}/" in command
 
 
-@pytest.fixture(scope="session")
-def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
-
-
-@pytest.fixture(scope="session")
-def reference(shard_cache: Path) -> list[list[int]]:
-    """The uninterrupted answers (exact mode: every pipeline gives these tokens)."""
-    tokens, _, reports = asyncio.run(run_with_fault(make_fleet(shard_cache, 2), PROMPTS, None))
-    assert reports == []
-    return tokens
-
-
-def _print(reports: list[RecoveryReport]) -> None:
-    for r in reports:
-        print(
-            f"recovery {r.action} {r.stages} {r.reasons}: detect {r.detect:.2f} s, relaunch {r.relaunch:.2f} s, "
-            f"replay {r.replay:.2f} s ({r.sessions} sessions, {r.replayed_tokens} tokens) {r.message}"
-        )
-
-
 @pytest.mark.parametrize(
     ("victim", "stages", "draft", "users"),
     [
@@ -144,13 +55,13 @@ def _print(reports: list[RecoveryReport]) -> None:
     ],
 )
 def test_kill_9_mid_answer_completes_exactly(
-    shard_cache: Path, reference: list[list[int]], victim: str, stages: int, draft: str, users: int
+    shard_cache: Path, recovery_reference: list[list[int]], victim: str, stages: int, draft: str, users: int
 ) -> None:
     events: list[object] = []
     fleet = make_fleet(shard_cache, stages, draft, 3 if draft != "none" else "auto")
     tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:users], kill(victim), events))
-    _print(reports)
-    assert tokens == reference[:users]
+    print_reports(reports)
+    assert tokens == recovery_reference[:users]
     victims = victim.split("+")
     assert {r.action for r in reports} == {"relaunch"}
     assert sorted(name for r in reports for name in r.stages) == sorted(victims)
@@ -162,7 +73,7 @@ def test_kill_9_mid_answer_completes_exactly(
 
 
 def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
-    shard_cache: Path, reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
     stopped: list[int] = []
 
@@ -178,8 +89,8 @@ def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
     finally:
         for pid in stopped:
             _wake(pid)
-    _print(reports)
-    assert tokens == reference[:2]
+    print_reports(reports)
+    assert tokens == recovery_reference[:2]
     assert len(reports) == 1 and "stopped" in reports[0].reasons[0]
     assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
 
@@ -190,7 +101,7 @@ def _wake(pid: int) -> None:
 
 
 def test_host_that_does_not_come_back_is_planned_around(
-    shard_cache: Path, reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
     """Stage 1 of 3 dies and its ports stay taken: after the grace period the model moves onto two hosts."""
     squatters: list[socket.socket] = []
@@ -212,8 +123,8 @@ def test_host_that_does_not_come_back_is_planned_around(
     finally:
         for squatter in squatters:
             squatter.close()
-    _print(reports)
-    assert tokens == reference
+    print_reports(reports)
+    assert tokens == recovery_reference
     assert [r.action for r in reports] == ["replan"]
     assert [h.name for h in controller.fleet.hosts] == ["stage-0", "stage-2"]
     assert controller.deployment is not None and len(controller.deployment.stages) == 2
@@ -267,56 +178,14 @@ def quick_rebalancer(controller: FleetController) -> None:
     rebalancer.balancer = Balancer(rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2)
 
 
-def test_a_slowed_stage_is_flagged_and_a_split_away_from_it_is_proposed(shard_cache: Path) -> None:
-    """Stage 1 is slowed about fivefold (SIGSTOP/SIGCONT duty cycle, never long enough to count as lost)."""
-    from fleettui.bench.throttle import Throttle
-    from fleettui.control.states import RebalanceProposal, Throttled
-
-    events: list[object] = []
-    throttles: list[Throttle] = []
-
-    async def scenario() -> None:
-        controller = FleetController(make_fleet(shard_cache, 2), on_event=events.append)
-        try:
-            coordinator = await controller.start()
-            quick_rebalancer(controller)
-            sessions = [await coordinator.open_session() for _ in PROMPTS]
-            steps = 0
-
-            def on_tokens(tokens: list[int], _text: str) -> None:
-                nonlocal steps
-                steps += 1
-                if steps == 16 and not throttles:  # the baseline window is measured: slow stage 1 down
-                    pid = controller.worker_pids()["stage-1"]
-                    throttles.append(Throttle(lambda: pid, 0.2, period=0.05).start())
-
-            params = GenerationParams(max_tokens=96, ignore_eos=True)
-            await asyncio.gather(
-                *(coordinator.chat(s, p, params, on_tokens) for s, p in zip(sessions, PROMPTS, strict=True))
-            )
-        finally:
-            for throttle in throttles:
-                throttle.stop()
-            await controller.stop()
-
-    asyncio.run(scenario())
-    throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
-    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
-    proposals = [e for e in events if isinstance(e, RebalanceProposal)]
-    assert proposals and not proposals[0].applied
-    (_, old_end), (new_end) = proposals[0].current[0], proposals[0].ranges[0][1]
-    assert new_end > old_end  # layers move away from the slowed last stage
-    assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
-
-
 def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_exact(
-    shard_cache: Path, reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
     """`rebalance = "auto"` end to end: slowed stage 1 -> proposal -> background compile -> switch -> exact."""
     import time
 
     from fleettui.bench.throttle import Throttle
-    from fleettui.control.states import RebalanceProposal
+    from fleettui.control.states import RebalanceProposal, Throttled
 
     events: list[object] = []
 
@@ -348,9 +217,9 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
                 deadline = time.monotonic() + 600
                 while not applied():  # answers keep flowing while the new split compiles and is switched to
                     assert time.monotonic() < deadline, "no split was applied within 10 minutes"
-                    assert await answer_all() == reference
+                    assert await answer_all() == recovery_reference
                     rounds += 1
-                assert await answer_all() == reference  # on the new split
+                assert await answer_all() == recovery_reference  # on the new split
             assert controller.deployment is not None
             after = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
             return before, after, rounds
@@ -359,14 +228,18 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
 
     before, after, rounds = asyncio.run(scenario())
     print(f"split {before} -> {after} after {rounds} rounds of answers")
-    assert after[0][1] > before[0][1]  # layers moved off the slowed last stage
+    throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
+    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
+    proposals = [e for e in events if isinstance(e, RebalanceProposal)]
+    assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[1].ranges
+    assert after == list(proposals[1].ranges) and after[0][1] > before[0][1]  # layers moved off stage 1
     reports = [e for e in events if isinstance(e, RecoveryReport)]
     assert [r.action for r in reports] == ["rebalance"]
     assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
 
 
 def test_switching_the_split_between_rounds_keeps_answers_exact(
-    shard_cache: Path, reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
     """What `rebalance = "auto"` does with a proposal: compile it while serving, switch between rounds, replay."""
     from fleettui.control.controller import compile_model
@@ -392,14 +265,14 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
         return tokens, reports, [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
 
     tokens, reports, running = asyncio.run(scenario())
-    _print(reports)
-    assert tokens == reference
+    print_reports(reports)
+    assert tokens == recovery_reference
     assert running == split
     assert [r.action for r in reports] == ["rebalance"]
 
 
 def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
-    shard_cache: Path, reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
     """A deployment launched by another controller: its lost worker comes back from the recorded config,
     the record names the new process, and a later stop ends it."""
@@ -433,8 +306,8 @@ def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
         return list(generation.token_ids), reports, recorded.pids()
 
     tokens, reports, pids = asyncio.run(scenario())
-    _print(reports)
-    assert tokens == reference[0]
+    print_reports(reports)
+    assert tokens == recovery_reference[0]
     assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
     assert pids["stage-1"] != killed[0]
     assert not any(

@@ -196,6 +196,38 @@ def test_balancer_flags_a_throttled_stage_and_proposes_after_patience() -> None:
     assert proposals[1][0] == [(0, 23), (23, 30)]
 
 
+@pytest.mark.parametrize("mode", ["propose", "auto"])
+def test_rebalancer_flags_then_proposes_and_applies_only_in_auto_mode(mode: str) -> None:
+    """`propose` reports a split and leaves the fleet alone; `auto` hands the same split to `apply`."""
+    from fleettui.control.rebalance import Rebalancer
+    from fleettui.control.states import RebalanceProposal, Throttled
+
+    events: list[object] = []
+    applied: list[list[tuple[int, int]]] = []
+
+    async def apply(ranges: list[tuple[int, int]]) -> None:
+        applied.append(ranges)
+
+    async def scenario() -> None:
+        rebalancer = Rebalancer(
+            [(0, 15), (15, 30)], ["pc-a", "pc-b"], mode, 1.5, 0.0, events.append, apply, 8, 2
+        )
+        for _ in range(8):
+            rebalancer.observe(_result([0.010, 0.010]), 0.0)
+        for _ in range(24):
+            rebalancer.observe(_result([0.010, 0.030]), 0.0)
+        if rebalancer.task is not None:
+            await rebalancer.task
+
+    asyncio.run(scenario())
+    throttled = [e for e in events if isinstance(e, Throttled)]
+    assert throttled and {e.name for e in throttled} == {"pc-b"} and throttled[-1].ratio == pytest.approx(3.0)
+    proposals = [e for e in events if isinstance(e, RebalanceProposal)]
+    assert proposals[0].current == ((0, 15), (15, 30)) and proposals[0].ranges == ((0, 23), (23, 30))
+    assert [p.applied for p in proposals] == ([False] if mode == "propose" else [False, True])
+    assert applied == ([] if mode == "propose" else [[(0, 23), (23, 30)]])
+
+
 # -- the [resilience] table ----------------------------------------------------------------------------
 def _fleet(tmp_path: Path, table: str) -> Path:
     path = tmp_path / "fleet.toml"

@@ -54,12 +54,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
-
-
 def make_fleet(cache: Path) -> Fleet:
     base = load_fleet(DEFAULT_FLEET)
     hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(2))

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
-from test_recovery import make_fleet
+from faults import make_fleet
 
 from fleettui.bench.soak import soak
 
 pytestmark = pytest.mark.slow
 
 
-def test_soak_loses_nothing_and_memory_stays_bounded(tmp_path: Path) -> None:
-    cache = Path(os.environ.get("FLEETTUI_TEST_CACHE") or tmp_path / "shards")
-    fleet = make_fleet(cache, 2, "self-int4", 3)
+def test_soak_loses_nothing_and_memory_stays_bounded(shard_cache: Path) -> None:
+    fleet = make_fleet(shard_cache, 2, "self-int4", 3)
     report = asyncio.run(soak(fleet, seconds=60.0, sessions=8, kill_every=15.0, max_tokens=32))
     print(report.summary())
     assert report.errors == [] and report.mismatches == []

@@ -6,7 +6,7 @@ then up again; every interleaved answer must complete and equal the uninterrupte
 token (exact settings), and the worker must have been relaunched over SSH.
 """
 # The namespace hosts share this machine's filesystem: the test reads their pid files directly.
-# ruff: noqa: ASYNC230, F811 (fixtures imported from test_recovery are used by name)
+# ruff: noqa: ASYNC230
 
 from __future__ import annotations
 
@@ -19,14 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from faults import PROMPTS, print_reports, run_with_fault
 from netns import SshHosts, alive
-from test_recovery import (  # noqa: F401 - fixtures used by name
-    PROMPTS,
-    _print,
-    reference,
-    run_with_fault,
-    shard_cache,
-)
 
 from fleettui.config.fleet import Fleet, ResilienceSettings, load_fleet
 from fleettui.control.controller import FleetController, with_overrides
@@ -65,7 +59,7 @@ def workers_left(ssh_hosts: SshHosts) -> list[int]:
 
 
 def test_kill_9_of_a_stage_on_an_ssh_host_completes_exactly(
-    ssh_hosts: SshHosts, shard_cache: Path, reference: list[list[int]], tmp_path: Path
+    ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
 ) -> None:
     """SIGKILL of host1's worker while three sessions stream: relaunched over SSH, replayed, answers equal."""
     fleet = ssh_fleet(ssh_hosts, shard_cache, tmp_path)
@@ -76,8 +70,8 @@ def test_kill_9_of_a_stage_on_an_ssh_host_completes_exactly(
         os.kill(victims[0], signal.SIGKILL)
 
     tokens, _controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS, kill_remote))
-    _print(reports)
-    assert tokens == reference
+    print_reports(reports)
+    assert tokens == recovery_reference
     assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("host1",)
     assert reports[0].detect <= 3.0 and reports[0].sessions == len(PROMPTS)
     assert not alive(victims[0])
@@ -85,7 +79,7 @@ def test_kill_9_of_a_stage_on_an_ssh_host_completes_exactly(
 
 
 def test_a_host_cut_off_then_back_completes_exactly(
-    ssh_hosts: SshHosts, shard_cache: Path, reference: list[list[int]], tmp_path: Path
+    ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
 ) -> None:
     """host0's link goes down for 6 s mid-answer (a laptop off the Wi-Fi): lost, relaunched when back, equal."""
     if ssh_hosts.mode != "netns":
@@ -108,8 +102,8 @@ def test_a_host_cut_off_then_back_completes_exactly(
         for timer in timers:
             timer.join()
         ssh_hosts.set_link(0, up=True)
-    _print(reports)
-    assert tokens == reference[:2]
+    print_reports(reports)
+    assert tokens == recovery_reference[:2]
     assert reports and all(r.action == "relaunch" for r in reports)
     assert reports[0].stages == ("host0",) and "host0" in reports[0].stages
     assert reports[0].relaunch >= LINK_DOWN_SECONDS - reports[0].detect - 1.0  # waited for the host
