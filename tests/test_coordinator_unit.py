@@ -15,6 +15,7 @@ import pytest
 
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
+from fleettui.runtime.policy import RoundFacts
 from fleettui.runtime.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
 from remote_worker import decoding, protocol
 
@@ -242,13 +243,15 @@ def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_
     for _ in range(40):
         for k in (0, 3):
             slow_draft.record_round(
-                k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k
+                RoundFacts(k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k)
             )
     assert slow_draft.choose() == 0
     slow_hops = KPolicy(None, max_k=8)
     for _ in range(40):
         for k in (0, 3, 6):
-            slow_hops.record_round(k, k, draft_seconds=0.004 * k, verify_seconds=0.200 + 0.003 * k)
+            slow_hops.record_round(
+                RoundFacts(k, k, draft_seconds=0.004 * k, verify_seconds=0.200 + 0.003 * k)
+            )
     assert slow_hops.choose() >= 6
 
 
@@ -259,9 +262,9 @@ def test_sampling_property() -> None:
 def test_policy_does_not_extrapolate_a_single_draft_measurement_as_free() -> None:
     """Measurements at K=3 only of a draft almost as slow as the target must not make K=8 look cheap."""
     policy = KPolicy(None, max_k=8)
-    policy.record_round(0, 0, draft_seconds=0.0, verify_seconds=0.015)
+    policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
     for _ in range(8):
-        policy.record_round(3, 3, draft_seconds=0.042, verify_seconds=0.015)
+        policy.record_round(RoundFacts(3, 3, draft_seconds=0.042, verify_seconds=0.015))
     assert policy.alpha > 0.85
     # draft(K) ~ 14 ms x K against a 15 ms verify: at most K = 1 breaks even (a flat draft cost would say K = 8)
     assert policy.choose() <= 1
@@ -280,8 +283,8 @@ async def test_prefill_rounds_do_not_teach_the_policy_decode_costs() -> None:
 def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
     policy = KPolicy(None, max_k=8, probe_every=4)
     for _ in range(10):
-        policy.record_round(0, 0, draft_seconds=0.0, verify_seconds=0.015)
-        policy.record_round(3, 1, draft_seconds=0.060, verify_seconds=0.018)
+        policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
+        policy.record_round(RoundFacts(3, 1, draft_seconds=0.060, verify_seconds=0.018))
     probes = [index for index in range(60) if policy.choose() > 0]
     gaps = [later - earlier for earlier, later in zip(probes, probes[1:], strict=False)]
     assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]

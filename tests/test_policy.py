@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleettui.runtime.policy import CostModel, KPolicy, choose_drafter, round_costs
+from fleettui.runtime.policy import CostModel, KPolicy, RoundFacts, choose_drafter, round_costs
 
 
 def _trace(*stages: tuple[float, float, float, float]) -> np.ndarray:
@@ -33,14 +33,16 @@ def _multi_user_rounds(policy: KPolicy, rounds: int = 40) -> None:
                 (0.0, queue, queue + compute, queue + compute), (0.1, 0.1, 0.1 + compute, 0.1 + compute)
             )
             own, busiest = round_costs(trace, wall)
-            policy.record_round(k, int(0.7 * k), 0.006 * k, wall, False, own, busiest, asked=k)
+            policy.record_round(RoundFacts(k, int(0.7 * k), 0.006 * k, wall, False, own, busiest, asked=k))
 
 
 def test_loaded_pipeline_is_costed_by_compute_not_by_queueing() -> None:
     wall_only = KPolicy(None, max_k=8)
     for _ in range(40):  # the old model: wall time only, where the queue makes verifying look free
         for k in (0, 3, 6):
-            wall_only.record_round(k, int(0.7 * k), 0.006 * k, 0.030 + 2 * (0.006 + 0.001 * k) + 0.002)
+            wall_only.record_round(
+                RoundFacts(k, int(0.7 * k), 0.006 * k, 0.030 + 2 * (0.006 + 0.001 * k) + 0.002)
+            )
     assert wall_only.choose(loaded=True) >= 3  # what the bench saw: K ~ 6 while losing
     policy = KPolicy(None, max_k=8)
     _multi_user_rounds(policy)
@@ -57,7 +59,7 @@ def test_alone_a_slow_link_still_pays_for_speculation() -> None:
             wall = 0.100 + 2 * compute  # 50 ms hops, nothing queued
             trace = _trace((0.0, 0.0, compute, compute), (0.05, 0.05, 0.05 + compute, 0.05 + compute))
             own, busiest = round_costs(trace, wall)
-            policy.record_round(k, k, 0.002 * k, wall, False, own, busiest, asked=k)
+            policy.record_round(RoundFacts(k, k, 0.002 * k, wall, False, own, busiest, asked=k))
     assert policy.choose(loaded=False) >= 6
 
 
@@ -69,8 +71,12 @@ def test_drafter_choice_is_per_measured_rate() -> None:
     )
     for _ in range(40):
         for k in (0, 2, 4):
-            model.record_round(k, k // 2, 0.012 * k, 0.015 + 0.001 * k, asked=k)  # slow draft, 50% accepted
-            lookup.record_round(k, k, 0.0, 0.015 + 0.001 * k, asked=k)  # free, accepted (repetitive text)
+            model.record_round(
+                RoundFacts(k, k // 2, 0.012 * k, 0.015 + 0.001 * k, asked=k)
+            )  # slow draft, 50% accepted
+            lookup.record_round(
+                RoundFacts(k, k, 0.0, 0.015 + 0.001 * k, asked=k)
+            )  # free, accepted (repetitive text)
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert name == "lookup" and k >= 4
     # lookup that never finds anything, a model draft that is slower than the target: no speculation
@@ -81,8 +87,8 @@ def test_drafter_choice_is_per_measured_rate() -> None:
     )
     for _ in range(40):
         for k in (0, 2, 4):
-            model.record_round(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k)
-            lookup.record_round(0, 0, 0.0, 0.015, asked=k)  # asked k, proposed nothing
+            model.record_round(RoundFacts(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k))
+            lookup.record_round(RoundFacts(0, 0, 0.0, 0.015, asked=k))  # asked k, proposed nothing
     assert lookup.hit_rate < 0.2
     choices = [
         choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False) for _ in range(20)
@@ -95,10 +101,10 @@ def test_a_new_drafter_is_explored_before_it_is_judged() -> None:
     costs = CostModel()
     model = KPolicy(None, 8, costs=costs, drafter="model")
     lookup = KPolicy(None, 8, costs=costs, drafter="lookup")
-    model.record_round(0, 0, 0.0, 0.015)
+    model.record_round(RoundFacts(0, 0, 0.0, 0.015))
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert (name, k) == ("model", 3)  # the draft's cost is unknown: measured once before it is judged
-    model.record_round(3, 0, 0.090, 0.018, asked=3)  # slow and useless
+    model.record_round(RoundFacts(3, 0, 0.090, 0.018, asked=3))  # slow and useless
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert name != "model"
 
@@ -112,7 +118,7 @@ def test_measured_tokens_per_second_overrule_a_model_that_says_speculation_pays(
             trace = _trace((0.0, 0.0, 0.010, 0.010))  # 10 ms compute whatever K
             own, busiest = round_costs(trace, 0.010)
             wall = 0.010 if k == 0 else 0.050  # measured: 4 tokens in 50 ms < 1 token in 10 ms
-            policy.record_round(k, k, 0.001 * k, wall, False, own, busiest, asked=k)
+            policy.record_round(RoundFacts(k, k, 0.001 * k, wall, False, own, busiest, asked=k))
     model_choice = max(range(9), key=lambda k: policy.expected_rate(k) or 0.0)
     assert model_choice > 0  # what the fitted costs alone would pick
     assert policy.costs.losing("draft", loaded=False)

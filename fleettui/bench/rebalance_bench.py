@@ -61,11 +61,6 @@ class RebalanceReport:
         return "\n".join(lines)
 
 
-def _ranges(controller: object) -> list[tuple[int, int]]:
-    deployment = controller.deployment  # type: ignore[attr-defined]
-    return [tuple(p.config.extra.get("layers", (0, 0))) for p in deployment.stages]
-
-
 async def rebalance_bench(
     fleet: Fleet,
     users: int = 2,
@@ -89,7 +84,8 @@ async def rebalance_bench(
         coordinator = await controller.start(attach=False, record=False)
         assert controller.recovery is not None and controller.recovery.rebalancer is not None
         rebalancer = controller.recovery.rebalancer
-        last = controller.deployment.stages[-1].config.name  # type: ignore[union-attr]
+        assert controller.deployment is not None
+        last = controller.deployment.stages[-1].config.name
 
         async def load() -> float:
             sessions = [await coordinator.open_session() for _ in range(users)]
@@ -104,7 +100,7 @@ async def rebalance_bench(
             return sum(len(a.token_ids) for a in answers) / (time.perf_counter() - started)
 
         await load()  # warm-up
-        report.split_before = _ranges(controller)
+        report.split_before = controller.deployment.ranges()
         report.rates["before"] = await load()
         say(f"before: {report.rates['before']:.1f} tok/s on {report.split_before}")
         with Throttle(lambda: controller.worker_pids().get(last), share):
@@ -124,7 +120,7 @@ async def rebalance_bench(
                     await asyncio.sleep(0.2)  # compiling in the background, then switching
             report.applied_after = time.monotonic() - started
             report.switch = next((e for e in reversed(events) if isinstance(e, RecoveryReport)), None)
-            report.split_after = _ranges(controller)
+            report.split_after = controller.deployment.ranges()
             rebalancer.mode = "off"
             await load()  # warm-up of the new split
             report.rates["rebalanced"] = await load()

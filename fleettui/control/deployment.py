@@ -100,6 +100,11 @@ class Deployment:
     def placements(self) -> tuple[Placement, ...]:
         return self.stages + ((self.draft,) if self.draft is not None else ())
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """The layer range [start, end) each stage runs, in pipeline order."""
+        spans = (p.config.extra.get("layers", (0, 0)) for p in self.stages)
+        return [(int(start), int(end)) for start, end in spans]
+
 
 def _precision(value: str, exact: bool) -> str | None:
     if exact:

@@ -82,9 +82,8 @@ class Recovery:
         for placement in controller.deployment.placements:
             self._watch(placement)
         stages = controller.deployment.stages
-        ranges = [tuple(p.config.extra.get("layers", (0, 0))) for p in stages]
         self.rebalancer = Rebalancer(
-            ranges,
+            controller.deployment.ranges(),
             [p.config.name for p in stages],
             self.settings.rebalance,
             self.settings.throttle_ratio,

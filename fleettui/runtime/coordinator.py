@@ -24,7 +24,7 @@ import numpy as np
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
-from fleettui.runtime.policy import KPolicy, choose_drafter, round_costs
+from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter, round_costs
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
@@ -332,10 +332,11 @@ class Coordinator:
             prefilled = len(feed.tokens) != k + 1
             catch_up = prefilled or draft.fed > self.max_k + 1
             own, compute = round_costs(result.trace, verify_seconds)
-            round_.policy.record_round(
+            facts = RoundFacts(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
                 round_.loaded, prefilled,
             )  # fmt: skip
+            round_.policy.record_round(facts)
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += result.accepted

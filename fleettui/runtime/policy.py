@@ -139,6 +139,23 @@ class CostModel:
         return self.latency.predict(size)
 
 
+@dataclass(frozen=True)
+class RoundFacts:
+    """What one round of K drafts cost and gained, as the coordinator measured it (ASKED drafts were
+    requested; a lookup may propose fewer)."""
+
+    k: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    catch_up: bool = False
+    own_seconds: float | None = None
+    compute_seconds: float | None = None
+    asked: int | None = None
+    loaded: bool = False
+    prefilled: bool = False
+
+
 class KPolicy:
     """Chooses K per round to maximise expected tokens per second, K = 0 when speculation does not pay.
 
@@ -182,27 +199,20 @@ class KPolicy:
     def hit_rate(self) -> float:
         return self._hits / self._asks
 
-    def record_round(
-        self,
-        k: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        catch_up: bool = False,
-        own_seconds: float | None = None,
-        compute_seconds: float | None = None,
-        asked: int | None = None,
-        loaded: bool = False,
-        prefilled: bool = False,
-    ) -> None:
-        """Learn from one round of K drafts (ASKED were requested; a lookup may propose fewer).
+    def record_round(self, facts: RoundFacts) -> None:
+        """Learn from one round of K drafts.
 
         `catch_up` rounds (the first after a new prompt, which also prefilled the target or the draft) still
         teach acceptance but not costs: counting a prefill as the cost of a plain decode step would make
         K = 0 look slow forever. The realized tokens per second skip only `prefilled` rounds (the target
-        took part of a new prompt): a draft's catch-up is the price of speculating now and then. `own_seconds` / `compute_seconds` come from the stages' trace
-        (`round_costs`); without them the wall time stands for both.
+        took part of a new prompt): a draft's catch-up is the price of speculating now and then.
+        `own_seconds` / `compute_seconds` come from the stages' trace (`round_costs`); without them the wall
+        time stands for both.
         """
+        k, accepted, asked, loaded = facts.k, facts.accepted, facts.asked, facts.loaded
+        draft_seconds, verify_seconds = facts.draft_seconds, facts.verify_seconds
+        own_seconds, compute_seconds = facts.own_seconds, facts.compute_seconds
+        catch_up, prefilled = facts.catch_up, facts.prefilled
         decay = 0.97
         if asked:
             self._asks = self._asks * decay + 1
