@@ -198,7 +198,7 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
             coordinator = await controller.start()
             quick_rebalancer(controller)
             assert controller.deployment is not None
-            before = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
+            before = controller.deployment.ranges()
 
             async def answer_all() -> list[list[int]]:
                 sessions = [await coordinator.open_session() for _ in PROMPTS]
@@ -221,7 +221,7 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
                     rounds += 1
                 assert await answer_all() == recovery_reference  # on the new split
             assert controller.deployment is not None
-            after = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]
+            after = controller.deployment.ranges()
             return before, after, rounds
         finally:
             await controller.stop()
@@ -256,13 +256,13 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
 
         def switch(controller: FleetController) -> None:
             assert controller.recovery is not None
-            current = [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+            current = controller.deployment.ranges()  # type: ignore[union-attr]
             assert current[0] != split[0]
             switching.append(asyncio.ensure_future(controller.recovery.switch_split(split, compiled)))
 
         tokens, controller, reports = await run_with_fault(fleet, PROMPTS, switch)
         await switching[0]
-        return tokens, reports, [tuple(p.config.extra["layers"]) for p in controller.deployment.stages]  # type: ignore[union-attr]
+        return tokens, reports, controller.deployment.ranges()  # type: ignore[union-attr]
 
     tokens, reports, running = asyncio.run(scenario())
     print_reports(reports)

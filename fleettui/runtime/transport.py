@@ -84,41 +84,64 @@ class ZmqLink:
         secure(self._pull, keys, tail_key)
         self._push.connect(head)
         self._pull.connect(tail)
+        # The hot path uses plain sockets over the same ZeroMQ sockets: a send that can go at once is made
+        # at once, and replies are read from the event loop's readiness callback (no future per message).
+        self._push_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._push.underlying)
+        self._pull_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._pull.underlying)
+        self._reply_fd = int(self._pull_now.getsockopt(zmq.FD))
+        self._again = zmq.Again
+        self._noblock = zmq.NOBLOCK
         self._timeout = timeout
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._reading: asyncio.AbstractEventLoop | None = None
         self._blocked: StageLost | None = None
         self.dropped = 0
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def _ensure_reader(self) -> None:
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read(), name="zmq-link-reader")
+    def _ensure_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read replies from the event loop's readiness callback of the PULL socket's descriptor."""
+        if self._reading is loop:
+            return
+        if self._reading is not None:  # an earlier loop (asyncio.run once more): watch from this one now
+            with contextlib.suppress(Exception):
+                self._reading.remove_reader(self._reply_fd)
+        loop.add_reader(self._reply_fd, self._drain)
+        self._reading = loop
+        loop.call_soon(self._drain)  # what arrived before the descriptor was watched
 
-    async def _read(self) -> None:
+    def _drain(self) -> None:
+        """Dispatch every reply waiting (the descriptor is edge-triggered: read until there is none)."""
         while True:
-            frames = await self._pull.recv_multipart(copy=False)
-            buffers = [frame.buffer for frame in frames]
-            self.bytes_received += sum(len(b) for b in buffers)
             try:
-                message = protocol.decode(buffers)
-            except protocol.ProtocolError as error:
-                self.dropped += 1
-                log.warning("dropped a malformed reply: %s", error)
-                continue
-            future = self._pending.pop(getattr(message, "seq", -1), None)
-            if future is None or future.done():
-                self.dropped += 1
-                log.warning(
-                    "dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?")
-                )
-                continue
-            if isinstance(message, protocol.Error):
-                future.set_exception(StageFailure(message.stage, message.message))
-            else:
-                future.set_result(message)
+                frames = self._pull_now.recv_multipart(self._noblock, copy=False)
+            except self._again:
+                return
+            except Exception as error:  # noqa: BLE001 - a closed socket: the link is being closed
+                log.debug("reply reader stopped: %s", error)
+                return
+            self._dispatch([frame.buffer for frame in frames])
+
+    def _dispatch(self, buffers: list[memoryview]) -> None:
+        self.bytes_received += sum(len(b) for b in buffers)
+        try:
+            message = protocol.decode(buffers)
+        except protocol.ProtocolError as error:
+            self.dropped += 1
+            log.warning("dropped a malformed reply: %s", error)
+            return
+        future = self._pending.pop(getattr(message, "seq", -1), None)
+        if future is None or future.done():
+            self.dropped += 1
+            log.warning(
+                "dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?")
+            )
+            return
+        if isinstance(message, protocol.Error):
+            future.set_exception(StageFailure(message.stage, message.message))
+        else:
+            future.set_result(message)
 
     def block(self, error: StageLost) -> None:
         """Fail every pending request with `error` now, and every new one until `unblock()` (fail fast)."""
@@ -133,30 +156,49 @@ class ZmqLink:
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
         if self._blocked is not None:
             raise StageLost(str(self._blocked))
-        self._ensure_reader()
+        loop = asyncio.get_running_loop()
+        self._ensure_reader(loop)
         seq = next(self._sequence) & 0xFFFFFFFF
         message = replace(message, seq=seq)  # type: ignore[type-var]
-        future: asyncio.Future[protocol.Message] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[protocol.Message] = loop.create_future()
         self._pending[seq] = future
         frames = protocol.encode(message)
         self.bytes_sent += sum(len(f) for f in frames)
+        limit = timeout or self._timeout
+        expiry = loop.call_later(limit, self._expire, future, limit, message)
         try:
-            # bounded too: a PUSH whose peer refused our CURVE key has no pipe and would block forever
-            await asyncio.wait_for(self._push.send_multipart(frames, copy=False), timeout or self._timeout)
-            return await asyncio.wait_for(future, timeout or self._timeout)
-        except asyncio.TimeoutError:
-            raise LinkError(
-                f"no answer from the pipeline within {timeout or self._timeout:.0f} s "
-                f"({type(message).__name__} seq {seq})"
-            ) from None
+            try:
+                self._push_now.send_multipart(frames, self._noblock, copy=False)
+            except self._again:  # no pipe yet or the queue is full: wait, bounded too (a PUSH whose peer
+                # refused our CURVE key has no pipe and would block forever)
+                sending = asyncio.ensure_future(self._push.send_multipart(frames, copy=False))
+                done, _ = await asyncio.wait((sending, future), timeout=limit, return_when="FIRST_COMPLETED")
+                if sending not in done:
+                    sending.cancel()
+                    if not future.done():
+                        self._expire(future, limit, message)
+                elif sending.exception() is not None:
+                    raise LinkError(f"could not send to the pipeline: {sending.exception()}") from None
+            return await future
         finally:
+            expiry.cancel()
             self._pending.pop(seq, None)
 
+    @staticmethod
+    def _expire(future: asyncio.Future[protocol.Message], limit: float, message: protocol.Message) -> None:
+        if not future.done():
+            future.set_exception(
+                LinkError(
+                    f"no answer from the pipeline within {limit:.0f} s "
+                    f"({type(message).__name__} seq {getattr(message, 'seq', '?')})"
+                )
+            )
+
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # closing: the reader's fate is moot
-                await self._reader
+        if self._reading is not None:
+            with contextlib.suppress(Exception):  # the loop may be closing already
+                self._reading.remove_reader(self._reply_fd)
+            self._reading = None
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(LinkError("link closed"))
