@@ -75,7 +75,9 @@ class Decode:
         return len(self.draft_tokens) + 1
 
 
-def raw_buffer(array: np.ndarray, dtype: type) -> memoryview:
+def raw_buffer(array: np.ndarray, dtype: type) -> memoryview | bytes:
+    if not array.size:  # most frames of a plain decode step are empty: no array views for those
+        return b""
     flat: Any = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8)
     return memoryview(flat)
 
@@ -110,6 +112,8 @@ def decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
 
 
 def array_of(frame: bytes | memoryview, dtype: type, count: int, what: str) -> np.ndarray:
+    if not count and not len(frame):
+        return np.zeros(0, dtype)
     size = np.dtype(dtype).itemsize * count
     if len(frame) != size:
         raise ProtocolError(f"{what}: {len(frame)} bytes, expected {size}")

@@ -212,7 +212,12 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
                         await coordinator.close_session(session)
                 return [list(a.token_ids) for a in answers]
 
-            rounds = 0
+            assert controller.recovery is not None and controller.recovery.rebalancer is not None
+            rebalancer = controller.recovery.rebalancer
+            rebalancer.mode = "off"  # a first round at full speed: each stage's baseline step time
+            assert await answer_all() == recovery_reference
+            rebalancer.mode = "auto"
+            rounds = 1
             with Throttle(lambda: controller.worker_pids().get("stage-1"), 0.25):
                 deadline = time.monotonic() + 600
                 while not applied():  # answers keep flowing while the new split compiles and is switched to

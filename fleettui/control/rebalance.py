@@ -20,6 +20,7 @@ from remote_worker import protocol
 from remote_worker.replies import TelemetrySample
 
 log = logging.getLogger(__name__)
+THROTTLE_CHECK_EVERY = 4  # results between two throttle verdicts (and proposal checks)
 
 
 def head_layers(model: str) -> float:
@@ -73,6 +74,7 @@ class Rebalancer:
         self.patience = patience
         self.names = list(names)
         self.flagged: dict[int, str] = {}
+        self.observed = 0
         self.proposals: list[RebalanceProposal] = []
         self.task: asyncio.Task[None] | None = None
         self.balancer = Balancer(ranges, head, ratio_limit, window, patience)
@@ -90,6 +92,9 @@ class Rebalancer:
 
     def observe(self, result: protocol.Result, received: float) -> None:
         self.balancer.observe(result, received)
+        self.observed += 1
+        if self.observed % THROTTLE_CHECK_EVERY:
+            return  # (medians of the windows every few results: this runs on every token's path)
         flagged = self.balancer.throttled()
         for index, (ratio, reason) in flagged.items():
             if self.flagged.get(index) != reason and index < len(self.names):

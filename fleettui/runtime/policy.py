@@ -65,11 +65,14 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     own = wall - time queued at the stages (started - received, summed); compute = max(finished - started).
     Without a trace both are the wall time.
     """
-    records = np.asarray(trace, np.float64).reshape(-1, TRACE_FIELDS)
-    if not len(records):
+    values = trace.tolist()  # a few stages: plain floats are far cheaper than numpy on tiny arrays
+    if not values:
         return wall_seconds, wall_seconds
-    queued = float(np.clip(records[:, 2] - records[:, 1], 0.0, None).sum())
-    compute = float(np.clip(records[:, 3] - records[:, 2], 0.0, None).max())
+    queued = compute = 0.0
+    for start in range(0, len(values), TRACE_FIELDS):
+        _stage, received, started, finished, _sent = values[start : start + TRACE_FIELDS]
+        queued += max(started - received, 0.0)
+        compute = max(compute, finished - started)
     return max(wall_seconds - queued, compute), compute
 
 
