@@ -67,11 +67,12 @@ def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 
 
 @pytest.fixture(scope="session")
-def shard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One compiled-shard cache for the whole test run, fresh each run (CI compiles every shard once);
+def shard_cache() -> Path:
+    """One compiled-shard cache root for the whole test run: the run's fresh user cache folder, which fleets
+    that name no `shards` (fleets/local.toml, the bench) use too, so each shard is compiled once per run;
     FLEETTUI_TEST_CACHE reuses one while developing."""
     reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("shard-cache")
+    return Path(reuse) if reuse else Path(os.environ["XDG_CACHE_HOME"]) / "fleettui"
 
 
 @pytest.fixture(scope="session")
