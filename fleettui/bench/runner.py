@@ -190,16 +190,18 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-async def calibrate_hosts(fleet: Fleet, progress: Any) -> None:
-    """Measure the per-layer and head costs of the fleet's local hosts (cached per settings) before it is
-    planned, so its split comes from measured costs (as `fleettui plan --profile`), not from byte counts."""
+async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> None:
+    """Measure the per-layer and head costs of the fleet's local hosts before it is planned, so its split
+    comes from measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per
+    bench run and host settings (`measured`): a profile cached hours ago under other load can misplace a
+    layer (on this VM the head's cost against a layer's moved by 30 % between two quiet hours)."""
     from fleettui.errors import PlanError
     from fleettui.planning.planner import plan_fleet
     from fleettui.planning.profiles import calibrate
 
     try:
         layers = plan_fleet(fleet).shape.num_layers
-        await asyncio.to_thread(calibrate, fleet, layers, None, progress)
+        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured)
     except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
         progress(f"calibration skipped: {error}")
 
@@ -240,6 +242,7 @@ async def run_fleet_group(
     repeats: int = 1,
     partners: list[RowSpec] | None = None,
     baseline_runner: BaselineRunner = None,
+    calibrated: set[Path] | None = None,
 ) -> tuple[list[Row], dict[str, list[Row]]]:
     """Start one fleet for rows sharing model/stages/pinning/delay and measure them in interleaved rounds.
 
@@ -264,7 +267,7 @@ async def run_fleet_group(
             )
         return rows, partner_runs
     if first.stages > 1 and repeats > 1:  # the full profile; --quick (a smoke test) plans by byte counts
-        await calibrate_hosts(variant, progress)
+        await calibrate_hosts(variant, progress, calibrated if calibrated is not None else set())
     hops = HopDelay(first.hop_delay_ms) if first.hop_delay_ms > 0 else None
     # compile and worker start progress of the first use of these shards (commands.bench's reporter)
     controller = FleetController(variant, on_event=getattr(progress, "reporter", None))
@@ -386,6 +389,7 @@ async def run_bench(
 
     machine = await asyncio.to_thread(machine_info)
     results: dict[RowSpec, Row] = {}
+    calibrated: set[Path] = set()  # cost profiles measured in this run
     singles: dict[str, tuple[Path, list[int]]] = {}
 
     async def single(model: str) -> tuple[Path, list[int]]:
@@ -433,8 +437,9 @@ async def run_bench(
     for members in groups.values():
         partners = [by_name[name] for name in sorted({m.versus for m in members} & set(by_name))]
         rows, partner_runs = await run_fleet_group(
-            fleet, members, tokens, machine["openvino_devices"], progress, repeats, partners, baseline_once
-        )
+            fleet, members, tokens, machine["openvino_devices"], progress, repeats, partners, baseline_once,
+            calibrated,
+        )  # fmt: skip
         results.update(zip(members, rows, strict=True))
         for name, runs in partner_runs.items():
             measured[name].extend(runs)

@@ -127,8 +127,13 @@ def calibrate(
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
     force: bool = False,
+    measured: set[Path] | None = None,
 ) -> dict[str, MeasuredCosts]:
-    """Measured costs of every local host (calibrated once per distinct settings, then cached)."""
+    """Measured costs of every local host (calibrated once per distinct settings, then cached).
+
+    `force` measures again instead of using the cache, once per distinct settings; profiles named in
+    `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
+    """
     say = progress or (lambda text: None)
     if num_layers < 4:
         raise PlanError(
@@ -136,8 +141,10 @@ def calibrate(
         )
     found: dict[str, MeasuredCosts] = {}
     shard_dir: Path | None = None
+    done = measured if measured is not None else set()
     for host in fleet.hosts:
-        cached = None if force else load_costs(fleet, host, root)
+        path = profile_path(fleet, host, root)
+        cached = None if force and path not in done else load_costs(fleet, host, root)
         if cached is not None:
             found[host.name] = cached
             continue
@@ -150,7 +157,6 @@ def calibrate(
         say(f"{host.name}: timing the three calibration stages")
         stages = time_stages(fleet, host, shard_dir)
         costs = fit_costs(timings(stages))
-        path = profile_path(fleet, host, root)
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "settings": _material(fleet, host),
@@ -159,6 +165,7 @@ def calibrate(
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        done.add(path)  # a second host with the same settings uses this measurement
         found[host.name] = costs
     return found
 
