@@ -188,7 +188,7 @@ class ZmqLink:
         if not future.done():
             future.set_exception(
                 LinkError(
-                    f"no answer from the pipeline within {limit:.0f} s "
+                    f"no answer from the pipeline within {limit:g} s "
                     f"({type(message).__name__} seq {getattr(message, 'seq', '?')})"
                 )
             )
