@@ -87,6 +87,43 @@ class LosingPipeline(FakePipeline):
         return self._serve(message)
 
 
+class CloseLostPipeline(FakePipeline):
+    """The first CLOSE finds a stage lost (its relaunch is a new epoch); the survivors keep the session."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coordinator: Coordinator | None = None
+        self.controls: list[tuple[str, int]] = []
+        self.lose_close = True
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        if isinstance(message, protocol.Control):
+            self.controls.append((message.kind.name, message.session))
+            if message.kind == protocol.Kind.CLOSE and self.lose_close:
+                self.lose_close = False
+                assert self.coordinator is not None
+                self.coordinator.target_epoch += 1
+                raise StageLost("stage-0 lost: test")
+        return await super().request(message, timeout)
+
+
+def test_a_close_lost_with_a_stage_reaches_the_surviving_stages_before_the_rebuild() -> None:
+    """Otherwise the survivors keep the closed session and count it against max_sessions for ever."""
+
+    async def scenario() -> tuple[list[tuple[str, int]], int, int, set[int]]:
+        pipeline = CloseLostPipeline()
+        coordinator = Coordinator(pipeline, None, None)  # type: ignore[arg-type]
+        pipeline.coordinator = coordinator
+        gone, kept = await coordinator.open_session(), await coordinator.open_session()
+        await coordinator.close_session(gone)
+        assert coordinator.unclosed == {gone.id} and gone.id in pipeline.slots
+        await coordinator.generate(kept, PROMPTS[0][:20], GenerationParams(max_tokens=2))
+        return pipeline.controls, gone.id, kept.id, coordinator.unclosed
+
+    controls, gone, kept, unclosed = asyncio.run(scenario())
+    assert controls[-2:] == [("CLOSE", gone), ("OPEN", kept)] and unclosed == set()
+
+
 class PositionalDrafter:
     """Greedy drafts corrupted at fixed positions: a retried round is proposed exactly the same draft."""
 

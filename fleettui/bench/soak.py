@@ -143,6 +143,7 @@ async def soak(
                         await coordinator.close_session(session)
                 except Exception as error:  # counted: the soak's verdict is that nothing is lost
                     report.errors.append(f"user {index}: {type(error).__name__}: {error}")
+                    await asyncio.sleep(0.5)  # as a client would: a failing fleet is not asked again at once
                     continue
                 report.answers += 1
                 report.tokens += len(generation.token_ids)

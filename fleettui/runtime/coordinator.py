@@ -194,6 +194,9 @@ class Coordinator:
         self.draft_epoch = 0
         self.fatal: str | None = None
         self.replayed_tokens = 0
+        # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that survived still
+        # hold them (and count them against max_sessions), so they are closed before the next rebuild.
+        self.unclosed: set[int] = set()
 
     async def hello(self, timeout: float = 30.0) -> int:
         """End-to-end handshake through every stage; returns the number of stages that answered."""
@@ -209,13 +212,16 @@ class Coordinator:
             await self._guarded(session, _nothing)  # opening is the rebuild of an empty history
         except BaseException:
             self.sessions.pop(session.id, None)
+            self.unclosed.add(session.id)  # the OPEN may have reached some stages
             raise
         return session
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        with contextlib.suppress(StageLost):  # a relaunched stage never knew it; the others were reset
+        try:
             await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+        except StageLost:  # a relaunched stage never knew it; the surviving ones are told before the rebuild
+            self.unclosed.add(session.id)
         if self.drafter is not None:
             with contextlib.suppress(StageLost):
                 await self.drafter.close(session.id)
@@ -249,6 +255,7 @@ class Coordinator:
         """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
         target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
         if session.target_epoch != target_epoch:
+            await self._close_unclosed()
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
             prefix = session.history[:-1]  # the last token is fed by the next round, as in a normal run
@@ -261,6 +268,12 @@ class Coordinator:
             if self.drafter is not None:
                 await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
             session.draft_epoch = draft_epoch
+
+    async def _close_unclosed(self) -> None:
+        """Close, on every stage, the sessions whose CLOSE was lost with a stage (a no-op where unknown)."""
+        for session_id in sorted(self.unclosed):
+            await self.target.request(protocol.Control(protocol.Kind.CLOSE, session_id, 0))
+            self.unclosed.discard(session_id)
 
     async def rebuild_all(self) -> int:
         """Rebuild every open session now (the recovery's replay); returns the tokens replayed."""
