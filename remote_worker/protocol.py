@@ -440,6 +440,13 @@ def _reply(
     raise ProtocolError(f"header: kind {kind.name} is not a message")  # pragma: no cover
 
 
+def trace_records(trace: np.ndarray) -> list[list[float]]:
+    """The trace as one [stage, received, started, finished, sent] list per stage (plain floats: a few
+    stages are read on every token's path, where numpy on tiny arrays costs more than it saves)."""
+    values = trace.tolist()
+    return [values[start : start + TRACE_FIELDS] for start in range(0, len(values), TRACE_FIELDS)]
+
+
 def append_trace(
     trace: np.ndarray, stage: int, received: float, started: float, finished: float, sent: float
 ) -> np.ndarray:

@@ -150,11 +150,9 @@ def _observe_hops(
     deployment: Deployment, hops: dict[str, float], result: protocol.Result, received: float
 ) -> None:
     """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in ms."""
-    values = result.trace.tolist()
-    fields = protocol.TRACE_FIELDS
-    if len(values) != fields * len(deployment.stages):
+    records = protocol.trace_records(result.trace)
+    if len(records) != len(deployment.stages):
         return
-    records = [values[start : start + fields] for start in range(0, len(values), fields)]
     arrivals = [record[1] for record in records[1:]] + [received]
     for (stage, _received, _started, _finished, sent), arrival in zip(records, arrivals, strict=True):
         name = deployment.stages[int(stage)].config.name

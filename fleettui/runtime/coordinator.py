@@ -271,9 +271,13 @@ class Coordinator:
 
     async def _close_unclosed(self) -> None:
         """Close, on every stage, the sessions whose CLOSE was lost with a stage (a no-op where unknown)."""
-        for session_id in sorted(self.unclosed):
-            await self.target.request(protocol.Control(protocol.Kind.CLOSE, session_id, 0))
-            self.unclosed.discard(session_id)
+        while self.unclosed:  # taken out before the send: sessions rebuilding at once send each CLOSE once
+            session_id = self.unclosed.pop()
+            try:
+                await self.target.request(protocol.Control(protocol.Kind.CLOSE, session_id, 0))
+            except BaseException:
+                self.unclosed.add(session_id)
+                raise
 
     async def rebuild_all(self) -> int:
         """Rebuild every open session now (the recovery's replay); returns the tokens replayed."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from remote_worker.protocol import TRACE_FIELDS
+from remote_worker.protocol import trace_records
 
 
 @dataclass
@@ -65,12 +65,11 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     own = wall - time queued at the stages (started - received, summed); compute = max(finished - started).
     Without a trace both are the wall time.
     """
-    values = trace.tolist()  # a few stages: plain floats are far cheaper than numpy on tiny arrays
-    if not values:
+    records = trace_records(trace)
+    if not records:
         return wall_seconds, wall_seconds
     queued = compute = 0.0
-    for start in range(0, len(values), TRACE_FIELDS):
-        _stage, received, started, finished, _sent = values[start : start + TRACE_FIELDS]
+    for _stage, received, started, finished, _sent in records:
         queued += max(started - received, 0.0)
         compute = max(compute, finished - started)
     return max(wall_seconds - queued, compute), compute
