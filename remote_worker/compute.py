@@ -17,7 +17,8 @@ import zmq
 
 from remote_worker import protocol
 from remote_worker.config import StageConfig
-from remote_worker.decoding import propose_distribution, sample, score
+from remote_worker.decoding import propose_distribution, run_next, run_step, sample, score
+from remote_worker.intake import Inbox, RunStep, RunStops
 from remote_worker.telemetry import StageStats
 
 logger = logging.getLogger("remote_worker.server")
@@ -44,6 +45,9 @@ class StageCompute:
     engine: Any
     stats: StageStats
     output: zmq.Socket | None
+    inbox: Inbox
+    run_stops: RunStops
+    loop: zmq.Socket | None
 
     def _send(self, message: protocol.Message, block: bool = True) -> None:
         """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it."""
@@ -57,12 +61,13 @@ class StageCompute:
                     "could not send %s downstream (%d unsent)", type(message).__name__, self.stats.unsent
                 )
 
-    def _serve(self, received: float, message: protocol.Message) -> None:
+    def _serve(self, received: float, message: protocol.Message, run: RunStep | None = None) -> None:
+        """Serve one message; `run`: it is a step of a run still going on (its next step follows it)."""
         started = time.time()
         kind = type(message).__name__
         try:
             if isinstance(message, protocol.Step):
-                self._step(received, started, message)
+                self._step(received, started, message, run)
             elif isinstance(message, protocol.Control):
                 self._control(message)
             elif isinstance(message, protocol.Hello):
@@ -84,15 +89,19 @@ class StageCompute:
         finally:
             self.stats.busy_seconds += time.time() - started
 
-    def _trace(self, trace: np.ndarray, received: float, started: float) -> np.ndarray:
-        finished = time.time()
+    def _trace(
+        self, trace: np.ndarray, received: float, started: float, finished: float | None = None
+    ) -> np.ndarray:
+        finished = time.time() if finished is None else finished
         return protocol.append_trace(trace, self.config.stage_index, received, started, finished, time.time())
 
-    def _step(self, received: float, started: float, step: protocol.Step) -> None:
+    def _step(self, received: float, started: float, step: protocol.Step, run: RunStep | None) -> None:
         data = step.tokens if step.tokens is not None else step.hidden
         assert data is not None
         clock = time.perf_counter()
         decode = step.decode if step.decode is not None else _GREEDY
+        if step.run > 1:
+            decode = run_step(decode)
         keep = decode.n_score if self.engine.is_last else 0
         if decode.n_score > step.n:
             raise ValueError(f"decode scores {decode.n_score} positions, the step has {step.n}")
@@ -119,11 +128,15 @@ class StageCompute:
                     hidden=hidden,
                     decode=step.decode,
                     trace=self._trace(step.trace, received, started),
+                    run=step.run,
                 )
             )
             return
         tokens, accepted, top_ids, top_logprobs = score(output, decode)
         self.stats.record_step(step.n, time.perf_counter() - clock)
+        finished = time.time()  # a run's next step leaves right after: traced as sent from here on
+        if step.run > 1 and (run is not None or self.loop is not None):  # before the Result goes:
+            self._continue(step, int(tokens[-1]))  # the token is known, the next step may start
         self._send(
             protocol.Result(
                 step.session,
@@ -132,9 +145,34 @@ class StageCompute:
                 accepted,
                 top_ids,
                 top_logprobs,
-                self._trace(step.trace, received, started),
+                self._trace(step.trace, received, started, finished),
             )
         )
+
+    def _continue(self, step: protocol.Step, token: int) -> None:
+        """A run's next step, `token` fed right after this one: queued behind whatever else is waiting (one
+        stage) or sent back to stage 0 (the last of several; stage 0 drops it if the run was ended)."""
+        assert step.decode is not None  # the protocol refuses a run without a decode
+        following = protocol.Step(
+            step.session,
+            step.seq,
+            step.pos0 + step.n,
+            step.cache_len + step.n,
+            _NO_RANGES,
+            tokens=np.array([token], np.int64),
+            decode=run_next(step.decode, token),
+            run=step.run - 1,
+            looped=self.loop is not None,
+        )
+        if self.loop is None:
+            self.inbox.resume(time.time(), RunStep(following))
+            return
+        try:  # never wait: a stage 0 that is gone is the recovery's business (the coordinator sees the loss)
+            self.loop.send_multipart(protocol.encode(following), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.unsent += 1
+            if rarely(self.stats.unsent):
+                logger.warning("session %d: a run's next step could not go back to stage 0", step.session)
 
     def _check_finite(self, session: int, output: np.ndarray) -> None:
         """NaN/Inf out of the model: an Error naming stage and session, never a token; the cache is distrusted."""
@@ -159,6 +197,8 @@ class StageCompute:
             self.engine.close(session)
         elif control.kind == protocol.Kind.RESET:
             self.engine.reset(session)
+        elif control.kind == protocol.Kind.CANCEL:
+            pass  # its admission at stage 0 ended the session's run (RunStops); its Ack follows the last Result
         elif control.kind == protocol.Kind.COMPACT:
             clock = time.perf_counter()
             value = self.engine.compact(session, control.cache_len)

@@ -37,15 +37,17 @@ class CurveKeys:
     """CurveZMQ material for one worker (Z85 text keys).
 
     The worker's sockets are CURVE servers with `secret_key`; only clients whose public key is listed in
-    `allowed_clients` (the deployment's coordinator and, for a middle/last stage, its upstream stage) pass
-    the ZAP handshake. Its outgoing link to the next stage is a CURVE client with the same key pair and
-    `next_server_key`.
+    `allowed_clients` (the deployment's coordinator and, for a middle/last stage, its upstream stage; for
+    stage 0 of a longer chain, the last stage too) pass the ZAP handshake. Its outgoing link to the next
+    stage is a CURVE client with the same key pair and `next_server_key`; the last stage's link back to stage
+    0 (`loop`) one with `loop_server_key`.
     """
 
     public_key: str
     secret_key: str
     allowed_clients: tuple[str, ...]
     next_server_key: str | None = None
+    loop_server_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class StageConfig:
     role: str = "stage"
     bind_address: str = "127.0.0.1"
     next: Endpoint | None = None  # the downstream stage; None for the last stage and the draft
+    loop: Endpoint | None = None  # the last stage of several: stage 0's data socket (a run's tokens go back)
     device: str = "CPU"
     threads: int = 0  # 0 = plugin default
     inference_precision: str | None = None  # None = device default (reported)
@@ -92,8 +95,12 @@ class StageConfig:
             port = getattr(self, name)
             if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
                 raise ConfigError(f"{name}: {port!r} is not a TCP port")
-        if self.next is not None and (not isinstance(self.next.port, int) or not 0 < self.next.port < 65536):
-            raise ConfigError(f"next.port: {self.next.port!r} is not a TCP port")
+        for name in ("next", "loop"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and (not isinstance(endpoint.port, int) or not 0 < endpoint.port < 65536):
+                raise ConfigError(f"{name}.port: {endpoint.port!r} is not a TCP port")
+        if self.loop is not None and self.next is not None:
+            raise ConfigError("loop: only the last stage sends a run's tokens back to stage 0")
         if self.next is None and self.result_port is None:
             raise ConfigError("result_port: required when there is no next stage (last stage or draft)")
         if not isinstance(self.max_sessions, int) or self.max_sessions < 1:
@@ -122,8 +129,9 @@ class StageConfig:
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown key")
         try:
-            if data.get("next") is not None:
-                data["next"] = Endpoint(**data["next"])
+            for name in ("next", "loop"):
+                if data.get(name) is not None:
+                    data[name] = Endpoint(**data[name])
             if data.get("curve") is not None:
                 curve = dict(data["curve"])
                 curve["allowed_clients"] = tuple(curve.get("allowed_clients", ()))

@@ -37,7 +37,8 @@ class Decode:
     The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft token
     j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule against the
     draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
-    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed.
+    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed (a
+    run's Step holds 2 per token of the run, in order).
     temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
     position of the untempered distribution.
 
@@ -120,8 +121,11 @@ def array_of(frame: bytes | memoryview, dtype: type, count: int, what: str) -> n
     return np.frombuffer(frame, dtype=dtype, count=count)
 
 
-def parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0) -> Decode | None:
-    """A Step's decode (`max_tokens` bounds the drafts) or, with `proposals` > 0, a Propose's (k uniforms)."""
+def parse_decode(
+    frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0, run: int = 0
+) -> Decode | None:
+    """A Step's decode (`max_tokens` bounds the drafts; a `run` of R tokens draws 2 uniforms for each) or,
+    with `proposals` > 0, a Propose's (k uniforms)."""
     spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
@@ -148,7 +152,7 @@ def parse_decode(frames: Sequence[bytes | memoryview], max_tokens: int, proposal
         raise ProtocolError(f"decode: top_p {top_p} out of range")
     if k > min(MAX_DRAFT, max_tokens) or support > MAX_SUPPORT or top_logprobs > MAX_TOP:
         raise ProtocolError(f"decode: draft {k} / support {support} / top {top_logprobs} too large")
-    allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1))
+    allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1) * max(run, 1))
     if n_uniforms not in allowed_uniforms:
         raise ProtocolError(
             f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}"

@@ -13,6 +13,8 @@ so its q is a point mass on the drafted token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from remote_worker.protocol import Decode
@@ -126,6 +128,28 @@ def penalize(logits: np.ndarray, decode: Decode) -> np.ndarray:
             reply = np.flatnonzero(counts)
             values[reply] -= counts[reply] * decode.frequency_penalty + decode.presence_penalty
     return penalized
+
+
+def run_step(decode: Decode) -> Decode:
+    """The Decode of a run's current token: its own two uniforms of the run's 2 per token (greedy: none)."""
+    return decode if len(decode.uniforms) <= 2 else replace(decode, uniforms=decode.uniforms[:2])
+
+
+def run_next(decode: Decode, token: int) -> Decode:
+    """The Decode of a run's next token once `token` was emitted: the uniforms after this token's two, and
+    `token` counted in the penalties' context and reply, as the coordinator would have sent them."""
+    uniforms = decode.uniforms[2:] if len(decode.uniforms) else decode.uniforms
+    if not decode.penalized:
+        return replace(decode, uniforms=uniforms)
+    ids, counts = decode.penalty_ids, decode.penalty_counts
+    index = int(np.searchsorted(ids, token))
+    if index < len(ids) and int(ids[index]) == token:
+        counts = counts.copy()
+        counts[index] += 1
+    else:
+        ids = np.insert(ids, index, token)
+        counts = np.insert(counts, index, 1).astype(np.int32)
+    return replace(decode, uniforms=uniforms, penalty_ids=ids, penalty_counts=counts)
 
 
 def _uniforms(decode: Decode, count: int) -> np.ndarray:

@@ -27,13 +27,45 @@ class Refusal:
     error: protocol.Error
 
 
+@dataclass(frozen=True)
+class RunStep:
+    """A step of a one-stage pipeline's run in the inbox: the first (from the coordinator) or a next one
+    (queued by the compute thread itself, behind what arrived meanwhile)."""
+
+    step: protocol.Step
+    first: bool = False
+
+
+class RunStops:
+    """The run each session is in at stage 0, by the seq of its first step (the I/O thread records it as it
+    admits that step). Any control message of the session admitted later ends the run: its next step is
+    dropped wherever it is (queued here, or on its way back from the last stage), so the control's answer
+    follows the run's last Result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[int, int] = {}
+
+    def started(self, session: int, seq: int) -> None:
+        with self._lock:
+            self._runs[session] = seq
+
+    def stopped(self, session: int) -> None:
+        with self._lock:
+            self._runs.pop(session, None)
+
+    def current(self, session: int, seq: int) -> bool:
+        with self._lock:
+            return self._runs.get(session) == seq
+
+
 class Inbox:
     """FIFO of received messages bounded in bytes and in count; refusals jump the queue (they are tiny)."""
 
     def __init__(self, max_bytes: int, max_messages: int = 4096) -> None:
         self.max_bytes = max_bytes
         self.max_messages = max_messages
-        self._items: deque[tuple[float, protocol.Message, int]] = deque()
+        self._items: deque[tuple[float, protocol.Message | RunStep, int]] = deque()
         self._refusals: deque[Refusal] = deque()  # served first, in their own order
         self._bytes = 0
         self._condition = threading.Condition()
@@ -45,7 +77,7 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._items) + len(self._refusals)
 
-    def put(self, received: float, message: protocol.Message, size: int) -> bool:
+    def put(self, received: float, message: protocol.Message | RunStep, size: int) -> bool:
         """Queue a message; False (and nothing queued) when it would exceed the byte or count budget."""
         with self._condition:
             if self._bytes + size > self.max_bytes or len(self._items) >= self.max_messages:
@@ -54,6 +86,12 @@ class Inbox:
             self._bytes += size
             self._condition.notify()
             return True
+
+    def resume(self, received: float, run: RunStep) -> None:
+        """Queue a run's next step at the back, beyond the budgets: it replaces the step just served."""
+        with self._condition:
+            self._items.append((received, run, 0))
+            self._condition.notify()
 
     def refuse(self, error: protocol.Error) -> bool:
         """Queue an Error reply ahead of the waiting work; False when too many are already pending."""
@@ -64,7 +102,7 @@ class Inbox:
             self._condition.notify()
             return True
 
-    def get(self, timeout: float) -> tuple[float, protocol.Message | Refusal] | None:
+    def get(self, timeout: float) -> tuple[float, protocol.Message | RunStep | Refusal] | None:
         """The next item, or None after `timeout` seconds (or a `wake()`)."""
         with self._condition:
             if not self._items and not self._refusals:

@@ -6,13 +6,20 @@ dtype, range and count before anything is used and raises `ProtocolError` on the
 receiver can count the frame as dropped and carry on.
 
 Message flow (daisy chain): coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator.
-Control messages (Hello, Open, Close, Reset, Compact) travel the same chain so they stay ordered with
+Control messages (Hello, Open, Close, Reset, Compact, Cancel) travel the same chain so they stay ordered with
 the steps of their session; the last stage answers them with an Ack. A stage that cannot serve a message
 sends an Error down the chain instead, so the coordinator never waits forever.
 
 Attention-mask deltas: every stage keeps, per session, a mask over its physical KV slots. A Step carries
 only the physical slot ranges to mask from now on (`mask_ranges`, half-open) plus the logical position of
 its first token, never the full mask.
+
+Runs: a Step with `run` = R > 1 asks the pipeline to generate R tokens by itself, feeding each token the
+last stage scores back in as the next step, without waiting for the coordinator: a one-stage pipeline queues
+it behind its own work, the last stage of a longer one sends it to stage 0 (`looped`, over its `loop` link).
+Every token comes back as its own Result, all with the run's seq, in order. The run ends after R tokens, or
+earlier when any control message of its session (Cancel, which does nothing else) reaches stage 0: stage 0
+then drops the run's next step, so the Ack of that message follows the run's last Result.
 """
 
 from __future__ import annotations
@@ -43,16 +50,20 @@ from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is
 )
 
 MAGIC = b"FLTW"
-VERSION = 2  # 2: Decode carries penalties (three floats, unique context ids and their counts)
+VERSION = (
+    3  # 2: Decode carries penalties (three floats, unique context ids and their counts); 3: runs, Cancel
+)
 MAX_TOKENS_PER_STEP = 1 << 16
 MAX_MASK_RANGES = 1 << 14
 MAX_TRACE = 256
 MAX_TEXT = 4096
+MAX_RUN = 1 << 16  # tokens one Step may ask a one-stage pipeline to generate on its own
 
 # magic, version, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
 HEADER = struct.Struct("<4sHBBIIIIIIII")
 
 FLAG_F16 = 1  # hidden payload is float16 (else float32)
+FLAG_LOOPED = 2  # a run's next step, sent back to stage 0 by the last stage of a longer chain
 
 
 class Kind(IntEnum):
@@ -62,6 +73,7 @@ class Kind(IntEnum):
     RESET = 4
     COMPACT = 5
     STEP = 6
+    CANCEL = 8
     PROPOSE = 7
     ACK = 16
     RESULT = 17
@@ -91,7 +103,7 @@ class Hello:
 
 @dataclass(frozen=True)
 class Control:
-    """Open, Close, Reset or Compact a session on every stage of the chain."""
+    """Open, Close, Reset, Compact or Cancel (end its run) a session on every stage of the chain."""
 
     kind: Kind
     session: int
@@ -118,6 +130,8 @@ class Step:
     hidden: np.ndarray | None = None
     decode: Decode | None = None
     trace: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    run: int = 0  # > 1: the pipeline generates this many tokens on its own (see the module doc)
+    looped: bool = False  # a run's next step, sent back to stage 0 by the last stage
 
     @property
     def n(self) -> int:
@@ -216,7 +230,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
             raise ProtocolError("a step carries either tokens or hidden states")
         ranges = raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64)
         if message.tokens is not None:
-            flags, width, data = 0, 0, raw_buffer(message.tokens, np.int64)
+            flags, width, data = FLAG_LOOPED if message.looped else 0, 0, raw_buffer(message.tokens, np.int64)
         else:
             hidden = message.hidden
             assert hidden is not None
@@ -233,6 +247,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
             message.n,
             width,
             len(message.mask_ranges),
+            message.run,
         )
         return [header, ranges, data, *decode_frames(message.decode), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Propose):
@@ -337,7 +352,8 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     return _reply(kind, body, session, seq, n, count_a, count_b)
 
 
-_REQUESTS = frozenset({Kind.HELLO, Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT, Kind.STEP, Kind.PROPOSE})
+_CONTROLS = frozenset({Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT, Kind.CANCEL})
+_REQUESTS = _CONTROLS | {Kind.HELLO, Kind.STEP, Kind.PROPOSE}
 
 
 def _expect(kind: Kind, body: Sequence[bytes | memoryview], count: int) -> None:
@@ -364,7 +380,7 @@ def _request(
     if kind == Kind.HELLO:
         expect(1)
         return Hello(seq, _trace(body[0]))
-    if kind in (Kind.OPEN, Kind.CLOSE, Kind.RESET, Kind.COMPACT):
+    if kind in _CONTROLS:
         expect(0)
         return Control(kind, session, seq, cache_len)
     if kind == Kind.STEP:
@@ -383,9 +399,18 @@ def _request(
             dtype = np.float16 if flags & FLAG_F16 else np.float32
             hidden = array_of(body[1], dtype, n * width, "hidden").reshape(n, width)
             tokens = None
-        step_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1)
+        if count_b > MAX_RUN:
+            raise ProtocolError(f"step: a run of {count_b} tokens (at most {MAX_RUN})")
+        step_decode = parse_decode(body[2 : 2 + DECODE_FRAMES], n - 1, run=count_b)
+        if count_b > 1 and (step_decode is None or len(step_decode.draft_tokens)):
+            raise ProtocolError("step: a run needs a decode without drafts")
         trace = _trace(body[2 + DECODE_FRAMES])
-        return Step(session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace)
+        looped = bool(flags & FLAG_LOOPED)
+        if looped and (tokens is None or n != 1 or count_b < 1):
+            raise ProtocolError("step: a looped step carries one token of a run")
+        return Step(
+            session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace, count_b, looped
+        )
     if kind == Kind.PROPOSE:
         expect(2 + DECODE_FRAMES)
         k, support = count_b & 0xFFFF, count_b >> 16

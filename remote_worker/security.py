@@ -75,6 +75,7 @@ class LinkSecurity:
             raise ConfigError("curve.allowed_clients: at least one client key is required")
         allowed = {_key(client, "allowed_clients") for client in curve.allowed_clients}
         self._next = _key(curve.next_server_key, "next_server_key") if curve.next_server_key else None
+        self._loop = _key(curve.loop_server_key, "loop_server_key") if curve.loop_server_key else None
         from zmq.auth.thread import ThreadAuthenticator
 
         self._allow = _AllowList(allowed)
@@ -101,15 +102,18 @@ class LinkSecurity:
         socket.curve_publickey = self._public
         socket.curve_server = True
 
-    def client(self, socket: zmq.Socket) -> None:
-        """Make the outgoing link a CURVE client of the next stage (no-op in plaintext)."""
+    def client(self, socket: zmq.Socket, loop: bool = False) -> None:
+        """Make the outgoing link a CURVE client of the next stage, or with `loop` of stage 0 (no-op in
+        plaintext)."""
         if self.curve is None:
             return
-        if self._next is None:
-            raise ConfigError("curve.next_server_key: required when the worker sends to a next stage")
+        server = self._loop if loop else self._next
+        if server is None:
+            name = "loop_server_key" if loop else "next_server_key"
+            raise ConfigError(f"curve.{name}: required when the worker sends to that stage")
         socket.curve_secretkey = self._secret
         socket.curve_publickey = self._public
-        socket.curve_serverkey = self._next
+        socket.curve_serverkey = server
 
     def stop(self) -> None:
         if self._authenticator is not None:

@@ -33,7 +33,15 @@ from zmq.utils.monitor import recv_monitor_message
 from remote_worker import protocol
 from remote_worker.compute import SEND_TIMEOUT_MS, StageCompute, one_line, rarely
 from remote_worker.config import StageConfig
-from remote_worker.intake import ControlRequestError, Inbox, Refusal, lease_seconds, parse_control
+from remote_worker.intake import (
+    ControlRequestError,
+    Inbox,
+    Refusal,
+    RunStep,
+    RunStops,
+    lease_seconds,
+    parse_control,
+)
 from remote_worker.security import PLAINTEXT_WARNING, LinkSecurity
 from remote_worker.telemetry import StageStats, encode_sample, rss_megabytes
 
@@ -63,6 +71,7 @@ class StageServer(StageCompute):
         self.security = LinkSecurity(self.context, config.curve)
         self.stats = StageStats(config.name, config.stage_index, config.role)
         self.inbox = Inbox(config.max_queue_bytes, MAX_QUEUE)
+        self.run_stops = RunStops()
         self.running = False
         self._stop_requested = False
         self.state = "starting"
@@ -78,6 +87,7 @@ class StageServer(StageCompute):
         self.output: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.telemetry: zmq.Socket | None = None
+        self.loop: zmq.Socket | None = None
 
     # --------------------------------------------------------------------------------------- sockets
     def _socket(self, kind: int, name: str, max_message: int) -> zmq.Socket:
@@ -117,6 +127,10 @@ class StageServer(StageCompute):
             self.security.server(self.output)
             self.output.bind(self._url(config.result_port))
         self.output.sndtimeo = SEND_TIMEOUT_MS
+        if config.loop is not None:  # the last stage of several: a run's next step goes back to stage 0
+            self.loop = self._socket(zmq.PUSH, "", SMALL_MAX_MESSAGE)
+            self.security.client(self.loop, loop=True)
+            self.loop.connect(config.loop.url())
         self.state = "ready"
 
     def urls(self) -> dict[str, str]:
@@ -165,9 +179,16 @@ class StageServer(StageCompute):
                 if isinstance(message, Refusal):
                     self._send(message.error, block=False)
                     continue
+                run: RunStep | None = None
+                if isinstance(message, RunStep):
+                    step = message.step
+                    run = message if self.run_stops.current(step.session, step.seq) else None
+                    if run is None and not message.first:
+                        continue  # a control message of its session ended the run (see protocol)
+                    message = step  # a first step is answered, as one step if its run already ended
                 self._busy_since = time.monotonic()
                 try:
-                    self._serve(received, message)
+                    self._serve(received, message, run)
                 finally:
                     self._busy_since = None
         finally:
@@ -239,7 +260,18 @@ class StageServer(StageCompute):
             self._refuse(session, seq, problem)
             return
         size = sum(len(frame) for frame in frames)
-        if not self.inbox.put(received, message, size):
+        queued: protocol.Message | RunStep = message
+        if isinstance(message, protocol.Control):
+            self.run_stops.stopped(session)  # before it is queued: the compute thread may serve it at once
+        elif isinstance(message, protocol.Step) and message.run > 1 and self.engine.is_first:
+            if message.looped and not self.run_stops.current(session, seq):
+                self.stats.run_ends += 1  # the next step of a run that was ended: expected, not counted
+                return
+            if not message.looped:
+                self.run_stops.started(session, seq)
+                if self.engine.is_last:
+                    queued = RunStep(message, first=True)
+        if not self.inbox.put(received, queued, size):
             self.stats.overflow += 1
             if rarely(self.stats.overflow):
                 logger.warning("overloaded #%d: refused %d bytes", self.stats.overflow, size)
@@ -256,6 +288,8 @@ class StageServer(StageCompute):
         if not isinstance(message, protocol.Step):
             return ""
         here = f"stage {self.config.stage_index}"
+        if message.run > 1 and self.engine.is_last and not self.engine.is_first and self.config.loop is None:
+            return f"{here}: a run of {message.run} tokens needs the last stage's loop to stage 0"
         if self.engine.is_first:
             return (
                 ""

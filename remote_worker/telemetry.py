@@ -61,6 +61,7 @@ class StageStats:
     refused: int = 0  # peers whose handshake failed (CURVE, ZAP, not ZeroMQ at all)
     control_errors: int = 0  # control requests answered with an error
     unsent: int = 0  # messages that could not be sent downstream
+    run_ends: int = 0  # next steps of ended runs dropped at stage 0 (expected after every Cancel)
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
     handled: Counter = field(default_factory=Counter)  # message kinds served
@@ -126,6 +127,7 @@ class StageStats:
             "refused": self.refused,
             "control_errors": self.control_errors,
             "unsent": self.unsent,
+            "run_ends": self.run_ends,
             "busy_seconds": round(self.busy_seconds, 3),
             "last_step_ms": round(self.last_step_ms, 3),
             "handled": {kind: count for kind, count in sorted(self.handled.items())},

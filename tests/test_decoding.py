@@ -295,3 +295,26 @@ def test_sampling_uses_penalized_distribution() -> None:
     assert tokens.tolist() == [1]
     plain, _, _, _ = score(logits, Decode(temperature=1.0, uniforms=np.array([0.5, 0.5])))
     assert plain.tolist() == [0]
+
+
+def test_a_runs_next_decode_is_what_the_coordinator_would_send() -> None:
+    """Each token of a run uses its own two uniforms, and the penalties count the tokens emitted so far
+    exactly as the coordinator's Decode of the next round would (context ids and reply counts)."""
+    from fleettui.runtime.generation import GenerationParams, penalties
+    from remote_worker.decoding import run_next, run_step
+
+    params = GenerationParams(frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.3)
+    prompt, reply = [5, 9, 9, 2], [9, 11]
+    uniforms = np.random.default_rng(3).random(8)
+    decode = Decode(0.8, uniforms=uniforms, **penalties(params, prompt + reply, reply))
+    assert run_step(decode).uniforms.tolist() == uniforms[:2].tolist()
+    for token in (11, 3, 3):
+        decode = run_next(decode, token)
+        reply.append(token)
+        expected = penalties(params, prompt + reply, reply)
+        assert decode.penalty_ids.tolist() == expected["penalty_ids"].tolist()
+        assert decode.penalty_counts.tolist() == expected["penalty_counts"].tolist()
+        assert decode.penalty_counts.dtype == np.int32
+    assert decode.uniforms.tolist() == uniforms[6:].tolist()
+    greedy = run_next(Decode(), 4)
+    assert greedy.uniforms.size == 0 and not greedy.penalized

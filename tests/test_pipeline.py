@@ -69,15 +69,22 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
 
 @pytest.fixture(scope="session")
 def reference(shard_cache: Path) -> list[list[int]]:
-    """Greedy tokens of the unsplit model, one prompt at a time, no speculation."""
-    tokens, info = asyncio.run(run_prompts(make_fleet(shard_cache, 1, "none"), PROMPTS, interleaved=False))
-    assert "Paris" in info["texts"][0]
-    return tokens
+    """Greedy tokens of the unsplit model in this process (no fleet, no worker, no coordinator)."""
+    from shards import ChainRunner, chat_ids
+
+    from shard_compiler.compiler import compile_shards
+
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    runner = ChainRunner(unsplit, exact=True)
+    return [runner.greedy(chat_ids(unsplit, prompt), TOKENS, stop_at_eos=True) for prompt in PROMPTS]
 
 
 @pytest.mark.parametrize(
     ("stages", "draft", "k", "users"),
     [
+        (1, "none", "auto", 1),  # one stage: the worker generates in runs (its tokens fed back by itself)
+        (1, "none", "auto", 3),
+        (1, "prompt-lookup", "auto", 2),  # runs between speculative rounds
         (2, "none", "auto", 3),
         (3, "none", "auto", 1),
         (3, "self-int4", 3, 3),

@@ -360,3 +360,34 @@ def test_decode_penalties_round_trip_and_out_of_range_is_a_request_error() -> No
     with pytest.raises(protocol.ProtocolError) as dropped:
         protocol.decode([b"garbage"])
     assert not isinstance(dropped.value, protocol.RequestError)
+
+
+def test_a_run_and_a_cancel_round_trip_and_a_bad_run_is_a_request_error() -> None:
+    """A run's Step carries its length and 2 uniforms per token; a run with drafts, the uniforms of another
+    length or a length beyond MAX_RUN is refused (answered, not dropped)."""
+    no_ranges = np.zeros((0, 2), np.int64)
+    run = Step(3, 4, 10, 12, no_ranges, tokens=np.array([1, 2, 3], np.int64), decode=Decode(0.7, uniforms=RNG.random(8)), run=4)  # fmt: skip
+    _same(_roundtrip(run), run)
+    cancel = Control(Kind.CANCEL, 3, 5)
+    _same(_roundtrip(cancel), cancel)
+    drafts = Decode(draft_tokens=np.array([7], np.int64))
+    bad = {
+        "drafts": Step(3, 6, 0, 0, no_ranges, tokens=np.array([1, 2], np.int64), decode=drafts, run=4),
+        "uniforms": Step(
+            3,
+            6,
+            0,
+            0,
+            no_ranges,
+            tokens=np.array([1], np.int64),
+            decode=Decode(0.7, uniforms=RNG.random(6)),
+            run=4,
+        ),  # fmt: skip
+        "no decode": Step(3, 6, 0, 0, no_ranges, tokens=np.array([1], np.int64), run=4),
+    }
+    frames = {name: _wire(encode(step)) for name, step in bad.items()}
+    frames["too long"] = _header(_wire(encode(run)), count_b=protocol.MAX_RUN + 1)
+    for name, wire in frames.items():
+        with pytest.raises(protocol.RequestError) as caught:
+            decode(wire)
+        assert (caught.value.session, caught.value.kind) == (3, Kind.STEP), name

@@ -49,6 +49,7 @@ def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
     ("victim", "stages", "draft", "users"),
     [
         ("stage-0", 2, "none", 1),
+        ("stage-0", 1, "none", 2),  # one stage: killed in the middle of runs
         ("stage-1", 2, "none", 3),
         ("draft", 2, "self-int4", 3),
         ("stage-1+draft", 2, "self-int4", 3),

@@ -73,3 +73,22 @@ def test_a_dead_attached_process_frees_the_fleet_without_making_it_stale(tmp_pat
     assert store.staleness(held, load_fleet(path)) is None and store.busy_owner(held) is None
     parent = store.held_by(deployed, os.getppid())
     assert store.busy_owner(parent) == ProcessId.of(os.getppid())
+
+
+def test_the_last_stage_loops_back_to_stage_0_and_stage_0_lets_it_in(tmp_path: Path) -> None:
+    """A run's tokens go from the last stage straight back to stage 0: its data endpoint and CURVE key."""
+    from remote_worker.config import StageConfig
+
+    fleet = load_fleet(a_fleet(tmp_path))
+    deployment = build_deployment(fleet, [(0, 15), (15, 30)], lambda host: "/shards")
+    first, last = deployment.stages[0].config, deployment.stages[-1].config
+    assert last.loop is not None and last.loop.port == first.data_port and first.loop is None
+    assert first.curve is not None and last.curve is not None
+    assert last.curve.public_key in first.curve.allowed_clients
+    assert last.curve.loop_server_key == first.curve.public_key
+    assert StageConfig.from_json(last.to_json()) == last  # the loop survives the worker's config file
+    single = tmp_path / "single.toml"
+    single.write_text('[[hosts]]\nname = "a"\nbase_port = 7100\n')
+    alone = build_deployment(load_fleet(single), [(0, 30)], lambda host: "/shards")
+    config = alone.stages[0].config  # one stage feeds its tokens back itself
+    assert config.loop is None and config.curve is not None and config.curve.loop_server_key is None

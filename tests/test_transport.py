@@ -210,3 +210,66 @@ def test_one_link_serves_a_second_event_loop(stage: Callable[..., ScriptedStage]
     second = asyncio.run(link.request(_step(2)))
     asyncio.run(link.close())
     assert [int(first.tokens[0]), int(second.tokens[0])] == [1, 2]  # type: ignore[attr-defined]
+
+
+def _run_step(session: int, run: int) -> protocol.Step:
+    greedy = protocol.Decode()
+    return protocol.Step(
+        session, 0, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([5], np.int64), decode=greedy, run=run
+    )
+
+
+def test_a_run_streams_its_results_in_order_and_late_ones_are_dropped_quietly(
+    stage: Callable[..., ScriptedStage],
+) -> None:
+    """A run of 4 answered with 4 Results of its seq plus one more (as a stage past a Cancel would)."""
+    fake = stage(lambda steps: [_result(steps[0], token) for token in range(10, 15 if steps[0].run else 11)])
+
+    async def scenario() -> tuple[list[int], bool, int]:
+        link = ZmqLink(fake.head, fake.tail, timeout=10)
+        try:
+            stream = await link.stream(_run_step(1, 4))
+            tokens = [int((await stream.next())[0].tokens[0]) for _ in range(4)]
+            reply = await link.request(_step(2))  # the fifth Result of the run arrives before this answer
+            tokens.append(int(reply.tokens[0]))  # type: ignore[attr-defined]
+        finally:
+            await link.close()
+        return tokens, stream.done, link.dropped
+
+    assert asyncio.run(scenario()) == ([10, 11, 12, 13, 10], True, 0)
+
+
+def test_a_run_that_errors_or_is_blocked_fails_its_stream_after_what_arrived(
+    stage: Callable[..., ScriptedStage],
+) -> None:
+    def script(steps: list[protocol.Step]) -> list[list[bytes | memoryview]]:
+        step = steps[0]
+        if step.session == 1:  # two tokens, then the stage fails
+            return [
+                _result(step, 1),
+                _result(step, 2),
+                protocol.encode(protocol.Error(1, step.seq, 0, "boom")),
+            ]
+        return [_result(step, 3)]  # session 2: one token of a run of 5, then silence
+
+    fake = stage(script)
+
+    async def scenario() -> None:
+        link = ZmqLink(fake.head, fake.tail, timeout=10)
+        try:
+            failing = await link.stream(_run_step(1, 5))
+            assert [int((await failing.next())[0].tokens[0]) for _ in range(2)] == [1, 2]
+            with pytest.raises(StageFailure, match="stage 0: boom"):
+                await failing.next()
+            assert failing.failure is not None and not failing.done
+            silent = await link.stream(_run_step(2, 5))
+            assert int((await silent.next())[0].tokens[0]) == 3
+            link.block(StageLost("stage-0 lost"))
+            with pytest.raises(StageLost, match="stage-0 lost"):
+                await silent.next()
+            with pytest.raises(StageLost):
+                await link.stream(_run_step(3, 5))
+        finally:
+            await link.close()
+
+    asyncio.run(scenario())

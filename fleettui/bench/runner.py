@@ -99,8 +99,35 @@ class TraceRecorder:
             self.trips.append(Trip(sent, time.time(), reply.trace.copy()))
         return reply
 
+    async def stream(self, step: Any) -> Any:
+        """A run's stream whose Results are recorded as they are read (each since the one before)."""
+        return _RecordedStream(await self.inner.stream(step), self.trips)
+
     async def close(self) -> None:
         await self.inner.close()
+
+
+class _RecordedStream:
+    """A run's ReplyStream that records a Trip per Result read: sent = when the run was sent, then when the
+    last stage finished the previous token (its next step left for stage 0 right then)."""
+
+    def __init__(self, inner: Any, trips: list[Trip]) -> None:
+        self.inner = inner
+        self.trips = trips
+        self.last = float(inner.sent_at)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def next(self) -> Any:
+        result, arrived = await self.inner.next()
+        from remote_worker import protocol
+
+        records = protocol.trace_records(result.trace)
+        if records:
+            self.trips.append(Trip(self.last, arrived, result.trace.copy()))
+            self.last = records[-1][3]
+        return result, arrived
 
 
 def _precision_from(properties: list[dict[str, Any]], weights: str, runtime: Any) -> dict[str, str]:

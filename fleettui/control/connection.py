@@ -58,6 +58,7 @@ class Connection:
         if isinstance(previous, ZmqLink):
             await previous.close()
         self.coordinator.target_epoch += 1
+        self.coordinator.max_run = run_limit(deployment)
         self.deployment = deployment  # hop times and telemetry follow the new stage list
         self.hops_ms.clear()
         await self.feed.retarget(_telemetry_urls(deployment))
@@ -101,6 +102,7 @@ async def connect(
         manifest.synthetic
     ):  # seeded random weights, no tokenizer: generate() works, chat() refuses in one line
         coordinator.no_chat_reason = SYNTHETIC_REFUSAL.format(model=manifest.model_name)
+    coordinator.max_run = run_limit(deployment)
     k = fleet.speculation.k
     if isinstance(k, int):
         coordinator.policy.fixed_k = k if drafter is not None else 0
@@ -124,6 +126,12 @@ async def connect(
     )
     feed.start()
     return connection
+
+
+def run_limit(deployment: Deployment) -> int:
+    """Tokens the chain may generate on its own per run: a one-stage chain feeds its tokens back itself, the
+    last stage of a longer one over its loop to stage 0."""
+    return protocol.MAX_RUN if len(deployment.stages) == 1 or deployment.stages[-1].config.loop else 0
 
 
 def _telemetry_urls(deployment: Deployment) -> list[tuple[str, str | None]]:

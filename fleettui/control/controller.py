@@ -271,6 +271,10 @@ class FleetController:
                 replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
                 for p in deployment.stages
             )
+            stages = tuple(
+                replace(p, config=replace(p.config, loop=endpoint_map(p.config.loop))) if p.config.loop else p
+                for p in stages
+            )
             deployment = replace(deployment, stages=stages)
         self.deployment = deployment
         local = [p for p in deployment.placements if p.host.is_local]

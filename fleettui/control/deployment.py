@@ -112,6 +112,13 @@ def _precision(value: str, exact: bool) -> str | None:
     return None if value == "auto" else value
 
 
+def _data_endpoint(sender: Host, receiver: Host) -> Endpoint:
+    """Where `sender`'s worker reaches `receiver`'s data socket."""
+    return Endpoint(
+        LOCALHOST if receiver.is_local and sender.is_local else receiver.address, receiver.data_port
+    )
+
+
 def build_deployment(
     fleet: Fleet,
     ranges: list[tuple[int, int]],
@@ -140,13 +147,16 @@ def build_deployment(
             assert coordinator is not None
             public, secret = stage_keys[index]  # type: ignore[misc]
             allowed = [coordinator[0]] + ([stage_keys[index - 1][0]] if index else [])  # type: ignore[index]
+            if index == 0 and count > 1:  # the last stage sends a run's tokens back to stage 0
+                allowed.append(stage_keys[-1][0])  # type: ignore[index]
             next_key = stage_keys[index + 1][0] if not last else None  # type: ignore[index]
-            curve = CurveKeys(public, secret, tuple(allowed), next_key)
-        next_endpoint = None
+            loop_key = stage_keys[0][0] if last and count > 1 else None  # type: ignore[index]
+            curve = CurveKeys(public, secret, tuple(allowed), next_key, loop_key)
+        next_endpoint = loop = None
         if following is not None:
-            next_endpoint = Endpoint(
-                LOCALHOST if following.is_local and host.is_local else following.address, following.data_port
-            )
+            next_endpoint = _data_endpoint(host, following)
+        elif count > 1:
+            loop = _data_endpoint(host, fleet.hosts[0])
         config = StageConfig(
             name=host.name,
             shard_dir=shard_dir(host),
@@ -158,6 +168,7 @@ def build_deployment(
             role="stage",
             bind_address=LOCALHOST if host.is_local else "0.0.0.0",
             next=next_endpoint,
+            loop=loop,
             device=host.device,
             threads=host.threads,
             inference_precision=_precision(runtime.inference_precision, runtime.exact),

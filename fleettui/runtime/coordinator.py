@@ -16,125 +16,38 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
+from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
+    NO_UNIFORMS,
+    Generation,
+    GenerationParams,
+    GenerationStats,
+    Round,
+    TokenCallback,
+    penalties,
+)
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter, round_costs
-from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
+from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, Run, RunRounds
+from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128
-NO_UNIFORMS = np.zeros(0)  # greedy rounds draw nothing: one shared empty array, not one per round
-NO_UNIFORMS.flags.writeable = False
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    spec_k: int | None = None  # None = adaptive; 0 = no speculation
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # benchmarks: count exactly max_tokens
-    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
-    presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
-    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k)
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    ttft: float = 0.0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    compactions: int = 0
-    k_values: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def mean_k(self) -> float:
-        return float(np.mean(self.k_values)) if self.k_values else 0.0
-
-
-@dataclass(frozen=True)
-class Generation:
-    token_ids: tuple[int, ...]
-    text: str
-    stats: GenerationStats
-
-
-TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
 _T = TypeVar("_T")
 
 
 async def _nothing() -> None:
     return None
-
-
-@dataclass(frozen=True)
-class _Round:
-    k: int
-    draft: Draft
-    feed: Feed
-    result: protocol.Result
-    draft_seconds: float
-    verify_seconds: float
-    asked: int  # the K asked of the drafter (it may propose fewer)
-    policy: KPolicy  # whose costs and acceptance this round updates
-    loaded: bool  # other sessions were generating when it started
-
-
-def _penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
-    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
-
-    The last stage adds the verify window's draft tokens itself, position by position (exact under
-    speculation). Without penalties nothing extra travels.
-    """
-    if not params.penalized:
-        return {}
-    ids = np.unique(np.asarray(history, np.int64))
-    counts = np.zeros(len(ids), np.int32)
-    if generated:
-        reply_ids, reply_counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
-        counts[np.searchsorted(ids, reply_ids)] = reply_counts
-    return {
-        "frequency_penalty": params.frequency_penalty,
-        "presence_penalty": params.presence_penalty,
-        "repetition_penalty": params.repetition_penalty,
-        "penalty_ids": ids,
-        "penalty_counts": counts,
-    }
 
 
 class Session:
@@ -154,9 +67,12 @@ class Session:
         self.lock = asyncio.Lock()
         self.target_epoch = -1
         self.draft_epoch = -1
+        self.run: Run | None = (
+            None  # the tokens the pipeline is generating on its own (fleettui.runtime.runs)
+        )
 
 
-class Coordinator:
+class Coordinator(RunRounds):
     """Drives a pipeline (`target` link) and an optional drafter for many concurrent sessions."""
 
     def __init__(
@@ -179,6 +95,10 @@ class Coordinator:
         self.lookup = (
             PromptLookupDrafter() if drafter is not None and getattr(drafter, "costs_time", True) else None
         )
+        # Tokens a one-stage pipeline may generate on its own per run (0: never; the fleet's connection sets
+        # it, since only it knows the chain has one stage and a link that streams).
+        self.max_run = 0
+        self.cancels: set[asyncio.Task[None]] = set()
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
@@ -255,6 +175,7 @@ class Coordinator:
         """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
         target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
         if session.target_epoch != target_epoch:
+            self._drop_run(session)
             await self._close_unclosed()
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
@@ -328,6 +249,17 @@ class Coordinator:
             session.busy = False
 
     async def _generate(
+        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback | None
+    ) -> Generation:
+        try:
+            generation = await self._generate_reply(session, prompt, params, on_tokens)
+        except BaseException:
+            self._drop_run(session)
+            raise
+        await self._finish_run(session)
+        return generation
+
+    async def _generate_reply(
         self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback | None
     ) -> Generation:
         stats = GenerationStats(prompt_tokens=len(prompt))
@@ -408,8 +340,10 @@ class Coordinator:
 
     async def _round(
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
-    ) -> _Round:
-        """One draft + verify round (the unit a recovery retries)."""
+    ) -> Round:
+        """One draft + verify round (the unit a recovery retries), or the next token of a run."""
+        if session.run is not None:
+            return await self._run_next(session)
         await self._maybe_compact(session)
         sampling = params.sampling
         left = remaining - 1
@@ -424,6 +358,10 @@ class Coordinator:
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
             drafter = self.lookup if name == "lookup" else self.drafter
+        if k == 0 and left > 0 and self.max_run and hasattr(self.target, "stream"):  # (wrappers may not)
+            adaptive = params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None
+            length = min(remaining, self.max_run, RUN_TOKENS_ADAPTIVE if adaptive else remaining)
+            return await self._run_start(session, params, length, generated, policy, loaded)
         draft_started = time.perf_counter()
         draft = Draft.empty()
         asked = k
@@ -442,11 +380,11 @@ class Coordinator:
             np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
             np.asarray(draft.probs, np.float32),
             uniforms,
-            **_penalties(params, session.history, generated),
+            **penalties(params, session.history, generated),
         )
         result = await self._step(session, feed, decode)
         verify_seconds = time.perf_counter() - verify_started
-        return _Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
+        return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""

@@ -7,6 +7,8 @@ import contextlib
 import itertools
 import json
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -31,6 +33,14 @@ class StageLost(LinkError):
     """A stage of this link was declared lost: the request may be retried once recovery is done."""
 
 
+class RunStalled(StageLost):
+    """A run's tokens stopped coming with every stage up (its way back to stage 0 is broken): the round is
+    retried after a replay, without runs."""
+
+
+RUN_GAP_SECONDS = 30.0  # a run whose next token takes longer than this has stalled
+
+
 @dataclass(frozen=True)
 class ClientKeys:
     """The coordinator's CurveZMQ key pair (Z85 text)."""
@@ -45,6 +55,95 @@ class Link(Protocol):
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message: ...
 
     async def close(self) -> None: ...
+
+
+class RunLink(Link, Protocol):
+    """A link that can also start a run (a Step with `run` > 1) and read its Results as they come."""
+
+    async def stream(self, step: protocol.Step) -> ReplyStream: ...
+
+
+class ReplyStream:
+    """The Results of one run, in order, as they arrive (each with its arrival time, `time.time()`).
+
+    `next()` waits for the next one (at most `timeout` seconds after asking); an Error of the run, a blocked
+    or closed link fail it. `received` counts what arrived, `done` is True once all `count` did.
+    """
+
+    def __init__(
+        self, count: int, timeout: float, retire: Callable[[], None], gap: float = RUN_GAP_SECONDS
+    ) -> None:
+        self.count = count
+        self.timeout = timeout  # for the first Result (a prefill may come first); then `gap` for each next
+        self.gap = gap
+        self.received = 0
+        self.sent_at = time.time()
+        self._ready: deque[tuple[protocol.Result, float]] = deque()
+        self._failure: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._retire = retire
+
+    @property
+    def done(self) -> bool:
+        return self.received >= self.count
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the run's stream ended before all its Results (an Error, a lost stage, `close()`), or None."""
+        return self._failure
+
+    def buffered(self) -> list[tuple[protocol.Result, float]]:
+        """What arrived and was not read yet (taken out)."""
+        items = list(self._ready)
+        self._ready.clear()
+        return items
+
+    def deliver(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Result):
+            self.received += 1
+            self._ready.append((message, time.time()))
+            if self.done:
+                self._retire()
+        elif isinstance(message, protocol.Error):
+            self.fail(StageFailure(message.stage, message.message))
+        else:
+            self.fail(LinkError(f"a run answered {type(message).__name__}"))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+            self._retire()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> tuple[protocol.Result, float]:
+        """The next Result and when it arrived."""
+        if not self._ready and self._failure is None:
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            limit = min(self.timeout, self.gap) if self.received else self.timeout
+            expiry = loop.call_later(limit, self._expire, limit)  # a timer, not wait_for: once per token
+            try:
+                await self._waiter
+            finally:
+                expiry.cancel()
+                self._waiter = None
+        if self._ready:
+            return self._ready.popleft()
+        assert self._failure is not None
+        raise self._failure
+
+    def _expire(self, limit: float) -> None:
+        if self.received:
+            self.fail(RunStalled(f"a run stalled: no token for {limit:g} s"))
+        else:
+            self.fail(LinkError(f"no answer from the pipeline within {limit:g} s (a run)"))
+
+    def close(self) -> None:
+        """Stop listening: whatever of the run still arrives is dropped quietly."""
+        self.fail(LinkError("run closed"))
 
 
 def secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None:
@@ -95,6 +194,8 @@ class ZmqLink:
         self._timeout = timeout
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
+        self._streams: dict[int, ReplyStream] = {}
+        self._retired: deque[int] = deque(maxlen=256)  # runs closed early: their late Results are expected
         self._reading: asyncio.AbstractEventLoop | None = None
         self._blocked: StageLost | None = None
         self.dropped = 0
@@ -130,7 +231,14 @@ class ZmqLink:
             self.dropped += 1
             log.warning("dropped a malformed reply: %s", error)
             return
-        future = self._pending.pop(getattr(message, "seq", -1), None)
+        seq = getattr(message, "seq", -1)
+        stream = self._streams.get(seq)
+        if stream is not None:
+            stream.deliver(message)
+            return
+        future = self._pending.pop(seq, None)
+        if future is None and seq in self._retired:
+            return  # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack)
         if future is None or future.done():
             self.dropped += 1
             log.warning(
@@ -148,6 +256,8 @@ class ZmqLink:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(StageLost(str(error)))
+        for stream in list(self._streams.values()):
+            stream.fail(StageLost(str(error)))
 
     def unblock(self) -> None:
         self._blocked = None
@@ -161,27 +271,59 @@ class ZmqLink:
         message = replace(message, seq=seq)  # type: ignore[type-var]
         future: asyncio.Future[protocol.Message] = loop.create_future()
         self._pending[seq] = future
-        frames = protocol.encode(message)
-        self.bytes_sent += sum(len(f) for f in frames)
         limit = timeout or self._timeout
         expiry = loop.call_later(limit, self._expire, future, limit, message)
         try:
-            try:
-                self._push_now.send_multipart(frames, self._noblock, copy=False)
-            except self._again:  # no pipe yet or the queue is full: wait, bounded too (a PUSH whose peer
-                # refused our CURVE key has no pipe and would block forever)
-                sending = asyncio.ensure_future(self._push.send_multipart(frames, copy=False))
-                done, _ = await asyncio.wait((sending, future), timeout=limit, return_when="FIRST_COMPLETED")
-                if sending not in done:
-                    sending.cancel()
-                    if not future.done():
-                        self._expire(future, limit, message)
-                elif sending.exception() is not None:
-                    raise LinkError(f"could not send to the pipeline: {sending.exception()}") from None
+            await self._send(message, limit, future)
             return await future
         finally:
             expiry.cancel()
             self._pending.pop(seq, None)
+
+    async def stream(self, step: protocol.Step, timeout: float | None = None) -> ReplyStream:
+        """Start a run (`step.run` tokens) and return the stream its Results arrive on."""
+        if self._blocked is not None:
+            raise StageLost(str(self._blocked))
+        self._ensure_reader(asyncio.get_running_loop())
+        seq = next(self._sequence) & 0xFFFFFFFF
+        step = replace(step, seq=seq)
+
+        def retire() -> None:
+            if self._streams.pop(seq, None) is not None:
+                self._retired.append(seq)
+
+        stream = ReplyStream(max(step.run, 1), timeout or self._timeout, retire)
+        self._streams[seq] = stream
+        try:
+            await self._send(step, timeout or self._timeout, None)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def _send(
+        self, message: protocol.Message, limit: float, future: asyncio.Future[protocol.Message] | None
+    ) -> None:
+        """Send at once when ZeroMQ can; else wait for it, bounded (a PUSH whose peer refused our CURVE key
+        has no pipe and would block forever), and stop waiting when the answer (`future`) is settled."""
+        frames = protocol.encode(message)
+        self.bytes_sent += sum(len(f) for f in frames)
+        try:
+            self._push_now.send_multipart(frames, self._noblock, copy=False)
+            return
+        except self._again:
+            pass
+        sending = asyncio.ensure_future(self._push.send_multipart(frames, copy=False))
+        waiting = (sending,) if future is None else (sending, future)
+        done, _ = await asyncio.wait(waiting, timeout=limit, return_when="FIRST_COMPLETED")
+        if sending not in done:
+            sending.cancel()
+            if future is None:
+                raise LinkError(f"could not send to the pipeline within {limit:g} s")
+            if not future.done():
+                self._expire(future, limit, message)
+        elif sending.exception() is not None:
+            raise LinkError(f"could not send to the pipeline: {sending.exception()}") from None
 
     @staticmethod
     def _expire(future: asyncio.Future[protocol.Message], limit: float, message: protocol.Message) -> None:
@@ -201,6 +343,8 @@ class ZmqLink:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(LinkError("link closed"))
+        for stream in list(self._streams.values()):
+            stream.fail(LinkError("link closed"))
         self._push.close(0)
         self._pull.close(0)
 

@@ -1,0 +1,118 @@
+"""Provides the values of one generation: its parameters, its statistics, its result, and one round of it.
+
+Shared by the coordinator (which drives the rounds) and the run rounds (`fleettui.runtime.runs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fleettui.runtime.ledger import Feed
+from fleettui.runtime.policy import KPolicy
+from fleettui.runtime.speculation import Draft, Sampling
+from remote_worker import protocol
+
+NO_UNIFORMS = np.zeros(0)  # greedy rounds draw nothing: one shared empty array, not one per round
+NO_UNIFORMS.flags.writeable = False
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    spec_k: int | None = None  # None = adaptive; 0 = no speculation
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: count exactly max_tokens
+    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
+    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    compactions: int = 0
+    k_values: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return float(np.mean(self.k_values)) if self.k_values else 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]
+    text: str
+    stats: GenerationStats
+
+
+TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round as the generation loop consumes it: K drafts verified, or one token of a run."""
+
+    k: int
+    draft: Draft
+    feed: Feed
+    result: protocol.Result
+    draft_seconds: float
+    verify_seconds: float
+    asked: int  # the K asked of the drafter (it may propose fewer)
+    policy: KPolicy  # whose costs and acceptance this round updates
+    loaded: bool  # other sessions were generating when it started
+
+
+def penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
+    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
+
+    The last stage adds the verify window's draft tokens itself, position by position (exact under
+    speculation). Without penalties nothing extra travels.
+    """
+    if not params.penalized:
+        return {}
+    ids = np.unique(np.asarray(history, np.int64))
+    counts = np.zeros(len(ids), np.int32)
+    if generated:
+        reply_ids, reply_counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        counts[np.searchsorted(ids, reply_ids)] = reply_counts
+    return {
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "penalty_ids": ids,
+        "penalty_counts": counts,
+    }

@@ -1,0 +1,189 @@
+"""Provides the coordinator's rounds of runs: tokens the pipeline generates on its own.
+
+Without speculation, a round of one token costs a round trip through the coordinator (send, the stages'
+queues, the reply, the coordinator's Python) for a few milliseconds of compute. A run removes it: the token
+the last stage scores goes straight back in as the next step (`remote_worker.protocol`, runs: the only
+stage queues it itself, the last of several sends it to stage 0) and every token streams out, while the
+coordinator reads them as rounds of their own. The cache ledger stays exact because the steps a
+run makes are the ones the coordinator would have sent (one token, right after the previous, no masks): each
+Result read commits that step. Tokens the stage made past the end of the reply (EOS, a stop string) are
+committed too, once the Cancel's Ack says nothing more comes, and the next turn masks them like rejected
+drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fleettui.runtime.generation import NO_UNIFORMS, GenerationParams, Round, penalties
+from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.policy import KPolicy
+from fleettui.runtime.speculation import Draft
+from fleettui.runtime.transport import Link, ReplyStream, RunLink, RunStalled
+from remote_worker import protocol
+
+log = logging.getLogger(__name__)
+
+RUN_TOKENS_ADAPTIVE = 16  # with adaptive speculation the policy chooses again after this many run tokens
+
+
+@dataclass
+class Run:
+    """One run of a session: its Results' stream and what the next Result read commits."""
+
+    stream: ReplyStream
+    feed: Feed  # the step that started the run (committed with its first Result)
+    policy: KPolicy  # whose costs the run's rounds update
+    loaded: bool
+    sampled: bool  # each token drew 2 uniforms from the session's RNG
+    last: float  # when the previous Result arrived (the first: when the run was sent), time.time()
+    consumed: int = 0
+    token: int = -1  # the last token read: the run's next step fed it
+
+    @property
+    def finished(self) -> bool:
+        """Every Result of the run was read."""
+        return self.consumed >= self.stream.count
+
+    def next_feed(self, ledger: CacheLedger) -> Feed:
+        """The step behind the next Result: the starting one, then one token right after the previous."""
+        if self.consumed == 0:
+            return self.feed
+        return Feed(ledger.cache_len, ledger.logical_len, (self.token,), ())
+
+    def read(self, ledger: CacheLedger, token: int) -> Feed:
+        """Commit the step behind the Result just read (its token `token`) to `ledger`; returns that step."""
+        feed = self.next_feed(ledger)
+        ledger.commit(feed)
+        self.consumed += 1
+        self.token = token
+        return feed
+
+
+class RunSession(Protocol):
+    """What the run rounds use of a coordinator's session."""
+
+    id: int
+    history: list[int]
+    ledger: CacheLedger
+    rng: np.random.Generator
+    run: Run | None
+    target_epoch: int
+    lock: asyncio.Lock
+
+
+class RunRounds:
+    """The coordinator's rounds of runs (a mixin of `Coordinator`, which provides these attributes)."""
+
+    target: Link
+    max_run: int
+    result_observers: list[Callable[[protocol.Result, float], None]]
+    cancels: set[asyncio.Task[None]]  # Cancels of dropped runs on their way (kept from the GC)
+
+    async def _run_start(
+        self,
+        session: RunSession,
+        params: GenerationParams,
+        length: int,
+        generated: list[int],
+        policy: KPolicy,
+        loaded: bool,
+    ) -> Round:
+        """Ask the pipeline for `length` tokens of its own and read the first (the rest are later rounds)."""
+        sampling = params.sampling
+        feed = session.ledger.plan(session.history)
+        uniforms = NO_UNIFORMS
+        if not sampling.greedy:  # the numbers plain rounds would draw; each read advances the RNG by its two
+            state = session.rng.bit_generator.state
+            uniforms = session.rng.random(2 * length)
+            session.rng.bit_generator.state = state
+        decode = protocol.Decode(
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            uniforms=uniforms,
+            **penalties(params, session.history, generated),
+        )
+        step = protocol.Step(
+            session.id,
+            0,
+            feed.pos0,
+            feed.cache_len,
+            feed.ranges_array(),
+            tokens=np.array(feed.tokens, np.int64),
+            decode=decode,
+            run=length,
+        )
+        target: RunLink = self.target  # type: ignore[assignment]  # max_run > 0: a link that streams
+        stream = await target.stream(step)
+        session.run = Run(stream, feed, policy, loaded, not sampling.greedy, stream.sent_at)
+        return await self._run_next(session)
+
+    async def _run_next(self, session: RunSession) -> Round:
+        """The run's next token as a round of K = 0 (its cost: the time since the previous token arrived)."""
+        run = session.run
+        assert run is not None
+        try:
+            result, arrived = await run.stream.next()
+        except BaseException as error:
+            self._drop_run(session)
+            if isinstance(error, RunStalled) and self.max_run:
+                log.warning("%s; this pipeline generates without runs from now on", error)
+                self.max_run = 0
+            raise
+        feed = run.read(session.ledger, int(result.tokens[-1]))
+        if run.sampled:
+            session.rng.random(2)
+        if run.finished:
+            session.run = None
+        for observe in self.result_observers:
+            observe(result, arrived)
+        verify_seconds, run.last = max(arrived - run.last, 0.0), arrived
+        return Round(0, Draft.empty(), feed, result, 0.0, verify_seconds, 0, run.policy, run.loaded)
+
+    async def _finish_run(self, session: RunSession) -> None:
+        """End a run the reply no longer needs: Cancel it, then commit the steps it made past the reply."""
+        async with session.lock:
+            run, session.run = session.run, None
+            if run is None:
+                return
+            try:
+                if not run.stream.done:
+                    await self.target.request(protocol.Control(protocol.Kind.CANCEL, session.id, 0))
+                if run.stream.failure is not None:  # an Error of the run: the last step's effect is unknown
+                    raise run.stream.failure
+                for result, _arrived in run.stream.buffered():
+                    run.read(session.ledger, int(result.tokens[-1]))
+                if not run.stream.done:  # what ran is known only from Results: fewer than asked is fine
+                    run.stream.close()
+            except BaseException as error:
+                run.stream.close()
+                session.target_epoch = -1  # what the pipeline holds is unknown: replay before the next round
+                if not isinstance(error, Exception):
+                    raise
+                log.info("session %d: a run did not end cleanly (%s); it is rebuilt", session.id, error)
+
+    def _drop_run(self, session: RunSession) -> None:
+        """Forget a run whose end is unknown (a failure, a cancelled reply): the session is replayed, and a
+        Cancel goes out at once so the pipeline stops generating for nobody (a client gone mid-reply)."""
+        run, session.run = session.run, None
+        if run is None:
+            return
+        run.stream.close()
+        session.target_epoch = -1
+        if not run.stream.done:
+            task = asyncio.get_running_loop().create_task(self._cancel_quietly(session.id))
+            self.cancels.add(task)
+            task.add_done_callback(self.cancels.discard)
+
+    async def _cancel_quietly(self, session_id: int) -> None:
+        try:
+            await self.target.request(protocol.Control(protocol.Kind.CANCEL, session_id, 0))
+        except Exception as error:  # noqa: BLE001 - best effort: the session's next round re-opens it anyway
+            log.debug("session %d: the Cancel of a dropped run failed: %s", session_id, error)

@@ -1,0 +1,179 @@
+"""Unit tests of runs (a one-stage pipeline generating on its own) against an in-process fake stage.
+
+The fake serves a run the way `remote_worker` does: each token it scores is fed back as the next step,
+every Result is streamed on the run's stream, and any control message of the session ends the run before
+it is answered. Its "model" depends on exactly the tokens attended at exactly their positions (see
+test_coordinator_unit), so a run that left the coordinator's ledger out of step would change the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _plain_greedy
+
+from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.transport import ReplyStream, StageLost
+from remote_worker import protocol
+from remote_worker.decoding import run_next, run_step
+
+NO_RANGES = np.zeros((0, 2), np.int64)
+
+
+class FakeRunStage(FakePipeline):
+    """A one-stage worker's runs: tokens fed back, streamed; a control message of the session stops them."""
+
+    def __init__(self, delay: float = 0.0002) -> None:
+        super().__init__(delay)
+        self.runs: list[int] = []  # the length of every run asked for
+        self.extra = 0  # steps a run made that the coordinator did not read before it ended the run
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._streams: dict[int, ReplyStream] = {}
+        self._stopping: set[int] = set()
+        self.lose_after: int | None = None  # fail every run with StageLost after this many Results
+        self.on_loss = lambda: None
+        self.results = 0
+
+    async def stream(self, step: protocol.Step) -> ReplyStream:
+        decoded = protocol.decode(protocol.encode(step))
+        assert isinstance(decoded, protocol.Step) and decoded.run > 1
+        self.runs.append(decoded.run)
+        stream = ReplyStream(decoded.run, 10.0, lambda: None)
+        self._streams[decoded.session] = stream
+        self._tasks[decoded.session] = asyncio.ensure_future(self._run(decoded, stream))
+        return stream
+
+    async def _run(self, step: protocol.Step, stream: ReplyStream) -> None:
+        for _ in range(step.run):
+            await asyncio.sleep(self.delay)
+            if step.session in self._stopping:
+                return
+            assert step.decode is not None
+            result = self._serve(replace(step, decode=run_step(step.decode)))
+            self.results += 1
+            if self.lose_after is not None and self.results > self.lose_after:
+                self.lose_after = None
+                self.slots.clear()  # the relaunched worker holds nothing
+                self.on_loss()
+                stream.fail(StageLost("stage-0 lost"))
+                return
+            stream.deliver(result)
+            token = int(result.tokens[-1])
+            step = protocol.Step(
+                step.session,
+                step.seq,
+                step.pos0 + step.n,
+                step.cache_len + step.n,
+                NO_RANGES,
+                tokens=np.array([token], np.int64),
+                decode=run_next(step.decode, token),
+                run=step.run - 1,
+            )
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        if isinstance(message, protocol.Control):
+            task = self._tasks.pop(message.session, None)
+            if task is not None:  # the control ends the run; its answer follows the run's last Result
+                self._stopping.add(message.session)
+                await task
+                self._stopping.discard(message.session)
+                stream = self._streams.pop(message.session)
+                self.extra += max(0, stream.received - stream.count) + len(stream.buffered())
+            if message.kind == protocol.Kind.CANCEL:
+                return protocol.Ack(message.kind, message.session, message.seq, 0)
+        return await super().request(message, timeout)
+
+
+def _coordinator(stage: FakePipeline, max_run: int, drafter: NoisyDrafter | None = None) -> Coordinator:
+    coordinator = Coordinator(stage, None, drafter, max_k=4)
+    coordinator.max_run = max_run
+    return coordinator
+
+
+async def _answers(stage: FakePipeline, max_run: int, params: GenerationParams) -> list[list[int]]:
+    coordinator = _coordinator(stage, max_run)
+    session = await coordinator.open_session(seed=7)
+    replies = []
+    for prompt in ([1, 2, 3], [1, 2, 3, 4, 4]):  # the second turn keeps only the shared prefix
+        generation = await coordinator.generate(session, prompt, params)
+        replies.append(list(generation.token_ids))
+    return replies
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GenerationParams(max_tokens=30),
+        GenerationParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=7),
+        GenerationParams(max_tokens=30, temperature=0.7, frequency_penalty=0.8, presence_penalty=0.4),
+        GenerationParams(max_tokens=30, repetition_penalty=1.5),
+    ],
+    ids=["greedy", "sampled", "sampled-penalized", "repetition"],
+)
+async def test_runs_give_the_tokens_of_round_by_round_decoding(params: GenerationParams) -> None:
+    """Greedy, seeded sampling and penalties: runs draw the same uniforms and count the same tokens."""
+    stage = FakeRunStage()
+    with_runs = await _answers(stage, protocol.MAX_RUN, params)
+    without = await _answers(FakeRunStage(), 0, params)
+    assert with_runs == without
+    assert stage.runs == [30, 30]  # one run per reply: the coordinator sent two steps for 60 tokens
+    if params.temperature == 0 and not params.penalized:
+        assert with_runs == [_plain_greedy([1, 2, 3], 30), _plain_greedy([1, 2, 3, 4, 4], 30)]
+
+
+async def test_interleaved_runs_and_adaptive_speculation_stay_exact() -> None:
+    """Three users at once; with a drafter the policy alternates runs of 16 and speculative rounds."""
+    for drafter in (None, NoisyDrafter(1000)):
+        stage = FakeRunStage(delay=0.0005)
+        coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)
+        sessions = [await coordinator.open_session() for _ in PROMPTS]
+        params = GenerationParams(max_tokens=40)
+        results = await asyncio.gather(
+            *(coordinator.generate(s, p, params) for s, p in zip(sessions, PROMPTS, strict=True))
+        )
+        for prompt, generation in zip(PROMPTS, results, strict=True):
+            assert list(generation.token_ids) == _plain_greedy(prompt, 40)
+        assert stage.runs
+        if drafter is not None:
+            assert max(stage.runs) <= 16
+
+
+async def test_a_reply_that_fails_mid_run_leaves_the_session_exact_for_its_next_turn() -> None:
+    """The reply's consumer fails after 5 tokens of a run of 200: a Cancel stops the stage at once (no
+    generating for nobody), and the next turn replays the session, exactly."""
+    stage = FakeRunStage(delay=0.001)
+    coordinator = _coordinator(stage, protocol.MAX_RUN)
+    session = await coordinator.open_session()
+    seen: list[int] = []
+
+    def fail_after_five(tokens: list[int], _text: str) -> None:
+        seen.extend(tokens)
+        if len(seen) >= 5:
+            raise RuntimeError("the client went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        await coordinator.generate(session, [4, 5, 6], GenerationParams(max_tokens=200), fail_after_five)
+    assert session.run is None and session.target_epoch == -1
+    await asyncio.sleep(0.1)  # a run left alone would make 100 more tokens meanwhile
+    assert stage.results < 20 and not coordinator.cancels
+    generation = await coordinator.generate(session, [4, 5, 6, 7], GenerationParams(max_tokens=20))
+    assert list(generation.token_ids) == _plain_greedy([4, 5, 6, 7], 20)
+    assert coordinator.replayed_tokens > 0
+
+
+async def test_a_stage_lost_mid_run_is_recovered_exactly() -> None:
+    stage = FakeRunStage()
+    coordinator = _coordinator(stage, protocol.MAX_RUN)
+    session = await coordinator.open_session()
+    stage.lose_after = 12
+
+    def lost() -> None:
+        coordinator.target_epoch += 1  # what the recovery does once the stage is back
+
+    stage.on_loss = lost
+    generation = await coordinator.generate(session, [3, 1, 4, 1, 5], GenerationParams(max_tokens=30))
+    assert list(generation.token_ids) == _plain_greedy([3, 1, 4, 1, 5], 30)
+    assert len(stage.runs) == 2 and stage.runs[1] < 30  # the second run picks up where the first was lost
