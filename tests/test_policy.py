@@ -124,3 +124,18 @@ def test_measured_tokens_per_second_overrule_a_model_that_says_speculation_pays(
     assert policy.costs.losing("draft", loaded=False)
     assert policy.choose() == 0
     assert not policy.costs.losing("draft", loaded=True)  # several users at once: measured apart
+
+
+def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would() -> None:
+    """While K = 0 wins, a probe comes every `probe_every` plain rounds; a run's tokens after its first are
+    such rounds too (`plain_round`), so a run of 16 tokens does not postpone the probe by 16 choices."""
+    policy = KPolicy(None, 8, probe_every=16, drafter="model")
+    for _ in range(40):
+        for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
+            policy.record_round(RoundFacts(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k))
+    assert policy.choose() == 0 and policy.rounds_until_probe(False) == 15
+    for _ in range(14):
+        policy.plain_round(False)  # the run started by that choice: 15 tokens, 14 after its first
+    assert policy.rounds_until_probe(False) == 1
+    assert policy.choose() == 2 and policy.probing  # the probe is due at the very next choice
+    assert policy.rounds_until_probe(True) == 16  # the loaded arm keeps its own schedule

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -358,10 +359,6 @@ class Coordinator(RunRounds):
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
             drafter = self.lookup if name == "lookup" else self.drafter
-        if k == 0 and left > 0 and self.max_run and hasattr(self.target, "stream"):  # (wrappers may not)
-            adaptive = params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None
-            length = min(remaining, self.max_run, RUN_TOKENS_ADAPTIVE if adaptive else remaining)
-            return await self._run_start(session, params, length, generated, policy, loaded)
         draft_started = time.perf_counter()
         draft = Draft.empty()
         asked = k
@@ -369,6 +366,18 @@ class Coordinator(RunRounds):
             draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
         draft_seconds = time.perf_counter() - draft_started
         k = len(draft.tokens)
+        if k == 0 and left > 0 and self.max_run and hasattr(self.target, "stream"):  # (wrappers may not)
+            # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
+            length = min(remaining, self.max_run)
+            counted: tuple[KPolicy, ...] = ()
+            if params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None:
+                # adaptive: the policy chooses again after a while, and by the time its next probe is due
+                counted = tuple(session.policies.values())
+                probe = min(candidate.rounds_until_probe(loaded) for candidate in counted)
+                length = min(length, RUN_TOKENS_ADAPTIVE, probe)
+            if length > 1:
+                first = await self._run_start(session, params, length, generated, policy, loaded, counted)
+                return dataclasses.replace(first, asked=asked, draft_seconds=draft_seconds)
         verify_started = time.perf_counter()
         feed = session.ledger.plan(session.history + list(draft.tokens))
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS

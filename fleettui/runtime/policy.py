@@ -233,6 +233,17 @@ class KPolicy:
             if k > 0:
                 self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
 
+    def rounds_until_probe(self, loaded: bool) -> int:
+        """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1)."""
+        arm = (self.drafter, loaded)
+        interval = self.costs.probe_intervals.get(arm, self.probe_every)
+        return max(1, interval - self.costs.since_probe.get(arm, 0))
+
+    def plain_round(self, loaded: bool) -> None:
+        """Count a plain round `choose` was not asked about (a run's later tokens) toward the next probe."""
+        arm = (self.drafter, loaded)
+        self.costs.since_probe[arm] = self.costs.since_probe.get(arm, 0) + 1
+
     def expected_rate(self, k: int, free_draft: bool = False, loaded: bool = False) -> float | None:
         plain = self.costs.verify(1, loaded)
         verify = self.costs.verify(k + 1, loaded)

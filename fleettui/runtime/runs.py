@@ -45,6 +45,7 @@ class Run:
     last: float  # when the previous Result arrived (the first: when the run was sent), time.time()
     consumed: int = 0
     token: int = -1  # the last token read: the run's next step fed it
+    counted: tuple[KPolicy, ...] = ()  # policies whose probe schedule counts the run's later tokens
 
     @property
     def finished(self) -> bool:
@@ -94,6 +95,7 @@ class RunRounds:
         generated: list[int],
         policy: KPolicy,
         loaded: bool,
+        counted: tuple[KPolicy, ...] = (),
     ) -> Round:
         """Ask the pipeline for `length` tokens of its own and read the first (the rest are later rounds)."""
         sampling = params.sampling
@@ -122,7 +124,7 @@ class RunRounds:
         )
         target: RunLink = self.target  # type: ignore[assignment]  # max_run > 0: a link that streams
         stream = await target.stream(step)
-        session.run = Run(stream, feed, policy, loaded, not sampling.greedy, stream.sent_at)
+        session.run = Run(stream, feed, policy, loaded, not sampling.greedy, stream.sent_at, counted=counted)
         return await self._run_next(session)
 
     async def _run_next(self, session: RunSession) -> Round:
@@ -137,6 +139,9 @@ class RunRounds:
                 log.warning("%s; this pipeline generates without runs from now on", error)
                 self.max_run = 0
             raise
+        if run.consumed:  # a token the policy was not asked about: it still brings its next probe closer
+            for policy in run.counted:
+                policy.plain_round(run.loaded)
         feed = run.read(session.ledger, int(result.tokens[-1]))
         if run.sampled:
             session.rng.random(2)
