@@ -408,16 +408,7 @@ class Coordinator(RunRounds):
         return [(name, session.policies[name], free) for name, free in names]
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
-        step = protocol.Step(
-            session.id,
-            0,
-            feed.pos0,
-            feed.cache_len,
-            feed.ranges_array(),
-            tokens=np.array(feed.tokens, np.int64),
-            decode=decode,
-        )
-        reply = await self.target.request(step)
+        reply = await self.target.request(feed.step(session.id, decode))
         if not isinstance(reply, protocol.Result):
             raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
         received = time.time()

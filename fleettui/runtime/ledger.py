@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remote_worker import protocol
+
 
 @dataclass(frozen=True)
 class Feed:
@@ -26,6 +28,13 @@ class Feed:
 
     def ranges_array(self) -> np.ndarray:
         return np.array(self.mask_ranges, dtype=np.int64).reshape(-1, 2)
+
+    def step(self, session: int, decode: protocol.Decode | None, run: int = 0) -> protocol.Step:
+        """The Step that applies this feed to `session` (the link sets its seq)."""
+        tokens = np.array(self.tokens, np.int64)
+        return protocol.Step(
+            session, 0, self.pos0, self.cache_len, self.ranges_array(), tokens=tokens, decode=decode, run=run
+        )
 
 
 def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:

@@ -112,16 +112,7 @@ class RunRounds:
             uniforms=uniforms,
             **penalties(params, session.history, generated),
         )
-        step = protocol.Step(
-            session.id,
-            0,
-            feed.pos0,
-            feed.cache_len,
-            feed.ranges_array(),
-            tokens=np.array(feed.tokens, np.int64),
-            decode=decode,
-            run=length,
-        )
+        step = feed.step(session.id, decode, run=length)
         target: RunLink = self.target  # type: ignore[assignment]  # max_run > 0: a link that streams
         stream = await target.stream(step)
         session.run = Run(stream, feed, policy, loaded, not sampling.greedy, stream.sent_at, counted=counted)
