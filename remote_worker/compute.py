@@ -17,7 +17,7 @@ import zmq
 
 from remote_worker import protocol
 from remote_worker.config import StageConfig
-from remote_worker.decoding import propose_distribution, run_next, run_step, sample, score
+from remote_worker.decoding import next_run_step, propose_distribution, run_step, sample, score
 from remote_worker.intake import Inbox, RunStep, RunStops
 from remote_worker.telemetry import StageStats
 
@@ -152,18 +152,7 @@ class StageCompute:
     def _continue(self, step: protocol.Step, token: int) -> None:
         """A run's next step, `token` fed right after this one: queued behind whatever else is waiting (one
         stage) or sent back to stage 0 (the last of several; stage 0 drops it if the run was ended)."""
-        assert step.decode is not None  # the protocol refuses a run without a decode
-        following = protocol.Step(
-            step.session,
-            step.seq,
-            step.pos0 + step.n,
-            step.cache_len + step.n,
-            _NO_RANGES,
-            tokens=np.array([token], np.int64),
-            decode=run_next(step.decode, token),
-            run=step.run - 1,
-            looped=self.loop is not None,
-        )
+        following = next_run_step(step, token, looped=self.loop is not None)
         if self.loop is None:
             self.inbox.resume(time.time(), RunStep(following))
             return

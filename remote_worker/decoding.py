@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from remote_worker.protocol import Decode
+from remote_worker.protocol import Decode, Step
 
 _CANDIDATES = 1024  # top-p looks at this many most probable ids first, then falls back to a full sort
 
@@ -150,6 +150,23 @@ def run_next(decode: Decode, token: int) -> Decode:
         ids = np.insert(ids, index, token)
         counts = np.insert(counts, index, 1).astype(np.int32)
     return replace(decode, uniforms=uniforms, penalty_ids=ids, penalty_counts=counts)
+
+
+def next_run_step(step: Step, token: int, looped: bool = False) -> Step:
+    """A run's next step: `token` fed right after `step`, no masks, one token fewer to go (`looped`: sent back
+    to stage 0 by the last stage of several)."""
+    assert step.decode is not None  # the protocol refuses a run without a decode
+    return Step(
+        step.session,
+        step.seq,
+        step.pos0 + step.n,
+        step.cache_len + step.n,
+        np.zeros((0, 2), np.int64),
+        tokens=np.array([token], np.int64),
+        decode=run_next(step.decode, token),
+        run=step.run - 1,
+        looped=looped,
+    )
 
 
 def _uniforms(decode: Decode, count: int) -> np.ndarray:

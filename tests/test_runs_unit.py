@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-import numpy as np
 import pytest
 from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _plain_greedy
 
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.transport import ReplyStream, StageLost
 from remote_worker import protocol
-from remote_worker.decoding import run_next, run_step
-
-NO_RANGES = np.zeros((0, 2), np.int64)
+from remote_worker.decoding import next_run_step, run_step
 
 
 class FakeRunStage(FakePipeline):
@@ -61,17 +58,7 @@ class FakeRunStage(FakePipeline):
                 stream.fail(StageLost("stage-0 lost"))
                 return
             stream.deliver(result)
-            token = int(result.tokens[-1])
-            step = protocol.Step(
-                step.session,
-                step.seq,
-                step.pos0 + step.n,
-                step.cache_len + step.n,
-                NO_RANGES,
-                tokens=np.array([token], np.int64),
-                decode=run_next(step.decode, token),
-                run=step.run - 1,
-            )
+            step = next_run_step(step, int(result.tokens[-1]))  # what the worker queues
 
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
         if isinstance(message, protocol.Control):

@@ -68,9 +68,7 @@ class Session:
         self.lock = asyncio.Lock()
         self.target_epoch = -1
         self.draft_epoch = -1
-        self.run: Run | None = (
-            None  # the tokens the pipeline is generating on its own (fleettui.runtime.runs)
-        )
+        self.run: Run | None = None  # what the pipeline is generating on its own (fleettui.runtime.runs)
 
 
 class Coordinator(RunRounds):
@@ -96,8 +94,8 @@ class Coordinator(RunRounds):
         self.lookup = (
             PromptLookupDrafter() if drafter is not None and getattr(drafter, "costs_time", True) else None
         )
-        # Tokens a one-stage pipeline may generate on its own per run (0: never; the fleet's connection sets
-        # it, since only it knows the chain has one stage and a link that streams).
+        # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets it, since
+        # only it knows whether the chain feeds its tokens back: one stage, or a last stage with a loop).
         self.max_run = 0
         self.cancels: set[asyncio.Task[None]] = set()
         self.compaction_ratio = compaction_ratio
