@@ -9,6 +9,8 @@ masked twice or never) changes the next token, so speculative output must equal 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.policy import RoundFacts
 from fleettui.runtime.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
+from fleettui.runtime.transport import StageLost
 from remote_worker import decoding, protocol
 
 VOCAB = 17
@@ -180,7 +183,8 @@ async def test_interleaved_sessions_are_isolated_and_overlap() -> None:
     )
     for prompt, generation in zip(PROMPTS, results, strict=False):
         assert list(generation.token_ids) == _plain_greedy(prompt, 30)
-    assert pipeline.max_in_flight == len(PROMPTS)
+    # every session had its step in flight at once (and at times the next one, started ahead)
+    assert len(PROMPTS) <= pipeline.max_in_flight <= 2 * len(PROMPTS)
 
 
 async def test_compaction_keeps_output_exact() -> None:
@@ -212,6 +216,23 @@ def test_ledger_plans_rollback_as_mask_ranges() -> None:
     ledger.commit(feed)
     ledger.compact()
     assert ledger.cache_len == 6 and ledger.sequence() == [1, 2, 3, 4, 5, 9]
+
+
+async def test_the_same_prompt_again_with_speculation_re_feeds_its_cached_reply() -> None:
+    """A repeated request (a retry, "regenerate") finds its whole reply cached: the verify step still feeds
+    the last prompt token and every draft (the cached copies are masked), not just what the cache lacks."""
+    coordinator = Coordinator(FakePipeline(), None, NoisyDrafter(1000), max_k=4)
+    coordinator.policy.fixed_k = 4
+    session = await coordinator.open_session()
+    for _turn in range(3):
+        generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=30))
+        assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 30)
+    ledger = CacheLedger()
+    ledger.commit(ledger.plan([1, 2, 3, 4, 5]))
+    feed = ledger.plan([1, 2, 3, 4, 5], scored=3)
+    assert feed.pos0 == 2 and feed.tokens == (3, 4, 5) and feed.mask_ranges == ((2, 5),)
+    with pytest.raises(ValueError, match="scored"):
+        ledger.plan([1, 2], scored=3)
 
 
 def test_ledger_refuses_a_stale_feed() -> None:
@@ -322,3 +343,147 @@ async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
     third = await drafter.propose(1, history, 2, Sampling(), rng)
     last = [m for m in sent if isinstance(m, protocol.Propose)][-1]
     assert third.fed == 8 and list(last.tokens) == history[-8:] and last.cache_len == 0
+
+
+# ------------------------------------------------------------------------------------ drafting ahead
+class WiredPipeline(FakePipeline):
+    """The fake chain behind slow links: each step spends `wire` seconds between stages, `stage` at one."""
+
+    def __init__(self, wire: float, stage: float = 0.001) -> None:
+        super().__init__(delay=wire + stage)
+        self.stage = stage
+
+    def _serve(self, message: protocol.Message) -> protocol.Message:
+        reply = super()._serve(message)
+        if isinstance(reply, protocol.Result):
+            finished = time.time()
+            started = finished - self.stage
+            trace = np.array([0, started, started, finished, finished], np.float64)
+            reply = dataclasses.replace(reply, trace=trace)
+        return reply
+
+
+class TimedDrafter(NoisyDrafter):
+    """A noisy drafter that takes `per_token` seconds per proposed token and records what it was asked."""
+
+    def __init__(self, wrong_every: int, per_token: float) -> None:
+        super().__init__(wrong_every)
+        self.per_token = per_token
+        self.busy: set[int] = set()
+        self.overlapped = False
+        self.ahead = asyncio.Event()  # set when a proposal of more than K tokens (a draft ahead) starts
+
+    async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
+        self.overlapped |= session in self.busy  # one proposal per session at a time, as a draft worker needs
+        self.busy.add(session)
+        if k > 4:
+            self.ahead.set()
+        try:
+            await asyncio.sleep(self.per_token * k)
+            return await super().propose(session, history, k, sampling, rng)
+        finally:
+            self.busy.discard(session)
+
+
+@pytest.mark.parametrize("wrong_every", [7, 1000])
+async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every: int) -> None:
+    """Slow wires (20 ms a step, 1 ms at the stage) hide a 9-token draft (0.5 ms a token): the next round's
+    draft is proposed during this round and used when the round accepted everything; output = plain greedy."""
+    drafter = TimedDrafter(wrong_every, per_token=0.0005)
+    coordinator = Coordinator(WiredPipeline(wire=0.02), None, drafter, max_k=4)
+    coordinator.policy.fixed_k = 4
+    sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
+    for _turn in range(2):  # the second turn starts while nothing is pending: the first turn settled it
+        results = await asyncio.gather(
+            *(
+                coordinator.generate(s, p, GenerationParams(max_tokens=30))
+                for s, p in zip(sessions, PROMPTS, strict=False)
+            )
+        )
+        for prompt, generation in zip(PROMPTS, results, strict=False):
+            assert list(generation.token_ids) == _plain_greedy(prompt, 30)
+        assert all(session.ahead is None for session in sessions)
+    counts = coordinator.ahead_counts
+    assert 0 < counts["pipelined"] <= counts["sent"] <= counts["started"]  # verifies sent ahead were rounds
+    if wrong_every < 1000:
+        assert counts["used"] + counts["pipelined"] < counts["started"]  # a rejection throws the round away
+    assert not drafter.overlapped
+    for session in sessions:
+        await coordinator.close_session(session)
+
+
+async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly() -> None:
+    """The pipeline loses every session's cache (a stage relaunched) while a round and the verify sent behind
+    it are in flight: both fail, the verify sent ahead is dropped uncommitted, the session is replayed."""
+    pipeline = WiredPipeline(wire=0.02)
+    coordinator = Coordinator(pipeline, None, TimedDrafter(1000, per_token=0.0005), max_k=4)
+    coordinator.policy.fixed_k = 4
+    session = await coordinator.open_session()
+    serve = pipeline._serve
+
+    def losing(message: protocol.Message) -> protocol.Message:
+        if (
+            isinstance(message, protocol.Step)
+            and coordinator.ahead_counts["pipelined"] == 2
+            and not pipeline.lost
+        ):
+            pipeline.lost = True
+            pipeline.slots.clear()
+            coordinator.target_epoch += 1  # what the recovery does once the stage is back
+        if isinstance(message, protocol.Step) and message.session not in pipeline.slots:
+            raise StageLost("stage-0 lost")
+        return serve(message)
+
+    pipeline.lost = False  # type: ignore[attr-defined]
+    pipeline._serve = losing  # type: ignore[method-assign]
+    generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=60))
+    assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 60)
+    assert pipeline.lost and coordinator.replayed_tokens > 0 and coordinator.ahead_counts["pipelined"] > 0
+
+
+async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> None:
+    """On fast links (the wires hide less than the draft would take) and for sampled requests the draft is
+    proposed in its round only; with penalties it is proposed ahead, but its verify is not sent ahead."""
+    fast = Coordinator(WiredPipeline(wire=0.0005), None, TimedDrafter(1000, per_token=0.002), max_k=4)
+    fast.policy.fixed_k = 4
+    session = await fast.open_session()
+    generation = await fast.generate(session, PROMPTS[0], GenerationParams(max_tokens=20))
+    assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 20)
+    assert fast.ahead_counts["started"] == 0
+
+    # with penalties (they depend on the reply so far) drafts are made ahead, their verify is not sent ahead
+    replies = []
+    for ahead in (True, False):
+        penalized = Coordinator(WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4)
+        penalized.policy.fixed_k = 4
+        penalized.draft_ahead = ahead
+        session = await penalized.open_session()
+        params = GenerationParams(max_tokens=30, frequency_penalty=0.5, repetition_penalty=1.2)
+        replies.append((await penalized.generate(session, PROMPTS[0], params)).token_ids)
+        if ahead:
+            assert penalized.ahead_counts["used"] > 0 and penalized.ahead_counts["sent"] == 0
+    assert replies[0] == replies[1]
+
+    sampled = Coordinator(WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4)
+    sampled.policy.fixed_k = 4
+    session = await sampled.open_session()
+    await sampled.generate(session, PROMPTS[0], GenerationParams(max_tokens=20, temperature=0.7, seed=3))
+    assert sampled.ahead_counts["started"] == 0
+
+
+async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() -> None:
+    """A client gone mid-reply cancels its generation; the proposal still running ahead is not cut off (the
+    draft's cache would leave its ledger) and the next turn waits for it, then stays exact."""
+    drafter = TimedDrafter(1000, per_token=0.002)
+    coordinator = Coordinator(WiredPipeline(wire=0.03), None, drafter, max_k=4)
+    coordinator.policy.fixed_k = 4
+    session = await coordinator.open_session()
+    task = asyncio.create_task(coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=200)))
+    await drafter.ahead.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    generation = await coordinator.generate(session, PROMPTS[1], GenerationParams(max_tokens=20))
+    assert list(generation.token_ids) == _plain_greedy(PROMPTS[1], 20)
+    assert not drafter.overlapped
+    await coordinator.close_session(session)

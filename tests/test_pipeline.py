@@ -204,3 +204,34 @@ def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Pat
     progress = result.stderr.splitlines()
     assert any(line.startswith("compile shards: done ") for line in progress), result.stderr
     assert any(line.startswith("start workers: done 1/1") for line in progress), result.stderr
+
+
+def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: list[list[int]]) -> None:
+    """80 ms per hop (the bench's user-space delay proxies on every data link): the next round's draft is
+    proposed, and its verify sent behind the round in flight, while a round crosses the wires; it becomes
+    the next round when the round accepted it all. The draft is the unsplit fp32 model (it agrees with the
+    target, so rounds ahead are taken); two interleaved users still get the unsplit model's greedy tokens."""
+    from fleettui.bench.hop_delay import HopDelay
+    from shard_compiler.compiler import compile_shards
+
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    fleet = make_fleet(shard_cache, 2, str(unsplit), 3)
+
+    async def run() -> tuple[list[list[int]], dict[str, int]]:
+        controller = FleetController(fleet)
+        with HopDelay(80) as hops:
+            try:
+                coordinator = await controller.start(endpoint_map=hops, attach=False, record=False)
+                sessions = [await coordinator.open_session() for _ in PROMPTS[1:]]
+                params = GenerationParams(max_tokens=TOKENS)
+                generations = await asyncio.gather(
+                    *(coordinator.chat(s, p, params) for s, p in zip(sessions, PROMPTS[1:], strict=True))
+                )
+                counts = dict(coordinator.ahead_counts)
+            finally:
+                await controller.stop()
+        return [list(g.token_ids) for g in generations], counts
+
+    tokens, counts = asyncio.run(run())
+    assert tokens == reference[1:]
+    assert counts["pipelined"] > 0, counts

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleettui.runtime.policy import CostModel, KPolicy, RoundFacts, choose_drafter, round_costs
+from fleettui.runtime.policy import CostModel, KPolicy, RoundFacts, StageLoad, choose_drafter, round_costs
+from remote_worker import protocol
 
 
 def _trace(*stages: tuple[float, float, float, float]) -> np.ndarray:
@@ -139,3 +140,30 @@ def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would
     assert policy.rounds_until_probe(False) == 1
     assert policy.choose() == 2 and policy.probing  # the probe is due at the very next choice
     assert policy.rounds_until_probe(True) == 16  # the loaded arm keeps its own schedule
+
+
+def test_stage_load_is_the_busiest_stages_share_of_the_recent_window() -> None:
+    """Sessions compete for the stages only while they are busy: behind slow links they mostly wait."""
+    load = StageLoad(window=1.0)
+    assert load.busiest(now=100.0) == 0.0
+    for index in range(10):  # ten results in the last second: stage 0 computed 30 ms each, stage 1 60 ms
+        trace = _trace((0.0, 0.0, 0.030, 0.031), (0.04, 0.04, 0.100, 0.101))
+        load.observe(protocol.Result(1, index, np.zeros(1, np.int64), 0, trace=trace), 99.1 + 0.09 * index)
+    assert load.busiest(now=100.0) == pytest.approx(0.6)
+    assert load.busiest(now=101.5) == 0.0  # all of it older than the window
+
+
+def test_best_k_and_a_new_sessions_prior_follow_the_pipelines_acceptance() -> None:
+    """`best_k` is the argmax of `choose` without its probes; a session forked later starts from the
+    acceptance the drafter reached in the pipeline's other sessions, not from 0.5."""
+    base = KPolicy(None, 8)
+    assert base.best_k() == 0  # no costs measured yet
+    first = base.fork("model")
+    for _ in range(30):  # 50 ms hops: a verify costs its round trip, a draft token 8 ms; all accepted
+        first.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.150))
+        first.record_round(RoundFacts(4, 4, draft_seconds=0.032, verify_seconds=0.155))
+        first.record_round(RoundFacts(8, 8, draft_seconds=0.064, verify_seconds=0.160))
+    assert first.best_k() == 8
+    second = base.fork("model")
+    assert second.alpha > 0.9 and base.fork("lookup").alpha == pytest.approx(0.5)
+    assert KPolicy(3, 8).best_k() == 3  # a fixed K is the best K

@@ -128,6 +128,18 @@ async def test_interleaved_runs_and_adaptive_speculation_stay_exact() -> None:
             assert max(stage.runs) <= 16
 
 
+async def test_a_new_pipeline_measures_its_draft_after_two_run_tokens_not_sixteen() -> None:
+    """While the draft's cost is unknown a run lasts 2 tokens, so the first probe comes early; once the
+    policy knows its costs, runs go back to 16 (or to its next probe)."""
+    stage = FakeRunStage(delay=0.0005)
+    coordinator = _coordinator(stage, protocol.MAX_RUN, NoisyDrafter(1000))
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=60))
+    assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 60)
+    assert stage.runs[0] == 2 and generation.stats.drafted > 0
+    assert not all(policy.exploring() for policy in session.policies.values())
+
+
 async def test_a_reply_that_fails_mid_run_leaves_the_session_exact_for_its_next_turn() -> None:
     """The reply's consumer fails after 5 tokens of a run of 200: a Cancel stops the stage at once (no
     generating for nobody), and the next turn replays the session, exactly."""

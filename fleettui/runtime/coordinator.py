@@ -3,8 +3,9 @@
 No UI code and no OpenVINO here: the coordinator speaks the wire protocol through a `Link` (ZeroMQ in
 production, anything with `request()` in tests) and keeps, per session, the full token history (so a lost
 stage can be rebuilt by replaying it) and a `CacheLedger` mirroring the pipeline's physical KV slots.
-Several sessions generate at once simply by running as concurrent tasks: each has one step in flight, and
-the stages serve whatever arrives, so while stage 1 works on user A, stage 0 works on user B.
+Several sessions generate at once simply by running as concurrent tasks: each has one step in flight (two
+when behind slow links its next round starts early, `fleettui.runtime.ahead`), and the stages serve
+whatever arrives, so while stage 1 works on user A, stage 0 works on user B.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
     NO_UNIFORMS,
@@ -33,8 +35,16 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
 )
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
-from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter, round_costs
-from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, Run, RunRounds
+from fleettui.runtime.pipelined import AheadRounds
+from fleettui.runtime.policy import (
+    LOADED_UTILIZATION,
+    KPolicy,
+    RoundFacts,
+    StageLoad,
+    choose_drafter,
+    round_costs,
+)
+from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, Run, RunRounds
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
@@ -69,9 +79,12 @@ class Session:
         self.target_epoch = -1
         self.draft_epoch = -1
         self.run: Run | None = None  # what the pipeline is generating on its own (fleettui.runtime.runs)
+        self.ahead: ahead_drafts.Ahead | None = None  # the next round, started while a round is verified
+        self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
+        self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
 
 
-class Coordinator(RunRounds):
+class Coordinator(RunRounds, AheadRounds):
     """Drives a pipeline (`target` link) and an optional drafter for many concurrent sessions."""
 
     def __init__(
@@ -97,6 +110,8 @@ class Coordinator(RunRounds):
         # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets it, since
         # only it knows whether the chain feeds its tokens back: one stage, or a last stage with a loop).
         self.max_run = 0
+        # The next round starts during this one when its wires leave the time (fleettui.runtime.pipelined).
+        self._ahead_fields(drafter)
         self.cancels: set[asyncio.Task[None]] = set()
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
@@ -105,6 +120,8 @@ class Coordinator(RunRounds):
         self._ids = itertools.count(1)
         # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
         self.result_observers: list[Callable[[protocol.Result, float], None]] = []
+        self.stage_load = StageLoad()
+        self.result_observers.append(self.stage_load.observe)
         # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch for what
         # was lost, rebuilds every session and sets `resume` again; `fatal` ends every session clearly.
         self.resume = asyncio.Event()
@@ -137,6 +154,7 @@ class Coordinator(RunRounds):
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
+        await self._drop_ahead(session, commit=True)
         try:
             await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
         except StageLost:  # a relaunched stage never knew it; the surviving ones are told before the rebuild
@@ -175,6 +193,7 @@ class Coordinator(RunRounds):
         target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
         if session.target_epoch != target_epoch:
             self._drop_run(session)
+            await self._drop_ahead(session, commit=False)
             await self._close_unclosed()
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
@@ -185,6 +204,7 @@ class Coordinator(RunRounds):
             self.replayed_tokens += len(prefix)
             session.target_epoch = target_epoch
         if session.draft_epoch != draft_epoch:
+            await self._drop_ahead(session, commit=True)
             if self.drafter is not None:
                 await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
             session.draft_epoch = draft_epoch
@@ -254,8 +274,9 @@ class Coordinator(RunRounds):
             generation = await self._generate_reply(session, prompt, params, on_tokens)
         except BaseException:
             self._drop_run(session)
-            raise
+            raise  # a round started ahead is waited for by the session's next use (or its close)
         await self._finish_run(session)
+        await self._drop_ahead(session, commit=True)
         return generation
 
     async def _generate_reply(
@@ -278,7 +299,7 @@ class Coordinator(RunRounds):
             k, draft, feed, result = round_.k, round_.draft, round_.feed, round_.result
             draft_seconds, verify_seconds = round_.draft_seconds, round_.verify_seconds
             prefilled = len(feed.tokens) != k + 1
-            catch_up = prefilled or draft.fed > self.max_k + 1
+            catch_up = prefilled or draft.fed > self.max_k + 1 or round_.pipelined
             own, compute = round_costs(result.trace, verify_seconds)
             facts = RoundFacts(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
@@ -343,10 +364,18 @@ class Coordinator(RunRounds):
         """One draft + verify round (the unit a recovery retries), or the next token of a run."""
         if session.run is not None:
             return await self._run_next(session)
+        settling = time.perf_counter()
+        ahead = await self._settle_ahead(session)
+        if ahead is not None and ahead.sent is not None:
+            pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
+            if pipelined is not None:
+                return pipelined
+        settled = time.perf_counter() - settling
         await self._maybe_compact(session)
+        draft_started = time.perf_counter() - settled
         sampling = params.sampling
         left = remaining - 1
-        loaded = sum(1 for other in self.sessions.values() if other.busy) > 1
+        loaded = self._loaded()
         drafter, policy = self.drafter, self.policy
         if params.spec_k is not None:
             k = min(params.spec_k, self.max_k, left)
@@ -357,14 +386,27 @@ class Coordinator(RunRounds):
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
             drafter = self.lookup if name == "lookup" else self.drafter
-        draft_started = time.perf_counter()
+        # The first round of a reply scores the prompt's last chunk without drafts: the first token never
+        # waits for a costly draft to catch up on the prompt (the next round does that).
+        opening = not generated and drafter is self.drafter and self.draft_ahead
+        k = 0 if opening else k
         draft = Draft.empty()
         asked = k
         if k > 0 and drafter is not None:
-            draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
+            ready = None
+            if ahead is not None and drafter is self.drafter:
+                ready = ahead.continuation(session.history, k)
+            if ready is not None:
+                draft = ready
+                self.ahead_counts["used"] += 1
+            else:
+                proposing = time.perf_counter()
+                draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
+                if drafter is self.drafter and draft.fed <= k + 2:  # (a catch-up on the history costs more)
+                    self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
         draft_seconds = time.perf_counter() - draft_started
         k = len(draft.tokens)
-        if k == 0 and left > 0 and self.max_run and hasattr(self.target, "stream"):  # (wrappers may not)
+        if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
             # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
@@ -372,12 +414,14 @@ class Coordinator(RunRounds):
                 # adaptive: the policy chooses again after a while, and by the time its next probe is due
                 counted = tuple(session.policies.values())
                 probe = min(candidate.rounds_until_probe(loaded) for candidate in counted)
+                if any(candidate.exploring(loaded=loaded) for candidate in counted):
+                    probe = min(probe, RUN_TOKENS_EXPLORING)  # measure the draft soon, not after 16 tokens
                 length = min(length, RUN_TOKENS_ADAPTIVE, probe)
             if length > 1:
                 first = await self._run_start(session, params, length, generated, policy, loaded, counted)
                 return dataclasses.replace(first, asked=asked, draft_seconds=draft_seconds)
         verify_started = time.perf_counter()
-        feed = session.ledger.plan(session.history + list(draft.tokens))
+        feed = session.ledger.plan(session.history + list(draft.tokens), scored=k + 1)
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
         decode = protocol.Decode(
             sampling.temperature,
@@ -389,9 +433,21 @@ class Coordinator(RunRounds):
             uniforms,
             **penalties(params, session.history, generated),
         )
-        result = await self._step(session, feed, decode)
+        session.outstanding = feed
+        if drafter is self.drafter:
+            self._maybe_draft_ahead(session, params, draft, feed, remaining, policy)
+        try:
+            result = await self._step(session, feed, decode)
+        finally:
+            session.outstanding = None
         verify_seconds = time.perf_counter() - verify_started
+        session.idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
         return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
+
+    def _loaded(self) -> bool:
+        """Whether sessions compete for the stages: several generate and the busiest stage is busy."""
+        others = sum(1 for other in self.sessions.values() if other.busy) > 1
+        return others and self.stage_load.busiest() >= LOADED_UTILIZATION
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""

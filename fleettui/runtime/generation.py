@@ -94,6 +94,7 @@ class Round:
     asked: int  # the K asked of the drafter (it may propose fewer)
     policy: KPolicy  # whose costs and acceptance this round updates
     loaded: bool  # other sessions were generating when it started
+    pipelined: bool = False  # its verify was sent before the previous result (its wait teaches no costs)
 
 
 def penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ draft model, speculation and multi-turn chat alike.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,16 +74,26 @@ class CacheLedger:
         """The token sequence the cache holds, in logical order."""
         return [self._tokens[slot] for slot in self._valid_slots]
 
-    def plan(self, sequence: list[int] | tuple[int, ...]) -> Feed:
-        """The step that moves the cache to hold `sequence` (always feeding at least its last token)."""
-        if not sequence:
-            raise ValueError("cannot plan an empty sequence")
+    def plan(self, sequence: list[int] | tuple[int, ...], scored: int = 1) -> Feed:
+        """The step that moves the cache to hold `sequence`, feeding at least its last `scored` tokens.
+
+        A verify step scores the last history token and every draft after it, so it feeds them all even
+        when the cache already holds them (the same prompt again: its cached reply is masked and re-fed).
+        """
+        if not 1 <= scored <= len(sequence):
+            raise ValueError(f"cannot plan {scored} scored tokens of a {len(sequence)}-token sequence")
         common = 0
-        limit = min(len(self._valid_slots), len(sequence) - 1)
+        limit = min(len(self._valid_slots), len(sequence) - scored)
         while common < limit and self._tokens[self._valid_slots[common]] == sequence[common]:
             common += 1
         rejected = self._valid_slots[common:]
         return Feed(self.cache_len, common, tuple(int(t) for t in sequence[common:]), _runs(rejected))
+
+    def plan_after(self, pending: Feed, sequence: list[int] | tuple[int, ...], scored: int = 1) -> Feed:
+        """`plan` as if `pending` (a step sent, its result not yet back) were committed; the ledger is unchanged."""
+        ahead = copy.deepcopy(self)
+        ahead.commit(pending)
+        return ahead.plan(sequence, scored)
 
     def commit(self, feed: Feed, extra: tuple[int, ...] = ()) -> None:
         """Record that `feed` was applied (plus `extra` tokens a draft fed after it)."""

@@ -2,20 +2,23 @@
 
 Costs are fitted per pipeline (`CostModel`, shared by every session): a verify of K + 1 tokens costs
 - alone (one session generating): its own latency, the round trip minus time spent queued at the stages;
-- loaded (several sessions at once): what it takes from the busiest stage, its compute, since the pipeline
-  is then bound by that stage's throughput and not by one session's latency.
+- loaded (several sessions at once while the busiest stage computes at least half the time, `StageLoad`):
+  what it takes from the busiest stage, its compute, since the pipeline is then bound by that stage's
+  throughput and not by one session's latency.
 Both come from the stages' own traces (received / started / finished / sent), not from wall time, so a
 session's rounds are not charged for the queue other sessions build. Acceptance is per session and drafter.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from remote_worker import protocol
 from remote_worker.protocol import trace_records
 
 
@@ -75,6 +78,35 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     return max(wall_seconds - queued, compute), compute
 
 
+LOADED_UTILIZATION = 0.5  # the busiest stage computing this share of the time: sessions compete for it
+
+
+class StageLoad:
+    """How busy the busiest stage was over the last `window` seconds, from the traces of the results.
+
+    Several sessions generating at once compete for the stages only when the stages are busy: behind slow
+    links they mostly wait on the wires, and each session's rounds then cost their own latency, as alone.
+    """
+
+    def __init__(self, window: float = 1.0) -> None:
+        self.window = window
+        self._records: deque[tuple[float, int, float]] = deque(maxlen=4096)  # (received, stage, busy s)
+
+    def observe(self, result: protocol.Result, received: float) -> None:
+        for stage, _received, started, finished, _sent in trace_records(result.trace):
+            self._records.append((received, int(stage), max(finished - started, 0.0)))
+
+    def busiest(self, now: float | None = None) -> float:
+        """Share of the last `window` seconds the busiest stage spent computing (0 without results)."""
+        since = (time.time() if now is None else now) - self.window
+        busy: dict[int, float] = {}
+        for received, stage, seconds in reversed(self._records):
+            if received < since:
+                break
+            busy[stage] = busy.get(stage, 0.0) + seconds
+        return max(busy.values(), default=0.0) / self.window
+
+
 @dataclass
 class _Realized:
     """Tokens per second actually achieved by one arm (plain decoding or one drafter), decayed."""
@@ -110,6 +142,7 @@ class CostModel:
     compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, _LinearCost] = field(default_factory=dict)
     realized: dict[tuple[str, bool], _Realized] = field(default_factory=dict)
+    acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
 
@@ -190,8 +223,16 @@ class KPolicy:
         self.probing = False
 
     def fork(self, drafter: str) -> KPolicy:
-        """A fresh policy for one session and drafter, sharing this pipeline's costs and settings."""
-        return KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter)
+        """A fresh policy for one session and drafter, sharing this pipeline's costs and settings.
+
+        Its prior acceptance (weight 2, as the default 1:1) leans to what the drafter achieved in this
+        pipeline's other sessions, so a new session does not start from alpha = 0.5 every time.
+        """
+        policy = KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter)
+        accepted, rejected = self.costs.acceptance.get(drafter, (1.0, 1.0))
+        share = min(max(accepted / max(accepted + rejected, 1e-9), 0.05), 0.95)
+        policy._accepted, policy._rejected = 2 * share, 2 * (1 - share)
+        return policy
 
     @property
     def alpha(self) -> float:
@@ -222,6 +263,9 @@ class KPolicy:
         if k > 0:
             self._accepted = self._accepted * decay + accepted
             self._rejected = self._rejected * decay + (1 if accepted < k else 0)
+            shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
+            shared[0] = shared[0] * decay + accepted
+            shared[1] = shared[1] * decay + (1 if accepted < k else 0)
             if not catch_up:
                 self.costs.draft(self.drafter).add(k, draft_seconds)
         if not catch_up:
@@ -262,6 +306,17 @@ class KPolicy:
         hit = self.hit_rate
         # a miss (nothing proposed) is a plain step at the cost of the lookup
         return (hit * tokens + (1 - hit)) / max(draft + hit * verify + (1 - hit) * plain, 1e-6)
+
+    def exploring(self, free_draft: bool = False, loaded: bool = False) -> bool:
+        """Whether the costs to choose K are still unknown (the plain step's or the draft's)."""
+        return self.expected_rate(min(3, self.max_k), free_draft, loaded) is None
+
+    def best_k(self, free_draft: bool = False, loaded: bool = False) -> int:
+        """The K with the highest expected rate now (no probe, no bookkeeping; 0 while costs are unknown)."""
+        if self.fixed_k is not None:
+            return self.fixed_k
+        rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.max_k + 1)}
+        return max(rates, key=rates.__getitem__)
 
     def choose(self, free_draft: bool = False, loaded: bool = False) -> int:
         self.probing = False

@@ -31,6 +31,7 @@ from remote_worker import protocol
 log = logging.getLogger(__name__)
 
 RUN_TOKENS_ADAPTIVE = 16  # with adaptive speculation the policy chooses again after this many run tokens
+RUN_TOKENS_EXPLORING = 2  # ... and after this many while it has not measured the draft yet
 
 
 @dataclass

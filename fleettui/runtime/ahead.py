@@ -1,0 +1,156 @@
+"""Provides drafting ahead and pipelined verification: the next round starts while this one is on the wires.
+
+On slow links a speculative round spends most of its wall time between stages, and the cores are idle
+meanwhile. So while round r is verified, the draft proposes round r + 1 on the assumption that round r
+accepts every draft token and that the target's bonus token is the draft's own next guess; as soon as that
+proposal is ready, round r + 1's verify step is sent too (pipelined, PipeInfer-style), planned on a copy of
+the cache ledger that already holds round r's step — the stages serve a session's steps in order, so it
+lands right behind round r. When round r's result arrives:
+
+- the assumption held (history = assumed + the guessed bonus): round r + 1's result is the next round,
+  already under way or back;
+- it failed: round r + 1's verify is dropped (its slots are committed to the ledger all the same and masked
+  by the next step, like any rejected draft) and the next round starts afresh from the true history.
+
+The target verifies every token against the true prefix, so neither the draft nor a dropped verify can
+change the output. Greedy only (a sampled round draws the session's RNG in the order of the rounds); the
+verify is sent ahead only without penalties (they depend on the reply so far).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleettui.runtime.ledger import Feed
+from fleettui.runtime.speculation import Draft, Drafter, Sampling
+from remote_worker import protocol
+from remote_worker.protocol import trace_records
+
+log = logging.getLogger(__name__)
+GREEDY = Sampling()
+_NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
+
+
+@dataclass
+class Sent:
+    """The verify step of the round after the one in flight, sent before that one's result came back."""
+
+    draft: Draft  # its K drafts (after the guessed bonus)
+    feed: Feed
+    reply: asyncio.Future[protocol.Message]
+    sent_at: float = field(default_factory=time.perf_counter)
+
+    def drop(self) -> None:
+        """Nobody will read the reply (its failure, if any, is retrieved here, not reported)."""
+        self.reply.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future[protocol.Message]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclass
+class Ahead:
+    """A proposal of K + 1 tokens after `assumed` (a round's history and drafts), and maybe the next verify."""
+
+    assumed: list[int]
+    k: int  # the K of the next round (a verify sent ahead checks as many drafts)
+    after: Feed  # that round's step: a verify sent ahead goes right behind it, while it is outstanding
+    task: asyncio.Future[Draft] = field(init=False)
+    started: float = field(default_factory=time.perf_counter)
+    seconds: float = 0.0  # how long the proposal took (set when it is done)
+    sent: Sent | None = None
+
+    def holds(self, history: list[int]) -> bool:
+        """Whether the round went as assumed: every draft accepted, then the draft's guess as the bonus."""
+        if not self.task.done() or self.task.cancelled() or self.task.exception() is not None:
+            return False
+        guess = self.task.result().tokens[:1]
+        return len(history) == len(self.assumed) + 1 and tuple(history[-1:]) == guess
+
+    def continuation(self, history: list[int], k: int) -> Draft | None:
+        """The next K drafts when the round went as assumed, else None."""
+        if k <= 0 or not self.holds(history):
+            return None
+        proposal = self.task.result()
+        end = 1 + k
+        return Draft(proposal.tokens[1:end], proposal.ids[1:end], proposal.probs[1:end])
+
+
+SendAhead = Callable[[Ahead, Draft], Sent | None]
+
+
+def start(drafter: Drafter, session: int, ahead: Ahead, tokens: int, send: SendAhead | None = None) -> Ahead:
+    """Propose `tokens` + 1 greedy tokens after `ahead.assumed` in the background (the first one guesses the
+    bonus); then `send` may start the next round's verify with them."""
+    ahead.task = asyncio.ensure_future(_propose(ahead, drafter, session, tokens, send))
+
+    def done(task: asyncio.Future[Draft]) -> None:
+        ahead.seconds = time.perf_counter() - ahead.started
+        # the exception is retrieved here (no "never retrieved" warning); the next proposal reports the loss
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("session %d: drafting ahead failed: %s", session, task.exception())
+
+    ahead.task.add_done_callback(done)
+    return ahead
+
+
+async def _propose(
+    ahead: Ahead, drafter: Drafter, session: int, tokens: int, send: SendAhead | None
+) -> Draft:
+    proposal = await drafter.propose(session, ahead.assumed, tokens + 1, GREEDY, _NO_RNG)
+    if send is not None:
+        ahead.sent = send(ahead, proposal)
+        if ahead.sent is not None:
+            await asyncio.sleep(0)  # the request sends on its first step: before anything after this proposal
+    return proposal
+
+
+async def settle(ahead: Ahead | None) -> Ahead | None:
+    """Wait until `ahead`'s proposal is done (the draft serves one request per session at a time); None if
+    it failed (a verify it sent is dropped then).
+
+    The wait is shielded: a cancelled caller leaves the proposal to finish (a proposal cut off halfway would
+    leave the draft's cache and its ledger apart), and the next settle waits for it again.
+    """
+    if ahead is None:
+        return None
+    with contextlib.suppress(Exception):
+        await asyncio.shield(ahead.task)
+    if ahead.task.cancelled() or ahead.task.exception() is not None:
+        return None
+    return ahead
+
+
+def wire_seconds(trace: np.ndarray, wall_seconds: float) -> float:
+    """Seconds of a round's wall time its step spent on no stage (on the wires, in the coordinator)."""
+    records = trace_records(trace)
+    if not records:
+        return 0.0
+    at_stages = sum(max(finished - received, 0.0) for _stage, received, _started, finished, _sent in records)
+    return max(wall_seconds - at_stages, 0.0)
+
+
+@dataclass
+class AheadCost:
+    """Seconds per drafted token (decayed) — what drafting K + 1 tokens ahead will take."""
+
+    per_token: float | None = None
+
+    def add(self, tokens: int, seconds: float, decay: float = 0.8) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        sample = seconds / tokens
+        self.per_token = sample if self.per_token is None else decay * self.per_token + (1 - decay) * sample
+
+    def fits(self, tokens: int, idle_seconds: float) -> bool:
+        """Whether drafting `tokens` ahead is hidden by `idle_seconds` of the round it overlaps."""
+        return self.per_token is not None and self.per_token * tokens <= idle_seconds
