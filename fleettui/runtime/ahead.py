@@ -116,7 +116,7 @@ async def _propose(
 
 async def settle(ahead: Ahead | None) -> Ahead | None:
     """Wait until `ahead`'s proposal is done (the draft serves one request per session at a time); None if
-    it failed (a verify it sent is dropped then).
+    it failed (then it sent no verify).
 
     The wait is shielded: a cancelled caller leaves the proposal to finish (a proposal cut off halfway would
     leave the draft's cache and its ledger apart), and the next settle waits for it again.
