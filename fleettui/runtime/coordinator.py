@@ -32,6 +32,7 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
     Round,
     TokenCallback,
     penalties,
+    verify_decode,
 )
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.limits import validate_request
@@ -423,16 +424,7 @@ class Coordinator(RunRounds, AheadRounds):
         verify_started = time.perf_counter()
         feed = session.ledger.plan(session.history + list(draft.tokens), scored=k + 1)
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
-        decode = protocol.Decode(
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            np.array(draft.tokens, np.int64),
-            np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
-            np.asarray(draft.probs, np.float32),
-            uniforms,
-            **penalties(params, session.history, generated),
-        )
+        decode = verify_decode(params, draft, uniforms, session.history, generated)
         session.outstanding = feed
         if drafter is self.drafter:
             self._maybe_draft_ahead(session, params, draft, feed, remaining, policy)

@@ -97,6 +97,23 @@ class Round:
     pipelined: bool = False  # its verify was sent before the previous result (its wait teaches no costs)
 
 
+def verify_decode(
+    params: GenerationParams, draft: Draft, uniforms: np.ndarray, history: list[int], generated: list[int]
+) -> protocol.Decode:
+    """The Decode of a verify step: the request's sampling, the drafts and their proposals, the penalties."""
+    sampling = params.sampling
+    return protocol.Decode(
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        np.array(draft.tokens, np.int64),
+        np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
+        np.asarray(draft.probs, np.float32),
+        uniforms,
+        **penalties(params, history, generated),
+    )
+
+
 def penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
     """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
 

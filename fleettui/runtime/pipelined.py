@@ -9,14 +9,13 @@ outstanding one went as assumed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
-
 from fleettui.runtime import ahead as ahead_drafts
-from fleettui.runtime.generation import NO_UNIFORMS, GenerationParams, Round
+from fleettui.runtime.generation import NO_UNIFORMS, GenerationParams, Round, verify_decode
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.speculation import Draft, Drafter
@@ -46,14 +45,12 @@ class AheadRounds:
     policy: KPolicy
     result_observers: list[Callable[[protocol.Result, float], None]]
     draft_ahead: bool  # drafts may be proposed ahead (a costly model draft); set by the coordinator
-    pipelined: bool  # ... and their verify sent before the outstanding round's result
     ahead_cost: ahead_drafts.AheadCost
     ahead_counts: dict[str, int]
     _loaded: Callable[[], bool]  # whether sessions compete for the stages (the coordinator's)
 
     def _ahead_fields(self, drafter: Drafter | None) -> None:
         self.draft_ahead = drafter is not None and getattr(drafter, "costs_time", True)
-        self.pipelined = self.draft_ahead
         self.ahead_cost = ahead_drafts.AheadCost()
         self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "pipelined": 0}
 
@@ -85,9 +82,9 @@ class AheadRounds:
             or not self.ahead_cost.fits(tokens + 1, session.idle)  # + 1: the guess of the bonus token
         ):
             return
-        send = self._send_ahead if self.pipelined and not params.penalized else None
+        send = None if params.penalized else functools.partial(self._send_ahead, session, params)
         pending = ahead_drafts.Ahead(session.history + list(draft.tokens), tokens, feed)
-        ahead_drafts.start(self.drafter, session.id, pending, tokens, _for(session, params, send))
+        ahead_drafts.start(self.drafter, session.id, pending, tokens, send)
         session.ahead = pending
         self.ahead_counts["started"] += 1
 
@@ -107,16 +104,9 @@ class AheadRounds:
         feed = (
             ledger.plan(sequence, scored) if committed else ledger.plan_after(ahead.after, sequence, scored)
         )
-        sampling = params.sampling
-        decode = protocol.Decode(
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            np.array(draft.tokens, np.int64),
-            np.asarray(draft.ids, np.int64),
-            np.asarray(draft.probs, np.float32),
-            NO_UNIFORMS,
-        )
+        decode = verify_decode(
+            params, draft, NO_UNIFORMS, sequence, []
+        )  # greedy, no penalties: nothing drawn
         reply = asyncio.ensure_future(self.target.request(feed.step(session.id, decode)))
         self.ahead_counts["sent"] += 1
         return ahead_drafts.Sent(draft, feed, reply)
@@ -180,14 +170,3 @@ class AheadRounds:
         k = len(sent.draft.tokens)
         loaded = self._loaded()
         return Round(k, sent.draft, sent.feed, reply, draft_seconds, now - waiting, k, policy, loaded, True)
-
-
-def _for(
-    session: AheadSession,
-    params: GenerationParams,
-    send: Callable[[AheadSession, GenerationParams, ahead_drafts.Ahead, Draft], ahead_drafts.Sent | None]
-    | None,
-) -> ahead_drafts.SendAhead | None:
-    if send is None:
-        return None
-    return lambda ahead, proposal: send(session, params, ahead, proposal)
