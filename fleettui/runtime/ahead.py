@@ -12,6 +12,11 @@ lands right behind round r. When round r's result arrives:
 - it failed: round r + 1's verify is dropped (its slots are committed to the ledger all the same and masked
   by the next step, like any rejected draft) and the next round starts afresh from the true history.
 
+Rounds ahead chain: once a verify is sent ahead, the draft goes on to the round after it (assuming that
+one holds too), up to `DEPTH` verifies on the wires behind the outstanding one, so on slow links a run of
+well-drafted rounds is paced by the draft, not by the round trip. A round that fails drops every round
+after it.
+
 The target verifies every token against the true prefix, so neither the draft nor a dropped verify can
 change the output. Greedy only (a sampled round draws the session's RNG in the order of the rounds); the
 verify is sent ahead only without penalties (they depend on the reply so far).
@@ -35,6 +40,8 @@ from remote_worker.protocol import trace_records
 
 log = logging.getLogger(__name__)
 GREEDY = Sampling()
+DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
+HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
 _NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
 
 
@@ -64,6 +71,7 @@ class Ahead:
     assumed: list[int]
     k: int  # the K of the next round (a verify sent ahead checks as many drafts)
     after: Feed  # that round's step: a verify sent ahead goes right behind it, while it is outstanding
+    remaining: int  # tokens the reply has left when the next round starts (if the rounds before held)
     task: asyncio.Future[Draft] = field(init=False)
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # how long the proposal took (set when it is done)
@@ -83,6 +91,17 @@ class Ahead:
         proposal = self.task.result()
         end = 1 + k
         return Draft(proposal.tokens[1:end], proposal.ids[1:end], proposal.probs[1:end])
+
+
+def deep_enough(chain: int, alpha: float, k: int, loaded: bool) -> bool:
+    """Whether a round may start behind `chain` rounds started ahead already: at most `DEPTH`, and beyond
+    the first only while the stages are not `loaded` (a dropped verify takes compute from other sessions)
+    and the rounds before it likely hold (each needs its K drafts and the guessed bonus accepted, `alpha`
+    per token): a round that fails drops every one after it, and a proposal under way delays the fresh
+    round that follows the failure."""
+    if chain >= DEPTH:
+        return False
+    return chain == 0 or (not loaded and alpha ** ((k + 1) * chain) >= HOLDS)
 
 
 SendAhead = Callable[[Ahead, Draft], Sent | None]

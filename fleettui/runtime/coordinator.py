@@ -3,8 +3,8 @@
 No UI code and no OpenVINO here: the coordinator speaks the wire protocol through a `Link` (ZeroMQ in
 production, anything with `request()` in tests) and keeps, per session, the full token history (so a lost
 stage can be rebuilt by replaying it) and a `CacheLedger` mirroring the pipeline's physical KV slots.
-Several sessions generate at once simply by running as concurrent tasks: each has one step in flight (two
-when behind slow links its next round starts early, `fleettui.runtime.ahead`), and the stages serve
+Several sessions generate at once simply by running as concurrent tasks: each has one step in flight (more
+when behind slow links its next rounds start early, `fleettui.runtime.ahead`), and the stages serve
 whatever arrives, so while stage 1 works on user A, stage 0 works on user B.
 """
 
@@ -80,7 +80,7 @@ class Session:
         self.target_epoch = -1
         self.draft_epoch = -1
         self.run: Run | None = None  # what the pipeline is generating on its own (fleettui.runtime.runs)
-        self.ahead: ahead_drafts.Ahead | None = None  # the next round, started while a round is verified
+        self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
         self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
 
@@ -371,6 +371,7 @@ class Coordinator(RunRounds, AheadRounds):
             pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
             if pipelined is not None:
                 return pipelined
+        await self._drop_ahead(session, commit=True)  # the rounds after one that went otherwise
         settled = time.perf_counter() - settling
         await self._maybe_compact(session)
         draft_started = time.perf_counter() - settled
@@ -427,7 +428,7 @@ class Coordinator(RunRounds, AheadRounds):
         decode = verify_decode(params, draft, uniforms, session.history, generated)
         session.outstanding = feed
         if drafter is self.drafter:
-            self._maybe_draft_ahead(session, params, draft, feed, remaining, policy)
+            self._maybe_draft_ahead(session, params, session.history, draft, feed, remaining, policy)
         try:
             result = await self._step(session, feed, decode)
         finally:

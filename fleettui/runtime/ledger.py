@@ -11,6 +11,7 @@ draft model, speculation and multi-turn chat alike.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,10 +90,15 @@ class CacheLedger:
         rejected = self._valid_slots[common:]
         return Feed(self.cache_len, common, tuple(int(t) for t in sequence[common:]), _runs(rejected))
 
-    def plan_after(self, pending: Feed, sequence: list[int] | tuple[int, ...], scored: int = 1) -> Feed:
-        """`plan` as if `pending` (a step sent, its result not yet back) were committed; the ledger is unchanged."""
+    def plan_after(
+        self, pending: Sequence[Feed], sequence: list[int] | tuple[int, ...], scored: int = 1
+    ) -> Feed:
+        """`plan` as if the `pending` steps (sent in this order, their results not yet back) were committed;
+        those already committed are skipped. The ledger is unchanged."""
         ahead = copy.deepcopy(self)
-        ahead.commit(pending)
+        for feed in pending:
+            if feed.cache_len >= ahead.cache_len:  # committed steps lie below the physical length
+                ahead.commit(feed)
         return ahead.plan(sequence, scored)
 
     def commit(self, feed: Feed, extra: tuple[int, ...] = ()) -> None:

@@ -2,8 +2,8 @@
 
 See `fleettui.runtime.ahead` for the idea and its exactness. This mixin decides when to start the next
 round early (greedy, a costly model draft, and the last round left the proposal's time idle on the wires),
-sends that round's verify right behind the outstanding one, and turns it into the next round when the
-outstanding one went as assumed.
+sends that round's verify right behind the outstanding one (and goes on to the round after it, up to
+`ahead.DEPTH` verifies ahead), and turns it into the next round when the outstanding one went as assumed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class AheadSession(Protocol):
     ledger: CacheLedger
     busy: bool
     policies: dict[str, KPolicy]
-    ahead: ahead_drafts.Ahead | None
+    ahead: list[ahead_drafts.Ahead]  # the rounds started ahead, in order; the first follows `outstanding`
     outstanding: Feed | None  # the verify step whose result the session's round is waiting for
     idle: float  # seconds its last verify round spent on no stage (what drafting ahead can hide)
 
@@ -52,26 +52,30 @@ class AheadRounds:
     def _ahead_fields(self, drafter: Drafter | None) -> None:
         self.draft_ahead = drafter is not None and getattr(drafter, "costs_time", True)
         self.ahead_cost = ahead_drafts.AheadCost()
-        self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "pipelined": 0}
+        # started: proposals ahead; used: as the next drafts; sent: verifies ahead (chained: behind another)
+        self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "chained": 0, "pipelined": 0}
 
     def _maybe_draft_ahead(
         self,
         session: AheadSession,
         params: GenerationParams,
+        history: list[int],
         draft: Draft,
         feed: Feed,
         remaining: int,
         policy: KPolicy,
     ) -> None:
-        """Start the next round (its draft, then its verify) while `feed` is verified, when the last round
-        left the wires idle long enough to hide the proposal and the reply goes on after this round.
+        """Start the round after the one whose verify is `feed` (`draft` after `history`, `remaining` tokens
+        left at it): its draft, then its verify. Only when the last round left the wires idle long enough to
+        hide the proposal, the reply goes on after that round, and the chain may grow (`ahead.deep_enough`).
 
         The next round's K is this round's when K is fixed, else the best K of the session's `policy` now
         (the policy sees each round, those started ahead included, so K follows acceptance along a chain).
         """
         k = len(draft.tokens)
         fixed = params.spec_k is not None or policy.fixed_k is not None
-        tokens = k if fixed else min(self.max_k, policy.best_k(loaded=self._loaded()))
+        loaded = self._loaded()
+        tokens = k if fixed else min(self.max_k, policy.best_k(loaded=loaded))
         if (
             not self.draft_ahead
             or self.drafter is None
@@ -79,61 +83,77 @@ class AheadRounds:
             or tokens == 0
             or not params.sampling.greedy
             or remaining <= k + 2
+            or not ahead_drafts.deep_enough(len(session.ahead), policy.alpha, tokens, loaded)
             or not self.ahead_cost.fits(tokens + 1, session.idle)  # + 1: the guess of the bonus token
         ):
             return
-        send = None if params.penalized else functools.partial(self._send_ahead, session, params)
-        pending = ahead_drafts.Ahead(session.history + list(draft.tokens), tokens, feed)
+        send = None if params.penalized else functools.partial(self._send_ahead, session, params, policy)
+        pending = ahead_drafts.Ahead([*history, *draft.tokens], tokens, feed, remaining - (k + 1))
+        session.ahead.append(pending)
         ahead_drafts.start(self.drafter, session.id, pending, tokens, send)
-        session.ahead = pending
         self.ahead_counts["started"] += 1
 
     def _send_ahead(
-        self, session: AheadSession, params: GenerationParams, ahead: ahead_drafts.Ahead, proposal: Draft
+        self,
+        session: AheadSession,
+        params: GenerationParams,
+        policy: KPolicy,
+        ahead: ahead_drafts.Ahead,
+        proposal: Draft,
     ) -> ahead_drafts.Sent | None:
-        """Send the verify of the round after `ahead.after` now, if that round's result is still outstanding."""
-        if session.outstanding is not ahead.after or len(proposal.tokens) < 2 or session.ahead is not ahead:
+        """Send the verify of the round after `ahead.after` now, if that round's result is still to come (it
+        is outstanding, or sent ahead itself); then start the round after this one."""
+        chain = session.ahead
+        index = next((i for i, link in enumerate(chain) if link is ahead), None)
+        if index is None or len(proposal.tokens) < 2:
+            return None
+        before = [link.sent.feed for link in chain[:index] if link.sent is not None]
+        behind = before[-1] if index else session.outstanding
+        if len(before) != index or behind is not ahead.after:
             return None
         end = 1 + ahead.k
         draft = Draft(proposal.tokens[1:end], proposal.ids[1:end], proposal.probs[1:end])
-        sequence = [*ahead.assumed, proposal.tokens[0], *draft.tokens]
-        scored = len(draft.tokens) + 1
-        ledger = session.ledger
-        # the outstanding step is committed when its result comes, or was when it was sent (sent ahead itself)
-        committed = ledger.cache_len != ahead.after.cache_len
-        feed = (
-            ledger.plan(sequence, scored) if committed else ledger.plan_after(ahead.after, sequence, scored)
-        )
+        history = [*ahead.assumed, proposal.tokens[0]]
+        sequence = [*history, *draft.tokens]
+        # the steps before it are committed when their results come (or were when sent ahead themselves)
+        pending = [session.outstanding, *before] if session.outstanding is not None else before
+        feed = session.ledger.plan_after(pending, sequence, len(draft.tokens) + 1)
         decode = verify_decode(
             params, draft, NO_UNIFORMS, sequence, []
         )  # greedy, no penalties: nothing drawn
         reply = asyncio.ensure_future(self.target.request(feed.step(session.id, decode)))
         self.ahead_counts["sent"] += 1
-        return ahead_drafts.Sent(draft, feed, reply)
+        self.ahead_counts["chained"] += index > 0
+        ahead.sent = ahead_drafts.Sent(draft, feed, reply)
+        if chain[-1] is ahead:
+            self._maybe_draft_ahead(session, params, history, draft, feed, ahead.remaining, policy)
+        return ahead.sent
 
     async def _settle_ahead(self, session: AheadSession) -> ahead_drafts.Ahead | None:
-        """Wait for the round started ahead (if any), learn its draft's cost; returns it unless it failed."""
-        pending, session.ahead = session.ahead, None
-        if pending is None:
+        """Wait for the first round started ahead (if any), learn its draft's cost; returns it unless it
+        failed. It leaves the chain: the rounds after it now follow the round it becomes (or is dropped)."""
+        if not session.ahead:
             return None
+        pending = session.ahead.pop(0)
         try:
             settled = await ahead_drafts.settle(pending)
         except BaseException:
-            session.ahead = pending  # cancelled while waiting: the next use of the draft waits again
+            session.ahead.insert(0, pending)  # cancelled while waiting: the next use of the draft waits again
             raise
         if settled is not None:
             self.ahead_cost.add(len(settled.task.result().tokens), settled.seconds)
         return settled
 
     async def _drop_ahead(self, session: AheadSession, commit: bool) -> None:
-        """Settle the round started ahead and drop it; a verify it sent is committed to the ledger (`commit`,
-        the stages apply it all the same) or not (the ledger is being reset)."""
-        settled = await self._settle_ahead(session)
-        if settled is not None and settled.sent is not None:
-            sent, settled.sent = settled.sent, None
-            if commit:
-                session.ledger.commit(sent.feed)
-            sent.drop()
+        """Settle every round started ahead and drop them; the verifies they sent are committed to the ledger
+        in order (`commit`, the stages apply them all the same) or not (the ledger is being reset)."""
+        while session.ahead:
+            settled = await self._settle_ahead(session)
+            if settled is not None and settled.sent is not None:
+                sent, settled.sent = settled.sent, None
+                if commit:
+                    session.ledger.commit(sent.feed)
+                sent.drop()
 
     async def _pipelined_round(
         self,
@@ -143,7 +163,8 @@ class AheadRounds:
         remaining: int,
         draft_started: float,
     ) -> Round | None:
-        """The round whose verify was sent ahead, if the round before went as assumed (else it is dropped)."""
+        """The round whose verify was sent ahead, if the round before went as assumed (else it is dropped,
+        and the caller drops the rounds after it)."""
         sent, ahead.sent = ahead.sent, None
         assert sent is not None
         session.ledger.commit(sent.feed)  # applied by the stages whatever its fate; the next step masks it
@@ -155,7 +176,10 @@ class AheadRounds:
         waiting = time.perf_counter()
         session.outstanding = sent.feed
         policy = session.policies.get("model") or self.policy
-        self._maybe_draft_ahead(session, params, sent.draft, sent.feed, remaining, policy)
+        if not session.ahead:  # else the round after it is under way already
+            self._maybe_draft_ahead(
+                session, params, session.history, sent.draft, sent.feed, remaining, policy
+            )
         try:
             reply = await sent.reply
         finally:
