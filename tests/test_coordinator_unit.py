@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.policy import RoundFacts
@@ -490,4 +491,50 @@ async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() 
     generation = await coordinator.generate(session, PROMPTS[1], GenerationParams(max_tokens=20))
     assert list(generation.token_ids) == _plain_greedy(PROMPTS[1], 20)
     assert not drafter.overlapped
+    await coordinator.close_session(session)
+
+
+class LagDrafter(TimedDrafter):
+    """A timed drafter that records, per proposal, how many history tokens it had not seen before."""
+
+    def __init__(self, per_token: float) -> None:
+        super().__init__(1000, per_token)
+        self.seen: dict[int, int] = {}
+        self.lags: list[tuple[int, int]] = []  # (K asked, tokens it had to catch up on)
+
+    async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
+        self.lags.append((k, len(history) - self.seen.get(session, 0)))
+        self.seen[session] = len(history) + k - 1
+        return await super().propose(session, history, k, sampling, rng)
+
+
+@pytest.mark.parametrize(("wire", "keep_up"), [(0.01, True), (0.01, False), (0.001, True)])
+async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
+    wire: float, keep_up: bool
+) -> None:
+    """A costly draft loses, so the policy decodes plainly and probes now and then; behind links that leave
+    the cores idle (10 ms a step) the draft reads what it missed in the background (every KEEP_UP tokens, and
+    the prompt while the stages prefill it), so a probe never catches up on more. On a LAN (1 ms) it does not
+    (it would take its compute from the stages). The output is plain greedy in every case."""
+    drafter = LagDrafter(per_token=0.05)
+    coordinator = Coordinator(WiredPipeline(wire=wire), None, drafter, max_k=4)
+    coordinator.draft_ahead = keep_up
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=120))
+    assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 120)
+    assert not drafter.overlapped
+    probes = [lag for k, lag in drafter.lags if k >= 2]
+    assert probes  # the policy probed the draft while decoding plainly
+    if wire < 0.005:
+        assert coordinator.ahead_counts["kept_up"] == 0
+        return
+    if keep_up:
+        assert coordinator.ahead_counts["kept_up"] >= 3
+        assert max(probes) <= KEEP_UP + 1
+    else:
+        assert max(probes) > KEEP_UP + 1
+    # a request that switches speculation off leaves the draft alone
+    before = len(drafter.lags)
+    await coordinator.generate(session, PROMPTS[1], GenerationParams(max_tokens=40, spec_k=0))
+    assert len(drafter.lags) == before
     await coordinator.close_session(session)

@@ -41,8 +41,11 @@ from remote_worker.protocol import trace_records
 log = logging.getLogger(__name__)
 GREEDY = Sampling()
 DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
+KEEP_UP = 8  # history tokens the draft may miss (plain rounds, runs) before it is fed in the background
+KEEP_UP_IDLE = 0.005  # ... when a round leaves at least this many seconds on the wires (not on a LAN)
 HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
 _NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
+_NOTHING = Feed(0, 0, (), ())  # what a keep-up follows (it sends no verify)
 
 
 @dataclass
@@ -84,9 +87,14 @@ class Ahead:
         guess = self.task.result().tokens[:1]
         return len(history) == len(self.assumed) + 1 and tuple(history[-1:]) == guess
 
+    @property
+    def keep_up(self) -> bool:
+        """A proposal that only feeds the draft the history (`keep_up`), not a round."""
+        return self.k == 0
+
     def continuation(self, history: list[int], k: int) -> Draft | None:
         """The next K drafts when the round went as assumed, else None."""
-        if k <= 0 or not self.holds(history):
+        if k <= 0 or self.keep_up or not self.holds(history):
             return None
         proposal = self.task.result()
         end = 1 + k
@@ -102,6 +110,13 @@ def deep_enough(chain: int, alpha: float, k: int, loaded: bool) -> bool:
     if chain >= DEPTH:
         return False
     return chain == 0 or (not loaded and alpha ** ((k + 1) * chain) >= HOLDS)
+
+
+def keep_up(drafter: Drafter, session: int, history: list[int]) -> Ahead:
+    """Feed the draft `history` in the background (it proposes one token, unused): after plain rounds or
+    runs, or while the stages prefill a prompt, so the next round pays for its K drafts only, not for the
+    draft's catch-up on what it missed. Waited for like a round ahead, but only when the draft is used."""
+    return start(drafter, session, Ahead(list(history), 0, _NOTHING, 0), 0)
 
 
 SendAhead = Callable[[Ahead, Draft], Sent | None]

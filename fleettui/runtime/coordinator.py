@@ -83,6 +83,7 @@ class Session:
         self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
         self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
+        self.drafted_at = 0  # the history's length when the model draft was last asked to propose
 
 
 class Coordinator(RunRounds, AheadRounds):
@@ -208,6 +209,7 @@ class Coordinator(RunRounds, AheadRounds):
             await self._drop_ahead(session, commit=True)
             if self.drafter is not None:
                 await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
+            session.drafted_at = 0
             session.draft_epoch = draft_epoch
 
     async def _close_unclosed(self) -> None:
@@ -302,9 +304,10 @@ class Coordinator(RunRounds, AheadRounds):
             prefilled = len(feed.tokens) != k + 1
             catch_up = prefilled or draft.fed > self.max_k + 1 or round_.pipelined
             own, compute = round_costs(result.trace, verify_seconds)
+            several = sum(1 for other in self.sessions.values() if other.busy) > 1
             facts = RoundFacts(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
-                round_.loaded, prefilled,
+                round_.loaded, prefilled, several, draft.computed,
             )  # fmt: skip
             round_.policy.record_round(facts)
             stats.rounds += 1
@@ -324,6 +327,8 @@ class Coordinator(RunRounds, AheadRounds):
                 stats.ttft = time.perf_counter() - started
             generated.extend(emitted)
             session.history.extend(emitted)
+            if k == 0 and not prefilled:  # a plain round or a run's token: the draft missed it
+                self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
@@ -366,12 +371,14 @@ class Coordinator(RunRounds, AheadRounds):
         if session.run is not None:
             return await self._run_next(session)
         settling = time.perf_counter()
-        ahead = await self._settle_ahead(session)
+        keeping_up = bool(session.ahead) and session.ahead[0].keep_up  # waited for when the draft is used
+        ahead = None if keeping_up else await self._settle_ahead(session)
         if ahead is not None and ahead.sent is not None:
             pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
             if pipelined is not None:
                 return pipelined
-        await self._drop_ahead(session, commit=True)  # the rounds after one that went otherwise
+        if not keeping_up:
+            await self._drop_ahead(session, commit=True)  # the rounds after one that went otherwise
         settled = time.perf_counter() - settling
         await self._maybe_compact(session)
         draft_started = time.perf_counter() - settled
@@ -402,6 +409,9 @@ class Coordinator(RunRounds, AheadRounds):
                 draft = ready
                 self.ahead_counts["used"] += 1
             else:
+                if drafter is self.drafter:
+                    await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
+                    session.drafted_at = len(session.history)
                 proposing = time.perf_counter()
                 draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
                 if drafter is self.drafter and draft.fed <= k + 2:  # (a catch-up on the history costs more)
@@ -427,14 +437,16 @@ class Coordinator(RunRounds, AheadRounds):
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
         decode = verify_decode(params, draft, uniforms, session.history, generated)
         session.outstanding = feed
-        if drafter is self.drafter:
+        if opening:  # the draft reads the prompt while the stages prefill it
+            self._keep_draft_up(session, params, remaining)
+        elif drafter is self.drafter:
             self._maybe_draft_ahead(session, params, session.history, draft, feed, remaining, policy)
         try:
             result = await self._step(session, feed, decode)
         finally:
             session.outstanding = None
         verify_seconds = time.perf_counter() - verify_started
-        session.idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
+        session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
         return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
 
     def _loaded(self) -> bool:

@@ -33,6 +33,7 @@ class AheadSession(Protocol):
     policies: dict[str, KPolicy]
     ahead: list[ahead_drafts.Ahead]  # the rounds started ahead, in order; the first follows `outstanding`
     outstanding: Feed | None  # the verify step whose result the session's round is waiting for
+    drafted_at: int  # the history's length when the model draft was last asked to propose
     idle: float  # seconds its last verify round spent on no stage (what drafting ahead can hide)
 
 
@@ -47,13 +48,16 @@ class AheadRounds:
     draft_ahead: bool  # drafts may be proposed ahead (a costly model draft); set by the coordinator
     ahead_cost: ahead_drafts.AheadCost
     ahead_counts: dict[str, int]
+    wire_idle: float  # seconds the pipeline's last verify round (any session's) spent on no stage
     _loaded: Callable[[], bool]  # whether sessions compete for the stages (the coordinator's)
 
     def _ahead_fields(self, drafter: Drafter | None) -> None:
         self.draft_ahead = drafter is not None and getattr(drafter, "costs_time", True)
         self.ahead_cost = ahead_drafts.AheadCost()
+        self.wire_idle = 0.0
         # started: proposals ahead; used: as the next drafts; sent: verifies ahead (chained: behind another)
-        self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "chained": 0, "pipelined": 0}
+        # kept_up: proposals that only fed the draft what it missed
+        self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "chained": 0, "pipelined": 0, "kept_up": 0}
 
     def _maybe_draft_ahead(
         self,
@@ -90,8 +94,33 @@ class AheadRounds:
         send = None if params.penalized else functools.partial(self._send_ahead, session, params, policy)
         pending = ahead_drafts.Ahead([*history, *draft.tokens], tokens, feed, remaining - (k + 1))
         session.ahead.append(pending)
+        session.drafted_at = len(pending.assumed)
         ahead_drafts.start(self.drafter, session.id, pending, tokens, send)
         self.ahead_counts["started"] += 1
+
+    def _keep_draft_up(self, session: AheadSession, params: GenerationParams, remaining: int) -> None:
+        """Feed the model draft the history it missed, in the background (`ahead.keep_up`), when it missed
+        at least `KEEP_UP` tokens (or the prompt), the reply goes on for a while, the stages have room, the
+        links leave the cores idle (on a LAN the draft would take its compute from the stages) and
+        speculation is not switched off (for the request or the fleet)."""
+        if session.ahead and session.ahead[0].keep_up and session.ahead[0].task.done():
+            session.ahead.pop(0)  # the last keep-up is over: nothing to wait for
+        missed = len(session.history) - session.drafted_at
+        if (
+            not self.draft_ahead
+            or self.drafter is None
+            or params.spec_k == 0
+            or self.policy.fixed_k == 0
+            or session.ahead
+            or missed < min(ahead_drafts.KEEP_UP, len(session.history))
+            or remaining <= ahead_drafts.KEEP_UP
+            or self.wire_idle < ahead_drafts.KEEP_UP_IDLE
+            or self._loaded()
+        ):
+            return
+        session.ahead.append(ahead_drafts.keep_up(self.drafter, session.id, session.history))
+        session.drafted_at = len(session.history)
+        self.ahead_counts["kept_up"] += 1
 
     def _send_ahead(
         self,
@@ -140,7 +169,7 @@ class AheadRounds:
         except BaseException:
             session.ahead.insert(0, pending)  # cancelled while waiting: the next use of the draft waits again
             raise
-        if settled is not None:
+        if settled is not None and not settled.keep_up:  # (a keep-up's time is mostly its catch-up)
             self.ahead_cost.add(len(settled.task.result().tokens), settled.seconds)
         return settled
 
@@ -190,7 +219,7 @@ class AheadRounds:
         for observe in self.result_observers:
             observe(reply, received)
         now = time.perf_counter()
-        session.idle = ahead_drafts.wire_seconds(reply.trace, now - sent.sent_at)
+        session.idle = self.wire_idle = ahead_drafts.wire_seconds(reply.trace, now - sent.sent_at)
         k = len(sent.draft.tokens)
         loaded = self._loaded()
         return Round(k, sent.draft, sent.feed, reply, draft_seconds, now - waiting, k, policy, loaded, True)

@@ -189,6 +189,8 @@ class RoundFacts:
     asked: int | None = None
     loaded: bool = False
     prefilled: bool = False
+    several: bool = False  # other sessions were generating too
+    draft_computed: float | None = None  # of draft_seconds, what the draft model computed (no queueing)
 
 
 class KPolicy:
@@ -267,13 +269,22 @@ class KPolicy:
             shared[0] = shared[0] * decay + accepted
             shared[1] = shared[1] * decay + (1 if accepted < k else 0)
             if not catch_up:
-                self.costs.draft(self.drafter).add(k, draft_seconds)
+                # several sessions queue at one draft: its cost per proposal is what it computed
+                computed = facts.draft_computed
+                self.costs.draft(self.drafter).add(
+                    k, computed if facts.several and computed is not None else draft_seconds
+                )
         if not catch_up:
             self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
             self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
         if not prefilled:  # what choosing this arm really cost, a draft's catch-up on the history included
             arm = self.drafter if k > 0 else "plain"
-            self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
+            # The pipeline's record holds a session alone, or several on loaded stages. Several sessions on
+            # stages with room wait for each other at the draft and in the coordinator: their rates are not
+            # what a session alone gets, and a session alone would inherit them (its own record speaks once
+            # it has rounds). Such rounds go to each session's own record only.
+            if loaded or not facts.several:
+                self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
             if k > 0:
                 self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
 

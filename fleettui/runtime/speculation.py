@@ -26,6 +26,7 @@ class Draft:
     ids: np.ndarray  # int64 [K, support]
     probs: np.ndarray  # float32 [K, support]
     fed: int = 0  # tokens the draft had to catch up on before proposing (large after a new prompt)
+    computed: float | None = None  # seconds the draft model computed it (its worker's trace; None: unknown)
 
     @staticmethod
     def empty() -> Draft:
@@ -168,7 +169,11 @@ class ModelDrafter:
             raise TypeError(f"draft answered {type(reply).__name__}")
         tokens = tuple(int(t) for t in reply.tokens)
         ledger.commit(feed, extra=tokens[:-1])
-        return Draft(tokens, reply.ids, reply.probs, fed=len(feed.tokens))
+        records = protocol.trace_records(reply.trace)
+        computed = sum(finished - started for _stage, _received, started, finished, _sent in records)
+        return Draft(
+            tokens, reply.ids, reply.probs, fed=len(feed.tokens), computed=computed if records else None
+        )
 
 
 class Stopwatch:
