@@ -83,7 +83,7 @@ class Session:
         self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
         self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
-        self.drafted_at = 0  # the history's length when the model draft was last asked to propose
+        self.drafted_at = 0  # how much of the history the model draft has read (its drafts taken as read)
 
 
 class Coordinator(RunRounds, AheadRounds):
@@ -327,7 +327,7 @@ class Coordinator(RunRounds, AheadRounds):
                 stats.ttft = time.perf_counter() - started
             generated.extend(emitted)
             session.history.extend(emitted)
-            if k == 0 and not prefilled:  # a plain round or a run's token: the draft missed it
+            if not prefilled:  # after plain rounds, runs or prompt lookup the draft may have missed tokens
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             delta = stream.push(visible) if stream is not None else ""
@@ -411,9 +411,10 @@ class Coordinator(RunRounds, AheadRounds):
             else:
                 if drafter is self.drafter:
                     await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
-                    session.drafted_at = len(session.history)
                 proposing = time.perf_counter()
                 draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
+                if drafter is self.drafter:  # it read the history and made its drafts
+                    session.drafted_at = len(session.history) + len(draft.tokens)
                 if drafter is self.drafter and draft.fed <= k + 2:  # (a catch-up on the history costs more)
                     self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
         draft_seconds = time.perf_counter() - draft_started

@@ -33,7 +33,7 @@ class AheadSession(Protocol):
     policies: dict[str, KPolicy]
     ahead: list[ahead_drafts.Ahead]  # the rounds started ahead, in order; the first follows `outstanding`
     outstanding: Feed | None  # the verify step whose result the session's round is waiting for
-    drafted_at: int  # the history's length when the model draft was last asked to propose
+    drafted_at: int  # how much of the history the model draft has read (its drafts taken as read)
     idle: float  # seconds its last verify round spent on no stage (what drafting ahead can hide)
 
 
