@@ -304,10 +304,9 @@ class Coordinator(RunRounds, AheadRounds):
             prefilled = len(feed.tokens) != k + 1
             catch_up = prefilled or draft.fed > self.max_k + 1 or round_.pipelined
             own, compute = round_costs(result.trace, verify_seconds)
-            several = sum(1 for other in self.sessions.values() if other.busy) > 1
             facts = RoundFacts(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
-                round_.loaded, prefilled, several, draft.computed,
+                round_.loaded, prefilled, self._several(), draft.computed,
             )  # fmt: skip
             round_.policy.record_round(facts)
             stats.rounds += 1
@@ -379,9 +378,10 @@ class Coordinator(RunRounds, AheadRounds):
                 return pipelined
         if not keeping_up:
             await self._drop_ahead(session, commit=True)  # the rounds after one that went otherwise
-        settled = time.perf_counter() - settling
+        settled = time.perf_counter()
         await self._maybe_compact(session)
-        draft_started = time.perf_counter() - settled
+        # the wait for a round ahead counts as drafting time, a compaction does not
+        draft_started = settling + (time.perf_counter() - settled)
         sampling = params.sampling
         left = remaining - 1
         loaded = self._loaded()
@@ -409,14 +409,15 @@ class Coordinator(RunRounds, AheadRounds):
                 draft = ready
                 self.ahead_counts["used"] += 1
             else:
-                if drafter is self.drafter:
+                model = drafter is self.drafter
+                if model:
                     await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
                 proposing = time.perf_counter()
                 draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
-                if drafter is self.drafter:  # it read the history and made its drafts
+                if model:  # it read the history and made its drafts
                     session.drafted_at = len(session.history) + len(draft.tokens)
-                if drafter is self.drafter and draft.fed <= k + 2:  # (a catch-up on the history costs more)
-                    self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
+                    if draft.fed <= k + 2:  # (a catch-up on the history costs more)
+                        self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
         draft_seconds = time.perf_counter() - draft_started
         k = len(draft.tokens)
         if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
@@ -450,10 +451,13 @@ class Coordinator(RunRounds, AheadRounds):
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
         return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
 
+    def _several(self) -> bool:
+        """Whether several sessions are generating now."""
+        return sum(1 for other in self.sessions.values() if other.busy) > 1
+
     def _loaded(self) -> bool:
         """Whether sessions compete for the stages: several generate and the busiest stage is busy."""
-        others = sum(1 for other in self.sessions.values() if other.busy) > 1
-        return others and self.stage_load.busiest() >= LOADED_UTILIZATION
+        return self._several() and self.stage_load.busiest() >= LOADED_UTILIZATION
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""
@@ -468,13 +472,17 @@ class Coordinator(RunRounds, AheadRounds):
         return [(name, session.policies[name], free) for name, free in names]
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
-        reply = await self.target.request(feed.step(session.id, decode))
+        reply = self._result(await self.target.request(feed.step(session.id, decode)))
+        session.ledger.commit(feed)
+        return reply
+
+    def _result(self, reply: protocol.Message) -> protocol.Result:
+        """A step's reply, which must be a Result, shown to the result observers (telemetry, load, bench)."""
         if not isinstance(reply, protocol.Result):
             raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
         received = time.time()
         for observe in self.result_observers:
             observe(reply, received)
-        session.ledger.commit(feed)
         return reply
 
     async def _maybe_compact(self, session: Session) -> None:

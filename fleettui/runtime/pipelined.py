@@ -44,12 +44,12 @@ class AheadRounds:
     drafter: Drafter | None
     max_k: int
     policy: KPolicy
-    result_observers: list[Callable[[protocol.Result, float], None]]
     draft_ahead: bool  # drafts may be proposed ahead (a costly model draft); set by the coordinator
     ahead_cost: ahead_drafts.AheadCost
     ahead_counts: dict[str, int]
     wire_idle: float  # seconds the pipeline's last verify round (any session's) spent on no stage
     _loaded: Callable[[], bool]  # whether sessions compete for the stages (the coordinator's)
+    _result: Callable[[protocol.Message], protocol.Result]  # a step's reply, checked and observed
 
     def _ahead_fields(self, drafter: Drafter | None) -> None:
         self.draft_ahead = drafter is not None and getattr(drafter, "costs_time", True)
@@ -210,14 +210,9 @@ class AheadRounds:
                 session, params, session.history, sent.draft, sent.feed, remaining, policy
             )
         try:
-            reply = await sent.reply
+            reply = self._result(await sent.reply)
         finally:
             session.outstanding = None
-        if not isinstance(reply, protocol.Result):
-            raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
-        received = time.time()
-        for observe in self.result_observers:
-            observe(reply, received)
         now = time.perf_counter()
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(reply.trace, now - sent.sent_at)
         k = len(sent.draft.tokens)
