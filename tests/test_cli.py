@@ -127,11 +127,16 @@ def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(capsys: pytest.Cap
     assert main(["ask", str(DEFAULT_FLEET), "  "]) == 2
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--spec-k", "40"]) == 2
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--max-tokens", "0"]) == 2
+    # out-of-range sampling: the request's own check, refused before any worker starts (no traceback)
+    assert main(["ask", str(DEFAULT_FLEET), "Hi", "--top-p", "7"]) == 2
+    assert main(["ask", str(DEFAULT_FLEET), "Hi", "--temperature", "9"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors == [
         "fleettui: the prompt is empty",
         "fleettui: --spec-k: 40 is out of range 0..16",
         "fleettui: --max-tokens: 0 must be at least 1",
+        "fleettui: top_p: 7.0 is outside (0, 1]",
+        "fleettui: temperature: 9.0 is outside [0, 2]",
     ]
 
 

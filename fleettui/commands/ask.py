@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace) -> int:
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
+    from fleettui.runtime.limits import RequestError
 
     reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
     controller = FleetController(fleet, on_event=reporter, settings=settings)
@@ -69,6 +70,9 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)
         return 1
+    except RequestError as error:  # the prompt does not fit the model's context
+        print(f"fleettui: {error}", file=sys.stderr)
+        return 2
     finally:
         if controller.attached:
             await controller.detach()  # the deployment stays for the next command

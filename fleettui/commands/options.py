@@ -66,11 +66,17 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def sampling(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
     from fleettui.control.settings import generation_params
+    from fleettui.runtime.limits import RequestError, validate_params
 
     max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise FleetError(f"--max-tokens: {max_tokens} must be at least 1")
-    return generation_params(
+    params = generation_params(
         fleet, max_tokens, getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
     )  # fmt: skip
+    try:
+        validate_params(params)  # the request's own range checks, before anything starts
+    except RequestError as error:
+        raise FleetError(str(error)) from None
+    return params

@@ -25,6 +25,19 @@ def _number(value: Any) -> bool:
 
 def validate_request(params: Any, prompt_tokens: int, context_length: int | None) -> None:
     """Raise RequestError when `params` (GenerationParams) or the prompt length cannot be served."""
+    validate_params(params)
+    if prompt_tokens <= 0:
+        raise RequestError("prompt", "is empty")
+    if context_length is not None and prompt_tokens + params.max_tokens > context_length:
+        raise RequestError(
+            "prompt",
+            f"prompt of {prompt_tokens} tokens + max_tokens {params.max_tokens} exceeds the model's context of "
+            f"{context_length} tokens",
+        )
+
+
+def validate_params(params: Any) -> None:
+    """Raise RequestError when a parameter of `params` (GenerationParams) is out of range."""
     max_tokens = params.max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise RequestError("max_tokens", f"{max_tokens!r} must be a positive whole number")
@@ -45,11 +58,3 @@ def validate_request(params: Any, prompt_tokens: int, context_length: int | None
     spec_k = getattr(params, "spec_k", None)
     if spec_k is not None and (not isinstance(spec_k, int) or isinstance(spec_k, bool) or spec_k < 0):
         raise RequestError("spec_k", f"{spec_k!r} must be a whole number >= 0")
-    if prompt_tokens <= 0:
-        raise RequestError("prompt", "is empty")
-    if context_length is not None and prompt_tokens + max_tokens > context_length:
-        raise RequestError(
-            "prompt",
-            f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the model's context of "
-            f"{context_length} tokens",
-        )
