@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import getpass
+import itertools
 import os
 import shutil
 import signal
@@ -99,13 +100,16 @@ class SshHost:
         return f"{pattern} {' '.join(self.host_key.split()[:2])}"
 
 
+_INSTANCES = itertools.count()
+
+
 class SshHosts:
     """Two or three real sshd hosts for a test session; use as a context manager."""
 
     def __init__(self, count: int, root: Path) -> None:
         self.count = count
         self.root = Path(root)
-        self.tag = f"{os.getpid() % 100000}"
+        self.tag = f"{os.getpid() % 100000}{next(_INSTANCES) % 10}"  # two sets alive at once differ
         self.hosts: list[SshHost] = []
         self.mode = "netns"
         self.bridge: str | None = None

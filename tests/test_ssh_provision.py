@@ -197,9 +197,10 @@ async def test_launch_detaches_and_stop_stops_exactly_what_was_started(fleet: Fl
 async def test_launch_reports_a_process_that_dies_at_once(fleet: Fleet) -> None:
     async with HostSession(fleet.hosts[1]) as session:
         await session.run_preflight()
-        command = ["python3", "-c", "import sys; print('bad config'); sys.exit(3)"]
-        with pytest.raises(ProvisionError, match="exited at once with status 3: bad config"):
-            await session.launch(command, session.paths(), "deploy-c", {})
+        for said in ("an earlier run", "bad config"):  # one log, appended to: each error names its own run
+            command = ["python3", "-c", f"import sys; print({said!r}); sys.exit(3)"]
+            with pytest.raises(ProvisionError, match=f"exited at once with status 3: {said}$"):
+                await session.launch(command, session.paths(), "deploy-c", {})
 
 
 async def test_one_host_down_is_reported_while_the_other_proceeds(

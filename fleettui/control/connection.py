@@ -172,7 +172,10 @@ def _observe_hops(
 class Lease:
     """Workers started for one command live on a lease this process renews; they exit when it lapses.
 
-    Any control request renews it, so the watcher pings every few seconds; `end()` sets 0 (no lease) when
+    They are launched on it (their config names it, counted from when each is ready), and the renewals
+    start before the launch, so a controller killed at any point — even mid-launch or mid-relaunch — leaves
+    no worker behind for longer than the lease. Any control request renews it, so the watcher pings every
+    few seconds; `end()` sets 0 (no lease) when
     the workers are handed to a deployment record. Workers that predate the op answer an error: ignored.
     `current()` gives the deployment as it is now, so workers of a new split (a re-plan) are leased too.
     """
@@ -199,11 +202,11 @@ class Lease:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(self.RENEW_SECONDS)
             await self._send(self.seconds)
+            await asyncio.sleep(self.RENEW_SECONDS)
 
-    async def start(self) -> None:
-        await self._send(self.seconds)
+    def start(self) -> None:
+        """Renew from now on, every few seconds (workers launched on a lease are pinged while others start)."""
         self._task = asyncio.get_running_loop().create_task(self._renew(), name="lease-watcher")
 
     async def cancel(self) -> None:

@@ -146,6 +146,11 @@ class FleetController:
             each.placement.config.name: each.process.pid for each in self.launched if each.process is not None
         }
 
+    @property
+    def worker_lease(self) -> float:
+        """The lease a worker started now runs on: this controller's while it renews one, else none."""
+        return self.lease if self._lease is not None else 0.0
+
     def model_info(self) -> ModelInfo | None:
         if self.target is None:
             return None
@@ -277,8 +282,11 @@ class FleetController:
             )
             deployment = replace(deployment, stages=stages)
         self.deployment = deployment
+        if self.lease > 0:  # renewed from now on: a worker ready early waits for the others on it
+            self._lease = Lease(lambda: self.deployment, self.lease)
+            self._lease.start()
         local = [p for p in deployment.placements if p.host.is_local]
-        local_launcher = LocalLauncher(deployment.keys)
+        local_launcher = LocalLauncher(deployment.keys, lease=self.worker_lease)
         for placement in local:
             self._set_state(placement.config.name, Loading())
             self.launched.append(await local_launcher.start(placement))
@@ -286,8 +294,9 @@ class FleetController:
             self.record = self._record(deployment, owner=os.getpid())
             store.save(self.record)
         remote = SshLauncher(
-            self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout, prune=self.prune
-        )
+            self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout, prune=self.prune,
+            lease=self.worker_lease,
+        )  # fmt: skip
         jobs = [self._bring_up(local_launcher, each, ready_timeout) for each in list(self.launched)]
         jobs += [self._bring_up_remote(remote, p) for p in deployment.stages if not p.host.is_local]
         outcomes = await asyncio.gather(*jobs, return_exceptions=True)
@@ -307,9 +316,6 @@ class FleetController:
             self.record = self._record(deployment, owner=os.getpid())  # SSH configs name the pushed shards
             store.save(self.record)
         await self._connect(deployment, endpoint_map)
-        if self.lease > 0:
-            self._lease = Lease(lambda: self.deployment, self.lease)
-            await self._lease.start()
         assert self._connection is not None
         return self._connection.coordinator
 

@@ -44,6 +44,7 @@ class Launched:
     process: ProcessId | None  # None on SSH hosts (their pid file lives there)
     popen: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    log_start: int = 0  # the log's size when this process started (a relaunch appends to the stage's log)
 
 
 class StageLauncher(Protocol):
@@ -114,13 +115,17 @@ def remove_folders(deployment: str) -> None:
     shutil.rmtree(paths.log_dir() / deployment, ignore_errors=True)
 
 
-def log_tail(path: Path | None, lines: int = 8) -> list[str]:
+def log_tail(path: Path | None, lines: int = 8, start: int = 0) -> list[str]:
+    """The last `lines` lines of the log, none written before offset `start`."""
     if path is None:
         return []
     try:
-        return path.read_text(errors="replace").strip().splitlines()[-lines:]
+        with open(path, "rb") as stream:
+            stream.seek(start)
+            text = stream.read().decode("utf-8", "replace")
     except OSError:
         return []
+    return text.strip().splitlines()[-lines:]
 
 
 @dataclass
@@ -129,25 +134,38 @@ class LocalLauncher:
 
     keys: ClientKeys | None
     python: str = sys.executable
+    lease: float = 0.0  # > 0: the worker exits by itself this long after its last control request
 
     async def start(self, placement: Placement) -> Launched:
-        return spawn(placement, self.python)
+        return spawn(leased(placement, self.lease), self.python)
 
     async def handshake(self, launched: Launched, timeout: float) -> PingReply:
         def exited() -> str | None:
             if launched.popen is None or launched.popen.poll() is None:
                 return None
-            tail = " | ".join(log_tail(launched.log_path, 4))
+            tail = " | ".join(log_tail(launched.log_path, 4, launched.log_start))
             return f"exited with code {launched.popen.returncode}: {tail}"
 
         try:
             return await handshake(launched.placement, self.keys, timeout, exited)
         except LaunchError as error:
-            raise LaunchError(f"{error} {' | '.join(log_tail(launched.log_path, 4))}".strip()) from None
+            tail = " | ".join(log_tail(launched.log_path, 4, launched.log_start))
+            raise LaunchError(f"{error} {tail}".strip()) from None
 
     async def stop(self, launched: Launched, grace: float = 5.0) -> str:
         """Shut the worker down (control request, then TERM, then KILL) if it is still the one started."""
         return await stop_local(launched.placement, launched.process, self.keys, grace, launched.popen)
+
+
+def leased(placement: Placement, seconds: float) -> Placement:
+    """The placement whose worker starts on a lease of `seconds` (0: none), counted from when it is ready.
+
+    A controller that dies while launching (or relaunching) must not leave workers forever: its renewals
+    stop, and each worker it started exits `seconds` after the last one, even if it never heard of the lease.
+    """
+    if placement.config.lease_seconds == seconds:
+        return placement
+    return replace(placement, config=replace(placement.config, lease_seconds=seconds))
 
 
 def spawn(placement: Placement, python: str = sys.executable) -> Launched:
@@ -157,13 +175,14 @@ def spawn(placement: Placement, python: str = sys.executable) -> Launched:
     log_path = log_folder(deployment) / f"{placement.config.name}.log"
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as output:
+        start = output.tell()
         process = subprocess.Popen(
             [python, "-m", "remote_worker", "--config", str(config_path)],
             stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
             start_new_session=True, env=environment,
         )  # fmt: skip
     log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
-    return Launched(placement, ProcessId.of(process.pid), process, log_path)
+    return Launched(placement, ProcessId.of(process.pid), process, log_path, start)
 
 
 async def stop_local(
@@ -238,6 +257,7 @@ class SshLauncher:
     on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
     prune: bool = False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
+    lease: float = 0.0  # as LocalLauncher.lease
     reports: dict[str, HostDeployment] = field(default_factory=dict)
 
     async def start(self, placement: Placement) -> Launched:
@@ -245,6 +265,7 @@ class SshLauncher:
         from fleettui.provision.deploy import DeployOptions, ShardAssignment, deploy_host
 
         host = placement.host
+        placement = leased(placement, self.lease)
         configured: dict[str, Placement] = {}
 
         def config(remote: RemotePaths) -> str:

@@ -88,7 +88,7 @@ async def relaunch_local(controller: Any, placement: Placement, python: str = sy
     """Kill what is left of the stage's worker, start it again from its config, hand-shake, track it."""
     deployment = controller.deployment
     await kill_local(controller, placement.config.name)
-    launcher = LocalLauncher(deployment.keys, python)
+    launcher = LocalLauncher(deployment.keys, python, controller.worker_lease)
     launched = await launcher.start(placement)
     try:
         await launcher.handshake(launched, READY_TIMEOUT)
@@ -99,7 +99,10 @@ async def relaunch_local(controller: Any, placement: Placement, python: str = sy
 
 
 def ssh_launcher(controller: Any, fleet: Any, deployment: Deployment) -> SshLauncher:
-    return SshLauncher(fleet, controller.target.directory, deployment.keys, controller._emit, READY_TIMEOUT)
+    return SshLauncher(
+        fleet, controller.target.directory, deployment.keys, controller._emit, READY_TIMEOUT,
+        lease=controller.worker_lease,
+    )  # fmt: skip
 
 
 async def relaunch_remote(controller: Any, placement: Placement) -> None:
@@ -117,7 +120,7 @@ async def launch_split(controller: Any, fleet: Any, old: Deployment, deployment:
             await kill_local(controller, placement.config.name)
         else:
             await stop_remote(controller.fleet, placement)
-    launcher = LocalLauncher(deployment.keys)
+    launcher = LocalLauncher(deployment.keys, lease=controller.worker_lease)
     local = [await launcher.start(p) for p in deployment.stages if p.host.is_local]
     track(controller, local, deployment)  # tracked before the handshakes: a failure leaves no orphan
     remote = ssh_launcher(controller, fleet, deployment)

@@ -252,6 +252,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         if cores and hasattr(os, "sched_setaffinity"):
             options["preexec_fn"] = lambda: os.sched_setaffinity(0, cores)
     with open(log, "ab") as output:
+        written = output.tell()  # the log is appended to: an early exit reports only what this run wrote
         process = subprocess.Popen(
             args["argv"], cwd=args["cwd"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
             env=environment, close_fds=True, **options,
@@ -271,7 +272,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
     time.sleep(float(args.get("settle", 0.3)))
     code = process.poll()
     if code is not None:
-        return {"pid": process.pid, "exited": code, "log_tail": _tail(log, 2000)}
+        return {"pid": process.pid, "exited": code, "log_tail": _tail(log, 2000, written)}
     return {"pid": process.pid, "start": record["start"]}
 
 
@@ -351,10 +352,11 @@ def stop(args: dict[str, Any]) -> dict[str, Any]:
     return {"stopped": result}
 
 
-def _tail(path: Path, size: int) -> str:
+def _tail(path: Path, size: int, start: int = 0) -> str:
+    """The last `size` bytes of the file, none before offset `start`."""
     try:
         with open(path, "rb") as stream:
-            stream.seek(max(0, path.stat().st_size - size))
+            stream.seek(max(start, path.stat().st_size - size))
             return stream.read().decode("utf-8", "replace")
     except OSError:
         return ""
