@@ -303,3 +303,35 @@ def test_a_lost_or_degraded_stage_means_recover_and_a_recovering_one_wait() -> N
     assert next_step({"a": Ready(), "b": Lost("process exited (signal 9)")}) == "recover"
     assert next_step({"a": Ready(), "b": Degraded("needs 1.0 GB more")}) == "recover"
     assert next_step({"a": Ready(), "b": Recovering("replay")}) == "wait"
+
+
+# -- the lease's end ----------------------------------------------------------------------------------
+async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_those_that_never_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deployed worker that missed the lease's end would exit once the lease ran out: retried, reported."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from fleettui.control import connection
+
+    asked: dict[str, int] = {}
+
+    async def control_request(url: str, request: dict[str, Any], *_args: object) -> dict[str, Any] | None:
+        asked[url] = asked.get(url, 0) + 1
+        assert request == {"op": "lease", "seconds": 0.0}
+        if url == "lossy" and asked[url] < 3:  # two requests lost, the third answered
+            return None
+        if url == "gone":
+            return None
+        return {"lease": 0.0, "lease_left": None}
+
+    monkeypatch.setattr(connection, "control_request", control_request)
+    placements = [
+        SimpleNamespace(control_url=url, server_key=None, config=SimpleNamespace(name=f"stage-{url}"))
+        for url in ("fine", "lossy", "gone")
+    ]
+    deployment = SimpleNamespace(placements=placements, keys=None)
+    lease = connection.Lease(lambda: deployment, 30.0)  # type: ignore[arg-type,return-value]
+    assert await lease.end() == ["stage-gone"]
+    assert asked == {"fine": 1, "lossy": 3, "gone": 5}

@@ -187,18 +187,28 @@ class Lease:
         self.seconds = seconds
         self._task: asyncio.Task[None] | None = None
 
-    async def _send(self, seconds: float) -> None:
+    async def _send(self, seconds: float, attempts: int = 1) -> list[str]:
+        """Set the lease of every worker; the names of those that did not confirm it in `attempts` tries."""
         deployment = self.current()
         if deployment is None:
-            return
+            return []
         request = {"op": "lease", "seconds": seconds}
-        await asyncio.gather(
-            *(
-                control_request(p.control_url, request, deployment.keys, p.server_key, 1.0)
-                for p in deployment.placements
-            ),
-            return_exceptions=True,
+
+        async def confirmed(placement: Placement) -> bool:
+            for _ in range(attempts):
+                reply = await control_request(
+                    placement.control_url, request, deployment.keys, placement.server_key, 1.0
+                )
+                if reply is not None and reply.get("lease") == seconds:
+                    return True
+            return False
+
+        outcomes = await asyncio.gather(
+            *(confirmed(p) for p in deployment.placements), return_exceptions=True
         )
+        return [
+            p.config.name for p, ok in zip(deployment.placements, outcomes, strict=True) if ok is not True
+        ]
 
     async def _renew(self) -> None:
         while True:
@@ -217,10 +227,11 @@ class Lease:
                 await self._task
             self._task = None
 
-    async def end(self) -> None:
-        """No lease any more: the workers stay until stopped."""
+    async def end(self) -> list[str]:
+        """No lease any more: the workers stay until stopped. Returns those that did not confirm it (retried
+        for a few seconds: a lost request would let a deployed worker exit once the lease ran out)."""
         await self.cancel()
-        await self._send(0)
+        return await self._send(0, attempts=5)
 
 
 async def answers_ping(placement: Placement, deployment: Deployment) -> bool:
