@@ -175,8 +175,8 @@ class Lease:
     They are launched on it (their config names it, counted from when each is ready), and the renewals
     start before the launch, so a controller killed at any point — even mid-launch or mid-relaunch — leaves
     no worker behind for longer than the lease. Any control request renews it, so the watcher pings every
-    few seconds; `end()` sets 0 (no lease) when
-    the workers are handed to a deployment record. Workers that predate the op answer an error: ignored.
+    few seconds; `end()` sets 0 (no lease) when the workers are handed to a deployment record, and has each
+    worker confirm it. Workers that predate the op answer an error: ignored.
     `current()` gives the deployment as it is now, so workers of a new split (a re-plan) are leased too.
     """
 

@@ -161,7 +161,7 @@ def leased(placement: Placement, seconds: float) -> Placement:
     """The placement whose worker starts on a lease of `seconds` (0: none), counted from when it is ready.
 
     A controller that dies while launching (or relaunching) must not leave workers forever: its renewals
-    stop, and each worker it started exits `seconds` after the last one, even if it never heard of the lease.
+    stop, and each worker it started exits `seconds` after the last renewal, even one it never received.
     """
     if placement.config.lease_seconds == seconds:
         return placement
