@@ -117,3 +117,48 @@ def test_a_controller_killed_mid_launch_leaves_no_worker_beyond_its_lease(
         for pid in seen:  # (only after a failure: a leftover must not outlive the test)
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_throttle_whose_process_is_killed_leaves_its_victim_running() -> None:
+    """The bench's injected slowdown (SIGSTOP/SIGCONT duty cycle) must not leave a worker stopped forever
+    when the process throttling it is killed: a stopped worker could not even run out its lease."""
+    victim = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    throttling = subprocess.Popen(
+        [sys.executable, "-c", THROTTLING.format(root=str(ROOT), pid=victim.pid)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert throttling.stdout is not None and throttling.stdout.readline().strip() == "throttling"
+        handle = psutil.Process(victim.pid)
+
+        def states(seconds: float) -> set[str]:
+            seen, deadline = set(), time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                seen.add(handle.status())
+                time.sleep(0.002)
+            return seen
+
+        assert psutil.STATUS_STOPPED in states(1.0)  # (held stopped 90 % of the time)
+        throttling.send_signal(signal.SIGKILL)
+        throttling.wait()
+        wait_for(lambda: handle.status() != psutil.STATUS_STOPPED, 5, "the victim to run again")
+        assert states(0.5) == {psutil.STATUS_RUNNING}
+    finally:
+        throttling.kill()
+        throttling.wait()
+        victim.kill()
+        victim.wait()
+
+
+THROTTLING = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from fleettui.bench.throttle import Throttle
+
+    Throttle(lambda: {pid}, 0.1).start()
+    print("throttling", flush=True)
+    time.sleep(600)
+    """
+)
