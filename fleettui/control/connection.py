@@ -228,10 +228,14 @@ class Lease:
             self._task = None
 
     async def end(self) -> list[str]:
-        """No lease any more: the workers stay until stopped. Returns those that did not confirm it (retried
-        for a few seconds: a lost request would let a deployed worker exit once the lease ran out)."""
+        """No lease any more: the workers stay until stopped. Returns a warning per worker that did not confirm
+        it (retried for a few seconds: a lost request would let a deployed worker exit once the lease ran out)."""
         await self.cancel()
-        return await self._send(0, attempts=5)
+        then = f": it exits within {self.seconds:g} s unless a fleettui command attaches to the fleet first"
+        return [
+            f"warning: {name} did not confirm that it runs on no lease{then if self.seconds else ''}"
+            for name in await self._send(0, attempts=5)
+        ]
 
 
 async def answers_ping(placement: Placement, deployment: Deployment) -> bool:

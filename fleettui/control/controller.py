@@ -247,9 +247,8 @@ class FleetController:
         store.save(self.record)
         self.attached = True
         self._emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
-        # A handed-over deployment runs on no lease; one whose lease end was lost gets it now.
-        for name in await Lease(lambda: deployment, 0.0).end():
-            self._emit(LogLine("fleet", f"{name} did not confirm that it runs on no lease"))
+        for line in await Lease(lambda: deployment, 0.0).end():  # handed over: no lease (nor a lost end's)
+            self._emit(LogLine("fleet", line))
         await self._connect(deployment, None)
         return True
 
@@ -429,14 +428,7 @@ class FleetController:
         """Leave every worker running for the record (lease off); `fleettui stop` or an attach finds them."""
         if self.deployment is None:
             return []
-        lines = []
-        if self._lease is not None:
-            unconfirmed = await self._lease.end()
-            if unconfirmed:
-                lines.append(
-                    f"warning: {', '.join(unconfirmed)} did not confirm the end of its lease: it exits within "
-                    f"{self.lease:g} s unless a fleettui command attaches to the fleet first"
-                )
+        lines = await self._lease.end() if self._lease is not None else []
         await self._release()
         if self.record is not None:
             self.record = (
