@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netns import SshHosts, available  # noqa: E402
+from processes import worker_children  # noqa: E402
 
 _FRESH_CACHE: list[str] = []
 
@@ -36,28 +37,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _worker_children() -> list[psutil.Process]:
-    children = psutil.Process(os.getpid()).children(recursive=True)
-    found = []
-    for child in children:
-        try:
-            if "remote_worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_workers() -> Iterator[None]:
     """Kill stage workers a failed test left behind, so they cannot hold ports for the next test."""
     yield
-    for process in _worker_children():
+    for process in worker_children():
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             process.kill()
-    psutil.wait_procs(_worker_children(), timeout=5)
+    psutil.wait_procs(worker_children(), timeout=5)
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from netns import alive
+from processes import worker_children
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE = 3.0
@@ -44,25 +46,7 @@ SCRIPT = textwrap.dedent(
 
 
 def workers_of(process: psutil.Process) -> set[int]:
-    found = set()
-    try:
-        children = process.children(recursive=True)
-    except psutil.Error:
-        return found
-    for child in children:
-        try:
-            if "remote_worker" in " ".join(child.cmdline()):
-                found.add(child.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return {child.pid for child in worker_children(process)}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -25,6 +25,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from processes import worker_children
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
@@ -155,17 +156,6 @@ def no_leftover_workers() -> Iterator[None]:
     yield
 
 
-def _worker_children() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "remote_worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.fixture(scope="module")
 def served(shard_cache: Path) -> Iterator[Served]:
     served = Served(make_fleet(shard_cache))
@@ -173,7 +163,7 @@ def served(shard_cache: Path) -> Iterator[Served]:
         yield served
     finally:
         served.close()
-        leftovers = _worker_children()  # a clean stop leaves none; kill what a failure left behind
+        leftovers = worker_children()  # a clean stop leaves none; kill what a failure left behind
         for process in leftovers:
             process.kill()
         psutil.wait_procs(leftovers, timeout=5)
