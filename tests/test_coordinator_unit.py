@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
@@ -260,6 +261,40 @@ async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:
     assert list(generation.token_ids) == _plain_greedy(prompt, 30)
 
 
+async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beside a model draft, prompt lookup is a free candidate; when it is chosen and finds nothing, the round
+    is the model draft's (if it pays now), not a plain step or run, and the lookup's miss is counted once.
+    The first round of a reply stays plain on a miss (the first token never waits for the draft)."""
+    monkeypatch.setattr(
+        "fleettui.runtime.coordinator.choose_drafter", lambda _policies, _loaded: ("lookup", 3)
+    )
+    drafter = PartDrafter()  # records each proposal
+    coordinator = Coordinator(FakePipeline(), None, drafter, max_k=4)
+    session = await coordinator.open_session()
+    policies = {name: policy for name, policy, _free in coordinator._candidates(session)}
+    policies["model"].fixed_k = 2  # the model draft pays (its best K)
+    misses: list[bool] = []
+    record = policies["lookup"].asked
+
+    def counted(proposed: bool, decay: float = 0.97) -> None:
+        misses.append(not proposed)
+        record(proposed, decay)
+
+    policies["lookup"].asked = counted  # type: ignore[method-assign]
+    prompt = [1, 2, 3, 4, 5]  # no repeats: the lookup misses at first
+    generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=30))
+    assert list(generation.token_ids) == _plain_greedy(prompt, 30)
+    # one count per round the lookup was asked for (all but the last, which had one token left); the first missed
+    assert len(misses) == generation.stats.rounds - 1 and misses[0]
+    assert (
+        len(drafter.asked) == sum(misses[1:]) > 0
+    )  # the model drafted in every later round the lookup missed
+    assert all(k == 2 for _length, k in drafter.asked[:-1])
+    await coordinator.close_session(session)
+
+
 def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_slow() -> None:
     slow_draft = KPolicy(None, max_k=8)
     for _ in range(40):
@@ -392,14 +427,11 @@ class TimedDrafter(NoisyDrafter):
         self.per_token = per_token
         self.busy: set[int] = set()
         self.overlapped = False
-        self.ahead = asyncio.Event()  # set when a proposal of more than K tokens (a draft ahead) starts
         self.read_cost: float | None = None  # seconds of a 1-token proposal (a keep-up: mostly reading)
 
     async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
         self.overlapped |= session in self.busy  # one proposal per session at a time, as a draft worker needs
         self.busy.add(session)
-        if k > 4:
-            self.ahead.set()
         try:
             await asyncio.sleep(self.per_token * k if k > 1 or self.read_cost is None else self.read_cost)
             return await super().propose(session, history, k, sampling, rng)
@@ -433,9 +465,71 @@ async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every:
         assert counts["used"] + counts["pipelined"] < counts["started"]  # a rejection throws the round away
     if wrong_every >= 25:
         assert counts["chained"] > 0
+    # the second turn's opening rounds (the links' idle time and the draft's cost known by then) had the round
+    # after them drafted while the stages scored the prompt
+    assert counts["opened"] > 0
     assert not drafter.overlapped
     for session in sessions:
         await coordinator.close_session(session)
+
+
+class PartDrafter(NoisyDrafter):
+    """A noisy drafter that records each request (history length, tokens asked); when `gated`, each request
+    is announced on `requests` and waits until the test releases it on `gate`."""
+
+    def __init__(self, gated: bool = False) -> None:
+        super().__init__(wrong_every=1000)
+        self.asked: list[tuple[int, int]] = []
+        self.gated = gated
+        self.requests: asyncio.Queue[int] = asyncio.Queue()
+        self.gate: asyncio.Queue[None] = asyncio.Queue()
+
+    async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
+        self.asked.append((len(history), k))
+        if self.gated:
+            self.requests.put_nowait(len(self.asked))
+            await self.gate.get()
+        return await super().propose(session, history, k, sampling, rng)
+
+
+async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_before_failed() -> None:
+    """A proposal ahead of 9 tokens asks the draft for `CHUNK` at a time, each part after the tokens before it,
+    and joins them into what one request gives; once the round it assumed is known to have failed (it gave
+    fewer tokens than assumed, or a bonus other than the guess) it ends after its current part and sends no
+    verify, so the draft is free for the fresh round sooner. A round that went as assumed stops nothing."""
+    assumed = [1, 2, 3, 4, 5]
+    whole = await PartDrafter().propose(1, assumed, 9, Sampling(), np.random.default_rng(0))
+    sends: list[Draft] = []
+    drafter = PartDrafter()
+    pending = ahead_drafts.Ahead(list(assumed), 8, ahead_drafts._NOTHING, 20)
+    ahead_drafts.start(drafter, 1, pending, 8, lambda _ahead, proposal: sends.append(proposal))
+    proposal = (await ahead_drafts.settle(pending)).task.result()  # type: ignore[union-attr]
+    assert proposal.tokens == whole.tokens and sends == [proposal]
+    part = ahead_drafts.CHUNK
+    assert drafter.asked == [(5 + start, min(part, 9 - start)) for start in range(0, 9, part)]
+    held = [*assumed, whole.tokens[0]]
+    assert pending.holds(held) and not pending.failed(held)
+
+    rejected, wrong_bonus = [*assumed, 0, 0], [*assumed, (whole.tokens[0] + 1) % VOCAB]
+    for history in (rejected, wrong_bonus, held):
+        drafter = PartDrafter(gated=True)
+        sends.clear()
+        chain = [ahead_drafts.Ahead(list(assumed), 8, ahead_drafts._NOTHING, 20) for _ in range(2)]
+        ahead_drafts.start(drafter, 1, chain[0], 8, lambda _ahead, proposal: sends.append(proposal))
+        assert await drafter.requests.get() == 1
+        drafter.gate.put_nowait(None)  # the first part (the guess is back when the second is asked for)
+        assert await drafter.requests.get() == 2 and chain[0].guess == whole.tokens[0]
+        ahead_drafts.stop_failed(chain, history)  # while the second part is drafted
+        for _part in range(9):  # whatever parts are still asked for
+            drafter.gate.put_nowait(None)
+        done = (await ahead_drafts.settle(chain[0])).task.result()  # type: ignore[union-attr]
+        if history is held:
+            assert not any(link.stopped for link in chain)
+            assert done.tokens == whole.tokens and sends == [done] and chain[0].holds(history)
+        else:
+            assert all(link.stopped for link in chain)
+            assert done.tokens == whole.tokens[: 2 * part] and sends == [] and not chain[0].holds(history)
+            assert drafter.asked == [(5, part), (5 + part, part)]
 
 
 async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly() -> None:
@@ -505,7 +599,8 @@ async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() 
     coordinator.policy.fixed_k = 4
     session = await coordinator.open_session()
     task = asyncio.create_task(coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=200)))
-    await drafter.ahead.wait()
+    while not session.ahead or session.ahead[0].keep_up:  # noqa: ASYNC110 - until a round is drafted ahead
+        await asyncio.sleep(0.001)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -44,6 +44,7 @@ DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
 KEEP_UP = 8  # history tokens the draft may miss (plain rounds, runs) before it is fed in the background
 KEEP_UP_IDLE = 0.005  # ... when a round leaves at least this many seconds on the wires (not on a LAN)
 HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
+CHUNK = 2  # tokens a proposal ahead asks the draft for at a time: a round that failed stops it in between
 _NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
 _NOTHING = Feed(0, 0, (), ())  # what a keep-up follows (it sends no verify)
 
@@ -79,6 +80,10 @@ class Ahead:
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # how long the proposal took (set when it is done)
     sent: Sent | None = None
+    guess: int | None = (
+        None  # the proposal's first token, the guessed bonus (set when its first part is back)
+    )
+    stopped: bool = False  # the round before went otherwise: draft no further, send nothing
 
     def holds(self, history: list[int]) -> bool:
         """Whether the round went as assumed: every draft accepted, then the draft's guess as the bonus."""
@@ -86,6 +91,13 @@ class Ahead:
             return False
         guess = self.task.result().tokens[:1]
         return len(history) == len(self.assumed) + 1 and tuple(history[-1:]) == guess
+
+    def failed(self, history: list[int]) -> bool:
+        """Whether the round went otherwise than assumed, as far as is known before the proposal is done: a
+        draft was rejected (the round gave fewer tokens), or the bonus is not the guess already back."""
+        if len(history) != len(self.assumed) + 1:
+            return True
+        return self.guess is not None and history[-1] != self.guess
 
     @property
     def keep_up(self) -> bool:
@@ -137,15 +149,56 @@ def start(drafter: Drafter, session: int, ahead: Ahead, tokens: int, send: SendA
     return ahead
 
 
+def stop_failed(chain: list[Ahead], history: list[int]) -> None:
+    """Stop the proposals of `chain` (the rounds started ahead, in order) once its first one is known to have
+    failed: each drops every round after it, and the draft then serves the fresh round sooner."""
+    if chain and not chain[0].keep_up and chain[0].failed(history):
+        stop(chain)
+
+
+def stop(chain: list[Ahead]) -> None:
+    """Let every proposal of `chain` end after the part it is drafting now, and send no verify."""
+    for ahead in chain:
+        ahead.stopped = True
+
+
 async def _propose(
     ahead: Ahead, drafter: Drafter, session: int, tokens: int, send: SendAhead | None
 ) -> Draft:
-    proposal = await drafter.propose(session, ahead.assumed, tokens + 1, GREEDY, _NO_RNG)
-    if send is not None:
+    """`tokens` + 1 greedy tokens after `ahead.assumed`, asked for `CHUNK` at a time (each part feeds the last
+    token of the part before) until done or stopped: a stopped proposal ends short and sends nothing."""
+    parts: list[Draft] = []
+    drafted: list[int] = []
+    while len(drafted) < tokens + 1 and not ahead.stopped:
+        count = min(CHUNK, tokens + 1 - len(drafted))
+        part = await drafter.propose(session, [*ahead.assumed, *drafted], count, GREEDY, _NO_RNG)
+        if not part.tokens:
+            break
+        parts.append(part)
+        drafted += part.tokens
+        ahead.guess = drafted[0]
+    proposal = _joined(parts)
+    if send is not None and not ahead.stopped and len(proposal.tokens) == tokens + 1:
         ahead.sent = send(ahead, proposal)
         if ahead.sent is not None:
             await asyncio.sleep(0)  # the request sends on its first step: before anything after this proposal
     return proposal
+
+
+def _joined(parts: list[Draft]) -> Draft:
+    """One proposal from its parts, in order (the draft's catch-up is the first part's)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return Draft.empty()
+    computed = [part.computed for part in parts]
+    return Draft(
+        tuple(token for part in parts for token in part.tokens),
+        np.concatenate([part.ids for part in parts]),
+        np.concatenate([part.probs for part in parts]),
+        fed=parts[0].fed,
+        computed=None if None in computed else sum(c for c in computed if c is not None),
+    )
 
 
 async def settle(ahead: Ahead | None) -> Ahead | None:

@@ -46,7 +46,7 @@ from fleettui.runtime.policy import (
     round_costs,
 )
 from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, Run, RunRounds
-from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter
+from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
 
@@ -277,8 +277,10 @@ class Coordinator(RunRounds, AheadRounds):
             generation = await self._generate_reply(session, prompt, params, on_tokens)
         except BaseException:
             self._drop_run(session)
+            ahead_drafts.stop(session.ahead)
             raise  # a round started ahead is waited for by the session's next use (or its close)
         await self._finish_run(session)
+        ahead_drafts.stop(session.ahead)  # the reply is complete: nothing drafted ahead is needed
         await self._drop_ahead(session, commit=True)
         return generation
 
@@ -371,6 +373,7 @@ class Coordinator(RunRounds, AheadRounds):
             return await self._run_next(session)
         settling = time.perf_counter()
         keeping_up = bool(session.ahead) and session.ahead[0].keep_up  # waited for when the draft is used
+        ahead_drafts.stop_failed(session.ahead, session.history)  # a round that failed: draft the fresh one
         ahead = None if keeping_up else await self._settle_ahead(session)
         if ahead is not None and ahead.sent is not None:
             pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
@@ -394,11 +397,11 @@ class Coordinator(RunRounds, AheadRounds):
             name, k = choose_drafter(self._candidates(session), loaded)
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
-            drafter = self.lookup if name == "lookup" else self.drafter
+            drafter = self.lookup if name == "lookup" and self.lookup is not None else self.drafter
         # The first round of a reply scores the prompt's last chunk without drafts: the first token never
-        # waits for a costly draft to catch up on the prompt (the next round does that).
+        # waits for a costly draft to catch up on the prompt (it does so meanwhile, for the next round).
         opening = not generated and drafter is self.drafter and self.draft_ahead
-        k = 0 if opening else k
+        chosen, k = k, 0 if opening else k
         draft = Draft.empty()
         asked = k
         if k > 0 and drafter is not None:
@@ -409,15 +412,15 @@ class Coordinator(RunRounds, AheadRounds):
                 draft = ready
                 self.ahead_counts["used"] += 1
             else:
-                model = drafter is self.drafter
-                if model:
-                    await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
-                proposing = time.perf_counter()
-                draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
-                if model:  # it read the history and made its drafts
-                    session.drafted_at = len(session.history) + len(draft.tokens)
-                    if draft.fed <= k + 2:  # (a catch-up on the history costs more)
-                        self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
+                draft = await self._propose(session, drafter, k, sampling)
+            # the free lookup found nothing: the model draft, if it pays now, rather than a plain run (not for
+            # the first token, which never waits for the model draft to read the prompt)
+            second = session.policies.get("model")
+            fallback = self.drafter if drafter is self.lookup and not draft.tokens and generated else None
+            if fallback is not None and second is not None and (k := second.best_k(loaded=loaded)):
+                policy.asked(proposed=False)  # the lookup's miss (the round is the model draft's)
+                drafter, policy, asked = fallback, second, min(k, left)
+                draft = await self._propose(session, drafter, asked, sampling)
         draft_seconds = time.perf_counter() - draft_started
         k = len(draft.tokens)
         if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
@@ -439,8 +442,11 @@ class Coordinator(RunRounds, AheadRounds):
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
         decode = verify_decode(params, draft, uniforms, session.history, generated)
         session.outstanding = feed
-        if opening:  # the draft reads the prompt while the stages prefill it
-            self._keep_draft_up(session, params, remaining)
+        if opening:  # the draft reads the prompt while the stages prefill it (and drafts on, if that pays)
+            if not self._maybe_draft_ahead(
+                session, params, session.history, draft, feed, remaining, policy, chosen
+            ):
+                self._keep_draft_up(session, params, remaining)
         elif drafter is self.drafter:
             self._maybe_draft_ahead(session, params, session.history, draft, feed, remaining, policy)
         try:
@@ -450,6 +456,19 @@ class Coordinator(RunRounds, AheadRounds):
         verify_seconds = time.perf_counter() - verify_started
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
         return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
+
+    async def _propose(self, session: Session, drafter: Drafter, k: int, sampling: Sampling) -> Draft:
+        """K drafts after the session's history (the model draft's bookkeeping: what it read, its cost)."""
+        model = drafter is self.drafter
+        if model:
+            await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
+        proposing = time.perf_counter()
+        draft = await drafter.propose(session.id, session.history, k, sampling, session.rng)
+        if model:  # it read the history and made its drafts
+            session.drafted_at = len(session.history) + len(draft.tokens)
+            if draft.fed <= k + 2:  # (a catch-up on the history costs more)
+                self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
+        return draft
 
     def _several(self) -> bool:
         """Whether several sessions are generating now."""

@@ -56,8 +56,10 @@ class AheadRounds:
         self.ahead_cost = ahead_drafts.AheadCost()
         self.wire_idle = 0.0
         # started: proposals ahead; used: as the next drafts; sent: verifies ahead (chained: behind another)
-        # kept_up: proposals that only fed the draft what it missed
-        self.ahead_counts = {"started": 0, "used": 0, "sent": 0, "chained": 0, "pipelined": 0, "kept_up": 0}
+        # kept_up: proposals that only fed the draft what it missed; opened: started behind an opening round
+        self.ahead_counts = dict.fromkeys(
+            ("started", "used", "sent", "chained", "pipelined", "kept_up", "opened"), 0
+        )
 
     def _maybe_draft_ahead(
         self,
@@ -68,35 +70,45 @@ class AheadRounds:
         feed: Feed,
         remaining: int,
         policy: KPolicy,
-    ) -> None:
+        opening: int = 0,
+    ) -> bool:
         """Start the round after the one whose verify is `feed` (`draft` after `history`, `remaining` tokens
         left at it): its draft, then its verify. Only when the last round left the wires idle long enough to
         hide the proposal, the reply goes on after that round, and the chain may grow (`ahead.deep_enough`).
+        Whether it started.
 
         The next round's K is this round's when K is fixed, else the best K of the session's `policy` now
         (the policy sees each round, those started ahead included, so K follows acceptance along a chain).
+        `opening` is the K chosen for a reply's opening round, which scores the prompt without drafts: the
+        draft then reads the prompt, guesses the first token and drafts the next round behind it meanwhile
+        (the links' last idle time, the pipeline's, stands for the new session's).
         """
         k = len(draft.tokens)
         fixed = params.spec_k is not None or policy.fixed_k is not None
         loaded = self._loaded()
-        tokens = k if fixed else min(self.max_k, policy.best_k(loaded=loaded))
+        tokens = (k or opening) if fixed else min(self.max_k, policy.best_k(loaded=loaded))
+        idle = self.wire_idle if opening else session.idle
         if (
             not self.draft_ahead
             or self.drafter is None
-            or k == 0
+            or (k == 0 and opening <= 0)
             or tokens == 0
             or not params.sampling.greedy
             or remaining <= k + 2
             or not ahead_drafts.deep_enough(len(session.ahead), policy.alpha, tokens, loaded)
-            or not self.ahead_cost.fits(tokens + 1, session.idle)  # + 1: the guess of the bonus token
+            # its first part hidden by the wires (+ 1: the guess of the bonus token); a longer proposal pays
+            # when the round holds (the next one starts sooner), and costs one part when it fails (`stop_failed`)
+            or not self.ahead_cost.fits(min(tokens + 1, ahead_drafts.CHUNK), idle)
         ):
-            return
+            return False
         send = None if params.penalized else functools.partial(self._send_ahead, session, params, policy)
         pending = ahead_drafts.Ahead([*history, *draft.tokens], tokens, feed, remaining - (k + 1))
         session.ahead.append(pending)
         session.drafted_at = len(pending.assumed)
         ahead_drafts.start(self.drafter, session.id, pending, tokens, send)
         self.ahead_counts["started"] += 1
+        self.ahead_counts["opened"] += opening > 0
+        return True
 
     def _keep_draft_up(self, session: AheadSession, params: GenerationParams, remaining: int) -> None:
         """Feed the model draft the history it missed, in the background (`ahead.keep_up`), when it missed

@@ -260,8 +260,7 @@ class KPolicy:
         catch_up, prefilled = facts.catch_up, facts.prefilled
         decay = 0.97
         if asked:
-            self._asks = self._asks * decay + 1
-            self._hits = self._hits * decay + (1 if k > 0 else 0)
+            self.asked(proposed=k > 0)
         if k > 0:
             self._accepted = self._accepted * decay + accepted
             self._rejected = self._rejected * decay + (1 if accepted < k else 0)
@@ -287,6 +286,11 @@ class KPolicy:
                 self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
             if k > 0:
                 self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
+
+    def asked(self, proposed: bool, decay: float = 0.97) -> None:
+        """Count one request to the drafter and whether it proposed anything (a lookup may find nothing)."""
+        self._asks = self._asks * decay + 1
+        self._hits = self._hits * decay + (1 if proposed else 0)
 
     def rounds_until_probe(self, loaded: bool) -> int:
         """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1)."""
