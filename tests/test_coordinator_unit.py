@@ -259,6 +259,11 @@ async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:
     prompt = PROMPTS[2][:60]
     generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=30))
     assert list(generation.token_ids) == _plain_greedy(prompt, 30)
+    # a fleet whose draft is prompt lookup, adaptive K: the lookup drafts (it is the fleet's drafter)
+    adaptive = Coordinator(FakePipeline(), None, PromptLookupDrafter(), max_k=4)
+    session = await adaptive.open_session()
+    generation = await adaptive.generate(session, prompt, GenerationParams(max_tokens=30))
+    assert list(generation.token_ids) == _plain_greedy(prompt, 30) and generation.stats.drafted > 0
 
 
 async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
