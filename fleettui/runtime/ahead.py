@@ -12,6 +12,13 @@ lands right behind round r. When round r's result arrives:
 - it failed: round r + 1's verify is dropped (its slots are committed to the ledger all the same and masked
   by the next step, like any rejected draft) and the next round starts afresh from the true history.
 
+A proposal ahead asks the draft for `CHUNK` tokens at a time. Once the round it assumed is known to have
+failed (it gave fewer tokens than assumed, or a bonus other than the guess), it ends after its current
+part and sends nothing, so the fresh round waits for one part, not a whole proposal; that is also why a
+round may start ahead when only its first part is hidden by the wires. The round after a reply's opening
+round (which scores the prompt without drafts) starts ahead too: the draft reads the prompt and guesses
+the first token while the stages score the prompt.
+
 Rounds ahead chain: once a verify is sent ahead, the draft goes on to the round after it (assuming that
 one holds too), up to `DEPTH` verifies on the wires behind the outstanding one, so on slow links a run of
 well-drafted rounds is paced by the draft, not by the round trip. A round that fails drops every round
@@ -80,9 +87,8 @@ class Ahead:
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # how long the proposal took (set when it is done)
     sent: Sent | None = None
-    guess: int | None = (
-        None  # the proposal's first token, the guessed bonus (set when its first part is back)
-    )
+    # the proposal's first token, the guessed bonus (set when its first part is back)
+    guess: int | None = None
     stopped: bool = False  # the round before went otherwise: draft no further, send nothing
 
     def holds(self, history: list[int]) -> bool:

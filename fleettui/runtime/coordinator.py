@@ -417,7 +417,7 @@ class Coordinator(RunRounds, AheadRounds):
             # the first token, which never waits for the model draft to read the prompt)
             second = session.policies.get("model")
             fallback = self.drafter if drafter is self.lookup and not draft.tokens and generated else None
-            if fallback is not None and second is not None and (k := second.best_k(loaded=loaded)):
+            if fallback is not None and second is not None and (k := second.paying_k(loaded)):
                 policy.asked(proposed=False)  # the lookup's miss (the round is the model draft's)
                 drafter, policy, asked = fallback, second, min(k, left)
                 draft = await self._propose(session, drafter, asked, sampling)

@@ -74,8 +74,8 @@ class AheadRounds:
     ) -> bool:
         """Start the round after the one whose verify is `feed` (`draft` after `history`, `remaining` tokens
         left at it): its draft, then its verify. Only when the last round left the wires idle long enough to
-        hide the proposal, the reply goes on after that round, and the chain may grow (`ahead.deep_enough`).
-        Whether it started.
+        hide the proposal's first part, the reply goes on after that round, and the chain may grow
+        (`ahead.deep_enough`). Whether it started.
 
         The next round's K is this round's when K is fixed, else the best K of the session's `policy` now
         (the policy sees each round, those started ahead included, so K follows acceptance along a chain).

@@ -333,6 +333,11 @@ class KPolicy:
         rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.max_k + 1)}
         return max(rates, key=rates.__getitem__)
 
+    def paying_k(self, loaded: bool = False) -> int:
+        """`best_k` of a costly drafter, or 0 while it has measurably yielded fewer tokens per second than
+        plain decoding (`CostModel.losing`)."""
+        return 0 if self.costs.losing(self.drafter, loaded, self._own[loaded]) else self.best_k(loaded=loaded)
+
     def choose(self, free_draft: bool = False, loaded: bool = False) -> int:
         self.probing = False
         if self.fixed_k is not None:
