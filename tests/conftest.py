@@ -24,12 +24,19 @@ def pytest_configure(config: pytest.Config) -> None:
     """The user's cache (shards, wheelhouse, measured cost profiles) stays out of the tests: a fresh one per
     run, removed at the end, so no test passes only because a cache exists. FLEETTUI_TEST_CACHE_HOME names a
     reusable one instead (a developer's speed-up, like FLEETTUI_TEST_CACHE; CI never sets it)."""
+    signal.signal(signal.SIGTERM, _terminated)
     reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
     if reuse:
         os.environ["XDG_CACHE_HOME"] = reuse
         return
     _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
     os.environ["XDG_CACHE_HOME"] = _FRESH_CACHE[0]
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """A SIGTERM (a cancelled CI job, `timeout`) ends the run as Ctrl-C does, so the fixtures still tear down
+    (no worker is left) and the fresh cache folder is removed; by default SIGTERM skipped both."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
