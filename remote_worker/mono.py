@@ -1,7 +1,7 @@
 """Provides the single-PC baseline: the unsplit 1-stage shard in one process, a plain greedy loop, no sockets.
 
     python -m remote_worker.mono --shard DIR --prompt-ids 1,2,3 --tokens 128 [--threads T] [--cores 0]
-        [--inference-precision bf16] [--kv-cache-precision u8] [--device CPU] --json
+        [--inference-precision bf16] [--kv-cache-precision u8] [--device CPU] [--wait-for-go] --json
 
 Prints one JSON object: tokens, seconds, ttft_s, tok_s, the generated ids and the precision the plugin
 actually used. A configuration this machine cannot run (device absent, a known plugin crash) prints
@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's")
     parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's")
     parser.add_argument("--warmup", type=int, default=8, help="tokens of an untimed warm-up generation")
+    parser.add_argument(
+        "--wait-for-go",
+        action="store_true",
+        help='after the warm-up print {"ready": true} and start only when a line arrives on stdin '
+        "(several copies then decode at the same time)",
+    )
     parser.add_argument(
         "--probe", action="store_true", help="print the OpenVINO version and devices, then exit"
     )
@@ -110,12 +116,18 @@ def run(arguments: argparse.Namespace) -> dict[str, object]:
         greedy(engine, 0, arguments.prompt_ids, arguments.warmup)
         engine.close(0)
     engine.open(1)
+    if arguments.wait_for_go:
+        print(json.dumps({"ready": True}), flush=True)
+        if not sys.stdin.readline():
+            raise SystemExit("mono: stdin closed before the go")
+    started_at = time.time()
     produced, seconds, ttft = greedy(engine, 1, arguments.prompt_ids, arguments.tokens)
     properties = engine.effective_properties()
     return {
         "tokens": len(produced),
         "seconds": seconds,
         "ttft_s": ttft,
+        "started_at": started_at,  # wall clock: copies started together decode in overlapping windows
         "tok_s": len(produced) / seconds if seconds > 0 else 0.0,
         "token_ids": produced,
         "prompt_tokens": len(arguments.prompt_ids),

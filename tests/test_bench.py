@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from fleettui.bench.report import (
     add_ratios,
     document,
     format_table,
+    format_targets,
     plot,
     short_precision,
     stage_breakdown,
@@ -318,3 +320,79 @@ def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
     pcs.details["runs_tok_s"] = [30.0, 36.0]
     _pair([pcs], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=v) for v in (20.0, 20.0)]})
     assert pcs.details["paired_ratios"] == [1.5, 1.8] and "1.65x" in format_table([pcs])
+
+
+# ------------------------------------------------------------------------ the ceiling of n emulated PCs
+def test_the_pcs_ceiling_is_measured_in_the_pcs_rounds() -> None:
+    from fleettui.bench.rows import group_partners
+
+    fleet = load_fleet(DEFAULT_FLEET)
+    full = plan_rows(fleet, quick=False)
+    pcs = plan_rows(fleet, quick=False, only="pcs")
+    ceiling = next(r for r in pcs if r.copies > 1)
+    assert ceiling.name == "mono 1core x2" and ceiling.versus == "mono 1core" and ceiling.pinned
+    baselines = [r for r in full if r.kind != "fleet"]
+    two = [r for r in pcs if r.kind == "fleet" and r.stages == 2]
+    one = [r for r in pcs if r.kind == "fleet" and r.stages == 1]
+    assert [p.name for p in group_partners(two, baselines)] == ["mono 1core", "mono 1core x2"]
+    assert [p.name for p in group_partners(one, baselines)] == ["mono 1core"]
+    scale = plan_rows(fleet, quick=False, only="scale")
+    synth = [r for r in scale if r.kind == "fleet"]
+    assert [p.name for p in group_partners(synth, baselines)] == [
+        "mono 1core synth-1b",
+        "mono 1core x2 synth-1b",
+    ]
+
+
+def test_the_ceiling_is_reported_beside_the_pcs_target() -> None:
+    mono = Row("mono 1core", "mono", pinned=True, aggregate_tok_s=50.0)
+    top = Row("mono 1core x2", "mono", pinned=True, copies=2, versus=mono.name, aggregate_tok_s=90.0)
+    top.details["paired_ratios"] = [1.7, 1.8, 1.9]
+    pcs = Row("pcs 2st 2u nospec", "fleet", 2, 2, 0, pinned=True, versus=mono.name, aggregate_tok_s=72.0)
+    pcs.details["paired_ratios"] = [1.4, 1.44, 1.5]
+    rows = [top, mono, pcs]  # the ceiling first: it must never stand in for the one-PC baseline
+    add_ratios(rows)
+    assert pcs.vs_mono == pytest.approx(72.0 / 50.0) and top.vs_mono == pytest.approx(1.8)
+    found = next(t for t in targets(rows) if "emulated PCs x 2 users" in t["target"])
+    assert found["ratio"] == pytest.approx(1.44) and found["ceiling"] == pytest.approx(1.8)
+    assert "ceiling here 1.80x" in format_targets([found]) and "80% of it" in format_targets([found])
+
+
+async def test_copies_start_together_and_none_outlives_a_timeout() -> None:
+    import psutil
+
+    from fleettui.bench.baseline import run_together
+
+    child = (
+        "import json, sys, time; print(json.dumps({'ready': True}), flush=True); "
+        "sys.stdin.readline(); t = time.time(); time.sleep(float(sys.argv[1])); "
+        "print(json.dumps({'started_at': t}))"
+    )
+    outputs = await run_together([[sys.executable, "-c", child, "0.3"], [sys.executable, "-c", child, "0.3"]])
+    starts = [json.loads(out.strip().splitlines()[-1])["started_at"] for _, out, _ in outputs]
+    assert [code for code, _, _ in outputs] == [0, 0] and abs(starts[0] - starts[1]) < 0.25
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(run_together([[sys.executable, "-c", child, "60"]] * 2), 3.0)
+    left = [p for p in psutil.Process().children(recursive=True) if child in " ".join(p.cmdline())]
+    assert left == []
+
+
+@pytest.mark.slow
+def test_two_monos_at_once_decode_in_overlapping_windows(shard_cache: Path) -> None:
+    from dataclasses import replace
+
+    from fleettui.bench.baseline import run_baseline
+    from shard_compiler.compiler import compile_shards
+
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    fleet = load_fleet(DEFAULT_FLEET)
+    fleet = replace(fleet, runtime=replace(fleet.runtime, inference_precision="f32"))
+    spec = RowSpec("mono", pinned=True, copies=2)
+    row = asyncio.run(run_baseline(spec, unsplit, [1, 9690, 314, 253], 24, fleet))
+    assert row.ok, row.status
+    assert row.name == "mono 1core x2" and row.tokens == 48 and len(row.details["copies_tok_s"]) == 2
+    assert row.aggregate_tok_s == pytest.approx(sum(row.details["copies_tok_s"]), rel=1e-3)
+    (a0, a1), (b0, b1) = row.details["copies_windows"]
+    assert max(a0, b0) < min(a1, b1)  # released together: their timed decodes overlap
+    cores = sorted(os.sched_getaffinity(0))
+    assert row.details["cores"] == [cores[0], cores[1 % len(cores)]]

@@ -19,7 +19,8 @@ ROW_TIMEOUT = 900.0
 
 
 async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens: int, fleet: Fleet) -> Row:
-    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process."""
+    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process; a pinned mono with
+    `copies` > 1 runs that many children at once, one per core, and sums their rates."""
     row = new_row(spec)
     row.details["device"] = spec.device
     module = "remote_worker.mono" if spec.kind == "mono" else "shard_compiler.anchors"
@@ -37,28 +38,82 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
         spec.device,
         "--json",
     ]
-    if spec.pinned:
-        command += ["--threads", "1", "--cores", str(sorted(os.sched_getaffinity(0))[0])]
     runtime = fleet.runtime
     if runtime.inference_precision != "auto":
         command += ["--inference-precision", runtime.inference_precision]
     if runtime.kv_cache_precision != "auto":
         command += ["--kv-cache-precision", runtime.kv_cache_precision]
+    cores = sorted(os.sched_getaffinity(0))
+    if spec.pinned:
+        command += ["--threads", "1"]
     witness = CpuWitness()
-    done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
-    )
+    if spec.copies > 1:
+        commands = [
+            command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"] for i in range(spec.copies)
+        ]
+        outputs = await asyncio.wait_for(run_together(commands), ROW_TIMEOUT)
+    else:
+        command += ["--cores", str(cores[0])] if spec.pinned else []
+        child = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
+        )
+        outputs = [(child.returncode, child.stdout, child.stderr)]
     row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        row.status = f"failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
-        return row
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skipped" in result:
-        row.status = f"skipped: {result['skipped']}"
-        return row
-    row.precision = short_precisions(result["precision"])
-    row.tokens, row.seconds, row.ttft_s = result["tokens"], result["seconds"], result["ttft_s"]
-    row.aggregate_tok_s = row.per_user_tok_s = result["tok_s"]
-    row.details.update({key: result[key] for key in ("threads", "cores", "backend") if key in result})
+    results = []
+    for returncode, stdout, stderr in outputs:
+        if returncode != 0:
+            lines = stderr.strip().splitlines()
+            row.status = f"failed: {lines[-1] if lines else f'exit code {returncode}'}"
+            return row
+        result = json.loads(stdout.strip().splitlines()[-1])
+        if "skipped" in result:
+            row.status = f"skipped: {result['skipped']}"
+            return row
+        results.append(result)
+    first = results[0]
+    row.precision = short_precisions(first["precision"])
+    row.tokens = sum(result["tokens"] for result in results)
+    row.seconds = max(result["seconds"] for result in results)
+    row.ttft_s = sum(result["ttft_s"] for result in results) / len(results)
+    row.aggregate_tok_s = sum(result["tok_s"] for result in results)
+    row.per_user_tok_s = row.aggregate_tok_s / len(results)
+    row.details.update({key: first[key] for key in ("threads", "cores", "backend") if key in first})
+    if len(results) > 1:
+        row.details["cores"] = [core for result in results for core in result.get("cores", [])]
+        row.details["copies_tok_s"] = [round(result["tok_s"], 2) for result in results]
+        row.details["copies_windows"] = [
+            [round(result["started_at"], 3), round(result["started_at"] + result["seconds"], 3)]
+            for result in results
+        ]
     return row
+
+
+async def run_together(commands: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Start the `--wait-for-go` children, let them compile and warm up, then release them at once (a line
+    on each stdin) so their timed decodes overlap; (returncode, stdout, stderr) each. Every child is
+    killed if this is cancelled or times out."""
+    children = [
+        await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for command in commands
+    ]
+    try:
+        ready = [await child.stdout.readline() for child in children]  # type: ignore[union-attr]
+        for child, line in zip(children, ready, strict=True):
+            if b'"ready"' in line:
+                child.stdin.write(b"go\n")  # type: ignore[union-attr]
+            child.stdin.close()  # type: ignore[union-attr]  # a child that is not ready sees EOF and ends
+        finished = [await child.communicate() for child in children]
+        return [
+            (int(child.returncode or 0), line.decode() + out.decode(), err.decode())
+            for child, line, (out, err) in zip(children, ready, finished, strict=True)
+        ]
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()

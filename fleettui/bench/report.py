@@ -214,6 +214,11 @@ def format_targets(found: Sequence[dict[str, Any]]) -> str:
         ]
         spread_of_ratio = item.get("ratio_spread")
         moved = f" (ratio moved {spread_of_ratio:.0%} over rounds)" if spread_of_ratio is not None else ""
+        top = item.get("ceiling")
+        if top and item["ratio"] is not None:
+            moved += (
+                f"; ceiling here {top:.2f}x (independent monos, one per PC): {item['ratio'] / top:.0%} of it"
+            )
         lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}{moved}")
     return "\n".join(lines)
 

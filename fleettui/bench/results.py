@@ -56,6 +56,7 @@ class Row:
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
     group: str = ""  # the bench group (--only)
     versus: str = ""  # the row this one is paired with: measured in the same rounds, adjacent windows
+    copies: int = 1  # a pinned mono run as n copies at once, one per core (the n-PC ceiling); rates summed
 
     @property
     def paired_ratio(self) -> float | None:

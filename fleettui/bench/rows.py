@@ -31,6 +31,7 @@ class RowSpec:
     device: str = "CPU"
     draft: str = ""  # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
+    copies: int = 1  # pinned mono only: n copies at once, one per core (what n PCs could do at best here)
     group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
     versus: str = field(default="", compare=False)  # the row it is paired with (measured in the same rounds)
 
@@ -41,6 +42,7 @@ class RowSpec:
             return (
                 self.kind
                 + (" 1core" if self.pinned else "")
+                + (f" x{self.copies}" if self.copies > 1 else "")
                 + (f" {self.device}" if self.device != "CPU" else "")
                 + suffix
             )
@@ -110,16 +112,29 @@ def _fleet_rows(fleet: Fleet, quick: bool, k: int | str, speculate: bool, users:
         RowSpec("fleet", stages, 2, 0, pinned=True, group="pcs", versus=mono_1core),
     ]
     rows += [RowSpec("fleet", stages, 2, spec, pinned=True, group="pcs", versus=mono_1core) for spec in on]
-    return rows
+    return rows + ([ceiling(stages, "", "pcs")] if stages > 1 else [])
+
+
+def ceiling(stages: int, model: str, group: str) -> RowSpec:
+    """STAGES independent monos at once, one per core, against one: the most STAGES emulated PCs can give on
+    this machine (shared memory, caches and the host's other load), measured in the PCs' rounds."""
+    mono = RowSpec("mono", pinned=True, model=model)
+    return RowSpec("mono", pinned=True, model=model, copies=stages, group=group, versus=mono.name)
 
 
 def scale_rows(stages: int = 2) -> list[RowSpec]:
     """Mono on one core vs emulated PCs (one core each) with 1/2/4 users, on the synthetic 1B shape."""
     mono = RowSpec("mono", pinned=True, model=SCALE_MODEL, group="scale")
-    return [mono] + [
-        RowSpec("fleet", stages, users, 0, pinned=True, model=SCALE_MODEL, group="scale", versus=mono.name)
-        for users in SCALE_USERS
-    ]
+    return (
+        [mono]
+        + [
+            RowSpec(
+                "fleet", stages, users, 0, pinned=True, model=SCALE_MODEL, group="scale", versus=mono.name
+            )
+            for users in SCALE_USERS
+        ]
+        + [ceiling(stages, SCALE_MODEL, "scale")]
+    )
 
 
 def plan_rows(
@@ -153,9 +168,30 @@ def plan_rows(
     return [row for row in rows if row.name in chosen or row.name in wanted]
 
 
+def group_partners(members: list[RowSpec], baselines: list[RowSpec]) -> list[RowSpec]:
+    """The baselines measured in a fleet group's rounds: those its rows are paired with, and the ceiling of
+    its PCs (as many monos at once as the group has stages) paired with one of those."""
+    named = {member.versus for member in members}
+    first = members[0]
+    return sorted(
+        (
+            spec
+            for spec in baselines
+            if spec.name in named
+            or (
+                spec.copies == first.stages > 1
+                and spec.versus in named
+                and spec.model == first.model
+                and first.pinned
+            )
+        ),
+        key=lambda spec: spec.name,
+    )
+
+
 def new_row(spec: RowSpec) -> Row:
     """The (not yet measured) result row of SPEC."""
     return Row(
         spec.name, spec.kind, spec.stages, spec.users, spec.spec_k, spec.hop_delay_ms, spec.pinned,
-        model=spec.model, group=spec.group, versus=spec.versus,
+        model=spec.model, group=spec.group, versus=spec.versus, copies=spec.copies,
     )  # fmt: skip

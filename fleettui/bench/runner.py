@@ -30,7 +30,7 @@ from fleettui.bench.report import (
     short_precisions,
     stage_breakdown,
 )
-from fleettui.bench.rows import GROUPS, RowSpec, new_row, plan_rows
+from fleettui.bench.rows import GROUPS, RowSpec, group_partners, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
@@ -451,8 +451,10 @@ async def run_bench(
     for spec in specs:
         if spec.kind == "fleet":
             groups.setdefault(spec.fleet_key, []).append(spec)
-    paired = {spec.versus for members in groups.values() for spec in members}
+    partners_of = {key: group_partners(members, baselines) for key, members in groups.items()}
+    paired = {spec.name for partners in partners_of.values() for spec in partners}
     measured: dict[str, list[Row]] = {spec.name: [] for spec in baselines}
+    ratios: dict[str, list[float]] = {}  # a baseline paired with another, both measured in one group's rounds
     alone = [spec for spec in baselines if spec.name not in paired]
     for round_index in range(repeats):  # unpaired baselines: interleaved rounds among themselves
         for spec in alone:
@@ -460,14 +462,21 @@ async def run_bench(
             outcome = await baseline_once(spec)
             measured[spec.name].append(outcome)
             progress(f"{outcome.aggregate_tok_s:.1f} tok/s" if outcome.ok else outcome.status, result=True)
-    by_name = {spec.name: spec for spec in baselines}
-    for members in groups.values():
-        partners = [by_name[name] for name in sorted({m.versus for m in members} & set(by_name))]
+    for key, members in groups.items():
+        partners = partners_of[key]
         rows, partner_runs = await run_fleet_group(
             fleet, members, tokens, machine["openvino_devices"], progress, repeats, partners, baseline_once,
             calibrated,
         )  # fmt: skip
         results.update(zip(members, rows, strict=True))
+        for partner in partners:
+            if partner.versus in partner_runs:  # e.g. the ceiling against mono 1core, round by round
+                pairs = zip(partner_runs[partner.name], partner_runs[partner.versus], strict=False)
+                ratios.setdefault(partner.name, []).extend(
+                    round(a.aggregate_tok_s / b.aggregate_tok_s, 4)
+                    for a, b in pairs
+                    if a.ok and b.ok and a.aggregate_tok_s > 0 and b.aggregate_tok_s > 0
+                )
         for name, runs in partner_runs.items():
             measured[name].extend(runs)
             rates = ", ".join(f"{r.aggregate_tok_s:.1f}" if r.ok else r.status for r in runs)
@@ -481,8 +490,11 @@ async def run_bench(
             ok += [again] if again.ok else []
         row = max(ok, key=lambda r: r.aggregate_tok_s) if ok else (runs[0] if runs else new_row(spec))
         row.details["runs_tok_s"] = [round(r.aggregate_tok_s, 2) for r in ok]
+        if spec.name in ratios:
+            row.details["paired_ratios"] = ratios[spec.name]
         results[spec] = row
     ordered = [results[spec] for spec in specs]
-    _pair([r for r in ordered if r.kind != "fleet"], {})  # baselines paired among themselves (genai 1core)
+    # baselines paired among themselves in their own rounds (genai 1core vs mono 1core)
+    _pair([r for r in ordered if r.kind != "fleet" and r.name not in ratios], {})
     add_ratios(ordered)
     return ordered, machine

@@ -18,8 +18,20 @@ def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> R
             and row.ok
             and row.details.get("device", "CPU") == "CPU"
             and row.model == model
+            and row.copies == 1
         ):
             return row
+    return None
+
+
+def ceiling_ratio(rows: Sequence[Row], copies: int, model: str = "") -> float | None:
+    """What COPIES monos at once (one per core) gave against one: the most that many PCs can give here."""
+    for row in rows:
+        if row.ok and row.kind == "mono" and row.copies == copies and row.model == model:
+            if row.paired_ratio is not None:
+                return row.paired_ratio
+            single = baseline(rows, "mono", True, model)
+            return row.aggregate_tok_s / single.aggregate_tok_s if single and single.aggregate_tok_s else None
     return None
 
 
@@ -47,7 +59,9 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """The issue's targets, each with the measured ratio (None when the rows to compare are missing)."""
     found: list[dict[str, Any]] = []
 
-    def check(name: str, goal: float | None, over: Row | None, under: Row | None) -> None:
+    def check(
+        name: str, goal: float | None, over: Row | None, under: Row | None, ceiling: float | None = None
+    ) -> None:
         spread_of_ratio = None
         ratio: float | None
         if over and under and over.versus == under.name and over.paired_ratio is not None:
@@ -67,6 +81,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
                 "ratio_spread": spread_of_ratio,
                 "met": met,
                 "rows": [over.name if over else None, under.name if under else None],
+                "ceiling": ceiling,  # the same ratio for independent monos, one per PC (upper bound here)
             }
         )
 
@@ -83,6 +98,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             1.6,
             _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
             baseline(rows, "mono", True),
+            ceiling_ratio(rows, pcs),
         )
     for row in rows:  # the scale group (synthetic model): emulated PCs x users vs mono on one core
         if row.kind == "fleet" and row.ok and row.model and row.pinned and row.spec_k == 0:
@@ -91,6 +107,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
                 1.85 if row.users == 2 else None,
                 row,
                 baseline(rows, "mono", True, row.model),
+                ceiling_ratio(rows, row.stages, row.model),
             )
     balanced = _find(
         rows, kind="fleet", users=1, spec_k=0, hop_delay_ms=0.0, pinned=False, stages=_most(rows)

@@ -95,8 +95,7 @@ class Ahead:
         """Whether the round went as assumed: every draft accepted, then the draft's guess as the bonus."""
         if not self.task.done() or self.task.cancelled() or self.task.exception() is not None:
             return False
-        guess = self.task.result().tokens[:1]
-        return len(history) == len(self.assumed) + 1 and tuple(history[-1:]) == guess
+        return not self.failed(history) and tuple(history[-1:]) == self.task.result().tokens[:1]
 
     def failed(self, history: list[int]) -> bool:
         """Whether the round went otherwise than assumed, as far as is known before the proposal is done: a
