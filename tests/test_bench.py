@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -396,3 +397,43 @@ def test_two_monos_at_once_decode_in_overlapping_windows(shard_cache: Path) -> N
     assert max(a0, b0) < min(a1, b1)  # released together: their timed decodes overlap
     cores = sorted(os.sched_getaffinity(0))
     assert row.details["cores"] == [cores[0], cores[1 % len(cores)]]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_bench_stops_its_fleet_at_once() -> None:
+    """A SIGTERM mid-run (a cancelled job, `timeout`) stops the bench cleanly: its workers go with it, well
+    before their 30 s lease would end them, and it says so in one line."""
+    import psutil
+
+    state = os.environ["XDG_STATE_HOME"]
+
+    def workers() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            line = " ".join(process.info["cmdline"] or [])
+            if "remote_worker" in line and (state in line or "remote_worker.mono" in line):
+                found.append(process)
+        return found
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fleettui", "bench", "--quick", str(ROOT / "fleets/local.toml")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900  # the first run of the tests may compile the shards
+        while not any(state in " ".join(p.info["cmdline"] or []) for p in workers()):
+            assert process.poll() is None and time.monotonic() < deadline, "the bench never started a fleet"
+            time.sleep(0.2)
+        time.sleep(2.0)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "fleettui: SIGTERM, stopping" in stderr
+    left = time.monotonic() + 10
+    while workers() and time.monotonic() < left:
+        time.sleep(0.2)
+    assert workers() == [], [p.info["cmdline"] for p in workers()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleettui.commands import options
+from fleettui.commands.running import run as run_loop
 from fleettui.errors import FleetError
 
 if TYPE_CHECKING:
@@ -65,8 +65,10 @@ def run_soak_cli(fleet: Fleet, args: argparse.Namespace) -> int:
         raise FleetError("--soak and --kill-every: seconds must be positive")
     fleet = with_overrides(fleet, exact=True, draft="none" if args.no_spec else None)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    report = asyncio.run(
-        soak(fleet, args.soak, kill_every=args.kill_every, max_tokens=args.max_tokens or 48, on_line=say)
+    report = run_loop(
+        lambda: soak(
+            fleet, args.soak, kill_every=args.kill_every, max_tokens=args.max_tokens or 48, on_line=say
+        )
     )
     print(report.summary())
     return 1 if report.errors or report.mismatches else 0
@@ -82,8 +84,8 @@ def run_rebalance_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        report = asyncio.run(
-            rebalance_bench(fleet, tokens=args.max_tokens or 64, share=args.rebalance, on_line=say)
+        report = run_loop(
+            lambda: rebalance_bench(fleet, tokens=args.max_tokens or 64, share=args.rebalance, on_line=say)
         )
     except ValueError as error:
         raise FleetError(f"--rebalance: {error}") from None
@@ -133,7 +135,7 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     progress = Progress(len(specs) * repeats)
     started = time.perf_counter()
     try:
-        rows, machine = asyncio.run(run_bench(fleet, specs, tokens, progress, repeats))
+        rows, machine = run_loop(lambda: run_bench(fleet, specs, tokens, progress, repeats))
     finally:
         progress.reporter.close()
     settings = {

@@ -6,8 +6,10 @@ import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+T = TypeVar("T")
 
 
 class Interrupted(Exception):
@@ -18,11 +20,11 @@ class Interrupted(Exception):
         self.code = 128 + number
 
 
-def run(main: Callable[[], Awaitable[int]]) -> int:
+def run(main: Callable[[], Awaitable[T]]) -> T:
     """Run `main()`; the first of SIGINT/SIGTERM/SIGHUP cancels it (its `finally` stops the fleet) and any
     further signal is ignored until that cleanup is over, so two quick Ctrl-C never orphan a worker."""
 
-    async def guarded() -> int:
+    async def guarded() -> T:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
