@@ -471,12 +471,9 @@ async def run_bench(
         results.update(zip(members, rows, strict=True))
         for partner in partners:
             if partner.versus in partner_runs:  # e.g. the ceiling against mono 1core, round by round
-                pairs = zip(partner_runs[partner.name], partner_runs[partner.versus], strict=False)
-                ratios.setdefault(partner.name, []).extend(
-                    round(a.aggregate_tok_s / b.aggregate_tok_s, 4)
-                    for a, b in pairs
-                    if a.ok and b.ok and a.aggregate_tok_s > 0 and b.aggregate_tok_s > 0
-                )
+                probe = new_row(partner)
+                _pair([probe], partner_runs)
+                ratios.setdefault(partner.name, []).extend(probe.details.get("paired_ratios", []))
         for name, runs in partner_runs.items():
             measured[name].extend(runs)
             rates = ", ".join(f"{r.aggregate_tok_s:.1f}" if r.ok else r.status for r in runs)
