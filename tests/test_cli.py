@@ -186,3 +186,13 @@ def psutil_cmdline() -> list[str]:
     import psutil
 
     return psutil.Process().cmdline()[:6]
+
+
+def test_a_bench_with_zero_tokens_is_refused_not_run_with_the_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--max-tokens 0` once meant "the default" (a full 20-minute bench); every bench mode refuses it now."""
+    for extra in ([], ["--quick"], ["--soak", "5"], ["--rebalance", "0.5"]):
+        assert main(["bench", str(DEFAULT_FLEET), "--max-tokens", "0", *extra]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == ["fleettui: --max-tokens: 0 must be at least 1"] * 4
