@@ -171,15 +171,13 @@ async def _measure(
         witness = CpuWitness()
         own = _own_cpu_seconds()
         started = time.perf_counter()
-        generations = await asyncio.wait_for(
-            asyncio.gather(
+        async with asyncio.timeout(ROW_TIMEOUT):  # awaited here, so a cancelled gather is never left unread
+            generations = await asyncio.gather(
                 *(
                     coordinator.generate(session, prompts[index % len(prompts)], params)
                     for index, session in enumerate(sessions)
                 )
-            ),
-            ROW_TIMEOUT,
-        )
+            )
         wall = time.perf_counter() - started
         own = _own_cpu_seconds() - own
     finally:
