@@ -362,19 +362,22 @@ def test_the_ceiling_is_reported_beside_the_pcs_target() -> None:
 async def test_copies_start_together_and_none_outlives_a_timeout() -> None:
     import psutil
 
-    from fleettui.bench.baseline import run_together
+    from fleettui.bench.baseline import run_children
 
     child = (
         "import json, sys, time; print(json.dumps({'ready': True}), flush=True); "
         "sys.stdin.readline(); t = time.time(); time.sleep(float(sys.argv[1])); "
         "print(json.dumps({'started_at': t}))"
     )
-    outputs = await run_together([[sys.executable, "-c", child, "0.3"], [sys.executable, "-c", child, "0.3"]])
+    together = [[sys.executable, "-c", child, "0.3"], [sys.executable, "-c", child, "0.3"]]
+    outputs = await run_children(together, together=True)
     starts = [json.loads(out.strip().splitlines()[-1])["started_at"] for _, out, _ in outputs]
     assert [code for code, _, _ in outputs] == [0, 0] and abs(starts[0] - starts[1]) < 0.25
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(run_together([[sys.executable, "-c", child, "60"]] * 2), 3.0)
-    left = [p for p in psutil.Process().children(recursive=True) if child in " ".join(p.cmdline())]
+        await asyncio.wait_for(run_children([[sys.executable, "-c", child, "60"]] * 2, together=True), 3.0)
+    with pytest.raises(TimeoutError):  # one child, not released: the same
+        await asyncio.wait_for(run_children([[sys.executable, "-c", "import time; time.sleep(60)"]]), 3.0)
+    left = [p for p in psutil.Process().children(recursive=True) if "sleep" in " ".join(p.cmdline())]
     assert left == []
 
 

@@ -569,7 +569,9 @@ async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly()
 async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> None:
     """On fast links (the wires hide less than the draft would take) and for sampled requests the draft is
     proposed in its round only; with penalties it is proposed ahead, but its verify is not sent ahead."""
-    fast = Coordinator(WiredPipeline(wire=0.0005), None, TimedDrafter(1000, per_token=0.002), max_k=4)
+    # a draft of 20 ms a token: a stall of the event loop on a loaded machine (tens of ms in one round, read
+    # as idle wire time) must not make a 5-token draft look hidden
+    fast = Coordinator(WiredPipeline(wire=0.0005), None, TimedDrafter(1000, per_token=0.02), max_k=4)
     fast.policy.fixed_k = 4
     session = await fast.open_session()
     generation = await fast.generate(session, PROMPTS[0], GenerationParams(max_tokens=20))

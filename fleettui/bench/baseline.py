@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,13 +50,10 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
         commands = [
             command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"] for i in range(spec.copies)
         ]
-        outputs = await asyncio.wait_for(run_together(commands), ROW_TIMEOUT)
+        outputs = await asyncio.wait_for(run_children(commands, together=True), ROW_TIMEOUT)
     else:
         command += ["--cores", str(cores[0])] if spec.pinned else []
-        child = await asyncio.to_thread(
-            subprocess.run, command, capture_output=True, text=True, timeout=ROW_TIMEOUT
-        )
-        outputs = [(child.returncode, child.stdout, child.stderr)]
+        outputs = await asyncio.wait_for(run_children([command]), ROW_TIMEOUT)
     row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
     results = []
     for returncode, stdout, stderr in outputs:
@@ -88,25 +84,28 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     return row
 
 
-async def run_together(commands: list[list[str]]) -> list[tuple[int, str, str]]:
-    """Start the `--wait-for-go` children, let them compile and warm up, then release them at once (a line
-    on each stdin) so their timed decodes overlap; (returncode, stdout, stderr) each. Every child is
-    killed if this is cancelled or times out."""
-    children = [
-        await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        for command in commands
-    ]
+async def run_children(commands: list[list[str]], together: bool = False) -> list[tuple[int, str, str]]:
+    """Run the children to their end; (returncode, stdout, stderr) each. `together`: they are `--wait-for-go`
+    children, let compile and warm up, then released at once (a line on each stdin) so their timed decodes
+    overlap. Every child is killed if this is cancelled (a SIGTERM to the bench) or times out."""
+    children: list[asyncio.subprocess.Process] = []
     try:
-        ready = [await child.stdout.readline() for child in children]  # type: ignore[union-attr]
-        for child, line in zip(children, ready, strict=True):
-            if b'"ready"' in line:
-                child.stdin.write(b"go\n")  # type: ignore[union-attr]
-            child.stdin.close()  # type: ignore[union-attr]  # a child that is not ready sees EOF and ends
+        for command in commands:
+            children.append(
+                await asyncio.create_subprocess_exec(
+                    *command,
+                    stdin=asyncio.subprocess.PIPE if together else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            )
+        ready = [b""] * len(children)
+        if together:
+            ready = [await child.stdout.readline() for child in children]  # type: ignore[union-attr]
+            for child, line in zip(children, ready, strict=True):
+                if b'"ready"' in line:
+                    child.stdin.write(b"go\n")  # type: ignore[union-attr]
+                child.stdin.close()  # type: ignore[union-attr]  # a child that is not ready sees EOF and ends
         finished = [await child.communicate() for child in children]
         return [
             (int(child.returncode or 0), line.decode() + out.decode(), err.decode())

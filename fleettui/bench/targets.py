@@ -24,15 +24,21 @@ def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> R
     return None
 
 
+def ratio_of(over: Row | None, under: Row | None) -> tuple[float | None, float | None]:
+    """`over` against `under` and the spread of that ratio: per round in adjacent windows when `over` was
+    measured against `under`, else best over best (spread unknown)."""
+    if over and under and over.versus == under.name and over.paired_ratio is not None:
+        return over.paired_ratio, over.ratio_spread
+    return (
+        over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
+    ), None
+
+
 def ceiling_ratio(rows: Sequence[Row], copies: int, model: str = "") -> float | None:
     """What COPIES monos at once (one per core) gave against one: the most that many PCs can give here."""
-    for row in rows:
-        if row.ok and row.kind == "mono" and row.copies == copies and row.model == model:
-            if row.paired_ratio is not None:
-                return row.paired_ratio
-            single = baseline(rows, "mono", True, model)
-            return row.aggregate_tok_s / single.aggregate_tok_s if single and single.aggregate_tok_s else None
-    return None
+    return ratio_of(
+        _find(rows, kind="mono", copies=copies, model=model), baseline(rows, "mono", True, model)
+    )[0]
 
 
 def add_ratios(rows: Sequence[Row]) -> None:
@@ -62,16 +68,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     def check(
         name: str, goal: float | None, over: Row | None, under: Row | None, ceiling: float | None = None
     ) -> None:
-        spread_of_ratio = None
-        ratio: float | None
-        if over and under and over.versus == under.name and over.paired_ratio is not None:
-            ratio, spread_of_ratio = over.paired_ratio, over.ratio_spread  # adjacent windows
-        else:
-            ratio = (
-                over.aggregate_tok_s / under.aggregate_tok_s
-                if over and under and under.aggregate_tok_s
-                else None
-            )
+        ratio, spread_of_ratio = ratio_of(over, under)
         met = None if ratio is None or goal is None else ratio >= goal
         found.append(
             {

@@ -195,7 +195,8 @@ class ZmqLink:
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
         self._streams: dict[int, ReplyStream] = {}
-        self._retired: deque[int] = deque(maxlen=256)  # runs closed early: their late Results are expected
+        # runs closed early and requests their callers stopped waiting for: their late replies are expected
+        self._retired: deque[int] = deque(maxlen=256)
         self._reading: asyncio.AbstractEventLoop | None = None
         self._blocked: StageLost | None = None
         self.dropped = 0
@@ -238,7 +239,8 @@ class ZmqLink:
             return
         future = self._pending.pop(seq, None)
         if future is None and seq in self._retired:
-            return  # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack)
+            return  # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack), or
+            # the reply to a request its caller gave up on
         if future is None or future.done():
             self.dropped += 1
             log.warning(
@@ -278,7 +280,8 @@ class ZmqLink:
             return await future
         finally:
             expiry.cancel()
-            self._pending.pop(seq, None)
+            if self._pending.pop(seq, None) is not None:  # no reply came, and none is awaited any more
+                self._retired.append(seq)  # (cancelled, timed out): a late one is expected
 
     async def stream(self, step: protocol.Step, timeout: float | None = None) -> ReplyStream:
         """Start a run (`step.run` tokens) and return the stream its Results arrive on."""
