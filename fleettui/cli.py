@@ -10,8 +10,7 @@ import sys
 from types import ModuleType
 
 from fleettui.commands import COMMANDS
-from fleettui.commands.running import Interrupted
-from fleettui.errors import FleetError
+from fleettui.errors import FleetError, Interrupted
 
 LEGACY = {"--ask": "ask", "--plan": "plan", "--bench": "bench", "--deploy": "deploy", "--stop": "stop"}
 

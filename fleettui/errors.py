@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 
@@ -60,3 +61,11 @@ class ProvisionError(FleetError):
         self.step = step
         self.reason = reason
         super().__init__(f"{host}: {step}: {reason}")
+
+
+class Interrupted(Exception):
+    """The command was stopped by a signal; `code` is the shell's 128 + signal number."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(signal.Signals(number).name)
+        self.code = 128 + number

@@ -11,10 +11,8 @@ synthetic tiny Llama, where fixed overhead dominates compute; any model name the
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -24,6 +22,7 @@ PROMPT = list(range(3, 43))
 
 
 async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> list[dict[str, float]]:
+    from fleettui.bench.baseline import run_children
     from fleettui.config.fleet import DEFAULT_FLEET, Host, load_fleet
     from fleettui.control.controller import FleetController
     from fleettui.control.deployment import free_port_block
@@ -57,10 +56,12 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
                 sys.executable, "-m", "remote_worker.mono", "--shard", shard, "--prompt-ids",
                 ",".join(map(str, PROMPT)), "--tokens", str(tokens), "--json",
             ]  # fmt: skip
-            done = await asyncio.to_thread(
-                subprocess.run, command, capture_output=True, text=True, check=True
-            )
-            mono = json.loads(done.stdout.strip().splitlines()[-1])
+            [(code, out, err)] = await run_children([command])  # killed with this task (a signal)
+            if code != 0:
+                raise RuntimeError(
+                    f"remote_worker.mono failed: {(err.strip().splitlines() or [f'exit code {code}'])[-1]}"
+                )
+            mono = json.loads(out.strip().splitlines()[-1])
             fleet_ms = 1000 * (wall - generation.stats.ttft) / (count - 1)
             mono_ms = 1000 * (mono["seconds"] - mono["ttft_s"]) / (mono["tokens"] - 1)
             coordinator_ms = 1000 * ((after.user - cpu.user) + (after.system - cpu.system)) / count
@@ -83,6 +84,9 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fleettui.control.running import run as run_loop
+    from fleettui.errors import Interrupted
+
     parser = argparse.ArgumentParser(
         prog="python -m fleettui.bench.hop_budget", description=__doc__.splitlines()[0]
     )
@@ -91,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shards", type=Path, help="shard cache root (default: the fleet's)")
     arguments = parser.parse_args(argv)
-    results = asyncio.run(measure(arguments.model, arguments.tokens, arguments.rounds, arguments.shards))
+    try:  # a signal stops the fleet and the mono child before the exit
+        results = run_loop(
+            lambda: measure(arguments.model, arguments.tokens, arguments.rounds, arguments.shards)
+        )
+    except Interrupted as error:
+        return error.code
     extra = sorted(r["extra_ms"] for r in results)
     print(f"median extra per token over {len(extra)} interleaved rounds: {extra[len(extra) // 2]:+.2f} ms")
     return 0

@@ -221,6 +221,8 @@ def format_tables(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from fleettui.config.fleet import load_fleet, resolve_fleet
     from fleettui.control.controller import with_overrides
+    from fleettui.control.running import run as run_loop
+    from fleettui.errors import Interrupted
 
     parser = argparse.ArgumentParser(prog="python -m fleettui.bench.serve_bench", description=__doc__)
     parser.add_argument("fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)")
@@ -234,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fleet = with_overrides(load_fleet(resolve_fleet(args.fleet)), exact=args.exact, draft=args.draft)
     started = time.perf_counter()
-    result = asyncio.run(run_serve_bench(fleet, args.max_tokens, args.repeats))
+    try:  # a signal stops the fleet and the server before the exit
+        result = run_loop(lambda: run_serve_bench(fleet, args.max_tokens, args.repeats))
+    except Interrupted as error:
+        return error.code
     result["settings"] = {
         "fleet": str(fleet.path) if fleet.path else None,
         "exact": fleet.runtime.exact,

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fleettui.commands.prompt import read_prompt
-    from fleettui.commands.running import run as run_loop
+    from fleettui.control.running import run as run_loop
 
     prompt = read_prompt(args.prompt)
     if not prompt.strip():

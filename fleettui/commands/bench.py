@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleettui.commands import options
-from fleettui.commands.running import run as run_loop
+from fleettui.control.running import run as run_loop
 from fleettui.errors import FleetError
 
 if TYPE_CHECKING:

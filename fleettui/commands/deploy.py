@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fleettui.commands.progress import ProgressReporter
-    from fleettui.commands.running import run as run_loop
     from fleettui.control.controller import ControllerError, FleetController
+    from fleettui.control.running import run as run_loop
     from fleettui.control.states import LogLine
 
     fleet = options.load(args)

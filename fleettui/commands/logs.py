@@ -16,9 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleettui.commands.running import run as run_loop
     from fleettui.control import store
     from fleettui.control.controller import FleetController
+    from fleettui.control.running import run as run_loop
 
     fleet = options.load(args)
     record = store.load(fleet)

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleettui.commands.running import run as run_loop
+    from fleettui.control.running import run as run_loop
 
     if not 0 <= args.port <= 65535:
         raise FleetError(f"--port: {args.port} is out of range 0..65535")

@@ -1,4 +1,4 @@
-"""Provides how a command runs its event loop: SIGINT, SIGTERM and SIGHUP stop it cleanly, once, never twice."""
+"""Provides how a command or a bench tool runs its event loop: SIGINT, SIGTERM and SIGHUP stop it cleanly, once."""
 
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from fleettui.errors import Interrupted
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 T = TypeVar("T")
-
-
-class Interrupted(Exception):
-    """The command was stopped by a signal; `code` is the shell's 128 + signal number."""
-
-    def __init__(self, number: int) -> None:
-        super().__init__(signal.Signals(number).name)
-        self.code = 128 + number
 
 
 def run(main: Callable[[], Awaitable[T]]) -> T:
