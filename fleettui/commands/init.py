@@ -10,7 +10,6 @@ saying what was measured, validated by loading it back, and planned.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import getpass
 import sys
@@ -201,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
     hosts = hosts_from(addresses, args)
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.probe import probe_hosts, summary
+    from fleettui.control.running import run as run_loop
 
-    with ProgressReporter() as reporter:
-        probes = asyncio.run(probe_hosts(hosts, args.install, reporter.provision))
+    with ProgressReporter() as reporter:  # a signal closes the SSH connections (and an install) cleanly
+        probes = run_loop(lambda: probe_hosts(hosts, args.install, reporter.provision))
     for probe in probes:
         print(f"{'ok' if probe.ok else 'FAILED'} {summary(probe)}", file=sys.stderr)
     answered = [probe for probe in probes if probe.ok]
