@@ -113,3 +113,51 @@ def test_fit_pins_a_noisy_negative_term_at_zero() -> None:
     timings = [StageTiming(1, False, 0.50), StageTiming(2, False, 0.48), StageTiming(1, True, 0.90)]
     fitted = fit_costs(timings)
     assert fitted.layer_ms > 0 and fitted.head_ms >= 0 and fitted.call_ms >= 0
+
+
+def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Emulated PCs pinned to disjoint cores are timed in one window (load from other programs then skews
+    none of them against another: timed one after the other, two identical cores came out 34-43 % apart);
+    hosts whose cores overlap are timed one after the other, and hosts with the same settings once."""
+    import threading
+    import time
+
+    from fleettui.config.fleet import Host
+    from fleettui.planning import profiles
+
+    windows: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()
+
+    def fake_time(
+        fleet: object, host: Host, shard_dir: Path, stages: object = None
+    ) -> list[dict[str, object]]:
+        started = time.monotonic()
+        time.sleep(0.3)
+        with lock:
+            windows[host.name] = (started, time.monotonic())
+        return [
+            {"layers": [0, 1], "last": False, "decode_ms": 0.5, "prefill_ms": 5.0},
+            {"layers": [1, 29], "last": False, "decode_ms": 8.6, "prefill_ms": 112.0},
+            {"layers": [29, 30], "last": True, "decode_ms": 2.6, "prefill_ms": 34.0},
+        ]
+
+    monkeypatch.setattr(profiles, "time_stages", fake_time)
+    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits: tmp_path)
+    base = load_fleet(DEFAULT_FLEET)
+
+    def calibrated(*hosts: Host) -> dict[str, MeasuredCosts]:
+        windows.clear()
+        fleet = replace(base, hosts=hosts, model=replace(base.model, shards=tmp_path / "shards"))
+        return profiles.calibrate(fleet, 30, root=tmp_path / "cache", force=True)
+
+    def overlap(a: str, b: str) -> bool:
+        return windows[a][0] < windows[b][1] and windows[b][0] < windows[a][1]
+
+    found = calibrated(Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,)))
+    assert set(found) == {"pc-0", "pc-1"} and overlap("pc-0", "pc-1")
+    assert calibrated(Host(name="x", cores=(0,)), Host(name="y", cores=(0, 1))) and not overlap("x", "y")
+    assert calibrated(Host(name="u", threads=2), Host(name="v", threads=1)) and not overlap("u", "v")
+    shared = calibrated(Host(name="s"), Host(name="t"))  # the same settings: timed once, shared
+    assert set(windows) == {"s"} and shared["s"] == shared["t"]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,34 +141,55 @@ def calibrate(
             f"calibration needs at least 4 layers (the split [0, 1, L-1, L]); the model has {num_layers}"
         )
     found: dict[str, MeasuredCosts] = {}
-    shard_dir: Path | None = None
     done = measured if measured is not None else set()
+    todo: dict[Path, list[Host]] = {}  # per settings (a cache file): the hosts that share them
     for host in fleet.hosts:
         path = profile_path(fleet, host, root)
         cached = None if force and path not in done else load_costs(fleet, host, root)
         if cached is not None:
             found[host.name] = cached
-            continue
-        if not host.is_local:
+        elif not host.is_local:
             say(f"{host.name}: SSH host, not calibrated (the byte-count estimate plans it)")
-            continue
-        if shard_dir is None:
-            say("compiling the calibration split [0, 1, L-1, L] (cached)")
-            shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers])
-        say(f"{host.name}: timing the three calibration stages")
-        stages = time_stages(fleet, host, shard_dir)
+        else:
+            todo.setdefault(path, []).append(host)  # a second host with the same settings shares the timing
+    if not todo:
+        return found
+    say("compiling the calibration split [0, 1, L-1, L] (cached)")
+    shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers])
+    timed = [hosts[0] for hosts in todo.values()]
+    at_once = len(timed) > 1 and _disjoint([host.cores for host in timed])
+    say(
+        f"{', '.join(h.name for h in timed)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
+    )
+    with ThreadPoolExecutor(len(timed) if at_once else 1) as pool:
+        results = list(pool.map(lambda host: time_stages(fleet, host, shard_dir), timed))
+    for (path, hosts), stages in zip(todo.items(), results, strict=True):
         costs = fit_costs(timings(stages))
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
-            "settings": _material(fleet, host),
+            "settings": _material(fleet, hosts[0]),
             "costs": asdict(costs),
             "stages": stages,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "with": [host.name for host in timed] if at_once else [hosts[0].name],
         }
         path.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        done.add(path)  # a second host with the same settings uses this measurement
-        found[host.name] = costs
+        done.add(path)
+        found.update((host.name, costs) for host in hosts)
     return found
+
+
+AT_ONCE = " at the same time (each on its own cores: one window, so load from other programs skews none)"
+
+
+def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:
+    """Whether every host is pinned to cores no other host uses (then their calibrations may run at once)."""
+    seen: set[int] = set()
+    for cores in core_sets:
+        if not cores or seen & set(cores):
+            return False
+        seen |= set(cores)
+    return True
 
 
 def format_comparison(
