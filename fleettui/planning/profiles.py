@@ -132,6 +132,9 @@ def calibrate(
 ) -> dict[str, MeasuredCosts]:
     """Measured costs of every local host (calibrated once per distinct settings, then cached).
 
+    Hosts pinned to disjoint cores are timed at the same time (one window: noise from other programs then
+    tilts none of them against another); others one after the other.
+
     `force` measures again instead of using the cache, once per distinct settings; profiles named in
     `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
     """
@@ -171,7 +174,7 @@ def calibrate(
             "costs": asdict(costs),
             "stages": stages,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "with": [host.name for host in timed] if at_once else [hosts[0].name],
+            "timed_together": [host.name for host in timed] if at_once else [hosts[0].name],
         }
         path.write_text(json.dumps(record, indent=1), encoding="utf-8")
         done.add(path)
