@@ -120,7 +120,8 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
 ) -> None:
     """Emulated PCs pinned to disjoint cores are timed in one window (load from other programs then skews
     none of them against another: timed one after the other, two identical cores came out 34-43 % apart);
-    hosts whose cores overlap are timed one after the other, and hosts with the same settings once."""
+    hosts whose cores overlap are timed one after the other (so are hosts whose calibrations would not fit in
+    memory together), and hosts with the same settings once."""
     import threading
     import time
 
@@ -144,7 +145,8 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
         ]
 
     monkeypatch.setattr(profiles, "time_stages", fake_time)
-    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits: tmp_path)
+    shard = {"dir": tmp_path}
+    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits: shard["dir"])
     base = load_fleet(DEFAULT_FLEET)
 
     def calibrated(*hosts: Host) -> dict[str, MeasuredCosts]:
@@ -161,3 +163,12 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     assert calibrated(Host(name="u", threads=2), Host(name="v", threads=1)) and not overlap("u", "v")
     shared = calibrated(Host(name="s"), Host(name="t"))  # the same settings: timed once, shared
     assert set(windows) == {"s"} and shared["s"] == shared["t"]
+    shard["dir"] = tmp_path / "huge"  # weights of 1 TiB (a sparse file): two copies at once would not fit
+    shard["dir"].mkdir()
+    with open(shard["dir"] / "stage0.bin", "wb") as weights:
+        weights.truncate(1 << 40)
+    try:
+        calibrated(Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,)))
+    finally:
+        (shard["dir"] / "stage0.bin").unlink()
+    assert not overlap("pc-0", "pc-1")

@@ -132,8 +132,8 @@ def calibrate(
 ) -> dict[str, MeasuredCosts]:
     """Measured costs of every local host (calibrated once per distinct settings, then cached).
 
-    Hosts pinned to disjoint cores are timed at the same time (one window: noise from other programs then
-    tilts none of them against another); others one after the other.
+    Hosts pinned to disjoint cores are timed at the same time when the memory allows (one window: noise from
+    other programs then tilts none of them against another); others one after the other.
 
     `force` measures again instead of using the cache, once per distinct settings; profiles named in
     `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
@@ -160,7 +160,7 @@ def calibrate(
     say("compiling the calibration split [0, 1, L-1, L] (cached)")
     shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers])
     timed = [hosts[0] for hosts in todo.values()]
-    at_once = len(timed) > 1 and _disjoint([host.cores for host in timed])
+    at_once = len(timed) > 1 and _disjoint([h.cores for h in timed]) and _memory_allows(shard_dir, len(timed))
     say(
         f"{', '.join(h.name for h in timed)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
     )
@@ -183,6 +183,15 @@ def calibrate(
 
 
 AT_ONCE = " at the same time (each on its own cores: one window, so load from other programs skews none)"
+
+
+def _memory_allows(shard_dir: Path, copies: int) -> bool:
+    """Whether COPIES calibrations fit in this machine's available memory at once: each loads the whole model
+    (the split's weights, plus half again for the compiled model and the runtime)."""
+    import psutil
+
+    weights = sum(path.stat().st_size for path in shard_dir.rglob("*.bin"))
+    return copies * weights * 1.5 < psutil.virtual_memory().available
 
 
 def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:

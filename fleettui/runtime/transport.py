@@ -239,8 +239,9 @@ class ZmqLink:
             return
         future = self._pending.pop(seq, None)
         if future is None and seq in self._retired:
-            return  # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack), or
-            # the reply to a request its caller gave up on
+            # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack), or the reply
+            # to a request its caller gave up on
+            return
         if future is None or future.done():
             self.dropped += 1
             log.warning(
