@@ -191,7 +191,8 @@ def _memory_allows(shard_dir: Path, copies: int) -> bool:
     import psutil
 
     weights = sum(path.stat().st_size for path in shard_dir.rglob("*.bin"))
-    return copies * weights * 1.5 < psutil.virtual_memory().available
+    available = int(psutil.virtual_memory().available)
+    return copies * weights * 1.5 < available
 
 
 def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:
