@@ -66,7 +66,9 @@ def run_soak_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     fleet = with_overrides(fleet, exact=True, draft="none" if args.no_spec else None)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     report = run_loop(
-        lambda: soak(fleet, args.soak, kill_every=args.kill_every, max_tokens=_tokens(args, 48), on_line=say)
+        lambda: soak(
+            fleet, args.soak, kill_every=args.kill_every, max_tokens=options.tokens(args, 48), on_line=say
+        )
     )
     print(report.summary())
     return 1 if report.errors or report.mismatches else 0
@@ -83,21 +85,12 @@ def run_rebalance_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         report = run_loop(
-            lambda: rebalance_bench(fleet, tokens=_tokens(args, 64), share=args.rebalance, on_line=say)
+            lambda: rebalance_bench(fleet, tokens=options.tokens(args, 64), share=args.rebalance, on_line=say)
         )
     except ValueError as error:
         raise FleetError(f"--rebalance: {error}") from None
     print(report.summary())
     return 0 if report.split_after else 1
-
-
-def _tokens(args: argparse.Namespace, default: int) -> int:
-    """--max-tokens, or DEFAULT when it is not given (0 is refused, not taken as "not given")."""
-    if args.max_tokens is None:
-        return int(default)
-    if args.max_tokens < 1:
-        raise FleetError(f"--max-tokens: {args.max_tokens} must be at least 1")
-    return int(args.max_tokens)
 
 
 class Progress:
@@ -129,7 +122,7 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     from fleettui.control.settings import with_overrides
 
     fleet = with_overrides(fleet, exact=args.exact, draft="none" if args.no_spec else None)
-    tokens = _tokens(args, QUICK_TOKENS if args.quick else FULL_TOKENS)
+    tokens = options.tokens(args, QUICK_TOKENS if args.quick else FULL_TOKENS)
     only = getattr(args, "only", None)
     if only is not None and only not in GROUPS:
         raise FleetError(f"--only: {only!r} is not one of {', '.join(GROUPS)}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from fleettui.errors import FleetError
 
@@ -64,13 +64,25 @@ def settings(args: argparse.Namespace) -> Settings:
     return Settings(exact=bool(getattr(args, "exact", False)), draft=draft, k=spec_k)
 
 
+@overload
+def tokens(args: argparse.Namespace, default: int) -> int: ...
+@overload
+def tokens(args: argparse.Namespace, default: None) -> int | None: ...
+def tokens(args: argparse.Namespace, default: int | None) -> int | None:
+    """--max-tokens, or DEFAULT when it is not given (0 is refused, never read as "not given")."""
+    max_tokens = getattr(args, "max_tokens", None)
+    if max_tokens is None:
+        return default
+    if max_tokens < 1:
+        raise FleetError(f"--max-tokens: {max_tokens} must be at least 1")
+    return int(max_tokens)
+
+
 def sampling(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
     from fleettui.control.settings import generation_params
     from fleettui.runtime.limits import RequestError, validate_params
 
-    max_tokens = getattr(args, "max_tokens", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise FleetError(f"--max-tokens: {max_tokens} must be at least 1")
+    max_tokens = tokens(args, None)
     params = generation_params(
         fleet, max_tokens, getattr(args, "temperature", None), getattr(args, "top_p", None),
         getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
