@@ -44,10 +44,10 @@ class StageCompute:
     config: StageConfig
     engine: Any
     stats: StageStats
-    output: zmq.Socket | None
+    output: zmq.Socket[bytes] | None
     inbox: Inbox
     run_stops: RunStops
-    loop: zmq.Socket | None
+    loop: zmq.Socket[bytes] | None
 
     def _send(self, message: protocol.Message, block: bool = True) -> None:
         """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it."""

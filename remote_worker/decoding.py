@@ -25,7 +25,7 @@ _CANDIDATES = 1024  # top-p looks at this many most probable ids first, then fal
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float64) - float(np.max(logits))
     weights = np.exp(shifted)
-    return weights / weights.sum()
+    return np.asarray(weights / weights.sum())
 
 
 def target_distribution(
@@ -62,7 +62,7 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     kept = order[before < top_p]
     filtered = np.zeros_like(probs)
     filtered[kept] = probs[kept]
-    return filtered / filtered.sum()
+    return np.asarray(filtered / filtered.sum())
 
 
 def sample(ids: np.ndarray, probs: np.ndarray, u: float) -> int:

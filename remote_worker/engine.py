@@ -288,7 +288,7 @@ class StageEngine:
             )
             raise EngineError(f"session {session}: {state.broken}") from None
         state.cache_len = cache_len + n
-        output = outputs[0][0]
+        output: np.ndarray = outputs[0][0]
         if 0 < keep_last < n:
             output = output[n - keep_last :]
         if outputs[0].nbytes > SHRINK_OUTPUT_BYTES:

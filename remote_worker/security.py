@@ -55,7 +55,7 @@ class _AllowList:
 class LinkSecurity:
     """Applies a worker's CurveKeys to its sockets; with no keys, plaintext (and says so loudly)."""
 
-    def __init__(self, context: zmq.Context, curve: CurveKeys | None) -> None:
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], curve: CurveKeys | None) -> None:
         self.curve = curve
         self._authenticator = None
         self._allow: _AllowList | None = None
@@ -93,7 +93,7 @@ class LinkSecurity:
         """Clients the ZAP handler turned away so far."""
         return self._allow.refused if self._allow is not None else 0
 
-    def server(self, socket: zmq.Socket) -> None:
+    def server(self, socket: zmq.Socket[bytes]) -> None:
         """Make a socket that binds a CURVE server guarded by the allow-list (plaintext: ZAP lets all in)."""
         socket.zap_domain = ZAP_DOMAIN.encode("ascii")
         if self.curve is None:
@@ -102,7 +102,7 @@ class LinkSecurity:
         socket.curve_publickey = self._public
         socket.curve_server = True
 
-    def client(self, socket: zmq.Socket, loop: bool = False) -> None:
+    def client(self, socket: zmq.Socket[bytes], loop: bool = False) -> None:
         """Make the outgoing link a CURVE client of the next stage, or with `loop` of stage 0 (no-op in
         plaintext)."""
         if self.curve is None:

@@ -80,17 +80,17 @@ class StageServer(StageCompute):
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
         self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
-        self._sockets: list[zmq.Socket] = []
-        self._monitors: dict[zmq.Socket, str] = {}
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._io: threading.Thread | None = None
-        self.data: zmq.Socket | None = None
-        self.output: zmq.Socket | None = None
-        self.control: zmq.Socket | None = None
-        self.telemetry: zmq.Socket | None = None
-        self.loop: zmq.Socket | None = None
+        self.data: zmq.Socket[bytes] | None = None
+        self.output: zmq.Socket[bytes] | None = None
+        self.control: zmq.Socket[bytes] | None = None
+        self.telemetry: zmq.Socket[bytes] | None = None
+        self.loop: zmq.Socket[bytes] | None = None
 
     # --------------------------------------------------------------------------------------- sockets
-    def _socket(self, kind: int, name: str, max_message: int) -> zmq.Socket:
+    def _socket(self, kind: int, name: str, max_message: int) -> zmq.Socket[bytes]:
         socket = self.context.socket(kind)
         socket.linger = 0
         socket.maxmsgsize = max_message
@@ -320,7 +320,7 @@ class StageServer(StageCompute):
         if rarely(self.stats.dropped):
             logger.warning("dropped #%d: %s", self.stats.dropped, reason)
 
-    def _watch(self, monitor: zmq.Socket, name: str) -> None:
+    def _watch(self, monitor: zmq.Socket[bytes], name: str) -> None:
         """Count and log peers whose handshake failed (a wrong CURVE key, a refused ZAP, not ZeroMQ)."""
         while True:
             try:

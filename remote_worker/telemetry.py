@@ -41,7 +41,7 @@ def cpu_temperature() -> float | None:
 def rss_megabytes() -> float:
     import psutil
 
-    return psutil.Process().memory_info().rss / 1e6
+    return float(psutil.Process().memory_info().rss) / 1e6
 
 
 @dataclass
@@ -64,7 +64,7 @@ class StageStats:
     run_ends: int = 0  # next steps of ended runs dropped at stage 0 (expected after every Cancel)
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
-    handled: Counter = field(default_factory=Counter)  # message kinds served
+    handled: Counter[str] = field(default_factory=Counter)  # message kinds served
     started: float = field(default_factory=time.time)
     _mark: tuple[float, int, int, float] = (0.0, 0, 0, 0.0)
     _next_sample: float = 0.0

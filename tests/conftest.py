@@ -23,7 +23,7 @@ _FRESH_CACHE: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     """The user's cache (shards, wheelhouse, measured cost profiles) stays out of the tests: a fresh one per
     run, removed at the end, so no test passes only because a cache exists. FLEETTUI_TEST_CACHE_HOME names a
-    reusable one instead (a developer's speed-up, like FLEETTUI_TEST_CACHE; CI never sets it)."""
+    reusable one instead (a developer's speed-up; CI never sets it)."""
     signal.signal(signal.SIGTERM, _terminated)
     reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
     if reuse:
@@ -65,10 +65,11 @@ def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 @pytest.fixture(scope="session")
 def shard_cache() -> Path:
     """One compiled-shard cache root for the whole test run: the run's fresh user cache folder, which fleets
-    that name no `shards` (fleets/local.toml, the bench) use too, so each shard is compiled once per run;
-    FLEETTUI_TEST_CACHE reuses one while developing."""
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE")
-    return Path(reuse) if reuse else Path(os.environ["XDG_CACHE_HOME"]) / "fleettui"
+    that name no `shards` (fleets/local.toml, the bench) and the `shards.compiled` helper use too, so each
+    shard is compiled once per run."""
+    from shards import session_cache_root
+
+    return session_cache_root()
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import os
-import shutil
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,26 +20,19 @@ PROMPTS = (
 )
 
 
-@cache
 def session_cache_root() -> Path:
-    """One shard cache per test process: $FLEETTUI_TEST_SHARD_CACHE if set (kept), else a temporary dir."""
-    configured = os.environ.get("FLEETTUI_TEST_SHARD_CACHE")
-    if configured:
-        return Path(configured)
-    root = Path(tempfile.mkdtemp(prefix="fleettui-shards-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    """The test run's one cache root (conftest's fresh XDG_CACHE_HOME, or FLEETTUI_TEST_CACHE_HOME's): the
+    shards these helpers compile are the ones the fleets of the tests use, so each is compiled once a run."""
+    return Path(os.environ["XDG_CACHE_HOME"]) / "fleettui"
 
 
-def compiled(stages: int, precision: str, cache_root: Path | str | None = None, **options: Any) -> Path:
-    """Shards of the real model for STAGES/PRECISION under CACHE_ROOT (default: the session cache).
-
-    Compiled once; later calls are verified cache hits.
-    """
+def compiled(stages: int, precision: str, **options: Any) -> Path:
+    """Shards of the real model for STAGES/PRECISION in the run's cache: compiled once, then verified hits."""
     from shard_compiler.compiler import compile_shards
 
-    root = Path(cache_root) if cache_root else session_cache_root()
-    return compile_shards(MODEL, stages=stages, precision=precision, cache_root=root, **options)
+    return compile_shards(
+        MODEL, stages=stages, precision=precision, cache_root=session_cache_root(), **options
+    )
 
 
 def gguf_location() -> tuple[str, str]:

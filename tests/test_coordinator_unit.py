@@ -665,3 +665,20 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     await coordinator.generate(session, PROMPTS[1], GenerationParams(max_tokens=40, spec_k=0))
     assert len(drafter.lags) == before
     await coordinator.close_session(session)
+
+
+def test_one_slow_proposal_does_not_hold_drafting_ahead_off() -> None:
+    """The draft's first inference (or a proposal queued behind another session's) can take 50x a usual one;
+    after two usual proposals drafting ahead is judged on them, and a steady slowdown still counts."""
+    cost = ahead_drafts.AheadCost()
+    assert not cost.fits(4, 1.0)  # nothing measured yet: no drafting ahead
+    cost.add(3, 3 * 0.5)  # a cold first proposal: 0.5 s a token
+    assert not cost.fits(4, 0.1)
+    cost.add(3, 3 * 0.01)
+    cost.add(3, 3 * 0.01)
+    assert cost.fits(4, 0.1) and cost.per_token == pytest.approx(0.01)
+    for _ in range(4):
+        cost.add(3, 3 * 0.05)  # the draft's host got slower for good
+    assert not cost.fits(4, 0.1)
+    cost.add(0, 1.0)  # nothing proposed: no sample
+    assert cost.per_token == pytest.approx(0.05)

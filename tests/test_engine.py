@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +13,10 @@ NO_RANGES = np.zeros((0, 2), np.int64)
 
 
 def compiled_shards(stages: int, precision: str = "fp32") -> Path:
-    """Real shards from the shard compiler (cached; FLEETTUI_TEST_SHARD_CACHE overrides the cache root)."""
+    """Real shards from the shard compiler (compiled once a test run)."""
     from shards import compiled
 
-    return compiled(stages, precision, os.environ.get("FLEETTUI_TEST_SHARD_CACHE"))  # type: ignore[arg-type]
+    return compiled(stages, precision)
 
 
 def chat_prompt(shard_dir: Path, question: str) -> np.ndarray:

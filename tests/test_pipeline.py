@@ -217,7 +217,7 @@ def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: li
     unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
     fleet = make_fleet(shard_cache, 2, str(unsplit), 3)
 
-    async def run() -> tuple[list[list[int]], dict[str, int]]:
+    async def run() -> tuple[list[list[int]], dict[str, int], str]:
         controller = FleetController(fleet)
         with HopDelay(80) as hops:
             try:
@@ -228,10 +228,11 @@ def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: li
                     *(coordinator.chat(s, p, params) for s, p in zip(sessions, PROMPTS[1:], strict=True))
                 )
                 counts = dict(coordinator.ahead_counts)
+                seen = f"{counts}, draft {coordinator.ahead_cost.per_token} s a token, wires idle {coordinator.wire_idle} s"
             finally:
                 await controller.stop()
-        return [list(g.token_ids) for g in generations], counts
+        return [list(g.token_ids) for g in generations], counts, seen
 
-    tokens, counts = asyncio.run(run())
+    tokens, counts, seen = asyncio.run(run())
     assert tokens == reference[1:]
-    assert counts["pipelined"] > 0, counts
+    assert counts["pipelined"] > 0, seen

@@ -49,7 +49,7 @@ def free_port() -> int:
 def shard_dir(stages: int) -> Path:
     from shards import compiled
 
-    return compiled(stages, "fp32", os.environ.get("FLEETTUI_TEST_SHARD_CACHE"))  # type: ignore[arg-type]
+    return compiled(stages, "fp32")
 
 
 def stage_config(

@@ -406,7 +406,7 @@ def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
 # ------------------------------------------------------------------------------------------------ run
 async def run_bench(
     fleet: Fleet, specs: list[RowSpec], tokens: int, progress: Any, repeats: int = 1
-) -> tuple[list[Row], dict]:
+) -> tuple[list[Row], dict[str, Any]]:
     """Every row of SPECS: fleet rows grouped per running fleet, each group in interleaved rounds with the
     baselines its rows are paired with; baselines nobody is paired with are measured on their own."""
     from fleettui.control.controller import FleetController, compile_model

@@ -34,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -233,16 +235,22 @@ def wire_seconds(trace: np.ndarray, wall_seconds: float) -> float:
 
 @dataclass
 class AheadCost:
-    """Seconds per drafted token (decayed) — what drafting K + 1 tokens ahead will take."""
+    """Seconds per drafted token — what drafting K + 1 tokens ahead will take: the median of the last
+    `WINDOW` proposals, so one slow one (the draft's first inference, a proposal queued behind another
+    session's) does not hold drafting ahead off for the rounds a decayed mean would need to forget it."""
 
-    per_token: float | None = None
+    WINDOW = 7
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=AheadCost.WINDOW))
 
-    def add(self, tokens: int, seconds: float, decay: float = 0.8) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        sample = seconds / tokens
-        self.per_token = sample if self.per_token is None else decay * self.per_token + (1 - decay) * sample
+    @property
+    def per_token(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.samples.append(seconds / tokens)
 
     def fits(self, tokens: int, idle_seconds: float) -> bool:
         """Whether drafting `tokens` ahead is hidden by `idle_seconds` of the round it overlaps."""
-        return self.per_token is not None and self.per_token * tokens <= idle_seconds
+        per_token = self.per_token
+        return per_token is not None and per_token * tokens <= idle_seconds

@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.coordinator import Generation, GenerationParams, Session, TokenCallback
+
+if TYPE_CHECKING:
+    from fleettui.control.controller import FleetController
+    from fleettui.control.deployment import Placement
 
 
 @dataclass(frozen=True)
@@ -64,17 +68,21 @@ class ServedFleet(Protocol):
 class ControllerFleet:
     """`ServedFleet` over a started `fleettui.control.controller.FleetController`."""
 
-    def __init__(self, controller: Any) -> None:
-        if controller.coordinator is None or controller.target is None or controller.deployment is None:
+    def __init__(self, controller: FleetController) -> None:
+        coordinator = controller.coordinator
+        if coordinator is None or controller.target is None or controller.deployment is None:
             raise RuntimeError("the fleet controller has not been started")
-        self.controller = controller
-        self.coordinator = controller.coordinator
-        if self.coordinator.chat_format is None:
+        if coordinator.chat_format is None:
             raise RuntimeError("this fleet's shards carry no tokenizer")
-        self.chat_format = self.coordinator.chat_format
+        self.controller = controller
+        self.coordinator = coordinator
+        self.chat_format = coordinator.chat_format
 
     def model_info(self) -> ModelInfo:
-        manifest = self.controller.target.manifest
+        target = self.controller.target  # read each time: a re-plan after a loss may swap the shards
+        if target is None:
+            raise RuntimeError("the fleet controller has stopped")
+        manifest = target.manifest
         created = _unix_time(manifest.created_at)
         return ModelInfo(manifest.model_name, manifest.max_position_embeddings, manifest.num_layers, created)
 
@@ -105,9 +113,11 @@ class ControllerFleet:
         from fleettui.runtime.transport import control_request
 
         deployment = self.controller.deployment
+        if deployment is None:
+            raise RuntimeError("the fleet controller has stopped")
         placements = list(deployment.placements)
 
-        async def ping(placement: Any) -> StageHealth:
+        async def ping(placement: Placement) -> StageHealth:
             name = placement.config.name
             try:
                 reply = await control_request(
