@@ -69,3 +69,9 @@ class Interrupted(Exception):
     def __init__(self, number: int) -> None:
         super().__init__(signal.Signals(number).name)
         self.code = 128 + number
+
+
+def child_failure(stderr: str, returncode: int) -> str:
+    """Why a child process failed, in one line: the last line it wrote to stderr, else its exit code."""
+    lines = stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {returncode}"

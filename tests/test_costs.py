@@ -132,7 +132,7 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     lock = threading.Lock()
 
     def fake_time(
-        fleet: object, host: Host, shard_dir: Path, stages: object = None
+        fleet: object, host: Host, shard_dir: Path, stages: object = None, children: object = None
     ) -> list[dict[str, object]]:
         started = time.monotonic()
         time.sleep(0.3)
@@ -146,7 +146,7 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
 
     monkeypatch.setattr(profiles, "time_stages", fake_time)
     shard = {"dir": tmp_path}
-    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits: shard["dir"])
+    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits, children=None: shard["dir"])
     base = load_fleet(DEFAULT_FLEET)
 
     def calibrated(*hosts: Host) -> dict[str, MeasuredCosts]:
@@ -172,3 +172,41 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     finally:
         (shard["dir"] / "stage0.bin").unlink()
     assert not overlap("pc-0", "pc-1")
+
+
+def test_a_stopped_calibration_kills_its_child_and_starts_no_other(tmp_path: Path) -> None:
+    """A bench cancelled (SIGTERM) during calibration stops its timing children at once: the running one is
+    killed, the next host's is never started, and the calibration ends with a one-line PlanError."""
+    import sys
+    import threading
+    import time
+
+    from fleettui.planning.profiles import Children
+
+    children = Children()
+    marker = tmp_path / "started"
+    sleeper = [
+        sys.executable,
+        "-c",
+        f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)",
+    ]
+    failures: list[str] = []
+
+    def calibrating() -> None:
+        for what in ("profile of pc-0", "profile of pc-1"):
+            try:
+                children.run(sleeper, what)
+            except PlanError as error:
+                failures.append(str(error))
+
+    thread = threading.Thread(target=calibrating)
+    started = time.monotonic()
+    thread.start()
+    while not marker.exists():
+        assert time.monotonic() - started < 30, "the child did not start"
+        time.sleep(0.05)
+    marker.unlink()
+    children.stop()
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 30
+    assert failures == ["profile of pc-0: stopped", "profile of pc-1: stopped"] and not marker.exists()

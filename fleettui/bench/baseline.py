@@ -13,6 +13,7 @@ from fleettui.bench.report import short_precisions
 from fleettui.bench.results import Row
 from fleettui.bench.rows import RowSpec, new_row
 from fleettui.config.fleet import Fleet
+from fleettui.errors import child_failure
 
 ROW_TIMEOUT = 900.0
 
@@ -58,8 +59,7 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     results = []
     for returncode, stdout, stderr in outputs:
         if returncode != 0:
-            lines = stderr.strip().splitlines()
-            row.status = f"failed: {lines[-1] if lines else f'exit code {returncode}'}"
+            row.status = f"failed: {child_failure(stderr, returncode)}"
             return row
         result = json.loads(stdout.strip().splitlines()[-1])
         if "skipped" in result:

@@ -26,6 +26,7 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
     from fleettui.config.fleet import DEFAULT_FLEET, Host, load_fleet
     from fleettui.control.controller import FleetController
     from fleettui.control.deployment import free_port_block
+    from fleettui.errors import child_failure
     from fleettui.runtime.coordinator import GenerationParams
 
     base = load_fleet(DEFAULT_FLEET)
@@ -58,9 +59,7 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
             ]  # fmt: skip
             [(code, out, err)] = await run_children([command])  # killed with this task (a signal)
             if code != 0:
-                raise RuntimeError(
-                    f"remote_worker.mono failed: {(err.strip().splitlines() or [f'exit code {code}'])[-1]}"
-                )
+                raise RuntimeError(f"remote_worker.mono failed: {child_failure(err, code)}")
             mono = json.loads(out.strip().splitlines()[-1])
             fleet_ms = 1000 * (wall - generation.stats.ttft) / (count - 1)
             mono_ms = 1000 * (mono["seconds"] - mono["ttft_s"]) / (mono["tokens"] - 1)

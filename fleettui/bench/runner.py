@@ -222,11 +222,15 @@ async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> N
     layer (on this VM the head's cost against a layer's moved by 30 % between two quiet hours)."""
     from fleettui.errors import PlanError
     from fleettui.planning.planner import plan_fleet
-    from fleettui.planning.profiles import calibrate
+    from fleettui.planning.profiles import Children, calibrate
 
+    children = Children()
     try:
         layers = plan_fleet(fleet).shape.num_layers
-        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured)
+        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured, children)
+    except asyncio.CancelledError:  # (a SIGTERM): the thread ends at once, not after the timing children
+        children.stop()
+        raise
     except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
         progress(f"calibration skipped: {error}")
 

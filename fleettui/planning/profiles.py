@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleettui.errors import PlanError
+from fleettui.errors import PlanError, child_failure
 from fleettui.planning.costs import MeasuredCosts, StageTiming, fit_costs, imbalance, predicted_ms
 
 if TYPE_CHECKING:
@@ -69,25 +70,59 @@ def fleet_costs(fleet: Fleet, root: Path | None = None) -> list[MeasuredCosts] |
     return None if any(cost is None for cost in found) else found  # type: ignore[return-value]
 
 
-def _run(command: list[str], what: str) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        raise PlanError(f"{what}: {lines[-1] if lines else f'exit code {done.returncode}'}")
-    return done.stdout.strip().splitlines()[-1]
+class Children:
+    """The child processes (shard compiler, stage timing) of one calibration. `stop()`, from any thread, kills
+    those running and refuses new ones, so a cancelled caller does not wait for a timing it no longer wants."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen[str]] = set()
+        self._stopped = False
+
+    def run(self, command: list[str], what: str) -> str:
+        """The last line the child printed; PlanError with its last stderr line when it fails or is stopped."""
+        with self._lock:
+            if self._stopped:
+                raise PlanError(f"{what}: stopped")
+            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self._running.add(child)
+        try:
+            stdout, stderr = child.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise PlanError(f"{what}: no result within {TIMEOUT:.0f} s") from None
+        finally:
+            with self._lock:
+                self._running.discard(child)
+        if self._stopped:
+            raise PlanError(f"{what}: stopped")
+        if child.returncode != 0:
+            raise PlanError(f"{what}: {child_failure(stderr, child.returncode)}")
+        return stdout.strip().splitlines()[-1]
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for child in self._running:
+                child.kill()
 
 
-def compile_split(fleet: Fleet, splits: list[int]) -> Path:
+def compile_split(fleet: Fleet, splits: list[int], children: Children | None = None) -> Path:
     """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content)."""
     command = [
         sys.executable, "-m", "shard_compiler", "--model", fleet.model.name, "--split",
         ",".join(map(str, splits)), "--precision", fleet.model.precision, "--cache-root", str(fleet.model.shards),
     ]  # fmt: skip
-    return Path(_run(command, "shard compiler"))
+    return Path((children or Children()).run(command, "shard compiler"))
 
 
 def time_stages(
-    fleet: Fleet, host: Host, shard_dir: Path, stages: list[int] | None = None
+    fleet: Fleet,
+    host: Host,
+    shard_dir: Path,
+    stages: list[int] | None = None,
+    children: Children | None = None,
 ) -> list[dict[str, Any]]:
     """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here."""
     command = [
@@ -110,7 +145,7 @@ def time_stages(
         command += ["--inference-precision", runtime.inference_precision]
     if runtime.kv_cache_precision != "auto":
         command += ["--kv-cache-precision", runtime.kv_cache_precision]
-    return list(json.loads(_run(command, f"profile of {host.name}"))["stages"])
+    return list(json.loads((children or Children()).run(command, f"profile of {host.name}"))["stages"])
 
 
 def timings(stages: list[dict[str, Any]]) -> list[StageTiming]:
@@ -129,6 +164,7 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
     force: bool = False,
     measured: set[Path] | None = None,
+    children: Children | None = None,
 ) -> dict[str, MeasuredCosts]:
     """Measured costs of every local host (calibrated once per distinct settings, then cached).
 
@@ -137,7 +173,9 @@ def calibrate(
 
     `force` measures again instead of using the cache, once per distinct settings; profiles named in
     `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
+    `children.stop()` ends the calibration at once (PlanError), its child processes killed.
     """
+    children = children or Children()
     say = progress or (lambda text: None)
     if num_layers < 4:
         raise PlanError(
@@ -158,14 +196,14 @@ def calibrate(
     if not todo:
         return found
     say("compiling the calibration split [0, 1, L-1, L] (cached)")
-    shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers])
+    shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers], children)
     timed = [hosts[0] for hosts in todo.values()]
     at_once = len(timed) > 1 and _disjoint([h.cores for h in timed]) and _memory_allows(shard_dir, len(timed))
     say(
         f"{', '.join(h.name for h in timed)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
     )
     with ThreadPoolExecutor(len(timed) if at_once else 1) as pool:
-        results = list(pool.map(lambda host: time_stages(fleet, host, shard_dir), timed))
+        results = list(pool.map(lambda host: time_stages(fleet, host, shard_dir, None, children), timed))
     for (path, hosts), stages in zip(todo.items(), results, strict=True):
         costs = fit_costs(timings(stages))
         path.parent.mkdir(parents=True, exist_ok=True)
