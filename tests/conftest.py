@@ -26,11 +26,12 @@ def pytest_configure(config: pytest.Config) -> None:
     reusable one instead (a developer's speed-up; CI never sets it)."""
     signal.signal(signal.SIGTERM, _terminated)
     reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
-    if reuse:
-        os.environ["XDG_CACHE_HOME"] = reuse
-        return
-    _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
-    os.environ["XDG_CACHE_HOME"] = _FRESH_CACHE[0]
+    if not reuse:
+        _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
+    os.environ["XDG_CACHE_HOME"] = reuse or _FRESH_CACHE[0]
+    from shards import session_cache_root
+
+    session_cache_root()  # pinned now, before any test points XDG_CACHE_HOME at a folder of its own
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -20,9 +20,11 @@ PROMPTS = (
 )
 
 
+@cache
 def session_cache_root() -> Path:
     """The test run's one cache root (conftest's fresh XDG_CACHE_HOME, or FLEETTUI_TEST_CACHE_HOME's): the
-    shards these helpers compile are the ones the fleets of the tests use, so each is compiled once a run."""
+    shards these helpers compile are the ones the fleets of the tests use, so each is compiled once a run.
+    Read once, when conftest configures the run: a test that points XDG_CACHE_HOME elsewhere does not move it."""
     return Path(os.environ["XDG_CACHE_HOME"]) / "fleettui"
 
 
