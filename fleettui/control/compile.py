@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleettui.config.fleet import Fleet
+from fleettui.errors import child_failure
 from remote_worker.manifest import Manifest, load_manifest
 
 
@@ -68,8 +69,9 @@ async def compile_model(
             process.kill()
             await process.wait()
         raise
-    if await process.wait() != 0 or not output:
-        reason = errors[-1] if errors else f"exit code {process.returncode}"
+    code = await process.wait()
+    if code != 0 or not output:
+        reason = child_failure("\n".join(errors), code)
         raise CompileError(f"shard compiler: {reason}")
     last = output[-1]
     directory = Path(json.loads(last)["out"] if last.startswith("{") else last)
