@@ -25,7 +25,8 @@ _CANDIDATES = 1024  # top-p looks at this many most probable ids first, then fal
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float64) - float(np.max(logits))
     weights = np.exp(shifted)
-    return np.asarray(weights / weights.sum())
+    probs: np.ndarray = weights / weights.sum()
+    return probs
 
 
 def target_distribution(
@@ -62,7 +63,8 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     kept = order[before < top_p]
     filtered = np.zeros_like(probs)
     filtered[kept] = probs[kept]
-    return np.asarray(filtered / filtered.sum())
+    normalised: np.ndarray = filtered / filtered.sum()
+    return normalised
 
 
 def sample(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
