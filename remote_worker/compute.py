@@ -74,8 +74,11 @@ class StageCompute:
                 self._hello(received, started, message)
             elif isinstance(message, protocol.Propose) and self.config.role == "draft":
                 self._propose(received, started, message)
-            elif isinstance(message, protocol.Error):
-                self._send(message)  # an upstream failure travels on to the coordinator
+            elif isinstance(message, protocol.Error):  # an upstream failure travels on to the coordinator;
+                # counted first, as whoever it reaches may ask for the stats at once
+                self.stats.handled[kind] += 1
+                self._send(message)
+                return
             else:  # the I/O thread admits nothing else
                 raise ValueError(f"unexpected {kind} at stage {self.config.stage_index}")
             self.stats.handled[kind] += 1

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -264,21 +264,51 @@ def compile_shards(
     notify = progress or (lambda event: None)
     job = plan(model, stages, precision, root, inject_beam_idx)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
-    if not force and cached(target, job.cache_key) is not None:
-        if out is None:  # only the cache's own folders are listed and pruned by `fleettui cache`
-            _record_use(target)
-        notify(Progress(None, "cached", 1.0, str(target)))
+    if not force and _hit(target, job.cache_key, out is None, notify):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
-    try:
-        _compile_into(job, building, notify, root)
-        _replace(building, target)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
+    # One compile at a time per cache: a second command (another terminal, a parallel test) asking for the
+    # same shards waits and then finds them, instead of building a copy and renaming the folder away from
+    # under the first one's stages; two compiles of a big model at once would also double the peak memory.
+    with _compile_lock(root, notify):
+        if not force and _hit(target, job.cache_key, out is None, notify):
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
+        try:
+            _compile_into(job, building, notify, root)
+            _replace(building, target)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
     notify(Progress(None, "done", 1.0, str(target)))
     return target
+
+
+def _hit(target: Path, cache_key: str, in_cache: bool, notify: Callable[[Progress], None]) -> bool:
+    """TARGET already holds this compile, verified; notes the use and reports it."""
+    if cached(target, cache_key) is None:
+        return False
+    if in_cache:  # only the cache's own folders are listed and pruned by `fleettui cache`
+        _record_use(target)
+    notify(Progress(None, "cached", 1.0, str(target)))
+    return True
+
+
+@contextlib.contextmanager
+def _compile_lock(root: Path, notify: Callable[[Progress], None]) -> Iterator[None]:
+    """Hold ROOT/compile.lock (an OS file lock: released when the holder exits, even by kill -9)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(root / "compile.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        notify(Progress(None, "waiting", 0.0, "another compile into this cache is running"))
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _record_use(target: Path) -> None:

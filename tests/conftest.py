@@ -25,13 +25,33 @@ def pytest_configure(config: pytest.Config) -> None:
     run, removed at the end, so no test passes only because a cache exists. FLEETTUI_TEST_CACHE_HOME names a
     reusable one instead (a developer's speed-up; CI never sets it)."""
     signal.signal(signal.SIGTERM, _terminated)
-    reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
-    if not reuse:
-        _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
-    os.environ["XDG_CACHE_HOME"] = reuse or _FRESH_CACHE[0]
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker shares its controller's cache
+        os.environ["XDG_CACHE_HOME"] = os.environ["FLEETTUI_TEST_RUN_CACHE"]
+    else:
+        reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
+        if not reuse:
+            _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
+        os.environ["XDG_CACHE_HOME"] = os.environ["FLEETTUI_TEST_RUN_CACHE"] = reuse or _FRESH_CACHE[0]
+    # The state folder too (deployment records, run folders, worker logs): each test gets its own (below), and
+    # what runs outside a test (a module's fleet fixture) gets this process's, never the user's: two pytest-xdist
+    # workers would otherwise meet in ~/.local/state as "in use by pid ..." over the same fleet file.
+    _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-state-"))
+    os.environ["XDG_STATE_HOME"] = _FRESH_CACHE[-1]
     from shards import session_cache_root
 
     session_cache_root()  # pinned now, before any test points XDG_CACHE_HOME at a folder of its own
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (--dist loadgroup), tests that share a machine-wide resource run on one worker:
+    the real-sshd hosts (network namespaces, installed once) and the bench (fixed ports of fleets/local.toml,
+    pinned cores, and a test that counts every mono process on the machine)."""
+    for item in items:
+        if item.get_closest_marker("ssh") or "ssh_hosts" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ssh"))
+        elif item.path.name == "test_bench.py":
+            item.add_marker(pytest.mark.xdist_group("bench"))
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -41,7 +61,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for folder in _FRESH_CACHE:
+    for folder in _FRESH_CACHE:  # the fresh cache and state folders of this process
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -64,7 +64,7 @@ class FakePipeline:
             if message.kind == protocol.Kind.OPEN:
                 self.slots[message.session] = []
             elif message.kind == protocol.Kind.CLOSE:
-                del self.slots[message.session]
+                self.slots.pop(message.session, None)  # a no-op where unknown, as on a stage
             elif message.kind == protocol.Kind.COMPACT:
                 slots = self.slots[message.session]
                 assert len(slots) == message.cache_len
@@ -682,3 +682,23 @@ def test_one_slow_proposal_does_not_hold_drafting_ahead_off() -> None:
     assert not cost.fits(4, 0.1)
     cost.add(0, 1.0)  # nothing proposed: no sample
     assert cost.per_token == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("close_after", [0.0, 0.005, 0.015])
+async def test_a_session_closed_while_the_rebuild_replays_it_is_closed_after_it(close_after: float) -> None:
+    """A rebalance rebuilds every session; one whose answer ends meanwhile closes after its rebuild (or is not
+    rebuilt at all), never between its OPEN and its replay (the stage then refused the replay as not open)."""
+    pipeline = FakePipeline(delay=0.01)
+    coordinator = Coordinator(pipeline, None, None)
+    sessions = [await coordinator.open_session() for _ in range(2)]
+    for session, prompt in zip(sessions, PROMPTS, strict=False):
+        await coordinator.generate(session, prompt, GenerationParams(max_tokens=6))
+    pipeline.slots.clear()  # the switch: new stages, nothing cached
+    coordinator.target_epoch += 1
+    rebuild = asyncio.create_task(coordinator.rebuild_all())
+    await asyncio.sleep(close_after)
+    await coordinator.close_session(sessions[1])
+    assert await rebuild > 0
+    assert set(pipeline.slots) == {sessions[0].id}
+    generation = await coordinator.generate(sessions[0], [7], GenerationParams(max_tokens=4))
+    assert len(generation.token_ids) == 4

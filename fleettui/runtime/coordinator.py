@@ -156,14 +156,15 @@ class Coordinator(RunRounds, AheadRounds):
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        await self._drop_ahead(session, commit=True)
-        try:
-            await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
-        except StageLost:  # a relaunched stage never knew it; the surviving ones are told before the rebuild
-            self.unclosed.add(session.id)
-        if self.drafter is not None:
-            with contextlib.suppress(StageLost):
-                await self.drafter.close(session.id)
+        async with session.lock:  # a rebuild of it in flight (a recovery's, a rebalance's) ends first
+            await self._drop_ahead(session, commit=True)
+            try:
+                await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+            except StageLost:  # a relaunched stage never knew it; the survivors are told before the rebuild
+                self.unclosed.add(session.id)
+            if self.drafter is not None:
+                with contextlib.suppress(StageLost):
+                    await self.drafter.close(session.id)
 
     # -- recovery ---------------------------------------------------------------------------------
     async def _guarded(self, session: Session, action: Callable[[], Awaitable[_T]]) -> _T:
@@ -228,7 +229,8 @@ class Coordinator(RunRounds, AheadRounds):
 
         async def rebuild(session: Session) -> None:
             async with session.lock:
-                await self._ensure_rebuilt(session)
+                if session.id in self.sessions:  # not closed while it waited for its round to end
+                    await self._ensure_rebuilt(session)
 
         await asyncio.gather(*(rebuild(session) for session in list(self.sessions.values())))
         return self.replayed_tokens - before
