@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from netns import SshHosts, available  # noqa: E402
 from processes import worker_children  # noqa: E402
 
-_FRESH_CACHE: list[str] = []
+_FRESH_FOLDERS: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,18 +25,16 @@ def pytest_configure(config: pytest.Config) -> None:
     run, removed at the end, so no test passes only because a cache exists. FLEETTUI_TEST_CACHE_HOME names a
     reusable one instead (a developer's speed-up; CI never sets it)."""
     signal.signal(signal.SIGTERM, _terminated)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker shares its controller's cache
-        os.environ["XDG_CACHE_HOME"] = os.environ["FLEETTUI_TEST_RUN_CACHE"]
-    else:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker inherits its controller's cache
         reuse = os.environ.get("FLEETTUI_TEST_CACHE_HOME")
         if not reuse:
-            _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
-        os.environ["XDG_CACHE_HOME"] = os.environ["FLEETTUI_TEST_RUN_CACHE"] = reuse or _FRESH_CACHE[0]
+            _FRESH_FOLDERS.append(tempfile.mkdtemp(prefix="fleettui-test-cache-"))
+        os.environ["XDG_CACHE_HOME"] = reuse or _FRESH_FOLDERS[0]
     # The state folder too (deployment records, run folders, worker logs): each test gets its own (below), and
     # what runs outside a test (a module's fleet fixture) gets this process's, never the user's: two pytest-xdist
     # workers would otherwise meet in ~/.local/state as "in use by pid ..." over the same fleet file.
-    _FRESH_CACHE.append(tempfile.mkdtemp(prefix="fleettui-test-state-"))
-    os.environ["XDG_STATE_HOME"] = _FRESH_CACHE[-1]
+    _FRESH_FOLDERS.append(tempfile.mkdtemp(prefix="fleettui-test-state-"))
+    os.environ["XDG_STATE_HOME"] = _FRESH_FOLDERS[-1]
     from shards import session_cache_root
 
     session_cache_root()  # pinned now, before any test points XDG_CACHE_HOME at a folder of its own
@@ -61,7 +59,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for folder in _FRESH_CACHE:  # the fresh cache and state folders of this process
+    for folder in _FRESH_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
 
 
