@@ -219,7 +219,10 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
             assert await answer_all() == recovery_reference
             rebalancer.mode = "auto"
             rounds = 1
-            with Throttle(lambda: controller.worker_pids().get("stage-1"), 0.25):
+            # 15 % of the CPU: stage 1 must read as >= 1.5x its baseline even while another test's processes
+            # load both cores (on 2 cores an unthrottled stage competes with stage 0 for the CPU too, so the
+            # ratio measured is well below the nominal 1 / share: 2.3x at 25 % on a quiet machine)
+            with Throttle(lambda: controller.worker_pids().get("stage-1"), 0.15):
                 deadline = time.monotonic() + 600
                 while not applied():  # answers keep flowing while the new split compiles and is switched to
                     assert time.monotonic() < deadline, "no split was applied within 10 minutes"
@@ -233,8 +236,8 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
             await controller.stop()
 
     before, after, rounds = asyncio.run(scenario())
-    print(f"split {before} -> {after} after {rounds} rounds of answers")
     throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
+    print(f"split {before} -> {after} after {rounds} rounds; flags {[(e.name, round(e.ratio, 2)) for e in throttled]}")
     assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
     proposals = [e for e in events if isinstance(e, RebalanceProposal)]
     assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[1].ranges
