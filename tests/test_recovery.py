@@ -237,7 +237,9 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
 
     before, after, rounds = asyncio.run(scenario())
     throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
-    print(f"split {before} -> {after} after {rounds} rounds; flags {[(e.name, round(e.ratio, 2)) for e in throttled]}")
+    print(
+        f"split {before} -> {after} after {rounds} rounds; flags {[(e.name, round(e.ratio, 2)) for e in throttled]}"
+    )
     assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
     proposals = [e for e in events if isinstance(e, RebalanceProposal)]
     assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[1].ranges
