@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
 
     from remote_worker.engine import EngineError, StageEngine
-    from remote_worker.manifest import ManifestError
+    from remote_worker.manifest import COMPILED_FOLDER, ManifestError
 
     try:
         engine = StageEngine(
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             inference_precision=config.inference_precision,
             kv_cache_precision=config.kv_cache_precision,
             verify_hashes=config.verify_hashes,
+            cache_dir=Path(config.shard_dir) / COMPILED_FOLDER if config.compile_cache else None,
         )
     except ManifestError as error:
         return _fail(EXIT_SHARD, f"shard {config.shard_dir}: {error}")

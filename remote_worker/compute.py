@@ -49,9 +49,18 @@ class StageCompute:
     run_stops: RunStops
     loop: zmq.Socket[bytes] | None
 
+    _serving: str = ""  # the kind being served until its first answer leaves (then counted as handled)
+
     def _send(self, message: protocol.Message, block: bool = True) -> None:
-        """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it."""
+        """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it.
+
+        The message being served is counted as handled just before its answer leaves: whoever that answer
+        reaches may ask for the stats at once and must find it counted.
+        """
         assert self.output is not None
+        if self._serving:
+            self.stats.handled[self._serving] += 1
+            self._serving = ""
         try:
             self.output.send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -65,6 +74,7 @@ class StageCompute:
         """Serve one message; `run`: it is a step of a run still going on (its next step follows it)."""
         started = time.time()
         kind = type(message).__name__
+        self._serving = kind
         try:
             if isinstance(message, protocol.Step):
                 self._step(received, started, message, run)
@@ -74,15 +84,14 @@ class StageCompute:
                 self._hello(received, started, message)
             elif isinstance(message, protocol.Propose) and self.config.role == "draft":
                 self._propose(received, started, message)
-            elif isinstance(message, protocol.Error):  # an upstream failure travels on to the coordinator;
-                # counted first, as whoever it reaches may ask for the stats at once
-                self.stats.handled[kind] += 1
+            elif isinstance(message, protocol.Error):  # an upstream failure travels on to the coordinator
                 self._send(message)
-                return
             else:  # the I/O thread admits nothing else
                 raise ValueError(f"unexpected {kind} at stage {self.config.stage_index}")
-            self.stats.handled[kind] += 1
+            if self._serving:  # served without an answer of its own
+                self.stats.handled[kind] += 1
         except Exception as error:  # noqa: BLE001 - any failure must reach the coordinator as an Error
+            self._serving = ""  # its Error is not a handled message
             self.stats.errors += 1
             reason = one_line(error)
             session = getattr(message, "session", 0)
@@ -90,6 +99,7 @@ class StageCompute:
                 logger.error("%s session %d seq %d failed: %s", kind, session, message.seq, reason)
             self._send(protocol.Error(session, message.seq, self.config.stage_index, reason))
         finally:
+            self._serving = ""
             self.stats.busy_seconds += time.time() - started
 
     def _trace(

@@ -3,7 +3,8 @@
 Every session is an InferRequest of the same compiled model, so a further session costs only its KV cache.
 The cache is a ReadValue/Assign state that only appends: rejected speculative tokens stay in it and are
 hidden by a per-session attention mask over the physical slots (1 = attend), while positions stay logical.
-`compact` drops the masked slots with one copy per KV state when the waste grows.
+`compact` drops the masked slots with one copy per KV state when the waste grows. With a `cache_dir`
+a restarted worker loads its compiled model from there (remote_worker/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from remote_worker import compile_cache
 from remote_worker.manifest import ManifestError, load_manifest, verify_stage
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class StageEngine:
         inference_precision: str | None = None,
         kv_cache_precision: str | None = None,
         verify_hashes: bool = True,
+        cache_dir: Path | str | None = None,
     ) -> None:
         import openvino as ov
 
@@ -113,7 +116,14 @@ class StageEngine:
         self.requested = self._properties(core, device, threads, inference_precision, kv_cache_precision)
         started = time.perf_counter()
         try:
-            self.compiled = core.compile_model(model, device, self.requested)
+            self.compiled, self.loaded_from_cache = compile_cache.compile_model(
+                core,
+                model,
+                device,
+                self.requested,
+                Path(cache_dir) if cache_dir else None,
+                self.stage.ir,
+            )
         except RuntimeError as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise EngineError(f"compile on {device} failed: {first_line}") from None
@@ -128,11 +138,12 @@ class StageEngine:
         self._effective: dict[str, str] | None = None
         self._beam_idx = np.zeros(1, np.int32)
         logger.info(
-            "stage %d layers %s compiled on %s in %.1f s: %s",
+            "stage %d layers %s compiled on %s in %.1f s%s: %s",
             stage_index,
             self.stage.layers,
             device,
             self.compile_seconds,
+            " (loaded from the compile cache)" if self.loaded_from_cache else "",
             self.effective_properties(),
         )
 

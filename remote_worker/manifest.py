@@ -13,6 +13,7 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+COMPILED_FOLDER = "compiled"  # a worker's compiled-model cache inside the shard folder (not in the manifest)
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TENSOR_DTYPES = ("i64", "i32", "f32")
 

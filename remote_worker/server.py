@@ -381,6 +381,8 @@ class StageServer(StageCompute):
             "role": self.config.role,
             "deployment": self.config.deployment,
             "properties": dict(self._properties),
+            "compile_seconds": round(float(self.engine.compile_seconds), 3),
+            "compiled_from_cache": bool(self.engine.loaded_from_cache),
             "layers": [layers.start, layers.end],
             "is_first": self.engine.is_first,
             "is_last": self.engine.is_last,

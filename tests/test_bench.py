@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -284,6 +285,21 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
                 wire = sum(part["wire_ms"] for part in row["stage_breakdown"])
                 assert wire >= 0.9 * (row["stages"] + 1) * row["hop_delay_ms"], row
     assert "tok/s" in done.stdout  # the table
+
+
+def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_path: Path) -> None:
+    """`bench --startup`: every start reaches READY; the restart (and only it) loads its compiled model."""
+    from fleettui.bench.startup import MODES, startup_bench
+    from fleettui.control.running import run
+
+    before = set(Path(tempfile.gettempdir()).glob("fleettui-startup-*"))
+    report = run(lambda: startup_bench(load_fleet(DEFAULT_FLEET), rounds=1))
+    assert len(report.starts) == len(report.split) * len(MODES)
+    for start in report.starts:
+        assert start.seconds > 0 and start.compile_seconds > 0
+        assert start.from_cache == (start.mode == "again"), start
+    assert "again/off" in report.summary() and "not loaded" not in report.summary()
+    assert set(Path(tempfile.gettempdir()).glob("fleettui-startup-*")) == before
 
 
 # ------------------------------------------------------------------------ groups and paired ratios

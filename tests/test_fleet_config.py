@@ -61,7 +61,7 @@ def test_office_example_loads_with_typed_values() -> None:
     assert fleet.hosts[1].device == "GPU" and fleet.hosts[1].speed == 1.5
     assert fleet.hosts[3].host_key_policy == "tofu"
     assert fleet.sessions.max_sessions == 4 and fleet.sessions.temperature is None
-    assert fleet.runtime.encryption == "curve" and not fleet.runtime.exact
+    assert fleet.runtime.encryption == "curve" and not fleet.runtime.exact and fleet.runtime.compile_cache
     assert not fleet.manual_layers
 
 
@@ -135,6 +135,7 @@ ERRORS = [
     ("[model]\nprecision = 'int3'\n" + HOST.format(name="a"), "precision", 1, "model.precision", "int4"),
     ("[model]\nname = './nothing.gguf'\n" + HOST.format(name="a"), "name =", 1, "model.name", "no such file"),
     ("[runtime]\nexact = 'yes'\n" + HOST.format(name="a"), "exact", 1, "runtime.exact", "true or false"),
+    ("[runtime]\ncompile_cache = 1\n" + HOST.format(name="a"), "compile_cache", 1, "runtime.compile_cache", "true or false"),
     ("[runtime]\nwire_dtype = 'bf16'\n" + HOST.format(name="a"), "wire_dtype", 1, "runtime.wire_dtype", "f16 | f32"),
     ("[runtime]\nencryption = 'tls'\n" + HOST.format(name="a"), "encryption", 1, "runtime.encryption", "curve"),
     ("[speculation]\nk = 'many'\n" + HOST.format(name="a"), "k =", 1, "speculation.k", '"auto"'),
@@ -228,3 +229,14 @@ def test_an_unquoted_string_gets_a_hint(tmp_path: Path) -> None:
     assert 'exact = "yes"' in config_error(path).reason
     path = write(tmp_path, "[model]\nprecision = [\n" + HOST.format(name="a"))
     assert "quotes" not in config_error(path).reason  # not a bare word: no misleading hint
+
+
+@pytest.mark.parametrize("setting", ["", "[runtime]\ncompile_cache = false\n"])
+def test_compile_cache_reaches_every_worker_config(tmp_path: Path, setting: str) -> None:
+    from fleettui.control.deployment import build_deployment
+
+    fleet = load_fleet(write(tmp_path, setting + HOST.format(name="a") + HOST.format(name="b")))
+    deployment = build_deployment(fleet, [(0, 20), (20, 30)], lambda host: str(tmp_path), str(tmp_path))
+    configs = [placement.config for placement in deployment.placements]
+    assert deployment.draft is not None
+    assert {config.compile_cache for config in [*configs, deployment.draft.config]} == {not setting}

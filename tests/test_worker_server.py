@@ -579,6 +579,7 @@ class _FakeEngine:
 
     is_first, is_last = True, False
     hidden_size = 4
+    compile_seconds, loaded_from_cache = 0.0, False
 
     def __init__(self, output: np.ndarray) -> None:
         from remote_worker.manifest import LayerRange
@@ -668,3 +669,43 @@ def test_hidden_states_travel_as_f16_unless_they_overflow_it(peak: float, dtype:
         thread.join(10)
         server.close()
         context.destroy(linger=0)
+
+
+def test_a_message_is_counted_as_handled_before_its_answer_leaves() -> None:
+    """Whoever an answer reaches may ask for the stats at once: the served message is counted by then; a
+    failed one counts as an error, never as handled."""
+    from collections import Counter
+
+    from remote_worker.server import StageServer
+
+    config = StageConfig(
+        name="fake",
+        shard_dir="/unused",
+        stage_index=0,
+        data_port=free_port(),
+        control_port=free_port(),
+        telemetry_port=free_port(),
+        next=Endpoint("127.0.0.1", free_port()),
+    )
+    server = StageServer(config, _FakeEngine(np.zeros((2, 4), np.float32)))
+    seen: list[tuple[str, Counter[str], int]] = []
+
+    class Output:
+        def send_multipart(self, frames: list[Any], flags: int = 0, copy: bool = True) -> None:
+            sent = protocol.decode([bytes(frame) for frame in frames])
+            seen.append((type(sent).__name__, Counter(server.stats.handled), server.stats.errors))
+
+    server.output = Output()  # type: ignore[assignment]
+    try:
+        server._serve(time.time(), Control(Kind.OPEN, 1, 1))
+        server._serve(time.time(), Step(1, 2, 0, 0, NO_RANGES, tokens=np.array([5, 6], np.int64)))
+        server._serve(time.time(), Step(7, 3, 0, 0, NO_RANGES, tokens=np.array([5], np.int64)))  # not open
+        server._serve(time.time(), Error(1, 4, 1, "upstream failed"))
+    finally:
+        server.close()
+    assert [(kind, dict(counts), errors) for kind, counts, errors in seen] == [
+        ("Control", {"Control": 1}, 0),
+        ("Step", {"Control": 1, "Step": 1}, 0),
+        ("Error", {"Control": 1, "Step": 1}, 1),
+        ("Error", {"Control": 1, "Step": 1, "Error": 1}, 1),
+    ]

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rebalance", type=float, nargs="?", const=0.4, metavar="SHARE",
         help="tok/s before and after the last stage is held to SHARE of its CPU (0.4), then after auto rebalance",
     )  # fmt: skip
+    parser.add_argument(
+        "--startup", type=int, nargs="?", const=3, metavar="ROUNDS",
+        help="each stage worker's start to ready, compile cache off / first start / restart, ROUNDS (3) rounds",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         return run_soak_cli(options.load(args), args)
     if args.rebalance is not None:
         return run_rebalance_cli(options.load(args), args)
+    if args.startup is not None:
+        return run_startup_cli(options.load(args), args)
     return run_bench_cli(options.load(args), args)
 
 
@@ -91,6 +97,20 @@ def run_rebalance_cli(fleet: Fleet, args: argparse.Namespace) -> int:
         raise FleetError(f"--rebalance: {error}") from None
     print(report.summary())
     return 0 if report.split_after else 1
+
+
+def run_startup_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui bench FLEET --startup [ROUNDS]`: exit 1 when a restart did not load its compiled model."""
+    from fleettui.bench.startup import startup_bench
+    from fleettui.control.settings import with_overrides
+
+    if not 1 <= args.startup <= 20:
+        raise FleetError(f"--startup: {args.startup} rounds, 1..20")
+    fleet = with_overrides(fleet, exact=args.exact, draft="none")
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = run_loop(lambda: startup_bench(fleet, args.startup, on_line=say))
+    print(report.summary())
+    return 0 if all(start.from_cache for start in report.starts if start.mode == "again") else 1
 
 
 class Progress:

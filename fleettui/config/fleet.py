@@ -62,6 +62,7 @@ class RuntimeSettings:
     wire_dtype: str = "f16"  # f16 | f32 (f32 when exact)
     encryption: str = "curve"  # curve | plaintext
     exact: bool = False
+    compile_cache: bool = True  # each worker keeps its compiled model in its shard folder (fast restarts)
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,9 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
 
 
 def _runtime(section: Section) -> RuntimeSettings:
-    section.reject_unknown(("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact"))
+    section.reject_unknown(
+        ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact", "compile_cache")
+    )
     exact = section.get("exact", bool, False)
     inference = section.choice("inference_precision", INFERENCE_PRECISIONS, "auto")
     kv_cache = section.choice("kv_cache_precision", KV_CACHE_PRECISIONS, "auto")
@@ -320,7 +323,9 @@ def _runtime(section: Section) -> RuntimeSettings:
     encryption = section.choice("encryption", ENCRYPTIONS, "curve")
     if exact:
         inference, kv_cache, wire = "f32", "f32", "f32"
-    return RuntimeSettings(inference, kv_cache, wire, encryption, exact)
+    return RuntimeSettings(
+        inference, kv_cache, wire, encryption, exact, section.get("compile_cache", bool, True)
+    )
 
 
 def _speculation(section: Section, base: Path) -> SpeculationSettings:
