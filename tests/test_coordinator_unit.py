@@ -237,6 +237,21 @@ async def test_the_same_prompt_again_with_speculation_re_feeds_its_cached_reply(
         ledger.plan([1, 2], scored=3)
 
 
+def test_ledger_plan_after_pending_steps_leaves_the_ledger_as_it_was() -> None:
+    """A round planned ahead sees the pending steps as committed, on a copy: the ledger itself is unchanged."""
+    ledger = CacheLedger()
+    ledger.commit(ledger.plan([1, 2, 3, 4, 5, 6]))
+    pending = ledger.plan([1, 2, 3, 4, 9, 8])  # 5 and 6 rejected, 9 and 8 fed (not yet committed)
+    ahead = ledger.plan_after([pending], [1, 2, 3, 4, 9, 8, 7])
+    assert (ahead.cache_len, ahead.pos0, ahead.tokens, ahead.mask_ranges) == (8, 6, (7,), ())
+    assert ledger.sequence() == [1, 2, 3, 4, 5, 6] and ledger.cache_len == 6 and ledger.garbage == 0
+    ledger.commit(pending)
+    assert ledger.sequence() == [1, 2, 3, 4, 9, 8] and ledger.garbage == 2
+    twin = ledger.copy()
+    twin.commit(twin.plan([1, 2, 3, 4, 9, 8, 7]))
+    assert ledger.sequence() == [1, 2, 3, 4, 9, 8] and twin.sequence() == [1, 2, 3, 4, 9, 8, 7]
+
+
 def test_ledger_refuses_a_stale_feed() -> None:
     ledger = CacheLedger()
     feed = ledger.plan([1, 2])

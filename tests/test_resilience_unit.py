@@ -12,7 +12,14 @@ import pytest
 from test_coordinator_unit import PROMPTS, VOCAB, FakePipeline, _model
 
 from fleettui.config.fleet import ResilienceSettings, load_fleet
-from fleettui.control.balance import Balancer, best_split, propose_split, stage_costs, throttle_reason
+from fleettui.control.balance import (
+    Balancer,
+    best_split,
+    propose_split,
+    relative_slowdown,
+    stage_costs,
+    throttle_reason,
+)
 from fleettui.errors import FleetConfigError
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.speculation import Draft
@@ -231,6 +238,39 @@ def test_balancer_flags_a_throttled_stage_and_proposes_after_patience() -> None:
     assert 1 in balancer.throttled() and balancer.throttled()[1][0] == pytest.approx(3.0)
     assert proposals[0] is None and proposals[1] is not None
     assert proposals[1][0] == [(0, 23), (23, 30)]
+
+
+def test_a_slowdown_of_some_steps_only_is_flagged_with_its_full_weight() -> None:
+    """A duty-cycle throttle delays one step in three: the median step time does not move, the share does."""
+    balancer = Balancer([(0, 15), (15, 30)], window=8, patience=2)
+    for _ in range(8):
+        balancer.observe(_result([0.010, 0.010]))
+    slowed = [0.060 if index % 3 == 0 else 0.010 for index in range(48)]
+    for spent in slowed:
+        balancer.observe(_result([0.010, spent]))
+    flagged = balancer.throttled()
+    assert list(flagged) == [1]
+    window = slowed[-32:]  # the running comparison's steps: the mean slowdown, not the median's 1.0
+    assert flagged[1][0] == pytest.approx(sum(window) / len(window) / 0.010)
+
+
+def test_the_mix_of_step_sizes_and_a_slowdown_of_every_stage_are_not_mistaken() -> None:
+    """Prefills in the baseline and only decodes later change no stage's share: nobody is flagged. When every
+    stage slows down alike (a busier machine), each is flagged by its own median, none by its share."""
+    mixed = Balancer([(0, 15), (15, 30)], window=8, patience=2)
+    for index in range(8):
+        mixed.observe(_result([0.100, 0.050] if index % 2 == 0 else [0.010, 0.005]))
+    for _ in range(32):
+        mixed.observe(_result([0.010, 0.005]))
+    assert mixed.throttled() == {}
+    alike = Balancer([(0, 15), (15, 30)], window=8, patience=2)
+    for _ in range(8):
+        alike.observe(_result([0.010, 0.005]))
+    for _ in range(32):
+        alike.observe(_result([0.020, 0.010]))
+    assert relative_slowdown(alike.baseline_rows, alike.recent_rows, 1) == pytest.approx(1.0)
+    flagged = alike.throttled()
+    assert sorted(flagged) == [0, 1] and all(ratio == pytest.approx(2.0) for ratio, _ in flagged.values())
 
 
 @pytest.mark.parametrize("mode", ["propose", "auto"])

@@ -114,10 +114,30 @@ def propose_split(
     return candidate, gain
 
 
+RECENT = 32  # steps in the running comparison
+
+
+def relative_slowdown(
+    baseline: Sequence[Sequence[float]], recent: Sequence[Sequence[float]], stage: int
+) -> float:
+    """How much more of the pipeline's compute STAGE takes now than in the baseline, against the other stages
+    (1.0 = unchanged; pure). Rows are steps, each with every stage's time for that same step, so the mix of
+    step sizes (prefills, verify windows) cancels out, and a slowdown that hits only some steps (a duty-cycle
+    throttle, a noisy neighbour) counts with its full weight, which a median of step times would miss."""
+
+    def share(rows: Sequence[Sequence[float]]) -> float:
+        own = sum(row[stage] for row in rows)
+        others = sum(sum(row) - row[stage] for row in rows)
+        return own / others if others > 0 else 0.0
+
+    before, now = share(baseline), share(recent)
+    return now / before if before > 0 and now > 0 else 1.0
+
+
 @dataclass
 class _Series:
     baseline: list[float] = field(default_factory=list)
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
 class Balancer:
@@ -142,6 +162,8 @@ class Balancer:
         self.patience = patience
         self.min_gain = min_gain
         self.series = [_Series() for _ in ranges]
+        self.baseline_rows: list[tuple[float, ...]] = []  # the first `window` steps, every stage's time
+        self.recent_rows: deque[tuple[float, ...]] = deque(maxlen=RECENT)
         self.sums = [0.0] * len(ranges)
         self.steps = 0
         self.streak: tuple[int, int] = (-1, 0)  # (bottleneck stage, windows in a row)
@@ -151,26 +173,38 @@ class Balancer:
         trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
         if len(trace) != len(self.ranges):
             return
+        row = [0.0] * len(self.ranges)
         for stage, _arrived, started, finished, _sent in trace:
             index = int(stage)
             spent = max(0.0, float(finished - started))
+            row[index] = spent
             self.sums[index] += spent
             series = self.series[index]
             if len(series.baseline) < self.window:
                 series.baseline.append(spent)
             series.recent.append(spent)
+        if len(self.baseline_rows) < self.window:
+            self.baseline_rows.append(tuple(row))
+        self.recent_rows.append(tuple(row))
         self.steps += 1
 
     def hint(self, stage: int, temp_c: float | None, freq_ratio: float | None) -> None:
         self.hints[stage] = (temp_c, freq_ratio)
 
     def throttled(self) -> dict[int, tuple[float, str]]:
-        """Stages that count as throttled now: stage -> (ratio, reason)."""
+        """Stages that count as throttled now: stage -> (ratio, reason).
+
+        The ratio is the larger of two readings: the median step time against the stage's own baseline median
+        (every step slower: a lowered clock, a hot CPU, also when all stages slow down together) and, with two
+        or more stages, the stage's share of the compute against the others (`relative_slowdown`)."""
         flagged = {}
         for index, series in enumerate(self.series):
             baseline = statistics.median(series.baseline) if len(series.baseline) >= self.window else None
             enough = len(series.recent) >= (series.recent.maxlen or 1) // 2
             recent = statistics.median(series.recent) if enough else None
+            if baseline and recent and len(self.ranges) > 1:
+                relative = relative_slowdown(self.baseline_rows, self.recent_rows, index)
+                recent = max(recent, baseline * relative)
             temp_c, freq_ratio = self.hints.get(index, (None, None))
             verdict = throttle_reason(baseline, recent, self.ratio_limit, temp_c, freq_ratio)
             if verdict is not None:

@@ -10,7 +10,6 @@ draft model, speculation and multi-turn chat alike.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +57,16 @@ class CacheLedger:
         self._valid: list[bool] = []
         self._valid_slots: list[int] = []  # physical index of each valid slot, in logical order
 
+    def copy(self) -> CacheLedger:
+        """An independent ledger in the same state (lists of ints: a shallow copy each, not a deepcopy)."""
+        twin = CacheLedger()
+        twin._tokens, twin._valid, twin._valid_slots = (
+            list(self._tokens),
+            list(self._valid),
+            list(self._valid_slots),
+        )
+        return twin
+
     @property
     def cache_len(self) -> int:
         return len(self._tokens)
@@ -95,7 +104,7 @@ class CacheLedger:
     ) -> Feed:
         """`plan` as if the `pending` steps (sent in this order, their results not yet back) were committed;
         those already committed are skipped. The ledger is unchanged."""
-        ahead = copy.deepcopy(self)
+        ahead = self.copy()
         for feed in pending:
             if feed.cache_len >= ahead.cache_len:  # committed steps lie below the physical length
                 ahead.commit(feed)
@@ -105,10 +114,11 @@ class CacheLedger:
         """Record that `feed` was applied (plus `extra` tokens a draft fed after it)."""
         if feed.cache_len != self.cache_len:
             raise ValueError(f"feed planned at cache length {feed.cache_len}, ledger is at {self.cache_len}")
-        for start, end in feed.mask_ranges:
-            for slot in range(start, end):
-                self._valid[slot] = False
-        self._valid_slots = [slot for slot in self._valid_slots if self._valid[slot]]
+        if feed.mask_ranges:  # rebuilt only when slots were masked: a plain step costs O(its tokens)
+            for start, end in feed.mask_ranges:
+                for slot in range(start, end):
+                    self._valid[slot] = False
+            self._valid_slots = [slot for slot in self._valid_slots if self._valid[slot]]
         if len(self._valid_slots) != feed.pos0:
             raise ValueError(f"feed keeps {len(self._valid_slots)} slots but starts at position {feed.pos0}")
         for token in (*feed.tokens, *extra):
