@@ -17,10 +17,18 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from test_worker_server import NO_RANGES, Client, Worker, _FakeEngine, free_port, shard_dir, stage_config
+from test_worker_server import (
+    NO_RANGES,
+    Client,
+    Worker,
+    _FakeEngine,
+    fake_config,
+    free_port,
+    shard_dir,
+    stage_config,
+)
 
 from remote_worker import protocol
-from remote_worker.config import Endpoint, StageConfig
 from remote_worker.intake import Inbox
 from remote_worker.protocol import Ack, Control, Decode, Error, Kind, Result, Step
 
@@ -223,15 +231,7 @@ def test_non_finite_model_output_is_an_error_naming_stage_and_session() -> None:
     from remote_worker.server import StageServer
 
     downstream_port = free_port()
-    config = StageConfig(
-        name="fake",
-        shard_dir="/unused",
-        stage_index=0,
-        data_port=free_port(),
-        control_port=free_port(),
-        telemetry_port=free_port(),
-        next=Endpoint("127.0.0.1", downstream_port),
-    )
+    config = fake_config(downstream_port)
     output = np.ones((2, 4), np.float32)
     output[1, 1] = np.inf
     engine = _FakeEngine(output)

@@ -574,6 +574,19 @@ def test_missing_shard_exits_3_with_one_line(tmp_path: Path) -> None:
     assert "manifest.json" in done.stderr.strip().splitlines()[-1] and "Traceback" not in done.stderr
 
 
+def fake_config(downstream_port: int) -> StageConfig:
+    """A first stage that forwards to DOWNSTREAM_PORT, for a server around `_FakeEngine` (no shard)."""
+    return StageConfig(
+        name="fake",
+        shard_dir="/unused",
+        stage_index=0,
+        data_port=free_port(),
+        control_port=free_port(),
+        telemetry_port=free_port(),
+        next=Endpoint("127.0.0.1", downstream_port),
+    )
+
+
 class _FakeEngine:
     """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output is chosen."""
 
@@ -632,16 +645,7 @@ def test_hidden_states_travel_as_f16_unless_they_overflow_it(peak: float, dtype:
     from remote_worker.server import StageServer
 
     downstream_port = free_port()
-    config = StageConfig(
-        name="fake",
-        shard_dir="/unused",
-        stage_index=0,
-        data_port=free_port(),
-        control_port=free_port(),
-        telemetry_port=free_port(),
-        next=Endpoint("127.0.0.1", downstream_port),
-        wire_dtype="f16",
-    )
+    config = fake_config(downstream_port)  # wire_dtype f16, the default
     output = np.full((2, 4), 0.5, np.float32)
     output[1, 2] = peak
     server = StageServer(config, _FakeEngine(output))
@@ -678,15 +682,7 @@ def test_a_message_is_counted_as_handled_before_its_answer_leaves() -> None:
 
     from remote_worker.server import StageServer
 
-    config = StageConfig(
-        name="fake",
-        shard_dir="/unused",
-        stage_index=0,
-        data_port=free_port(),
-        control_port=free_port(),
-        telemetry_port=free_port(),
-        next=Endpoint("127.0.0.1", free_port()),
-    )
+    config = fake_config(free_port())
     server = StageServer(config, _FakeEngine(np.zeros((2, 4), np.float32)))
     seen: list[tuple[str, Counter[str], int]] = []
 
