@@ -376,3 +376,58 @@ async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_tho
     [warning] = await lease.end()
     assert "stage-gone did not confirm" in warning and "exits within 30 s" in warning
     assert asked == {"fine": 1, "lossy": 3, "gone": 5}
+
+
+def test_a_watcher_cancelled_just_as_its_ping_is_answered_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel that arrives in the same turn as the worker's answer must still end the watch (Python 3.11's
+    `wait_for` returned the answer and dropped the cancel: the watcher pinged on and `stop()` hung)."""
+    from fleettui.runtime import watch
+    from fleettui.runtime.watch import Target, Watcher, WatchSettings
+
+    async def scenario() -> bool:
+        watcher = Watcher(None, WatchSettings(heartbeat_seconds=0.05, detect_seconds=5.0), lambda *_: None)
+
+        async def answered_as_cancelled(self: object) -> dict[str, str]:
+            watcher._tasks["stage-0"].cancel()  # the cancel and the answer in the same turn of the loop
+            return {"state": "ready"}
+
+        monkeypatch.setattr(watch._Pinger, "_exchange", answered_as_cancelled)
+        watcher.watch(Target("stage-0", "tcp://127.0.0.1:9", None))
+        task = watcher._tasks["stage-0"]
+        done, _ = await asyncio.wait([task], timeout=5.0)
+        await asyncio.wait_for(watcher.stop(), 5.0)
+        return task in done and task.cancelled()
+
+    assert asyncio.run(scenario())
+
+
+def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleettui.runtime import watch
+    from fleettui.runtime.watch import Target, Watcher, WatchSettings
+
+    dropped: list[bool] = []
+
+    async def drops_one_cancel(self: object) -> dict[str, str]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if dropped:
+                raise
+            dropped.append(True)  # a library call that swallows the cancel
+        return {"state": "ready"}
+
+    async def scenario() -> tuple[bool, asyncio.Task[None]]:
+        monkeypatch.setattr(watch._Pinger, "_exchange", drops_one_cancel)
+        watcher = Watcher(None, WatchSettings(heartbeat_seconds=5.0, detect_seconds=60.0), lambda *_: None)
+        watcher.watch(Target("stage-0", "tcp://127.0.0.1:9", None))
+        task = watcher._tasks["stage-0"]
+        await asyncio.sleep(0.05)  # the watch is in its first ping (its timeout 5 s away)
+        stopping = asyncio.ensure_future(watcher.stop())
+        done, _ = await asyncio.wait([stopping], timeout=15.0)  # waited on, never cancelled from here
+        if not done:
+            task.cancel()
+            await asyncio.wait([stopping])
+        return bool(done), task
+
+    stopped, task = asyncio.run(scenario())
+    assert dropped and stopped and task.cancelled()

@@ -370,8 +370,9 @@ async def control_request(
         secure(socket, keys, server_key)
         socket.connect(url)
         try:  # bounded too: a REQ blocks on send until its peer's handshake completed, which may never happen
-            await asyncio.wait_for(socket.send(json.dumps(request).encode()), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can drop a cancel (watch.py)
+                await socket.send(json.dumps(request).encode())
+        except TimeoutError:
             return None
         if not await socket.poll(int(timeout * 1000)):
             return None

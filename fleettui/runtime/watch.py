@@ -113,6 +113,10 @@ class Target:
     last_reply: dict[str, Any] | None = None
 
 
+STOP_ATTEMPTS = 3  # cancels sent to a watch task that is still running when stopped
+STOP_WAIT_SECONDS = 2.0  # ... each followed by this long a wait
+
+
 class Watcher:
     """Heartbeats every target; calls `on_lost(name, reason, silent_seconds)` once per loss.
 
@@ -186,14 +190,24 @@ class Watcher:
         return True
 
     async def stop(self) -> None:
+        """Cancel every watch and wait for each to end; a watch that outlives its cancel (a library call that
+        drops one) is cancelled again rather than waited on forever."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self.targets.clear()
+        pending = set(tasks)
+        for _attempt in range(STOP_ATTEMPTS):
+            for task in pending:
+                task.cancel()
+            if not pending:
+                break
+            _, pending = await asyncio.wait(pending, timeout=STOP_WAIT_SECONDS)
+        if pending:
+            log.error("%d watch task(s) did not stop when cancelled", len(pending))
         for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
-                await task
+            if task.done() and not task.cancelled():
+                with contextlib.suppress(Exception):  # stopping: its failure no longer matters
+                    task.result()
 
 
 class _Pinger:
@@ -215,10 +229,15 @@ class _Pinger:
         self._socket.connect(url)
 
     async def ping(self, timeout: float) -> dict[str, Any] | None:
-        """The worker's answer, or None within `timeout` (a REQ with no live peer blocks even on send)."""
+        """The worker's answer, or None within `timeout` (a REQ with no live peer blocks even on send).
+
+        `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` returns the answer and drops a cancel
+        that arrives as the answer does, and a watcher that survives its cancel hangs `stop()` forever.
+        """
         try:
-            return await asyncio.wait_for(self._exchange(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                return await self._exchange()
+        except TimeoutError:
             return None
 
     async def _exchange(self) -> dict[str, Any] | None:
