@@ -63,7 +63,9 @@ def compile_model(
                     compiled = core.compile_model(model, device, {**properties, "CACHE_DIR": str(folder)})
                 except RuntimeError as error:
                     logger.warning(
-                        "compile with the cache %s failed (%s); compiling without it", folder, _first(error)
+                        "compile with the cache %s failed (%s); compiling without it",
+                        folder,
+                        first_line(error),
                     )
                 else:
                     loaded = _loaded_from_cache(compiled)
@@ -94,7 +96,8 @@ def _can_export(core: Any, device: str) -> bool:
         return True
 
 
-def _first(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The error's first line of text, or its type's name when it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 

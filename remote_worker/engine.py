@@ -125,8 +125,7 @@ class StageEngine:
                 self.stage.ir,
             )
         except RuntimeError as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise EngineError(f"compile on {device} failed: {first_line}") from None
+            raise EngineError(f"compile on {device} failed: {compile_cache.first_line(error)}") from None
         self.compile_seconds = time.perf_counter() - started
         names = {name for port in self.compiled.inputs for name in port.get_names()}
         self.data_input = "input_ids" if self.stage.is_first else "hidden_states"

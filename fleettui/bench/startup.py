@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleettui.config.fleet import Fleet
+from remote_worker.config import StageConfig
 from remote_worker.manifest import COMPILED_FOLDER, MANIFEST_NAME
 
 START_TIMEOUT = 600.0
@@ -71,11 +72,13 @@ async def startup_bench(
     fleet: Fleet, rounds: int = 3, on_line: Callable[[str], None] | None = None
 ) -> StartupReport:
     from fleettui.control.controller import FleetController, compile_model
+    from fleettui.control.deployment import build_deployment
 
     say = on_line or (lambda line: None)
     ranges = FleetController(fleet).layer_ranges()
     compiled = await compile_model(fleet.model.name, ranges, fleet.model.precision, fleet.model.shards, say)
     report = StartupReport(fleet.model.name, ranges)
+    deployed = build_deployment(fleet, ranges, lambda host: str(compiled.directory)).placements
     for stage in range(len(ranges)):
         with tempfile.TemporaryDirectory(prefix="fleettui-startup-") as work:
             folder = Path(work) / "shard"
@@ -84,7 +87,7 @@ async def startup_bench(
                 for mode in MODES:
                     if mode == "first":
                         shutil.rmtree(folder / COMPILED_FOLDER, ignore_errors=True)
-                    start = await _start(folder, stage, mode, Path(work), fleet, ranges)
+                    start = await _start(deployed[stage].config, folder, stage, mode, Path(work))
                     report.starts.append(start)
                     say(
                         f"stage {stage} round {round_index + 1} {mode}: ready in {start.seconds:.2f} s "
@@ -107,17 +110,15 @@ def _link_tree(source: Path, target: Path, names: tuple[str, ...]) -> None:
                 shutil.copy2(path, destination)
 
 
-async def _start(
-    folder: Path, stage: int, mode: str, work: Path, fleet: Fleet, ranges: list[tuple[int, int]]
-) -> Start:
-    from fleettui.control.deployment import build_deployment, free_port_block
+async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, work: Path) -> Start:
+    from fleettui.control.deployment import free_port_block
     from fleettui.runtime.transport import control_request
 
     base = free_port_block()
-    deployed = build_deployment(fleet, ranges, lambda host: str(folder)).placements[stage].config
     config = replace(  # as deployed (device, threads, precisions), alone: no links, plaintext, fresh ports
         deployed,
         name=f"startup-{stage}",
+        shard_dir=str(folder),
         data_port=base,
         control_port=base + 1,
         telemetry_port=base + 2,

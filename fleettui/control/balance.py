@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from remote_worker import protocol
 
@@ -134,12 +133,6 @@ def relative_slowdown(
     return now / before if before > 0 and now > 0 else 1.0
 
 
-@dataclass
-class _Series:
-    baseline: list[float] = field(default_factory=list)
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-
-
 class Balancer:
     """Per-stage step times from result traces; throttle flags and a split proposal when one stage lags.
 
@@ -161,7 +154,6 @@ class Balancer:
         self.window = window
         self.patience = patience
         self.min_gain = min_gain
-        self.series = [_Series() for _ in ranges]
         self.baseline_rows: list[tuple[float, ...]] = []  # the first `window` steps, every stage's time
         self.recent_rows: deque[tuple[float, ...]] = deque(maxlen=RECENT)
         self.sums = [0.0] * len(ranges)
@@ -179,10 +171,6 @@ class Balancer:
             spent = max(0.0, float(finished - started))
             row[index] = spent
             self.sums[index] += spent
-            series = self.series[index]
-            if len(series.baseline) < self.window:
-                series.baseline.append(spent)
-            series.recent.append(spent)
         if len(self.baseline_rows) < self.window:
             self.baseline_rows.append(tuple(row))
         self.recent_rows.append(tuple(row))
@@ -198,10 +186,11 @@ class Balancer:
         (every step slower: a lowered clock, a hot CPU, also when all stages slow down together) and, with two
         or more stages, the stage's share of the compute against the others (`relative_slowdown`)."""
         flagged = {}
-        for index, series in enumerate(self.series):
-            baseline = statistics.median(series.baseline) if len(series.baseline) >= self.window else None
-            enough = len(series.recent) >= (series.recent.maxlen or 1) // 2
-            recent = statistics.median(series.recent) if enough else None
+        full = len(self.baseline_rows) >= self.window
+        enough = len(self.recent_rows) >= RECENT // 2
+        for index in range(len(self.ranges)):
+            baseline = statistics.median(row[index] for row in self.baseline_rows) if full else None
+            recent = statistics.median(row[index] for row in self.recent_rows) if enough else None
             if baseline and recent and len(self.ranges) > 1:
                 relative = relative_slowdown(self.baseline_rows, self.recent_rows, index)
                 recent = max(recent, baseline * relative)
