@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 import numpy as np
 import pytest
 
 from fleettui.runtime import ahead as ahead_drafts
+from fleettui.runtime import policy as policy_module
 from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
-from fleettui.runtime.policy import RoundFacts
+from fleettui.runtime.policy import CostModel, RoundFacts
 from fleettui.runtime.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
 from fleettui.runtime.transport import StageLost
 from remote_worker import decoding, protocol
@@ -358,7 +360,8 @@ async def test_prefill_rounds_do_not_teach_the_policy_decode_costs() -> None:
 
 
 def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
-    policy = KPolicy(None, max_k=8, probe_every=4)
+    ticks = itertools.count(0.0, 10.0)  # 10 s per clock reading: the probes' time budget is no limit here
+    policy = KPolicy(None, max_k=8, probe_every=4, costs=CostModel(clock=lambda: next(ticks)))
     for _ in range(10):
         policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
         policy.record_round(RoundFacts(3, 1, draft_seconds=0.060, verify_seconds=0.018))
@@ -649,13 +652,15 @@ class LagDrafter(TimedDrafter):
 
 @pytest.mark.parametrize(("wire", "keep_up"), [(0.01, True), (0.01, False), (0.0, True)])
 async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
-    wire: float, keep_up: bool
+    wire: float, keep_up: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A costly draft loses, so the policy decodes plainly (or with prompt lookup) and probes now and then;
     behind links that leave the cores idle (10 ms a step) the draft reads what it missed in the background
     (every KEEP_UP tokens, and the prompt while the stages prefill it), so a probe never catches up on more
     than that and the rounds since. On a LAN (all of a step's time at the stage) it does not (it would take its
     compute from the stages). The output is plain greedy in every case."""
+    # what a probe catches up on, not how often probes come: no time budget for them here
+    monkeypatch.setattr(policy_module, "PROBE_SHARE", 1e9)
     drafter = LagDrafter(per_token=0.05)
     pipeline = WiredPipeline(wire=wire) if wire else LanPipeline(stage=0.005)
     coordinator = Coordinator(pipeline, None, drafter, max_k=4)

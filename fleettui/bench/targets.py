@@ -178,9 +178,9 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             ),
         ):
             if candidate is not None:
-                check(
+                check(  # issue 12: >= 4x at 50 ms/hop (the fleet's draft; prompt lookup has no target)
                     f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
-                    1.5 if delay == 50 else None,
+                    4.0 if delay == 50 and label == "fleet's draft" else None,
                     candidate,
                     naive,
                 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,6 +127,7 @@ class _Realized:
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
+PROBE_SHARE = 0.05  # while K = 0 wins, probing a drafter takes at most this share of the wall time
 
 
 @dataclass
@@ -145,6 +146,18 @@ class CostModel:
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
+    # (drafter, loaded): when its last speculative round was recorded and what its drafting cost then
+    last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
+    clock: Callable[[], float] = time.perf_counter
+
+    def probe_affordable(self, drafter: str, loaded: bool) -> bool:
+        """Whether enough time has passed since `drafter` last drafted (loaded or not) for a probe to take at
+        most `PROBE_SHARE` of the time: a probe of a costly draft pays its catch-up on all it missed (a
+        48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and counting rounds
+        alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage 2-user row lost
+        ~30 % of its first reply to them). A free drafter (prompt lookup) is always affordable."""
+        last = self.last_drafted.get((drafter, loaded))
+        return last is None or self.clock() - last[0] >= last[1] / PROBE_SHARE
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
@@ -267,6 +280,7 @@ class KPolicy:
             shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
             shared[0] = shared[0] * decay + accepted
             shared[1] = shared[1] * decay + (1 if accepted < k else 0)
+            self.costs.last_drafted[(self.drafter, loaded)] = (self.costs.clock(), draft_seconds)
             if not catch_up:
                 # several sessions queue at one draft: its cost per proposal is what it computed
                 computed = facts.draft_computed
@@ -293,10 +307,14 @@ class KPolicy:
         self._hits = self._hits * decay + (1 if proposed else 0)
 
     def rounds_until_probe(self, loaded: bool) -> int:
-        """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1)."""
+        """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1; a probe due by
+        its rounds but not yet affordable in time is `probe_every` rounds away, so runs keep their length)."""
         arm = (self.drafter, loaded)
         interval = self.costs.probe_intervals.get(arm, self.probe_every)
-        return max(1, interval - self.costs.since_probe.get(arm, 0))
+        left = interval - self.costs.since_probe.get(arm, 0)
+        if left <= 1 and not self.costs.probe_affordable(self.drafter, loaded):
+            return self.probe_every
+        return max(1, left)
 
     def plain_round(self, loaded: bool) -> None:
         """Count a plain round `choose` was not asked about (a run's later tokens) toward the next probe."""
@@ -356,7 +374,9 @@ class KPolicy:
             since[arm] = 0 if choice else since.get(arm, 0) + 1
             if choice:
                 intervals[arm] = self.probe_every
-            elif since[arm] >= intervals.get(arm, self.probe_every):
+            elif since[arm] >= intervals.get(arm, self.probe_every) and self.costs.probe_affordable(
+                self.drafter, loaded
+            ):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
                 # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
                 # count are the pipeline's: sessions take turns probing, none starts afresh.
