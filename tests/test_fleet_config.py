@@ -72,7 +72,7 @@ def test_defaults_and_automatic_ports(tmp_path: Path) -> None:
     fleet = load_fleet(path)
     ports = [host.base_port for host in fleet.hosts]
     assert ports == [5550, 5560, 5570]
-    assert fleet.model.precision == "int4" and fleet.speculation.max_k == 8
+    assert fleet.model.precision == "int4" and fleet.speculation.max_k == 16
     assert fleet.hosts[0].memory_gb == 8.0 and fleet.hosts[0].threads == 0
 
 
@@ -139,7 +139,7 @@ ERRORS = [
     ("[runtime]\nwire_dtype = 'bf16'\n" + HOST.format(name="a"), "wire_dtype", 1, "runtime.wire_dtype", "f16 | f32"),
     ("[runtime]\nencryption = 'tls'\n" + HOST.format(name="a"), "encryption", 1, "runtime.encryption", "curve"),
     ("[speculation]\nk = 'many'\n" + HOST.format(name="a"), "k =", 1, "speculation.k", '"auto"'),
-    ("[speculation]\nk = 12\n" + HOST.format(name="a"), "k =", 1, "speculation.k", "max_k"),
+    ("[speculation]\nmax_k = 8\nk = 12\n" + HOST.format(name="a"), "k =", 2, "speculation.k", "max_k"),
     ("[speculation]\ndraft = 'nope'\n" + HOST.format(name="a"), "draft", 1, "speculation.draft", "existing path"),
     ("[sessions]\nmax_sessions = 0\n" + HOST.format(name="a"), "max_sessions", 1, "sessions.max_sessions", "1..64"),
     ("[sessions]\ntop_p = 1.5\n" + HOST.format(name="a"), "top_p", 1, "sessions.top_p", "out of range"),

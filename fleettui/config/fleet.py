@@ -42,6 +42,9 @@ PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
 MAX_K = 16
+DEFAULT_MAX_K = (
+    16  # the adaptive K stays small on a LAN; behind slow links long drafts pay (bench delay group)
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class SpeculationSettings:
 
     draft: str = "self-int4"  # self-int4 | prompt-lookup | none | resolved path of a draft
     k: int | Literal["auto"] = "auto"
-    max_k: int = 8
+    max_k: int = DEFAULT_MAX_K
 
     @property
     def draft_path(self) -> Path | None:
@@ -338,7 +341,7 @@ def _speculation(section: Section, base: Path) -> SpeculationSettings:
                 "draft", f"{show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path"
             )
         draft = str(candidate)
-    max_k = section.number("max_k", int, 8, lambda v: 1 <= v <= MAX_K, f"1..{MAX_K}")
+    max_k = section.number("max_k", int, DEFAULT_MAX_K, lambda v: 1 <= v <= MAX_K, f"1..{MAX_K}")
     k = section.get("k", (str, int), "auto")
     if isinstance(k, str) and k != "auto":
         raise section.error("k", f'expected "auto" or an integer 0..{MAX_K}, got {show(k)}')
