@@ -151,8 +151,8 @@ class CostModel:
     clock: Callable[[], float] = time.perf_counter
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
-        """Whether enough time has passed since `drafter` last drafted (loaded or not) for a probe to take at
-        most `PROBE_SHARE` of the time: a probe of a costly draft pays its catch-up on all it missed (a
+        """Whether enough time has passed since `drafter` last drafted in this regime (`loaded` or alone) for
+        a probe to take at most `PROBE_SHARE` of the time: a probe of a costly draft pays its catch-up on all it missed (a
         48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and counting rounds
         alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage 2-user row lost
         ~30 % of its first reply to them). A free drafter (prompt lookup) is always affordable."""
