@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from fleettui.runtime.policy import (
-    PROBE_SHARE,
     CostModel,
     KPolicy,
     RoundFacts,
@@ -166,12 +165,11 @@ def test_several_sessions_on_idle_stages_do_not_teach_a_session_alone_that_specu
 def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would() -> None:
     """While K = 0 wins, a probe comes every `probe_every` plain rounds; a run's tokens after its first are
     such rounds too (`plain_round`), so a run of 16 tokens does not postpone the probe by 16 choices."""
-    now = [100.0]
-    policy = KPolicy(None, 8, probe_every=16, costs=CostModel(clock=lambda: now[0]), drafter="model")
+    policy = KPolicy(None, 8, probe_every=16, drafter="model")
     for _ in range(40):
         for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
             policy.record_round(RoundFacts(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k))
-    now[0] += 60.0  # long after the last draft: the probe's time budget is no limit here
+    policy.costs.generating[False] += 60.0  # long after the last draft: the probes' time budget is no limit
     assert policy.choose() == 0 and policy.rounds_until_probe(False) == 15
     for _ in range(14):
         policy.plain_round(False)  # the run started by that choice: 15 tokens, 14 after its first
@@ -180,32 +178,34 @@ def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would
     assert policy.rounds_until_probe(True) == 16  # the loaded arm keeps its own schedule
 
 
-def test_a_costly_drafters_probes_take_a_bounded_share_of_the_time() -> None:
+def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
     """A probe of a costly draft makes it catch up on everything it missed (0.1-0.2 s on the stages' own
-    cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time since the drafter
-    last drafted is at least its cost / PROBE_SHARE, and a run meanwhile keeps its length. A free drafter
-    (prompt lookup) is never held back."""
-    now = [100.0]
-    costs = CostModel(clock=lambda: now[0])
+    cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time spent generating
+    since the drafter last drafted is at least its cost / PROBE_SHARE (idle time does not count), and a run
+    meanwhile keeps its length. A free drafter (prompt lookup) is never held back."""
+    costs = CostModel()
     policy = KPolicy(None, 8, probe_every=4, costs=costs, drafter="model")
     for _ in range(40):
         for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
             policy.record_round(RoundFacts(k, k // 2, 0.040 * k, 0.015 + 0.001 * k, asked=k))
-    # the last speculative round drafted for 0.16 s: the next probe is affordable 0.16 / 0.05 = 3.2 s later
+    # the last speculative round drafted for 0.16 s: the next probe is affordable after 0.16 / 0.05 = 3.2 s
+    # more of generating (that round and the plain one after it already count 0.15 s of it)
     choices = []
-    for _ in range(20):  # 20 plain choices within 0.2 s, each 10 ms apart: rounds alone would probe 4 times
+    for _ in range(20):  # 20 plain rounds of 15 ms: rounds alone would probe 4 times
         choices.append(policy.choose())
-        now[0] += 0.010
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.015))
     assert choices == [0] * 20
     assert policy.rounds_until_probe(False) == 4  # blocked by time: a run is not cut to one token
-    now[0] = 100.0 + 0.16 / PROBE_SHARE + 0.001
+    while not costs.probe_affordable("model", False):  # a long reply of plain rounds
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.015))
+    assert 3.2 - 0.03 <= costs.generating[False] - costs.last_drafted[("model", False)][0] <= 3.2 + 0.03
     assert policy.rounds_until_probe(False) == 1
     assert policy.choose() == 2 and policy.probing  # due by rounds long ago, affordable now
     policy.record_round(RoundFacts(2, 1, 0.150, 0.016, asked=2))  # the probe confirms K = 0
     assert not costs.probe_affordable("model", False) and costs.probe_affordable("model", True)
     lookup = KPolicy(None, 8, probe_every=4, costs=costs, drafter="lookup")
     lookup.record_round(RoundFacts(2, 0, 0.0003, 0.016, asked=2))  # a free drafter's miss
-    now[0] += 0.01
+    lookup.record_round(RoundFacts(0, 0, 0.0, 0.015))
     assert costs.probe_affordable("lookup", False)
 
 

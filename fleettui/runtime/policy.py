@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,18 +146,20 @@ class CostModel:
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
-    # (drafter, loaded): when its last speculative round was recorded and what its drafting cost then
+    # seconds of rounds recorded (every arm, each session's round counted), alone and loaded: generating time
+    generating: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    # (drafter, loaded): the generating time when its last speculative round was recorded, and its drafting cost
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
-    clock: Callable[[], float] = time.perf_counter
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
-        """Whether enough time has passed since `drafter` last drafted in this regime (`loaded` or alone) for
-        a probe to take at most `PROBE_SHARE` of the time: a probe of a costly draft pays its catch-up on all it missed (a
-        48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and counting rounds
-        alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage 2-user row lost
-        ~30 % of its first reply to them). A free drafter (prompt lookup) is always affordable."""
+        """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
+        enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly draft pays its catch-up on
+        all it missed (a 48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and
+        counting rounds alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage
+        2-user row lost ~30 % of its first reply to them). Idle time does not count: a probe after a pause
+        costs the next reply as much. A free drafter (prompt lookup) is always affordable."""
         last = self.last_drafted.get((drafter, loaded))
-        return last is None or self.clock() - last[0] >= last[1] / PROBE_SHARE
+        return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
@@ -269,6 +271,7 @@ class KPolicy:
         """
         k, accepted, asked, loaded = facts.k, facts.accepted, facts.asked, facts.loaded
         draft_seconds, verify_seconds = facts.draft_seconds, facts.verify_seconds
+        self.costs.generating[loaded] += draft_seconds + verify_seconds
         own_seconds, compute_seconds = facts.own_seconds, facts.compute_seconds
         catch_up, prefilled = facts.catch_up, facts.prefilled
         decay = 0.97
@@ -280,7 +283,7 @@ class KPolicy:
             shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
             shared[0] = shared[0] * decay + accepted
             shared[1] = shared[1] * decay + (1 if accepted < k else 0)
-            self.costs.last_drafted[(self.drafter, loaded)] = (self.costs.clock(), draft_seconds)
+            self.costs.last_drafted[(self.drafter, loaded)] = (self.costs.generating[loaded], draft_seconds)
             if not catch_up:
                 # several sessions queue at one draft: its cost per proposal is what it computed
                 computed = facts.draft_computed
