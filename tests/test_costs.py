@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -210,3 +213,42 @@ def test_a_stopped_calibration_kills_its_child_and_starts_no_other(tmp_path: Pat
     thread.join(30)
     assert not thread.is_alive() and time.monotonic() - started < 30
     assert failures == ["profile of pc-0: stopped", "profile of pc-1: stopped"] and not marker.exists()
+
+
+class _TimedEngine:
+    """A stage engine stand-in for `remote_worker.profile.time_stages`: each 1-token step sleeps `slow_s`
+    while `slow(calls)` holds (a burst of load on its core), else `fast_s`."""
+
+    def __init__(self, index: int, slow: Callable[[int], bool], fast_s: float = 0.001, slow_s: float = 0.006):
+        self.stage_index, self.is_first, self.calls = index, index == 0, 0
+        self.slow, self.fast_s, self.slow_s = slow, fast_s, slow_s
+        self.manifest = SimpleNamespace(vocab_size=100, hidden_size=4)
+        layers = SimpleNamespace(start=index, end=index + 1)
+        self.stage = SimpleNamespace(layers=layers, is_first=index == 0, is_last=False)
+
+    def open(self, session: int) -> None: ...
+    def close(self, session: int) -> None: ...
+    def reset(self, session: int) -> None: ...
+
+    def step(self, session: int, pos0: int, cache_len: int, ranges: object, data: object, keep_last: int = 0):
+        if len(data) == 1:  # type: ignore[arg-type]
+            self.calls += 1
+            time.sleep(self.slow_s if self.slow(self.calls) else self.fast_s)
+        return None
+
+
+def test_calibration_times_a_stage_at_its_quietest_window() -> None:
+    """Other programs only make a step slower: a burst that slows one stage's core for 7/8 of its decode
+    steps (all windows but the last half of the final one) must not make that stage look slower than its
+    twin. A single window's 20th percentile would have reported the burst (5 fast steps of 32)."""
+    from remote_worker.profile import time_stages
+
+    tokens, windows = 32, 4
+    steps = windows * (tokens // windows + 2)  # 2 warm-up steps a window
+    bursty = _TimedEngine(0, lambda call: call <= steps - 5)
+    quiet = _TimedEngine(1, lambda call: False)
+    results = time_stages([bursty, quiet], context=4, tokens=tokens, chunk=4, windows=windows, gap=0.0)
+    assert bursty.calls == quiet.calls == steps
+    burst, calm = results
+    assert burst["decode_ms"] < 3.0 and calm["decode_ms"] < 3.0  # both ~1 ms
+    assert min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5  # the burst, seen
