@@ -15,6 +15,7 @@ import pytest
 from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _plain_greedy
 
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.speculation import Draft, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import ReplyStream, StageLost
 from remote_worker import protocol
 from remote_worker.decoding import next_run_step, run_step
@@ -176,3 +177,27 @@ async def test_a_stage_lost_mid_run_is_recovered_exactly() -> None:
     generation = await coordinator.generate(session, [3, 1, 4, 1, 5], GenerationParams(max_tokens=30))
     assert list(generation.token_ids) == _plain_greedy([3, 1, 4, 1, 5], 30)
     assert len(stage.runs) == 2 and stage.runs[1] < 30  # the second run picks up where the first was lost
+
+
+class _LookupFindingNothing(PromptLookupDrafter):
+    """A prompt lookup on a reply that never repeats its history: asked, it finds nothing."""
+
+    async def propose(
+        self, session: int, history: list[int], k: int, sampling: Sampling, rng: object
+    ) -> Draft:
+        self.asked = getattr(self, "asked", 0) + 1
+        return Draft.empty()
+
+
+async def test_a_lookup_that_finds_nothing_does_not_keep_runs_at_two_tokens() -> None:
+    """A free lookup's costs stay unknown while it never proposes; runs are cut at 2 tokens for an unknown
+    drafter only while it mostly proposes when asked, so after its first misses runs go back to 16 (the
+    bench's 2-stage lookup row lost 17 % to runs of 2 with 2 drafts in 128 tokens). Output unchanged."""
+    stage = FakeRunStage(delay=0.0002)
+    drafter = _LookupFindingNothing()
+    coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)  # type: ignore[arg-type]
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=80))
+    assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 80)
+    assert generation.stats.drafted == 0 and drafter.asked >= 2
+    assert stage.runs[:2] == [2, 2] and max(stage.runs) == 16 and stage.runs.count(2) <= 3

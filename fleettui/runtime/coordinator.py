@@ -433,7 +433,7 @@ class Coordinator(RunRounds, AheadRounds):
                 # adaptive: the policy chooses again after a while, and by the time its next probe is due
                 counted = tuple(session.policies.values())
                 probe = min(candidate.rounds_until_probe(loaded) for candidate in counted)
-                if any(candidate.exploring(loaded=loaded) for candidate in counted):
+                if any(candidate.measuring_soon(loaded) for candidate in counted):
                     probe = min(probe, RUN_TOKENS_EXPLORING)  # measure the draft soon, not after 16 tokens
                 length = min(length, RUN_TOKENS_ADAPTIVE, probe)
             if length > 1:
