@@ -69,8 +69,8 @@ def time_stages(
             for engine in engines:  # (re)fill the context; the first steps after a prefill reallocate
                 engine.reset(1)
                 engine.step(1, 0, 0, NO_MASK, _inputs(engine, context, generator), keep_last=1)
-            for times in decode:
-                times.append([])
+            for windows_of in decode:
+                windows_of.append([])
             for index in range(per_window + 2):
                 position = context + index
                 for engine, times in zip(engines, decode, strict=True):
@@ -79,12 +79,12 @@ def time_stages(
                     engine.step(1, position, position, NO_MASK, data)
                     if index >= 2:
                         times[-1].append(time.perf_counter() - started)
-            for engine, times in zip(engines, prefills, strict=True):
+            for engine, prefill in zip(engines, prefills, strict=True):
                 engine.reset(1)
                 data = _inputs(engine, chunk, generator)
                 started = time.perf_counter()
                 engine.step(1, 0, 0, NO_MASK, data, keep_last=1)
-                times.append(time.perf_counter() - started)
+                prefill.append(time.perf_counter() - started)
     finally:
         for engine in engines:
             engine.close(1)
