@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's")
     parser.add_argument("--warmup", type=int, default=8, help="tokens of an untimed warm-up generation")
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
+    parser.add_argument(
+        "--scratch",
+        help="folder for the assembled model (default: the system temp dir); a caller that may kill this "
+        "process passes one it removes itself",
+    )
     return parser
 
 
@@ -150,7 +155,7 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
     import openvino_genai
 
     properties = _properties(arguments)
-    with tempfile.TemporaryDirectory(prefix="fleettui-genai-") as temporary:
+    with tempfile.TemporaryDirectory(prefix="fleettui-genai-", dir=arguments.scratch) as temporary:
         folder = assemble(arguments.shard, Path(temporary) / "model")
         try:
             pipe, backend = _pipeline(folder, arguments.device.upper(), properties)

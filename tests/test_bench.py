@@ -419,6 +419,44 @@ def test_two_monos_at_once_decode_in_overlapping_windows(shard_cache: Path) -> N
 
 
 @pytest.mark.slow
+def test_a_genai_baseline_killed_mid_run_leaves_no_model_folder(
+    shard_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled bench (SIGTERM, a row timeout) kills its GenAI child, which cannot remove the model folder
+    it assembled: the folder lives in one the bench made and removes itself."""
+    from dataclasses import replace
+
+    from fleettui.bench.baseline import run_baseline
+    from shard_compiler.compiler import compile_shards
+
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    fleet = load_fleet(DEFAULT_FLEET)
+    fleet = replace(fleet, runtime=replace(fleet.runtime, inference_precision="f32"))
+    (tmp_path / "child").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "child"))  # where the child's own temp folders would go
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "bench"))
+    (tmp_path / "bench").mkdir()
+
+    def folders(pattern: str) -> list[Path]:
+        return list(tmp_path.glob(pattern))
+
+    async def cancelled_mid_run() -> None:
+        task = asyncio.ensure_future(
+            run_baseline(RowSpec("genai"), unsplit, [1, 9690, 314, 253], 4000, fleet)
+        )
+        deadline = time.monotonic() + 300
+        while not folders("**/fleettui-genai-*/model"):
+            assert not task.done() and time.monotonic() < deadline, "the GenAI child never assembled a model"
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_mid_run())
+    assert folders("**/fleettui-genai-*") == []
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_bench_stops_its_fleet_at_once() -> None:
     """A SIGTERM mid-run (a cancelled job, `timeout`) stops the bench cleanly: its workers go with it, well
     before their 30 s lease would end them, and it says so in one line."""

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from fleettui.bench.machine import CpuWitness
@@ -47,14 +48,18 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     if spec.pinned:
         command += ["--threads", "1"]
     witness = CpuWitness()
-    if spec.copies > 1:
-        commands = [
-            command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"] for i in range(spec.copies)
-        ]
-        outputs = await asyncio.wait_for(run_children(commands, together=True), ROW_TIMEOUT)
-    else:
-        command += ["--cores", str(cores[0])] if spec.pinned else []
-        outputs = await asyncio.wait_for(run_children([command]), ROW_TIMEOUT)
+    # GenAI assembles a model folder; a child killed (a timeout, a SIGTERM to the bench) cannot remove it
+    with tempfile.TemporaryDirectory(prefix="fleettui-genai-") as scratch:
+        if spec.kind != "mono":
+            command += ["--scratch", scratch]
+        if spec.copies > 1:
+            commands = [
+                command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"] for i in range(spec.copies)
+            ]
+            outputs = await asyncio.wait_for(run_children(commands, together=True), ROW_TIMEOUT)
+        else:
+            command += ["--cores", str(cores[0])] if spec.pinned else []
+            outputs = await asyncio.wait_for(run_children([command]), ROW_TIMEOUT)
     row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
     results = []
     for returncode, stdout, stderr in outputs:
