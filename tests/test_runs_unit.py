@@ -192,7 +192,7 @@ class _LookupFindingNothing(PromptLookupDrafter):
 async def test_a_lookup_that_finds_nothing_does_not_keep_runs_at_two_tokens() -> None:
     """A free lookup's costs stay unknown while it never proposes; runs are cut at 2 tokens for an unknown
     drafter only while it mostly proposes when asked, so after its first misses runs go back to 16 (the
-    bench's 2-stage lookup row lost 17 % to runs of 2 with 2 drafts in 128 tokens). Output unchanged."""
+    bench's 2-stage lookup row ran every reply in runs of 2, with 2 drafts in 128 tokens). Output unchanged."""
     stage = FakeRunStage(delay=0.0002)
     drafter = _LookupFindingNothing()
     coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)  # type: ignore[arg-type]

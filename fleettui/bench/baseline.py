@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -49,8 +50,9 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
         command += ["--threads", "1"]
     witness = CpuWitness()
     # GenAI assembles a model folder; a child killed (a timeout, a SIGTERM to the bench) cannot remove it
-    with tempfile.TemporaryDirectory(prefix="fleettui-genai-") as scratch:
-        if spec.kind != "mono":
+    folder = tempfile.TemporaryDirectory(prefix="fleettui-genai-") if spec.kind != "mono" else None
+    with folder or contextlib.nullcontext() as scratch:
+        if scratch is not None:
             command += ["--scratch", scratch]
         if spec.copies > 1:
             commands = [
