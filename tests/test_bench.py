@@ -307,7 +307,9 @@ def test_only_keeps_one_group_and_its_partners() -> None:
     fleet = load_fleet(DEFAULT_FLEET)
     pcs = plan_rows(fleet, quick=False, only="pcs")
     assert [r.name for r in pcs][0] == "mono 1core" and all(r.pinned for r in pcs)
-    assert {r.versus for r in pcs if r.kind == "fleet"} == {"mono 1core"}
+    assert {r.versus for r in pcs if r.kind == "fleet" and r.spec_k == 0} == {"mono 1core"}
+    # speculation on the PCs is paired with no speculation on the same PCs (a LAN row of the spec target)
+    assert {r.versus for r in pcs if r.kind == "fleet" and r.spec_k} == {"pcs 2st 2u nospec"}
     scale = plan_rows(fleet, quick=False, only="scale")
     assert {r.model for r in scale} == {"synthetic:llama-3.2-1b"}
     assert sorted(r.users for r in scale if r.kind == "fleet") == [1, 2, 4]
@@ -337,6 +339,13 @@ def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
     pcs.details["runs_tok_s"] = [30.0, 36.0]
     _pair([pcs], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=v) for v in (20.0, 20.0)]})
     assert pcs.details["paired_ratios"] == [1.5, 1.8] and "1.65x" in format_table([pcs])
+    pcs_spec = Row("pcs 2st 2u spec auto", "fleet", 2, 2, "auto", pinned=True, versus=pcs.name)
+    pcs.details["runs_tok_s"], pcs_spec.details["runs_tok_s"] = [30.0, 36.0, 36.0], [27.0, 36.0, 34.2]
+    _pair([pcs, pcs_spec], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=20.0)] * 3})
+    lan = [t for t in targets([plain, spec, pcs, pcs_spec]) if t["target"].startswith("adaptive spec >=")]
+    assert [t["rows"] for t in lan] == [[spec.name, plain.name], [pcs_spec.name, pcs.name]]
+    assert "emulated PCs" in lan[1]["target"] and lan[1]["ratio"] == pytest.approx(0.95)
+    assert lan[1]["met"] is False  # a loss on the PCs is reported, not left out
 
 
 # ------------------------------------------------------------------------ the ceiling of n emulated PCs

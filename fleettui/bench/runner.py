@@ -205,6 +205,11 @@ async def _measure(
             "accepted": accepted,
             "draft_ms_per_token": 1000 * sum(s.draft_seconds for s in stats) / max(total, 1),
             "finish": sorted({s.finish_reason for s in stats}),
+            # each user's own rate and drafts: the aggregate counts up to the last user's finish, so one
+            # user's lead (an easier prompt drafts better) leaves the others a tail with the stages half idle
+            "users_tok_s": [round(s.tokens_per_second, 2) for s in stats],
+            "users_drafted": [s.drafted for s in stats],
+            "users_accepted": [s.accepted for s in stats],
         },
     }
 

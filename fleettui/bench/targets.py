@@ -127,7 +127,6 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             and row.ok
             and row.spec_k == "auto"
             and row.hop_delay_ms == 0
-            and not row.pinned
             and not row.model
         ):
             plain = _find(
@@ -137,11 +136,12 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
                 users=row.users,
                 spec_k=0,
                 hop_delay_ms=0.0,
-                pinned=False,
+                pinned=row.pinned,
             )
             draft = ", prompt lookup" if "lookup" in row.name else ""
+            where = ", emulated PCs" if row.pinned else ""
             check(
-                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{draft})",
+                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{where}{draft})",
                 0.98,
                 row,
                 plain,

@@ -129,6 +129,11 @@ MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may over
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
 PROBE_SHARE = 0.05  # while K = 0 wins, probing a drafter takes at most this share of the generating time
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
+# Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
+# session's next token by its extra compute: under load a verify may cost the busiest stage at most this many
+# plain steps (`KPolicy.fair_k`). Measured on 2 emulated PCs with 2 users, a prompt lookup accepting 9 of 9
+# made 23 ms verifies against 8 ms plain steps and the other user fell from 60 to 22 tok/s.
+FAIR_VERIFY_COST = 1.5
 
 
 @dataclass
@@ -355,11 +360,26 @@ class KPolicy:
         row) costs a coordinator round trip every 2 tokens."""
         return self.hit_rate >= MEASURABLE_HIT_RATE and self.exploring(loaded=loaded)
 
+    def fair_k(self, loaded: bool) -> int:
+        """The largest K this session may verify now: `max_k` alone; under load (other sessions wait behind
+        each step at the busiest stage) the largest K whose verify costs that stage at most
+        `FAIR_VERIFY_COST` plain steps, so one user's well-drafted rounds do not starve the others."""
+        if not loaded or not self.costs.compute.window:
+            return self.max_k
+        plain = self.costs.compute.predict(1) or 0.0
+        fair = 0
+        for k in range(1, self.max_k + 1):
+            cost = self.costs.compute.predict(k + 1)
+            if cost is None or cost > FAIR_VERIFY_COST * plain:
+                break
+            fair = k
+        return fair
+
     def best_k(self, free_draft: bool = False, loaded: bool = False) -> int:
         """The K with the highest expected rate now (no probe, no bookkeeping; 0 while costs are unknown)."""
         if self.fixed_k is not None:
             return self.fixed_k
-        rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.max_k + 1)}
+        rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.fair_k(loaded) + 1)}
         return max(rates, key=rates.__getitem__)
 
     def paying_k(self, loaded: bool = False) -> int:
@@ -372,7 +392,7 @@ class KPolicy:
         if self.fixed_k is not None:
             self.last_choice = self.fixed_k
             return self.fixed_k
-        rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.max_k + 1)}
+        rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.fair_k(loaded) + 1)}
         unknown = [k for k, rate in rates.items() if rate is None]
         if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
             choice = 0 if 0 in unknown else min(3, self.max_k)
