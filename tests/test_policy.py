@@ -188,8 +188,8 @@ def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() 
     for _ in range(40):
         for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
             policy.record_round(RoundFacts(k, k // 2, 0.040 * k, 0.015 + 0.001 * k, asked=k))
-    # the last speculative round drafted for 0.16 s: the next probe is affordable after 0.16 / 0.05 = 3.2 s
-    # more of generating (that round and the plain one after it already count 0.15 s of it)
+    # the last speculative round took 0.16 + 0.019 s for 3 tokens that plain rounds make in 3 x 0.015 s: it
+    # lost 0.134 s, so the next probe is affordable after 0.134 / 0.05 = 2.68 s more of generating
     choices = []
     for _ in range(20):  # 20 plain rounds of 15 ms: rounds alone would probe 4 times
         choices.append(policy.choose())
@@ -198,15 +198,41 @@ def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() 
     assert policy.rounds_until_probe(False) == 4  # blocked by time: a run is not cut to one token
     while not costs.probe_affordable("model", False):  # a long reply of plain rounds
         policy.record_round(RoundFacts(0, 0, 0.0, 0.015))
-    assert 3.2 - 0.03 <= costs.generating[False] - costs.last_drafted[("model", False)][0] <= 3.2 + 0.03
+    assert 2.68 <= costs.generating[False] - costs.last_drafted[("model", False)][0] <= 2.68 + 0.016
     assert policy.rounds_until_probe(False) == 1
     assert policy.choose() == 2 and policy.probing  # due by rounds long ago, affordable now
     policy.record_round(RoundFacts(2, 1, 0.150, 0.016, asked=2))  # the probe confirms K = 0
     assert not costs.probe_affordable("model", False) and costs.probe_affordable("model", True)
     lookup = KPolicy(None, 8, probe_every=4, costs=costs, drafter="lookup")
-    lookup.record_round(RoundFacts(2, 0, 0.0003, 0.016, asked=2))  # a free drafter's miss
+    lookup.record_round(RoundFacts(2, 0, 0.0003, 0.016, asked=2))  # a free drafter's miss: it lost 1.3 ms
     lookup.record_round(RoundFacts(0, 0, 0.0, 0.015))
+    assert not costs.probe_affordable("lookup", False)
+    lookup.record_round(RoundFacts(0, 0, 0.0, 0.015))  # 0.030 s >= 0.0013 / 0.05
     assert costs.probe_affordable("lookup", False)
+
+
+def test_a_probes_cost_includes_the_slower_plain_steps_after_it() -> None:
+    """Measured on one stage: while the draft caught up the stage idled, and its next plain steps ran slower
+    (13, 12, 11 ms against 9). A probe is charged what it lost against plain decoding: its own round beyond
+    its tokens' plain time, plus the excess of the AFTER_PROBE_ROUNDS plain rounds after it."""
+    from fleettui.runtime.policy import AFTER_PROBE_ROUNDS
+
+    costs = CostModel()
+    policy = KPolicy(None, 8, costs=costs, drafter="model")
+    for _ in range(20):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.010))  # plain: 10 ms a token
+    policy.record_round(RoundFacts(2, 0, 0.055, 0.020, asked=2))  # a probe: 75 ms for 1 token
+    assert costs.last_drafted[("model", False)][1] == pytest.approx(0.065)
+    for _ in range(AFTER_PROBE_ROUNDS):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.015))  # each 5 ms slower than plain
+    charged = costs.last_drafted[("model", False)][1]
+    # (the slow rounds count as plain decoding too: its rate drifts, each later excess is a little smaller)
+    assert 0.065 + AFTER_PROBE_ROUNDS * 0.003 < charged < 0.065 + AFTER_PROBE_ROUNDS * 0.005 + 1e-9
+    policy.record_round(RoundFacts(0, 0, 0.0, 0.030))  # past the after-effect: not the probe's
+    assert costs.last_drafted[("model", False)][1] == pytest.approx(charged)
+    alone = CostModel()  # before plain decoding was measured, a probe costs its drafting
+    KPolicy(None, 8, costs=alone, drafter="model").record_round(RoundFacts(2, 0, 0.055, 0.020, asked=2))
+    assert alone.last_drafted[("model", False)][1] == pytest.approx(0.055)
 
 
 def test_stage_load_is_the_busiest_stages_share_of_the_recent_window() -> None:

@@ -128,6 +128,11 @@ class _Realized:
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
 PROBE_SHARE = 0.05  # while K = 0 wins, probing a drafter takes at most this share of the generating time
+# A probe costs more than its drafting: measured on one stage (2 cores, the draft on the same cores), the stage
+# idled ~55 ms while the draft caught up, then its next n = 1 steps took 13, 12, 11 ms against a steady 9
+# (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
+# its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs.
+AFTER_PROBE_ROUNDS = 8
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
 # Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
 # session's next token by its extra compute: under load a verify may cost the busiest stage at most this many
@@ -154,8 +159,10 @@ class CostModel:
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
     # seconds of rounds recorded (every arm, each session's round counted), alone and loaded: generating time
     generating: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    # (drafter, loaded): the generating time when its last speculative round was recorded, and its drafting cost
+    # (drafter, loaded): the generating time when its last speculative round was recorded, and what that round
+    # lost against plain decoding (its after-effect on the plain rounds that followed included)
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
+    after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # plain rounds still charged to it
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
@@ -166,6 +173,31 @@ class CostModel:
         costs the next reply as much. A free drafter (prompt lookup) is always affordable."""
         last = self.last_drafted.get((drafter, loaded))
         return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
+
+    def charge_probe(
+        self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float | None
+    ) -> None:
+        """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next probe is
+        budgeted against: its cost is the time it took beyond its `tokens` at plain decoding's
+        `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their excess."""
+        key = (drafter, loaded)
+        assert plain_seconds is not None
+        self.last_drafted[key] = (self.generating[loaded], max(seconds - tokens * plain_seconds, 0.0))
+        self.after_probe[key] = AFTER_PROBE_ROUNDS
+
+    def charge_after_probe(self, loaded: bool, seconds: float, plain_seconds: float | None) -> None:
+        """A plain round (any session's): what it took beyond plain decoding's time per token goes to every
+        probe still charged with its after-effect in this regime."""
+        for key, left in list(self.after_probe.items()):
+            if key[1] != loaded:
+                continue
+            if left <= 1:
+                del self.after_probe[key]
+            else:
+                self.after_probe[key] = left - 1
+            if plain_seconds is not None and key in self.last_drafted:
+                since, cost = self.last_drafted[key]
+                self.last_drafted[key] = (since, cost + max(seconds - plain_seconds, 0.0))
 
     def draft(self, name: str) -> _LinearCost:
         return self.drafts.setdefault(name, _LinearCost(proportional=True))
@@ -280,6 +312,8 @@ class KPolicy:
         self.costs.generating[loaded] += draft_seconds + verify_seconds
         own_seconds, compute_seconds = facts.own_seconds, facts.compute_seconds
         catch_up, prefilled = facts.catch_up, facts.prefilled
+        plain_rate = self.costs.achieved("plain", loaded).rate  # before this round counts
+        plain_seconds = 1.0 / plain_rate if plain_rate > 0 else None
         decay = 0.97
         if asked:
             self.asked(proposed=k > 0)
@@ -289,13 +323,23 @@ class KPolicy:
             shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
             shared[0] = shared[0] * decay + accepted
             shared[1] = shared[1] * decay + (1 if accepted < k else 0)
-            self.costs.last_drafted[(self.drafter, loaded)] = (self.costs.generating[loaded], draft_seconds)
+            if plain_seconds is None:  # plain decoding not measured yet: a probe costs its drafting
+                self.costs.last_drafted[(self.drafter, loaded)] = (
+                    self.costs.generating[loaded],
+                    draft_seconds,
+                )
+            else:
+                self.costs.charge_probe(
+                    self.drafter, loaded, accepted + 1, draft_seconds + verify_seconds, plain_seconds
+                )
             if not catch_up:
                 # several sessions queue at one draft: its cost per proposal is what it computed
                 computed = facts.draft_computed
                 self.costs.draft(self.drafter).add(
                     k, computed if facts.several and computed is not None else draft_seconds
                 )
+        elif not prefilled:
+            self.costs.charge_after_probe(loaded, draft_seconds + verify_seconds, plain_seconds)
         if not catch_up:
             self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
             self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
