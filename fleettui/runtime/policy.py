@@ -127,7 +127,11 @@ class _Realized:
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
-PROBE_SHARE = 0.05  # while K = 0 wins, probing a drafter takes at most this share of the generating time
+# While K = 0 wins, probing a drafter takes at most this share of the generating time: the bar is
+# speculation >= 0.98x no speculation, so exploring may cost at most 2 % (it was 5 %, when a probe was charged
+# its drafting alone; charged what it really lost, a probe of the model draft on one stage came every ~2.4 s
+# of generating, two replies of 128 tokens, at 5 %, and comes every ~6 s at 2 %).
+PROBE_SHARE = 0.02
 # A probe costs more than its drafting: measured on one stage (2 cores, the draft on the same cores), the stage
 # idled ~55 ms while the draft caught up, then its next n = 1 steps took 13, 12, 11 ms against a steady 9
 # (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
