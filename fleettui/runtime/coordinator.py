@@ -487,9 +487,9 @@ class Coordinator(RunRounds, AheadRounds):
         names = [(own, own == "lookup")] + (
             [("lookup", True)] if self.lookup is not None and own != "lookup" else []
         )
-        for name, _free in names:
+        for name, free in names:
             if name not in session.policies:
-                session.policies[name] = self.policy.fork(name)
+                session.policies[name] = self.policy.fork(name, free)
         return [(name, session.policies[name], free) for name, free in names]
 
     async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:

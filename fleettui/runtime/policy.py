@@ -267,8 +267,10 @@ class KPolicy:
         probe_every: int = 16,
         costs: CostModel | None = None,
         drafter: str = "draft",
+        free: bool = False,
     ) -> None:
         self.fixed_k = fixed_k
+        self.free = free  # a drafter that costs no time (prompt lookup): its probes are never held back
         self.max_k = max_k
         self.probe_every = probe_every
         self.costs = costs or CostModel()
@@ -281,13 +283,13 @@ class KPolicy:
         self.last_choice = 0
         self.probing = False
 
-    def fork(self, drafter: str) -> KPolicy:
+    def fork(self, drafter: str, free: bool = False) -> KPolicy:
         """A fresh policy for one session and drafter, sharing this pipeline's costs and settings.
 
         Its prior acceptance (weight 2, as the default 1:1) leans to what the drafter achieved in this
         pipeline's other sessions, so a new session does not start from alpha = 0.5 every time.
         """
-        policy = KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter)
+        policy = KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter, free)
         accepted, rejected = self.costs.acceptance.get(drafter, (1.0, 1.0))
         share = min(max(accepted / max(accepted + rejected, 1e-9), 0.05), 0.95)
         policy._accepted, policy._rejected = 2 * share, 2 * (1 - share)
@@ -327,7 +329,9 @@ class KPolicy:
             shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
             shared[0] = shared[0] * decay + accepted
             shared[1] = shared[1] * decay + (1 if accepted < k else 0)
-            if plain_seconds is None:  # plain decoding not measured yet: a probe costs its drafting
+            # a free drafter's probe costs its lookup: never held back (charged its misses, the 50 ms/hop prompt
+            # lookup row fell from 1.40x to 0.97x no speculation); so does any probe before plain is measured
+            if plain_seconds is None or self.free:
                 self.costs.last_drafted[(self.drafter, loaded)] = (
                     self.costs.generating[loaded],
                     draft_seconds,
