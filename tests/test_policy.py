@@ -282,3 +282,24 @@ def test_under_load_a_free_drafter_verifies_at_most_a_fair_share_of_the_busiest_
     assert policy.choose(free_draft=True, loaded=True) == fair  # every draft accepted: the cap binds
     assert policy.best_k(free_draft=True, loaded=True) == fair
     assert policy.fair_k(loaded=False) == 8 and policy.choose(free_draft=True, loaded=False) == 8
+
+
+def test_on_loaded_stages_speculation_is_all_or_none() -> None:
+    """A drafter that pays on loaded stages is used only while every other generating session would speculate
+    too (`shared`); alone, or with stages idle, the rule does not apply. `wants` keeps the unconstrained
+    choice, which is what the other sessions ask about."""
+    policy = KPolicy(None, max_k=8, drafter="lookup")
+    for _ in range(20):
+        for k in (0, 2):
+            compute = 0.008 + 0.001 * k
+            trace = _trace((0.0, 0.0, compute, compute))
+            own, busiest = round_costs(trace, compute + 0.002)
+            policy.record_round(
+                RoundFacts(k, k, 0.0, compute + 0.002, False, own, busiest, asked=k, loaded=True)
+            )
+    chosen = policy.choose(free_draft=True, loaded=True, shared=True)
+    assert chosen > 0 and policy.wants
+    assert policy.choose(free_draft=True, loaded=True, shared=False) == 0 and policy.wants
+    assert policy.paying_k(loaded=True, shared=False) == 0
+    assert policy.choose(free_draft=True, loaded=False, shared=False) > 0  # not loaded: no one waits
+    assert choose_drafter([("lookup", policy, True)], loaded=True, shared=False) == ("", 0)

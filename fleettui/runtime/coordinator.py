@@ -20,8 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import numpy as np
-
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
@@ -34,7 +32,7 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
     penalties,
     verify_decode,
 )
-from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.ledger import Feed
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.pipelined import AheadRounds
 from fleettui.runtime.policy import (
@@ -45,7 +43,8 @@ from fleettui.runtime.policy import (
     choose_drafter,
     round_costs,
 )
-from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, Run, RunRounds
+from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, RunRounds
+from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
@@ -60,30 +59,6 @@ _T = TypeVar("_T")
 
 async def _nothing() -> None:
     return None
-
-
-class Session:
-    """One user's conversation: messages, the token history and the ledgers of target and draft caches."""
-
-    def __init__(self, session_id: int, seed: int) -> None:
-        self.id = session_id
-        self.messages: list[ChatMessage] = []
-        self.history: list[int] = []
-        self.ledger = CacheLedger()
-        self.rng = np.random.default_rng([seed, session_id])
-        self.busy = False
-        self.last_stats: GenerationStats | None = None
-        self.policies: dict[str, KPolicy] = {}  # per drafter: this session's acceptance (costs are shared)
-        # Recovery: a round and a rebuild never overlap; an epoch behind the coordinator's means the
-        # pipeline (or the draft) lost this session's cache and it must be replayed from `history`.
-        self.lock = asyncio.Lock()
-        self.target_epoch = -1
-        self.draft_epoch = -1
-        self.run: Run | None = None  # what the pipeline is generating on its own (fleettui.runtime.runs)
-        self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
-        self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
-        self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
-        self.drafted_at = 0  # how much of the history the model draft has read (its drafts taken as read)
 
 
 class Coordinator(RunRounds, AheadRounds):
@@ -390,13 +365,15 @@ class Coordinator(RunRounds, AheadRounds):
         sampling = params.sampling
         left = remaining - 1
         loaded = self._loaded()
-        drafter, policy = self.drafter, self.policy
+        drafter, policy, shared = self.drafter, self.policy, True
         if params.spec_k is not None:
             k = min(params.spec_k, self.max_k, left)
         elif self.policy.fixed_k is not None or self.drafter is None:
             k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
         else:
-            name, k = choose_drafter(self._candidates(session), loaded)
+            shared = self._others_speculate(session)
+            name, k = choose_drafter(self._candidates(session), loaded, shared)
+            session.wants_speculation = any(policy.wants for policy in session.policies.values())
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
             drafter = self.lookup if name == "lookup" and self.lookup is not None else self.drafter
@@ -419,7 +396,7 @@ class Coordinator(RunRounds, AheadRounds):
             # the first token, which never waits for the model draft to read the prompt)
             second = session.policies.get("model")
             fallback = self.drafter if drafter is self.lookup and not draft.tokens and generated else None
-            if fallback is not None and second is not None and (k := second.paying_k(loaded)):
+            if fallback is not None and second is not None and (k := second.paying_k(loaded, shared)):
                 policy.asked(proposed=False)  # the lookup's miss (the round is the model draft's)
                 drafter, policy, asked = fallback, second, min(k, left)
                 draft = await self._propose(session, drafter, asked, sampling)
@@ -471,6 +448,12 @@ class Coordinator(RunRounds, AheadRounds):
             if draft.fed <= k + 2:  # (a catch-up on the history costs more)
                 self.ahead_cost.add(len(draft.tokens), time.perf_counter() - proposing)
         return draft
+
+    def _others_speculate(self, session: Session) -> bool:
+        """Whether every other generating session found speculation paying in its last choice."""
+        return all(
+            other.wants_speculation for other in self.sessions.values() if other.busy and other is not session
+        )
 
     def _several(self) -> bool:
         """Whether several sessions are generating now."""

@@ -282,6 +282,7 @@ class KPolicy:
         self._own = {False: _Realized(), True: _Realized()}  # this session's speculative rounds
         self.last_choice = 0
         self.probing = False
+        self.wants = False  # whether its last `choose` found speculation paying (before the all-or-none rule)
 
     def fork(self, drafter: str, free: bool = False) -> KPolicy:
         """A fresh policy for one session and drafter, sharing this pipeline's costs and settings.
@@ -434,13 +435,21 @@ class KPolicy:
         rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.fair_k(loaded) + 1)}
         return max(rates, key=rates.__getitem__)
 
-    def paying_k(self, loaded: bool = False) -> int:
+    def paying_k(self, loaded: bool = False, shared: bool = True) -> int:
         """`best_k` of a costly drafter, or 0 while it has measurably yielded fewer tokens per second than
-        plain decoding (`CostModel.losing`)."""
-        return 0 if self.costs.losing(self.drafter, loaded, self._own[loaded]) else self.best_k(loaded=loaded)
+        plain decoding (`CostModel.losing`) or, under load, while another session would not speculate."""
+        if (loaded and not shared) or self.costs.losing(self.drafter, loaded, self._own[loaded]):
+            return 0
+        return self.best_k(loaded=loaded)
 
-    def choose(self, free_draft: bool = False, loaded: bool = False) -> int:
+    def choose(self, free_draft: bool = False, loaded: bool = False, shared: bool = True) -> int:
+        """K for this round. Under load, `shared` says whether every other generating session wants to
+        speculate too: if one does not, this session decodes plainly as well (probes apart), since its
+        longer verifies would lengthen that session's every turn at the busy stage and only it would gain
+        (2 emulated PCs, 2 users: 73-89 tok/s for the one whose lookup confirmed every draft, 41-46 for the
+        other, against 52 each plain). `wants` keeps what it would choose regardless, for the others."""
         self.probing = False
+        self.wants = False
         if self.fixed_k is not None:
             self.last_choice = self.fixed_k
             return self.fixed_k
@@ -453,6 +462,9 @@ class KPolicy:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
             if choice and self.costs.losing(self.drafter, loaded, self._own[loaded]):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
+            self.wants = choice > 0
+            if loaded and not shared:
+                choice = 0  # all or none on loaded stages: another session would not speculate
             intervals, since, arm = self.costs.probe_intervals, self.costs.since_probe, (self.drafter, loaded)
             since[arm] = 0 if choice else since.get(arm, 0) + 1
             if choice:
@@ -471,15 +483,18 @@ class KPolicy:
         return choice
 
 
-def choose_drafter(policies: Sequence[tuple[str, KPolicy, bool]], loaded: bool) -> tuple[str, int]:
+def choose_drafter(
+    policies: Sequence[tuple[str, KPolicy, bool]], loaded: bool, shared: bool = True
+) -> tuple[str, int]:
     """(drafter name, K) for one round among candidates (name, that drafter's policy, is it free).
 
     A candidate that is still exploring or probing goes first (free drafters before costly ones); otherwise
     the candidate whose best K has the highest expected rate wins. ("", 0) = no speculation this round.
+    `shared`: see `KPolicy.choose`.
     """
     best: tuple[float, str, int] = (-1.0, "", 0)
     for name, policy, free in sorted(policies, key=lambda item: not item[2]):
-        k = policy.choose(free_draft=free, loaded=loaded)
+        k = policy.choose(free_draft=free, loaded=loaded, shared=shared)
         if policy.probing:
             return name, k
         rate = policy.expected_rate(k, free, loaded) or 0.0
