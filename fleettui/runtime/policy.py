@@ -179,13 +179,12 @@ class CostModel:
         return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
 
     def charge_probe(
-        self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float | None
+        self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float
     ) -> None:
         """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next probe is
         budgeted against: its cost is the time it took beyond its `tokens` at plain decoding's
         `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their excess."""
         key = (drafter, loaded)
-        assert plain_seconds is not None
         self.last_drafted[key] = (self.generating[loaded], max(seconds - tokens * plain_seconds, 0.0))
         self.after_probe[key] = AFTER_PROBE_ROUNDS
 
