@@ -736,3 +736,8 @@ async def test_on_loaded_stages_a_session_speculates_only_while_every_other_one_
     second.busy = False  # a session that is not generating has no say
     second.wants_speculation = False
     assert coordinator._others_speculate(first)
+    # a request with a fixed K speculates whatever the others do: it says so to them
+    await coordinator.generate(second, [5, 6, 7, 8], GenerationParams(4, ignore_eos=True, spec_k=2))
+    assert second.wants_speculation
+    await coordinator.generate(second, [5, 6, 7, 9], GenerationParams(4, ignore_eos=True, spec_k=0))
+    assert not second.wants_speculation

@@ -368,8 +368,10 @@ class Coordinator(RunRounds, AheadRounds):
         drafter, policy, shared = self.drafter, self.policy, True
         if params.spec_k is not None:
             k = min(params.spec_k, self.max_k, left)
+            session.wants_speculation = k > 0  # a fixed K speculates whatever the others do
         elif self.policy.fixed_k is not None or self.drafter is None:
             k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
+            session.wants_speculation = k > 0
         else:
             shared = self._others_speculate(session)
             name, k = choose_drafter(self._candidates(session), loaded, shared)
