@@ -16,6 +16,7 @@ import numpy as np
 import zmq
 
 from remote_worker import protocol
+from remote_worker.coalesce import Coalescer
 from remote_worker.config import StageConfig
 from remote_worker.decoding import next_run_step, propose_distribution, run_step, sample, score
 from remote_worker.intake import Inbox, RunStep, RunStops
@@ -48,19 +49,33 @@ class StageCompute:
     inbox: Inbox
     run_stops: RunStops
     loop: zmq.Socket[bytes] | None
+    coalescer: Coalescer
 
     _serving: str = ""  # the kind being served until its first answer leaves (then counted as handled)
 
     def _send(self, message: protocol.Message, block: bool = True) -> None:
-        """Send down the chain; a refusal's Error (`block=False`) is given up at once when nobody takes it.
+        """Send down the chain, after the Results held back (`flush`); a refusal's Error (`block=False`) is
+        given up at once when nobody takes it.
 
         The message being served is counted as handled just before its answer leaves: whoever that answer
         reaches may ask for the stats at once and must find it counted.
         """
-        assert self.output is not None
         if self._serving:
             self.stats.handled[self._serving] += 1
             self._serving = ""
+        self.flush()
+        self._emit(message, block)
+        if isinstance(message, protocol.Result):
+            self.coalescer.sent(message.session, time.monotonic())
+
+    def flush(self, block: bool = True) -> None:
+        """Send the Results held back (coalesced runs' tokens), in order."""
+        if len(self.coalescer):
+            for result in self.coalescer.take(time.monotonic()):
+                self._emit(result, block)
+
+    def _emit(self, message: protocol.Message, block: bool) -> None:
+        assert self.output is not None
         try:
             self.output.send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -148,19 +163,20 @@ class StageCompute:
         tokens, accepted, top_ids, top_logprobs = score(output, decode)
         self.stats.record_step(step.n, time.perf_counter() - clock)
         finished = time.time()  # a run's next step leaves right after: traced as sent from here on
+        result = protocol.Result(
+            step.session,
+            step.seq,
+            tokens,
+            accepted,
+            top_ids,
+            top_logprobs,
+            self._trace(step.trace, received, started, finished),
+        )
         if step.run > 1 and (run is not None or self.loop is not None):  # before the Result goes:
             self._continue(step, int(tokens[-1]))  # the token is known, the next step may start
-        self._send(
-            protocol.Result(
-                step.session,
-                step.seq,
-                tokens,
-                accepted,
-                top_ids,
-                top_logprobs,
-                self._trace(step.trace, received, started, finished),
-            )
-        )
+            if self.coalescer.hold(result, time.monotonic()):  # more of the run follows: it may wait
+                return
+        self._send(result)
 
     def _continue(self, step: protocol.Step, token: int) -> None:
         """A run's next step, `token` fed right after this one: queued behind whatever else is waiting (one
@@ -197,6 +213,7 @@ class StageCompute:
             self.engine.open(session)
         elif control.kind == protocol.Kind.CLOSE:
             self.engine.close(session)
+            self.coalescer.forget(session)
         elif control.kind == protocol.Kind.RESET:
             self.engine.reset(session)
         elif control.kind == protocol.Kind.CANCEL:

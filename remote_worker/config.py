@@ -73,6 +73,7 @@ class StageConfig:
     compile_cache: bool = True  # keep the compiled model in the shard folder's compiled/ for restarts
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
     max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused
+    result_batch_ms: float = 0.0  # last stage: a run's Results leave together at most this often (0 = each)
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)
     cpu_cores: tuple[int, ...] = ()
     deployment: str = ""  # id of the deployment that started this worker
@@ -108,6 +109,9 @@ class StageConfig:
             raise ConfigError(f"max_sessions: {self.max_sessions!r} must be a whole number >= 1")
         if not isinstance(self.max_queue_bytes, int) or not 1 << 20 <= self.max_queue_bytes <= 1 << 40:
             raise ConfigError(f"max_queue_bytes: {self.max_queue_bytes!r} must lie in 1 MiB..1 TiB")
+        batch = self.result_batch_ms
+        if isinstance(batch, bool) or not isinstance(batch, (int, float)) or not 0 <= batch <= 1000:
+            raise ConfigError(f"result_batch_ms: {batch!r} must be a number of milliseconds in 0..1000")
         lease = self.lease_seconds
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease <= 86400:
             raise ConfigError(f"lease_seconds: {lease!r} must be a number of seconds in 0..86400")

@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from remote_worker import protocol
+from remote_worker.coalesce import Coalescer
 from remote_worker.compute import SEND_TIMEOUT_MS, StageCompute, one_line, rarely
 from remote_worker.config import StageConfig
 from remote_worker.intake import (
@@ -72,6 +73,7 @@ class StageServer(StageCompute):
         self.stats = StageStats(config.name, config.stage_index, config.role)
         self.inbox = Inbox(config.max_queue_bytes, MAX_QUEUE)
         self.run_stops = RunStops()
+        self.coalescer = Coalescer(config.result_batch_ms / 1e3 if config.result_port is not None else 0.0)
         self.running = False
         self._stop_requested = False
         self.state = "starting"
@@ -172,7 +174,13 @@ class StageServer(StageCompute):
         self._io.start()
         try:
             while self.running:
-                item = self.inbox.get(POLL_CEILING_MS / 1e3)
+                wait = POLL_CEILING_MS / 1e3
+                due = self.coalescer.seconds_to_due(time.monotonic())
+                if due is not None and due <= 0:
+                    self.flush()
+                elif due is not None:
+                    wait = min(wait, due)
+                item = self.inbox.get(wait)
                 if item is None:
                     continue
                 received, message = item
@@ -193,6 +201,8 @@ class StageServer(StageCompute):
                     self._busy_since = None
         finally:
             self.running = False
+            with contextlib.suppress(Exception):  # best effort, never waiting: tokens made are not kept back
+                self.flush(block=False)
             self._io.join(10)
 
     # ----------------------------------------------------------------------------------------- I/O loop

@@ -136,6 +136,7 @@ ERRORS = [
     ("[model]\nname = './nothing.gguf'\n" + HOST.format(name="a"), "name =", 1, "model.name", "no such file"),
     ("[runtime]\nexact = 'yes'\n" + HOST.format(name="a"), "exact", 1, "runtime.exact", "true or false"),
     ("[runtime]\ncompile_cache = 1\n" + HOST.format(name="a"), "compile_cache", 1, "runtime.compile_cache", "true or false"),
+    ("[runtime]\nresult_batch_ms = -5\n" + HOST.format(name="a"), "result_batch_ms", 1, "runtime.result_batch_ms", "0..1000"),
     ("[runtime]\nwire_dtype = 'bf16'\n" + HOST.format(name="a"), "wire_dtype", 1, "runtime.wire_dtype", "f16 | f32"),
     ("[runtime]\nencryption = 'tls'\n" + HOST.format(name="a"), "encryption", 1, "runtime.encryption", "curve"),
     ("[speculation]\nk = 'many'\n" + HOST.format(name="a"), "k =", 1, "speculation.k", '"auto"'),
@@ -240,3 +241,18 @@ def test_compile_cache_reaches_every_worker_config(tmp_path: Path, setting: str)
     configs = [placement.config for placement in deployment.placements]
     assert deployment.draft is not None
     assert {config.compile_cache for config in [*configs, deployment.draft.config]} == {not setting}
+
+
+@pytest.mark.parametrize(("setting", "batch"), [("", 40.0), ("[runtime]\nresult_batch_ms = 0\n", 0.0)])
+def test_result_batch_reaches_only_the_last_stage(tmp_path: Path, setting: str, batch: float) -> None:
+    """A run's Results are coalesced at the last stage (the one that sends them to the coordinator)."""
+    from fleettui.control.deployment import build_deployment
+
+    fleet = load_fleet(write(tmp_path, setting + HOST.format(name="a") + HOST.format(name="b")))
+    assert fleet.runtime.result_batch_ms == batch
+    deployment = build_deployment(fleet, [(0, 20), (20, 30)], lambda host: str(tmp_path), str(tmp_path))
+    configs = [placement.config for placement in deployment.placements]
+    *others, last = [config for config in configs if config.role == "stage"]
+    assert last.result_port is not None and last.result_batch_ms == batch
+    drafts = [config for config in configs if config.role == "draft"]  # its Proposals are never held
+    assert {config.result_batch_ms for config in [*others, *drafts]} == {0.0}

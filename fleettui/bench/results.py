@@ -101,9 +101,12 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
 
     compute = finished - started, queue = started - received, and wire = the rest of the round trip: the
     hop into the stage plus the stage's own send time (serialisation); the last stage also carries the
-    hop back to the coordinator (and the coordinator's receive path). The three sum to the round trips.
+    hop back to the coordinator (and the coordinator's receive path). The three sum to the round trips. A
+    run's Result held back at the last stage (sent in a burst, `remote_worker.coalesce`) is not on the
+    token's path (the run went on meanwhile): its wait is `held_ms`, apart.
     """
     totals: dict[int, list[float]] = {}
+    held: dict[int, float] = {}
     order: list[int] = []
     seen = False
     for trip in trips:
@@ -120,9 +123,11 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
             bucket = totals[key]
             bucket[0] += finished - started
             bucket[1] += started - received
-            bucket[2] += (received - previous_sent) + (sent - finished)
             if index == len(records) - 1:
-                bucket[2] += trip.received - sent
+                held[key] = held.get(key, 0.0) + (sent - finished)
+                bucket[2] += (received - previous_sent) + (trip.received - sent)
+            else:
+                bucket[2] += (received - previous_sent) + (sent - finished)
             previous_sent = sent
     if not seen or tokens <= 0:
         return None
@@ -133,6 +138,7 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
             "compute_ms": round(totals[key][0] * scale, 3),
             "queue_ms": round(totals[key][1] * scale, 3),
             "wire_ms": round(totals[key][2] * scale, 3),
+            **({"held_ms": round(held[key] * scale, 3)} if key in held else {}),
         }
         for key in order
     ]

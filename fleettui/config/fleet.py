@@ -56,6 +56,11 @@ class ModelSettings:
     shards: Path = field(default_factory=lambda: paths.cache_dir())  # cache root: <root>/shards/<key>
 
 
+RUNTIME_KEYS = ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact")
+RUNTIME_KEYS += ("compile_cache", "result_batch_ms")
+DEFAULT_RESULT_BATCH_MS = 40.0  # a 25 Hz stream: the coordinator wakes once per burst, not once per token
+
+
 @dataclass(frozen=True)
 class RuntimeSettings:
     """How the stages run: OpenVINO precisions, the wire format between stages, link encryption."""
@@ -66,6 +71,9 @@ class RuntimeSettings:
     encryption: str = "curve"  # curve | plaintext
     exact: bool = False
     compile_cache: bool = True  # each worker keeps its compiled model in its shard folder (fast restarts)
+    result_batch_ms: float = (
+        DEFAULT_RESULT_BATCH_MS  # a run's tokens leave the last stage together this often
+    )
 
 
 @dataclass(frozen=True)
@@ -316,9 +324,7 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
 
 
 def _runtime(section: Section) -> RuntimeSettings:
-    section.reject_unknown(
-        ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact", "compile_cache")
-    )
+    section.reject_unknown(RUNTIME_KEYS)
     exact = section.get("exact", bool, False)
     inference = section.choice("inference_precision", INFERENCE_PRECISIONS, "auto")
     kv_cache = section.choice("kv_cache_precision", KV_CACHE_PRECISIONS, "auto")
@@ -326,8 +332,11 @@ def _runtime(section: Section) -> RuntimeSettings:
     encryption = section.choice("encryption", ENCRYPTIONS, "curve")
     if exact:
         inference, kv_cache, wire = "f32", "f32", "f32"
+    batch = section.number(
+        "result_batch_ms", float, DEFAULT_RESULT_BATCH_MS, lambda v: 0 <= v <= 1000, "0..1000 ms"
+    )
     return RuntimeSettings(
-        inference, kv_cache, wire, encryption, exact, section.get("compile_cache", bool, True)
+        inference, kv_cache, wire, encryption, exact, section.get("compile_cache", bool, True), batch
     )
 
 

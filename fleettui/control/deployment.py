@@ -176,6 +176,7 @@ def build_deployment(
             wire_dtype="f32" if runtime.exact else runtime.wire_dtype,
             curve=curve,
             compile_cache=runtime.compile_cache,
+            result_batch_ms=runtime.result_batch_ms if last else 0.0,
             cpu_cores=host.cores,
             deployment=deployment_id,
             max_sessions=fleet.sessions.max_sessions,

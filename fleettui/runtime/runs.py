@@ -44,6 +44,7 @@ class Run:
     loaded: bool
     sampled: bool  # each token drew 2 uniforms from the session's RNG
     last: float  # when the previous Result arrived (the first: when the run was sent), time.time()
+    made: float | None = None  # when the last stage finished the previous token (its clock)
     consumed: int = 0
     token: int = -1  # the last token read: the run's next step fed it
     counted: tuple[KPolicy, ...] = ()  # policies whose probe schedule counts the run's later tokens
@@ -141,7 +142,15 @@ class RunRounds:
             session.run = None
         for observe in self.result_observers:
             observe(result, arrived)
-        verify_seconds, run.last = max(arrived - run.last, 0.0), arrived
+        # a token's cost: since the previous one was made (the last stage's clock; its Results may leave in
+        # bursts, remote_worker.coalesce), the first since the run was sent
+        records = protocol.trace_records(result.trace)
+        finished = records[-1][3] if records else None
+        if finished is not None and run.made is not None:
+            verify_seconds = max(finished - run.made, 0.0)
+        else:
+            verify_seconds = max(arrived - run.last, 0.0)
+        run.last, run.made = arrived, finished
         return Round(0, Draft.empty(), feed, result, 0.0, verify_seconds, 0, run.policy, run.loaded)
 
     async def _finish_run(self, session: RunSession) -> None:
