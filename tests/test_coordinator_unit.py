@@ -362,7 +362,8 @@ def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
     policy = KPolicy(None, max_k=8, probe_every=4)
     for _ in range(10):
         policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
-        policy.record_round(RoundFacts(3, 1, draft_seconds=0.060, verify_seconds=0.018))
+        # a cheap draft that is seldom right: K = 0 wins, full acceptance would pay (so it is probed)
+        policy.record_round(RoundFacts(3, 0, draft_seconds=0.006, verify_seconds=0.018))
     policy.costs.generating[False] += 1e6  # the probes' time budget is no limit here
     probes = [index for index in range(60) if policy.choose() > 0]
     gaps = [later - earlier for earlier, later in zip(probes, probes[1:], strict=False)]
@@ -658,8 +659,10 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     (every KEEP_UP tokens, and the prompt while the stages prefill it), so a probe never catches up on more
     than that and the rounds since. On a LAN (all of a step's time at the stage) it does not (it would take its
     compute from the stages). The output is plain greedy in every case."""
-    # what a probe catches up on, not how often probes come: no time budget for them here
+    # what a probe catches up on, not how often probes come: no time budget for them here, and probes even
+    # of a draft that perfect acceptance could not make pay (`KPolicy.could_pay`)
     monkeypatch.setattr(policy_module, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(policy_module, "PROBE_CEILING", 0.0)
     drafter = LagDrafter(per_token=0.05)
     pipeline = WiredPipeline(wire=wire) if wire else LanPipeline(stage=0.005)
     coordinator = Coordinator(pipeline, None, drafter, max_k=4)

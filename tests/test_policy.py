@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleettui.runtime.policy import (
-    CostModel,
-    KPolicy,
-    RoundFacts,
-    StageLoad,
-    choose_drafter,
-    round_costs,
-)
+from fleettui.runtime.measures import StageLoad, round_costs
+from fleettui.runtime.policy import CostModel, KPolicy, RoundFacts, choose_drafter
 from remote_worker import protocol
 
 
@@ -167,8 +161,8 @@ def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would
     such rounds too (`plain_round`), so a run of 16 tokens does not postpone the probe by 16 choices."""
     policy = KPolicy(None, 8, probe_every=16, drafter="model")
     for _ in range(40):
-        for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
-            policy.record_round(RoundFacts(k, k // 2, 0.020 * k, 0.015 + 0.001 * k, asked=k))
+        for k in (0, 2, 4):  # a cheap draft that is never right: K = 0 wins, full acceptance would pay
+            policy.record_round(RoundFacts(k, 0, 0.004 * k, 0.015 + 0.001 * k, asked=k))
     policy.costs.generating[False] += 60.0  # long after the last draft: the probes' time budget is no limit
     assert policy.choose() == 0 and policy.rounds_until_probe(False) == 15
     for _ in range(14):
@@ -176,6 +170,24 @@ def test_a_runs_later_tokens_bring_the_next_probe_as_close_as_plain_rounds_would
     assert policy.rounds_until_probe(False) == 1
     assert policy.choose() == 2 and policy.probing  # the probe is due at the very next choice
     assert policy.rounds_until_probe(True) == 16  # the loaded arm keeps its own schedule
+
+
+def test_a_draft_that_full_acceptance_could_not_make_pay_is_never_probed() -> None:
+    """A self-draft as large as the target on the stages' own cores (1 stage, 1 user): K drafts cost more
+    than the K + 1 plain steps they could save, so no acceptance makes it pay and probing it only costs (two
+    probes of ~50 ms per 128 tokens cost that bench row 4-9 %). A draft that could pay is probed."""
+    for per_token, probed in ((0.016, False), (0.004, True)):
+        policy = KPolicy(None, 8, probe_every=4, drafter="model")
+        for _ in range(40):
+            for k in (0, 2, 4):  # acceptance high, and still K = 0 wins for the costly draft
+                accepted = k if per_token > 0.01 else 0
+                policy.record_round(RoundFacts(k, accepted, per_token * k, 0.015 + 0.002 * k, asked=k))
+        policy.costs.generating[False] += 60.0  # long after the last draft: the time budget is no limit
+        assert policy.could_pay(False) is probed
+        choices = [policy.choose() for _ in range(12)]
+        assert (max(choices) > 0) is probed
+        if not probed:  # nor are runs cut short for its sake
+            assert policy.rounds_until_probe(False) == 4
 
 
 def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
@@ -186,10 +198,10 @@ def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() 
     costs = CostModel()
     policy = KPolicy(None, 8, probe_every=4, costs=costs, drafter="model")
     for _ in range(40):
-        for k in (0, 2, 4):  # a draft slower than the target: K = 0 wins
-            policy.record_round(RoundFacts(k, k // 2, 0.040 * k, 0.015 + 0.001 * k, asked=k))
-    # the last speculative round took 0.16 + 0.019 s for 3 tokens that plain rounds make in 3 x 0.015 s: it
-    # lost 0.134 s, so the next probe is affordable after 0.134 / 0.02 = 6.7 s more of generating
+        for k in (0, 2, 4):  # a cheap draft that is never right: K = 0 wins, full acceptance would pay
+            policy.record_round(RoundFacts(k, 0, 0.004 * k, 0.015 + 0.001 * k, asked=k))
+    # the last speculative round took 0.016 + 0.019 s for 1 token that a plain round makes in 0.015 s: it
+    # lost 0.020 s, so the next probe is affordable after 0.020 / 0.02 = 1.0 s more of generating
     choices = []
     for _ in range(20):  # 20 plain rounds of 15 ms: rounds alone would probe 4 times
         choices.append(policy.choose())
@@ -198,14 +210,14 @@ def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() 
     assert policy.rounds_until_probe(False) == 4  # blocked by time: a run is not cut to one token
     while not costs.probe_affordable("model", False):  # a long reply of plain rounds
         policy.record_round(RoundFacts(0, 0, 0.0, 0.015))
-    assert 6.7 <= costs.generating[False] - costs.last_drafted[("model", False)][0] <= 6.7 + 0.016
+    assert 1.0 <= costs.generating[False] - costs.last_drafted[("model", False)][0] <= 1.0 + 0.016
     assert policy.rounds_until_probe(False) == 1
     assert policy.choose() == 2 and policy.probing  # due by rounds long ago, affordable now
     policy.record_round(RoundFacts(2, 1, 0.150, 0.016, asked=2))  # the probe confirms K = 0
     assert not costs.probe_affordable("model", False) and costs.probe_affordable("model", True)
     lookup = policy.fork("lookup", free=True)
     lookup.record_round(RoundFacts(2, 0, 0.0003, 0.016, asked=2))  # a free drafter's miss
-    lookup.record_round(RoundFacts(0, 0, 0.0, 0.015))
+    lookup.record_round(RoundFacts(0, 0, 0.0, 0.016))
     assert costs.probe_affordable("lookup", False)  # charged its lookup time only: never held back
 
 

@@ -56,8 +56,8 @@ class ModelSettings:
     shards: Path = field(default_factory=lambda: paths.cache_dir())  # cache root: <root>/shards/<key>
 
 
-RUNTIME_KEYS = ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption", "exact")
-RUNTIME_KEYS += ("compile_cache", "result_batch_ms")
+RUNTIME_KEYS: tuple[str, ...] = ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption")
+RUNTIME_KEYS += ("exact", "compile_cache", "result_batch_ms")
 DEFAULT_RESULT_BATCH_MS = 40.0  # a 25 Hz stream: the coordinator wakes once per burst, not once per token
 
 

@@ -34,15 +34,9 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
 )
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.limits import validate_request
+from fleettui.runtime.measures import LOADED_UTILIZATION, StageLoad, round_costs
 from fleettui.runtime.pipelined import AheadRounds
-from fleettui.runtime.policy import (
-    LOADED_UTILIZATION,
-    KPolicy,
-    RoundFacts,
-    StageLoad,
-    choose_drafter,
-    round_costs,
-)
+from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter
 from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, RunRounds
 from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling

@@ -11,119 +11,10 @@ session's rounds are not charged for the queue other sessions build. Acceptance 
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from remote_worker import protocol
-from remote_worker.protocol import trace_records
-
-
-@dataclass
-class _LinearCost:
-    """Least-squares fit of seconds = a + b * size over the recent samples.
-
-    Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
-    takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
-    K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
-    The fit is computed once per new sample (closed form), not per prediction: a round asks for dozens.
-    """
-
-    proportional: bool = False
-    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
-    _fit: tuple[float, float, float] | None = None  # (intercept, slope, the one size seen or 0)
-
-    def add(self, size: float, seconds: float) -> None:
-        self.window.append((size, seconds))
-        self._fit = None
-
-    def _fitted(self) -> tuple[float, float, float]:
-        if self._fit is None:
-            samples = np.array(self.window, np.float64)
-            sizes, times = samples[:, 0], samples[:, 1]
-            mean_size, mean_time = float(sizes.mean()), float(times.mean())
-            spread = float(((sizes - mean_size) ** 2).sum())
-            if spread == 0.0:
-                self._fit = (mean_time, 0.0, float(sizes[0]))
-            else:
-                slope = float(((sizes - mean_size) * (times - mean_time)).sum()) / spread
-                self._fit = (mean_time - slope * mean_size, slope, 0.0)
-        return self._fit
-
-    def predict(self, size: float) -> float | None:
-        if not self.window:
-            return None
-        intercept, slope, only = self._fitted()
-        if only:  # one size measured so far (a size 0 leaves the flat mean)
-            return intercept * size / only if self.proportional else intercept
-        return intercept + max(slope, 0.0) * size
-
-
-def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
-    """(own latency, busiest stage's compute) of one verify round, from its per-stage trace.
-
-    own = wall - time queued at the stages (started - received, summed); compute = max(finished - started).
-    Without a trace both are the wall time.
-    """
-    records = trace_records(trace)
-    if not records:
-        return wall_seconds, wall_seconds
-    queued = compute = 0.0
-    for _stage, received, started, finished, _sent in records:
-        queued += max(started - received, 0.0)
-        compute = max(compute, finished - started)
-    return max(wall_seconds - queued, compute), compute
-
-
-LOADED_UTILIZATION = 0.5  # the busiest stage computing this share of the time: sessions compete for it
-
-
-class StageLoad:
-    """How busy the busiest stage was over the last `window` seconds, from the traces of the results.
-
-    Several sessions generating at once compete for the stages only when the stages are busy: behind slow
-    links they mostly wait on the wires, and each session's rounds then cost their own latency, as alone.
-    """
-
-    def __init__(self, window: float = 1.0) -> None:
-        self.window = window
-        self._records: deque[tuple[float, int, float]] = deque(maxlen=4096)  # (received, stage, busy s)
-
-    def observe(self, result: protocol.Result, received: float) -> None:
-        for stage, _received, started, finished, _sent in trace_records(result.trace):
-            self._records.append((received, int(stage), max(finished - started, 0.0)))
-
-    def busiest(self, now: float | None = None) -> float:
-        """Share of the last `window` seconds the busiest stage spent computing (0 without results)."""
-        since = (time.time() if now is None else now) - self.window
-        busy: dict[int, float] = {}
-        for received, stage, seconds in reversed(self._records):
-            if received < since:
-                break
-            busy[stage] = busy.get(stage, 0.0) + seconds
-        return max(busy.values(), default=0.0) / self.window
-
-
-@dataclass
-class _Realized:
-    """Tokens per second actually achieved by one arm (plain decoding or one drafter), decayed."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    rounds: float = 0.0
-
-    def add(self, tokens: int, seconds: float, decay: float = 0.95) -> None:
-        self.tokens = self.tokens * decay + tokens
-        self.seconds = self.seconds * decay + seconds
-        self.rounds = self.rounds * decay + 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
+from fleettui.runtime.measures import LinearCost, Realized
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
@@ -137,6 +28,7 @@ PROBE_SHARE = 0.02
 # (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
 # its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs.
 AFTER_PROBE_ROUNDS = 8
+PROBE_CEILING = 1.05  # a drafter is probed only if perfect acceptance would beat plain by this (`could_pay`)
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
 # Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
 # session's next token by its extra compute: under load a verify may cost the busiest stage at most this many
@@ -154,10 +46,10 @@ class CostModel:
     whatever the model misses (Python overheads, a draft that shares the stages' cores, queueing).
     """
 
-    latency: _LinearCost = field(default_factory=_LinearCost)  # one session: own round-trip latency
-    compute: _LinearCost = field(default_factory=_LinearCost)  # several: the busiest stage's compute
-    drafts: dict[str, _LinearCost] = field(default_factory=dict)
-    realized: dict[tuple[str, bool], _Realized] = field(default_factory=dict)
+    latency: LinearCost = field(default_factory=LinearCost)  # one session: own round-trip latency
+    compute: LinearCost = field(default_factory=LinearCost)  # several: the busiest stage's compute
+    drafts: dict[str, LinearCost] = field(default_factory=dict)
+    realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
@@ -202,13 +94,13 @@ class CostModel:
                 since, cost = self.last_drafted[key]
                 self.last_drafted[key] = (since, cost + max(seconds - plain_seconds, 0.0))
 
-    def draft(self, name: str) -> _LinearCost:
-        return self.drafts.setdefault(name, _LinearCost(proportional=True))
+    def draft(self, name: str) -> LinearCost:
+        return self.drafts.setdefault(name, LinearCost(proportional=True))
 
-    def achieved(self, arm: str, loaded: bool) -> _Realized:
-        return self.realized.setdefault((arm, loaded), _Realized())
+    def achieved(self, arm: str, loaded: bool) -> Realized:
+        return self.realized.setdefault((arm, loaded), Realized())
 
-    def losing(self, drafter: str, loaded: bool, own: _Realized | None = None) -> bool:
+    def losing(self, drafter: str, loaded: bool, own: Realized | None = None) -> bool:
         """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not.
 
         `own` is one session's record with that drafter: it speaks for the session once it has enough
@@ -278,7 +170,7 @@ class KPolicy:
         self._rejected = 1.0
         self._hits = 1.0  # decayed: rounds where the drafter proposed something when asked
         self._asks = 1.0
-        self._own = {False: _Realized(), True: _Realized()}  # this session's speculative rounds
+        self._own = {False: Realized(), True: Realized()}  # this session's speculative rounds
         self.last_choice = 0
         self.probing = False
         self.wants = False  # whether its last `choose` found speculation paying (before the all-or-none rule)
@@ -357,9 +249,13 @@ class KPolicy:
             # stages with room wait for each other at the draft and in the coordinator: their rates are not
             # what a session alone gets, and a session alone would inherit them (its own record speaks once
             # it has rounds). Such rounds go to each session's own record only.
-            if loaded or not facts.several:
+            # A probe under load is one session speculating among plain ones: its rate is what it takes from
+            # them, not what all speculating would give (it kept 2 emulated PCs x 2 users speculating at 0.84-
+            # 0.89x): it teaches costs and acceptance only.
+            lone = loaded and k > 0 and self.probing
+            if (loaded or not facts.several) and not lone:
                 self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
-            if k > 0:
+            if k > 0 and not lone:
                 self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
 
     def asked(self, proposed: bool, decay: float = 0.97) -> None:
@@ -367,13 +263,28 @@ class KPolicy:
         self._asks = self._asks * decay + 1
         self._hits = self._hits * decay + (1 if proposed else 0)
 
+    def could_pay(self, loaded: bool) -> bool:
+        """Whether some K would beat plain decoding by `PROBE_CEILING` were every draft accepted (True while
+        a cost is unknown). If not, no acceptance can make this drafter pay and probing it only costs: a
+        self-draft as large as the target on the stages' own cores (1 stage, 1 user: two probes per 128
+        tokens of ~50 ms each, with the draft catching up on the history, cost that row 4-9 %)."""
+        plain = self.costs.verify(1, loaded)
+        if plain is None:
+            return True
+        for k in range(1, self.fair_k(loaded) + 1):
+            verify = self.costs.verify(k + 1, loaded)
+            draft = 0.0 if self.free else self.costs.draft(self.drafter).predict(k)
+            if verify is None or draft is None or (k + 1) * plain > PROBE_CEILING * (draft + verify):
+                return True
+        return False
+
     def rounds_until_probe(self, loaded: bool) -> int:
         """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1; a probe due by
         its rounds but not yet affordable in time is `probe_every` rounds away, so runs keep their length)."""
         arm = (self.drafter, loaded)
         interval = self.costs.probe_intervals.get(arm, self.probe_every)
         left = interval - self.costs.since_probe.get(arm, 0)
-        if left <= 1 and not self.costs.probe_affordable(self.drafter, loaded):
+        if left <= 1 and not (self.costs.probe_affordable(self.drafter, loaded) and self.could_pay(loaded)):
             return self.probe_every
         return max(1, left)
 
@@ -434,10 +345,19 @@ class KPolicy:
         rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.fair_k(loaded) + 1)}
         return max(rates, key=rates.__getitem__)
 
+    def _losing(self, loaded: bool) -> bool:
+        """Whether speculating has measurably yielded fewer tokens per second than not: by the session's own
+        record once it has enough rounds (else the pipeline's), and under load by the pipeline's as well,
+        since there a session's own rate also grows by what its longer verifies take from the others."""
+        costs = self.costs
+        return costs.losing(self.drafter, loaded, self._own[loaded]) or (
+            loaded and costs.losing(self.drafter, loaded)
+        )
+
     def paying_k(self, loaded: bool = False, shared: bool = True) -> int:
         """`best_k` of a costly drafter, or 0 while it has measurably yielded fewer tokens per second than
         plain decoding (`CostModel.losing`) or, under load, while another session would not speculate."""
-        if (loaded and not shared) or self.costs.losing(self.drafter, loaded, self._own[loaded]):
+        if (loaded and not shared) or self._losing(loaded):
             return 0
         return self.best_k(loaded=loaded)
 
@@ -459,7 +379,7 @@ class KPolicy:
             self.probing = choice > 0
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
-            if choice and self.costs.losing(self.drafter, loaded, self._own[loaded]):
+            if choice and self._losing(loaded):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
             self.wants = choice > 0
             if loaded and not shared:
@@ -468,8 +388,10 @@ class KPolicy:
             since[arm] = 0 if choice else since.get(arm, 0) + 1
             if choice:
                 intervals[arm] = self.probe_every
-            elif since[arm] >= intervals.get(arm, self.probe_every) and self.costs.probe_affordable(
-                self.drafter, loaded
+            elif (
+                since[arm] >= intervals.get(arm, self.probe_every)
+                and self.costs.probe_affordable(self.drafter, loaded)
+                and self.could_pay(loaded)
             ):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
                 # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
