@@ -148,6 +148,23 @@ def test_stage_breakdown_splits_the_round_trip() -> None:
     assert stage_breakdown([], tokens=4) is None
 
 
+def test_a_pair_is_taken_at_the_rows_own_time_so_drift_is_not_a_ratio() -> None:
+    """The machine slows 10 % a minute: a baseline at t = 0/10/20 s (100, 90, 80 tok/s) and a row exactly as
+    fast, measured 5 s after each, pair 1:1; by index they would pair 0.95 / 0.94 / 0.94."""
+    from fleettui.bench.results import paired_rates
+
+    rates, times = [95.0, 85.0, 75.0], [5.0, 15.0, 25.0]
+    pairs = paired_rates(rates, times, [100.0, 90.0, 80.0], [0.0, 10.0, 20.0])
+    assert [round(a / b, 4) for a, b in pairs] == [1.0, 1.0, round(75 / 80, 4)]  # after the last: the nearest
+    assert paired_rates([90.0], [-1.0], [100.0, 80.0], [0.0, 10.0]) == [(90.0, 100.0)]  # before the first
+    assert paired_rates(rates, [None] * 3, [100.0, 90.0, 80.0], [None] * 3) == list(
+        zip(rates, [100.0, 90.0, 80.0], strict=True)
+    )  # without times: measurement i with i
+    assert paired_rates([0.0, 50.0], [1.0, 2.0], [100.0, 0.0], [0.0, 3.0]) == [
+        (50.0, 100.0)
+    ]  # failed runs out
+
+
 # --------------------------------------------------------------------------------- rows, table, JSON
 def _rows() -> list[Row]:
     precision = {"weights": "int4", "inference": "bf16", "kv_cache": "u8"}

@@ -74,6 +74,9 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
             return row
         results.append(result)
     first = results[0]
+    # the middle of its timed decode, wall clock (its pairs are taken at the same time: `paired_rates`)
+    middles = [r["started_at"] + r["seconds"] / 2 for r in results if "started_at" in r]
+    row.details["at"] = sum(middles) / len(middles) if middles else None
     row.precision = short_precisions(first["precision"])
     row.tokens = sum(result["tokens"] for result in results)
     row.seconds = max(result["seconds"] for result in results)

@@ -142,3 +142,28 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
         }
         for key in order
     ]
+
+
+def paired_rates(
+    rates: list[float], times: list[float | None], base_rates: list[float], base_times: list[float | None]
+) -> list[tuple[float, float]]:
+    """(row rate, its pair's rate) per measurement of a row. Where every measurement has its time (the middle
+    of its window), the pair's rate is taken at the row's own time, interpolated between the pair's measurements
+    before and after it (the nearest one outside them): this machine drifts by up to 20 % within a group
+    (a baseline measured 91, 82 and 73 tok/s in three rounds a minute apart), so a row measured half a minute
+    after its pair in every round would carry that drift as a ratio. Without times, measurement i goes with i."""
+    points = sorted((t, b) for t, b in zip(base_times, base_rates, strict=False) if t is not None and b > 0)
+    if not points or len(times) != len(rates) or any(t is None for t in times):
+        return [(a, b) for a, b in zip(rates, base_rates, strict=False) if a > 0 and b > 0]
+    pairs = []
+    for rate, at in zip(rates, times, strict=True):
+        if rate <= 0 or at is None:
+            continue
+        before = [point for point in points if point[0] <= at]
+        after = [point for point in points if point[0] >= at]
+        if not before or not after:
+            pairs.append((rate, (before or after)[-1 if before else 0][1]))
+            continue
+        (t0, b0), (t1, b1) = before[-1], after[0]
+        pairs.append((rate, b0 if t1 == t0 else b0 + (b1 - b0) * (at - t0) / (t1 - t0)))
+    return pairs

@@ -30,6 +30,7 @@ from fleettui.bench.report import (
     short_precisions,
     stage_breakdown,
 )
+from fleettui.bench.results import paired_rates
 from fleettui.bench.rows import GROUPS, RowSpec, group_partners, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
 
@@ -197,6 +198,7 @@ async def _measure(
         "mean_k": sum(k_values) / len(k_values) if k_values else 0.0,
         "stage_breakdown": stage_breakdown(recorder.trips, total),
         "details": {
+            "at": time.time() - wall / 2,  # the middle of its window (pairs are taken at the same time)
             "others_cpu": witness.others(),
             # the coordinator (this process: asyncio loop, ZeroMQ I/O threads, tokenizer) as a share of all
             # CPUs; on emulated PCs it runs on the PCs' cores, so it is taken from their compute
@@ -252,6 +254,7 @@ def best_of(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     """The fastest of repeated measurements (other programs only ever slow a run down), with all their rates."""
     best = max(attempts, key=lambda attempt: attempt["aggregate_tok_s"])
     best["details"]["runs_tok_s"] = [round(attempt["aggregate_tok_s"], 2) for attempt in attempts]
+    best["details"]["runs_at"] = [attempt["details"].get("at") for attempt in attempts]
     return best
 
 
@@ -336,7 +339,8 @@ async def run_fleet_group(
         attempts: list[list[dict[str, Any]]] = [[] for _ in specs]
         policies: dict[str | None, Any] = {}  # per drafter, kept across rounds
         for round_index in range(repeats):
-            for index, (spec, row) in enumerate(zip(specs, rows, strict=True)):
+            order = list(enumerate(zip(specs, rows, strict=True)))
+            for index, (spec, row) in order[:: -1 if round_index % 2 else 1]:  # ABBA: drift evens out
                 if not row.ok:
                     continue
                 progress(
@@ -398,14 +402,19 @@ async def run_fleet_group(
 
 def _pair(rows: list[Row], partner_runs: dict[str, list[Row]]) -> None:
     """Per-round ratios of each row to its `versus` (a row of this group or a partner baseline)."""
-    runs = {row.name: row.details.get("runs_tok_s", []) for row in rows if row.ok}
+    runs = {
+        row.name: (row.details.get("runs_tok_s", []), row.details.get("runs_at", []))
+        for row in rows
+        if row.ok
+    }
     for name, measured in partner_runs.items():
-        runs[name] = [m.aggregate_tok_s if m.ok else 0.0 for m in measured]
+        runs[name] = (
+            [m.aggregate_tok_s if m.ok else 0.0 for m in measured],
+            [m.details.get("at") for m in measured],
+        )
     for row in rows:
         if row.ok and row.versus in runs:
-            pairs = [
-                (a, b) for a, b in zip(runs[row.name], runs[row.versus], strict=False) if a > 0 and b > 0
-            ]
+            pairs = paired_rates(*runs[row.name], *runs[row.versus])
             row.details["paired_ratios"] = [round(a / b, 4) for a, b in pairs]
             if row.users == 1 and pairs:  # time per token this row adds over its pair (the fleet's overhead)
                 extra = sorted(1000.0 / a - 1000.0 / b for a, b in pairs)
@@ -494,6 +503,7 @@ async def run_bench(
             ok += [again] if again.ok else []
         row = max(ok, key=lambda r: r.aggregate_tok_s) if ok else (runs[0] if runs else new_row(spec))
         row.details["runs_tok_s"] = [round(r.aggregate_tok_s, 2) for r in ok]
+        row.details["runs_at"] = [r.details.get("at") for r in ok]
         if spec.name in ratios:
             row.details["paired_ratios"] = ratios[spec.name]
         results[spec] = row
