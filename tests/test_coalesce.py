@@ -14,7 +14,7 @@ from remote_worker import protocol
 from remote_worker.coalesce import Coalescer
 from remote_worker.config import ConfigError, StageConfig
 from remote_worker.protocol import Ack, Control, Decode, Kind, Result, Step
-from tests.test_worker_server import free_port
+from tests.test_worker_server import _FakeEngine, free_port
 
 NO_RANGES = np.zeros((0, 2), np.int64)
 
@@ -56,31 +56,17 @@ def test_the_worker_refuses_a_result_batch_outside_0_to_1000_ms(value: object) -
         StageConfig("s", "/x", 0, 5000, 5001, 5002, result_port=5003, result_batch_ms=value)  # type: ignore[arg-type]
 
 
-class _OneStageEngine:
+class _OneStageEngine(_FakeEngine):
     """A first and last stage: each step takes `seconds` and its logits pick token (position + 1) % 7."""
 
     is_first = is_last = True
-    hidden_size = 4
-    compile_seconds, loaded_from_cache = 0.0, False
 
     def __init__(self, seconds: float) -> None:
-        from remote_worker.manifest import LayerRange
-
+        super().__init__(np.zeros((1, 7), np.float32))
         self.seconds = seconds
-        self.sessions: dict[int, int] = {}
-        self.stage = type("Stage", (), {"layers": LayerRange(0, 1)})()
-
-    def effective_properties(self) -> dict[str, str]:
-        return {}
-
-    def open(self, session: int) -> None:
-        self.sessions[session] = 0
 
     def close(self, session: int) -> None:
         self.sessions.pop(session, None)
-
-    def has(self, session: int) -> bool:
-        return session in self.sessions
 
     def step(self, session, pos0, cache_len, ranges, data, keep_last=0):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
         time.sleep(self.seconds)
@@ -89,18 +75,6 @@ class _OneStageEngine:
         for row in range(len(data)):
             logits[row, (pos0 + row + 1) % 7] = 1.0
         return logits[-keep_last:] if keep_last else logits
-
-    def cache_len(self, session: int) -> int:
-        return self.sessions[session]
-
-    def masked_slots(self, session: int) -> int:
-        return 0
-
-    def cache_slots(self) -> int:
-        return sum(self.sessions.values())
-
-    def session_bytes(self) -> int:
-        return 0
 
 
 def test_a_runs_results_arrive_in_bursts_in_order_and_ahead_of_the_cancels_ack() -> None:
