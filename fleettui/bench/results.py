@@ -155,15 +155,10 @@ def paired_rates(
     points = sorted((t, b) for t, b in zip(base_times, base_rates, strict=False) if t is not None and b > 0)
     if not points or len(times) != len(rates) or any(t is None for t in times):
         return [(a, b) for a, b in zip(rates, base_rates, strict=False) if a > 0 and b > 0]
-    pairs = []
-    for rate, at in zip(rates, times, strict=True):
-        if rate <= 0 or at is None:
-            continue
-        before = [point for point in points if point[0] <= at]
-        after = [point for point in points if point[0] >= at]
-        if not before or not after:
-            pairs.append((rate, (before or after)[-1 if before else 0][1]))
-            continue
-        (t0, b0), (t1, b1) = before[-1], after[0]
-        pairs.append((rate, b0 if t1 == t0 else b0 + (b1 - b0) * (at - t0) / (t1 - t0)))
-    return pairs
+    base_at, base = np.array(points, np.float64).T
+    # linear between the pair's measurements around it, the nearest one before the first or after the last
+    return [
+        (rate, float(np.interp(at, base_at, base)))
+        for rate, at in zip(rates, times, strict=True)
+        if rate > 0 and at is not None
+    ]

@@ -71,9 +71,8 @@ class RuntimeSettings:
     encryption: str = "curve"  # curve | plaintext
     exact: bool = False
     compile_cache: bool = True  # each worker keeps its compiled model in its shard folder (fast restarts)
-    result_batch_ms: float = (
-        DEFAULT_RESULT_BATCH_MS  # a run's tokens leave the last stage together this often
-    )
+    # a run's tokens leave the last stage together at most this often (0: each at once)
+    result_batch_ms: float = DEFAULT_RESULT_BATCH_MS
 
 
 @dataclass(frozen=True)
