@@ -315,3 +315,19 @@ def test_on_loaded_stages_speculation_is_all_or_none() -> None:
     assert policy.paying_k(loaded=True, shared=False) == 0
     assert policy.choose(free_draft=True, loaded=False, shared=False) > 0  # not loaded: no one waits
     assert choose_drafter([("lookup", policy, True)], loaded=True, shared=False) == ("", 0)
+
+
+def test_a_verifys_after_effect_on_plain_steps_is_charged_to_its_drafter() -> None:
+    """OpenVINO runs the first 1-token steps after a verify of several tokens slower. A drafter whose verifies
+    look cheap (4 tokens in 25 ms against 10 ms per plain token) but slow the 3 plain steps after each by
+    20 ms has really lost: the excess is its, and plain keeps its own rate."""
+    policy = KPolicy(None, max_k=8)
+    for _ in range(30):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.010))
+    for _ in range(10):
+        policy.record_round(RoundFacts(3, 3, 0.001, 0.024, asked=3))
+        for wall in (0.030, 0.030, 0.030, 0.010, 0.010):
+            policy.record_round(RoundFacts(0, 0, 0.0, wall))
+    assert abs(policy.costs.achieved("plain", loaded=False).rate - 100.0) < 1.0
+    assert policy.costs.achieved("draft", loaded=False).rate < 100.0
+    assert policy.costs.losing("draft", loaded=False) and policy.choose() == 0

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import numpy as np
 import pytest
-from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _plain_greedy
+from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _model, _plain_greedy
 
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
-from fleettui.runtime.speculation import Draft, PromptLookupDrafter, Sampling
+from fleettui.runtime.speculation import PromptLookupDrafter
 from fleettui.runtime.transport import ReplyStream, StageLost
 from remote_worker import protocol
 from remote_worker.decoding import next_run_step, run_step
@@ -68,8 +69,8 @@ class FakeRunStage(FakePipeline):
                 self._stopping.add(message.session)
                 await task
                 self._stopping.discard(message.session)
-                stream = self._streams.pop(message.session)
-                self.extra += max(0, stream.received - stream.count) + len(stream.buffered())
+                stream = self._streams.pop(message.session)  # (its unread Results stay readable)
+                self.extra += max(0, stream.received - stream.count) + stream.unread
             if message.kind == protocol.Kind.CANCEL:
                 return protocol.Ack(message.kind, message.session, message.seq, 0)
         return await super().request(message, timeout)
@@ -182,17 +183,15 @@ async def test_a_stage_lost_mid_run_is_recovered_exactly() -> None:
 class _LookupFindingNothing(PromptLookupDrafter):
     """A prompt lookup on a reply that never repeats its history: asked, it finds nothing."""
 
-    async def propose(
-        self, session: int, history: list[int], k: int, sampling: Sampling, rng: object
-    ) -> Draft:
+    def find(self, history: list[int], k: int) -> list[int]:
         self.asked = getattr(self, "asked", 0) + 1
-        return Draft.empty()
+        return []
 
 
-async def test_a_lookup_that_finds_nothing_does_not_keep_runs_at_two_tokens() -> None:
-    """A free lookup's costs stay unknown while it never proposes; runs are cut at 2 tokens for an unknown
-    drafter only while it mostly proposes when asked, so after its first misses runs go back to 16 (the
-    bench's 2-stage lookup row ran every reply in runs of 2, with 2 drafts in 128 tokens). Output unchanged."""
+async def test_a_lookup_that_finds_nothing_never_cuts_a_run() -> None:
+    """A free lookup is asked at each token of a run, not where runs were cut at fixed lengths for it: one
+    that finds nothing leaves the reply one run (the bench's 2-stage lookup row, 2 drafts in 128 tokens,
+    lost 6 % to runs cut every 16 tokens). Output unchanged."""
     stage = FakeRunStage(delay=0.0002)
     drafter = _LookupFindingNothing()
     coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)  # type: ignore[arg-type]
@@ -200,4 +199,59 @@ async def test_a_lookup_that_finds_nothing_does_not_keep_runs_at_two_tokens() ->
     generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=80))
     assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 80)
     assert generation.stats.drafted == 0 and drafter.asked >= 2
-    assert stage.runs[:2] == [2, 2] and max(stage.runs) == 16 and stage.runs.count(2) <= 3
+    assert stage.runs == [80] and stage.extra == 0
+
+
+class _LookupFindingSometimes(PromptLookupDrafter):
+    """A prompt lookup that is right whenever it proposes, and proposes only in some stretches of the reply
+    (where the text repeats): `window` positions out of every `period`."""
+
+    def __init__(self, period: int = 12, window: int = 5) -> None:
+        super().__init__()
+        self.period, self.window = period, window
+
+    def find(self, history: list[int], k: int) -> list[int]:
+        if len(history) % self.period >= self.window:
+            return []
+        sequence = list(history)
+        for _ in range(k):
+            sequence.append(int(np.argmax(_model(list(enumerate(sequence))))))
+        return sequence[len(history) :]
+
+
+async def test_a_run_ends_early_where_a_paying_lookup_finds_a_repeat() -> None:
+    """A free lookup is asked at each token a run makes: where it would propose and pays, the run is
+    cancelled and the tokens it made until the Cancel's Ack are still read (a run makes what plain rounds
+    would), then the lookup's drafts are verified. Output identical to plain greedy decoding."""
+    stage = FakeRunStage(delay=0.0005)
+    drafter = _LookupFindingSometimes()
+    coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)  # type: ignore[arg-type]
+    for prompt in ([2, 7, 1, 8], [3, 3, 3]):
+        session = await coordinator.open_session()
+        generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=90))
+        assert list(generation.token_ids) == _plain_greedy(prompt, 90)
+        assert generation.stats.accepted > 20 and generation.stats.accepted == generation.stats.drafted
+        await coordinator.close_session(session)
+    assert len(stage.runs) >= 4 and sum(stage.runs) > 2 * 90  # runs asked for the rest were cut short
+
+
+class _LookupAlwaysWrong(_LookupFindingSometimes):
+    """A prompt lookup that proposes in the same stretches, always a wrong first token."""
+
+    def find(self, history: list[int], k: int) -> list[int]:
+        right = super().find(history, k)
+        return [(right[0] + 1) % 16, *right[1:]] if right else []
+
+
+async def test_a_lookup_that_is_seldom_right_is_measured_in_the_runs_shadow() -> None:
+    """Where the lookup proposes but a verify is not expected to pay, the run goes on and its next tokens
+    say how many drafts a verify would have accepted: a lookup that is always wrong never costs a verify or
+    a cut run, and its acceptance falls all the same."""
+    stage = FakeRunStage(delay=0.0005)
+    coordinator = _coordinator(stage, protocol.MAX_RUN, _LookupAlwaysWrong())  # type: ignore[arg-type]
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=90))
+    assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 90)
+    policy = session.policies["lookup"]
+    assert generation.stats.drafted <= 3  # the first round's exploration only
+    assert len(stage.runs) == 1 and policy.alpha < 0.1

@@ -340,8 +340,8 @@ class Coordinator(RunRounds, AheadRounds):
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
     ) -> Round:
         """One draft + verify round (the unit a recovery retries), or the next token of a run."""
-        if session.run is not None:
-            return await self._run_next(session)
+        if session.run is not None and (ran := await self._run_round(session, remaining)) is not None:
+            return ran
         settling = time.perf_counter()
         keeping_up = bool(session.ahead) and session.ahead[0].keep_up  # waited for when the draft is used
         ahead_drafts.stop_failed(session.ahead, session.history)  # a round that failed: draft the fresh one
@@ -368,7 +368,9 @@ class Coordinator(RunRounds, AheadRounds):
             session.wants_speculation = k > 0
         else:
             shared = self._others_speculate(session)
-            name, k = choose_drafter(self._candidates(session), loaded, shared)
+            candidates = self._candidates(session)
+            # a run cut short where the free lookup proposes: it drafts now (lookup_watch)
+            name, k = ("lookup", session.cut.k) if session.cut else choose_drafter(candidates, loaded, shared)
             session.wants_speculation = any(policy.wants for policy in session.policies.values())
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
@@ -396,19 +398,25 @@ class Coordinator(RunRounds, AheadRounds):
                 policy.asked(proposed=False)  # the lookup's miss (the round is the model draft's)
                 drafter, policy, asked = fallback, second, min(k, left)
                 draft = await self._propose(session, drafter, asked, sampling)
-        draft_seconds = time.perf_counter() - draft_started
+        draft_seconds = self._charge_cut(
+            session, policy, bool(draft.tokens), loaded, time.perf_counter() - draft_started
+        )
         k = len(draft.tokens)
         if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
             # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
             if params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None:
-                # adaptive: the policy chooses again after a while, and by the time its next probe is due
+                # adaptive: a costly draft's policy chooses again after a while, and by the time its next probe
+                # is due; a free drafter is asked at each token of the run instead (`RunRounds._run_round`)
                 counted = tuple(session.policies.values())
-                probe = min(candidate.rounds_until_probe(loaded) for candidate in counted)
-                if any(candidate.measuring_soon(loaded) for candidate in counted):
-                    probe = min(probe, RUN_TOKENS_EXPLORING)  # measure the draft soon, not after 16 tokens
-                length = min(length, RUN_TOKENS_ADAPTIVE, probe)
+                for candidate in (candidate for candidate in counted if not candidate.free):
+                    probe = candidate.rounds_until_probe(loaded)
+                    if candidate.measuring_soon(loaded):
+                        probe = min(
+                            probe, RUN_TOKENS_EXPLORING
+                        )  # measure the draft soon, not after 16 tokens
+                    length = min(length, RUN_TOKENS_ADAPTIVE, probe)
             if length > 1:
                 first = await self._run_start(session, params, length, generated, policy, loaded, counted)
                 return dataclasses.replace(first, asked=asked, draft_seconds=draft_seconds)

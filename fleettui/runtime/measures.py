@@ -48,6 +48,11 @@ class LinearCost:
                 self._fit = (mean_time - slope * mean_size, slope, 0.0)
         return self._fit
 
+    @property
+    def sloped(self) -> bool:
+        """Whether two different sizes were measured (else the slope is a guess)."""
+        return len({size for size, _seconds in self.window}) > 1
+
     def predict(self, size: float) -> float | None:
         if not self.window:
             return None
@@ -114,6 +119,11 @@ class Realized:
         self.tokens = self.tokens * decay + tokens
         self.seconds = self.seconds * decay + seconds
         self.rounds = self.rounds * decay + 1
+
+    def stretch(self, seconds: float) -> None:
+        """Count `seconds` more (or fewer, if negative) for the tokens already recorded."""
+        if self.rounds:
+            self.seconds = max(self.seconds + seconds, 1e-6)
 
     @property
     def rate(self) -> float:

@@ -28,6 +28,10 @@ PROBE_SHARE = 0.02
 # (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
 # its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs.
 AFTER_PROBE_ROUNDS = 8
+# OpenVINO's CPU plugin runs the first 1-token steps after a verify of several tokens slower (15-17.5 ms
+# against 9 after a 3-token verify, on loaded stages for the other sessions too): what this many plain
+# rounds after a verify take beyond plain's rate is charged to the verify's drafter, not to plain decoding.
+AFTER_VERIFY_ROUNDS = 3
 PROBE_CEILING = 1.05  # a drafter is probed only if perfect acceptance would beat plain by this (`could_pay`)
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
 # Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
@@ -49,6 +53,9 @@ class CostModel:
     latency: LinearCost = field(default_factory=LinearCost)  # one session: own round-trip latency
     compute: LinearCost = field(default_factory=LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, LinearCost] = field(default_factory=dict)
+    cut: LinearCost = field(
+        default_factory=LinearCost
+    )  # a run cut short for a free drafter: its Cancel's time
     realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
@@ -59,6 +66,8 @@ class CostModel:
     # lost against plain decoding (its after-effect on the plain rounds that followed included)
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
     after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # plain rounds still charged to it
+    # loaded: (drafter, plain rounds left) whose excess still goes to that drafter's realized rate
+    after_verify: dict[bool, tuple[str, int]] = field(default_factory=dict)
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
@@ -212,15 +221,10 @@ class KPolicy:
         catch_up, prefilled = facts.catch_up, facts.prefilled
         plain_rate = self.costs.achieved("plain", loaded).rate  # before this round counts
         plain_seconds = 1.0 / plain_rate if plain_rate > 0 else None
-        decay = 0.97
         if asked:
             self.asked(proposed=k > 0)
         if k > 0:
-            self._accepted = self._accepted * decay + accepted
-            self._rejected = self._rejected * decay + (1 if accepted < k else 0)
-            shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
-            shared[0] = shared[0] * decay + accepted
-            shared[1] = shared[1] * decay + (1 if accepted < k else 0)
+            self.learn_acceptance(k, accepted)
             # a free drafter's probe costs its lookup: never held back (charged its misses, the 50 ms/hop prompt
             # lookup row fell from 1.40x to 0.97x no speculation); so does any probe before plain is measured
             if plain_seconds is None or self.free:
@@ -244,19 +248,60 @@ class KPolicy:
             self.costs.latency.add(k + 1, verify_seconds if own_seconds is None else own_seconds)
             self.costs.compute.add(k + 1, verify_seconds if compute_seconds is None else compute_seconds)
         if not prefilled:  # what choosing this arm really cost, a draft's catch-up on the history included
-            arm = self.drafter if k > 0 else "plain"
-            # The pipeline's record holds a session alone, or several on loaded stages. Several sessions on
-            # stages with room wait for each other at the draft and in the coordinator: their rates are not
-            # what a session alone gets, and a session alone would inherit them (its own record speaks once
-            # it has rounds). Such rounds go to each session's own record only.
-            # A probe under load is one session speculating among plain ones: its rate is what it takes from
-            # them, not what all speculating would give (it kept 2 emulated PCs x 2 users speculating at 0.84-
-            # 0.89x): it teaches costs and acceptance only.
-            lone = loaded and k > 0 and self.probing
-            if (loaded or not facts.several) and not lone:
-                self.costs.achieved(arm, loaded).add(accepted + 1, draft_seconds + verify_seconds)
-            if k > 0 and not lone:
-                self._own[loaded].add(accepted + 1, draft_seconds + verify_seconds)
+            self._realize(facts, plain_seconds)
+
+    def _realize(self, facts: RoundFacts, plain_seconds: float | None) -> None:
+        """Add a round to the realized rates: a speculative one to its drafter's, a plain one to plain's, or,
+        in the `AFTER_VERIFY_ROUNDS` after a verify, what it took beyond plain's rate to that verify's drafter
+        (and a round at plain's rate to plain's, so plain is still judged when every other round drafts).
+
+        The pipeline's record holds a session alone, or several on loaded stages. Several sessions on stages
+        with room wait for each other at the draft and in the coordinator: their rates are not what a session
+        alone gets, and a session alone would inherit them (its own record speaks once it has rounds). Such
+        rounds go to each session's own record only. A probe under load is one session speculating among
+        plain ones: its rate is what it takes from them, not what all speculating would give (it kept 2
+        emulated PCs x 2 users speculating at 0.84-0.89x): it teaches costs and acceptance only.
+        """
+        k, loaded = facts.k, facts.loaded
+        seconds = facts.draft_seconds + facts.verify_seconds
+        pipeline = loaded or not facts.several
+        lone = loaded and k > 0 and self.probing
+        if k > 0:
+            if lone:
+                self.costs.after_verify.pop(loaded, None)
+                return
+            if pipeline:
+                self.costs.achieved(self.drafter, loaded).add(facts.accepted + 1, seconds)
+            self._own[loaded].add(facts.accepted + 1, seconds)
+            self.costs.after_verify[loaded] = (self.drafter, AFTER_VERIFY_ROUNDS)
+            return
+        after = self.costs.after_verify.pop(loaded, None)
+        if after is not None and plain_seconds is not None:
+            drafter, left = after
+            if left > 1:
+                self.costs.after_verify[loaded] = (drafter, left - 1)
+            self.charge(drafter, loaded, seconds - plain_seconds, pipeline)
+            if pipeline:  # a round at plain's own rate: plain keeps its rate and its count of rounds grows
+                self.costs.achieved("plain", loaded).add(1, plain_seconds)
+        elif pipeline:
+            self.costs.achieved("plain", loaded).add(1, seconds)
+
+    def charge(self, drafter: str, loaded: bool, seconds: float, pipeline: bool = True) -> None:
+        """Add `seconds` that speculating with `drafter` cost beyond its rounds (their after-effect on plain
+        steps, a run cut short for it) to its realized rates: the pipeline's and, if it is this policy's
+        drafter, this session's."""
+        if pipeline:
+            self.costs.achieved(drafter, loaded).stretch(seconds)
+        if drafter == self.drafter:
+            self._own[loaded].stretch(seconds)
+
+    def learn_acceptance(self, k: int, accepted: int, decay: float = 0.97) -> None:
+        """Count K drafts of which a verify accepted `accepted` (this session's and the pipeline's)."""
+        self._accepted = self._accepted * decay + accepted
+        self._rejected = self._rejected * decay + (1 if accepted < k else 0)
+        shared = self.costs.acceptance.setdefault(self.drafter, [1.0, 1.0])
+        shared[0] = shared[0] * decay + accepted
+        shared[1] = shared[1] * decay + (1 if accepted < k else 0)
 
     def asked(self, proposed: bool, decay: float = 0.97) -> None:
         """Count one request to the drafter and whether it proposed anything (a lookup may find nothing)."""
@@ -345,7 +390,7 @@ class KPolicy:
         rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.fair_k(loaded) + 1)}
         return max(rates, key=rates.__getitem__)
 
-    def _losing(self, loaded: bool) -> bool:
+    def losing(self, loaded: bool) -> bool:
         """Whether speculating has measurably yielded fewer tokens per second than not: by the session's own
         record once it has enough rounds (else the pipeline's), and under load by the pipeline's as well,
         since there a session's own rate also grows by what its longer verifies take from the others."""
@@ -355,11 +400,11 @@ class KPolicy:
         )
 
     def paying_k(self, loaded: bool = False, shared: bool = True) -> int:
-        """`best_k` of a costly drafter, or 0 while it has measurably yielded fewer tokens per second than
-        plain decoding (`CostModel.losing`) or, under load, while another session would not speculate."""
-        if (loaded and not shared) or self._losing(loaded):
+        """`best_k` of this drafter, or 0 while it has measurably yielded fewer tokens per second than plain
+        decoding (`CostModel.losing`) or, under load, while another session would not speculate."""
+        if (loaded and not shared) or self.losing(loaded):
             return 0
-        return self.best_k(loaded=loaded)
+        return self.best_k(free_draft=self.free, loaded=loaded)
 
     def choose(self, free_draft: bool = False, loaded: bool = False, shared: bool = True) -> int:
         """K for this round. Under load, `shared` says whether every other generating session wants to
@@ -379,7 +424,7 @@ class KPolicy:
             self.probing = choice > 0
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
-            if choice and self._losing(loaded):
+            if choice and self.losing(loaded):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
             self.wants = choice > 0
             if loaded and not shared:

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from fleettui.runtime.generation import NO_UNIFORMS, GenerationParams, Round, penalties
 from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.lookup_watch import Cut, Shadow, cut_k, take_cut
 from fleettui.runtime.policy import KPolicy
-from fleettui.runtime.speculation import Draft
+from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter
 from fleettui.runtime.transport import Link, ReplyStream, RunLink, RunStalled
 from remote_worker import protocol
 
@@ -48,6 +50,7 @@ class Run:
     consumed: int = 0
     token: int = -1  # the last token read: the run's next step fed it
     counted: tuple[KPolicy, ...] = ()  # policies whose probe schedule counts the run's later tokens
+    shadow: Shadow | None = None  # a free drafter's drafts its next tokens are compared with (lookup_watch)
 
     @property
     def finished(self) -> bool:
@@ -77,6 +80,7 @@ class RunSession(Protocol):
     ledger: CacheLedger
     rng: np.random.Generator
     run: Run | None
+    cut: Cut | None
     target_epoch: int
     lock: asyncio.Lock
 
@@ -86,8 +90,11 @@ class RunRounds:
 
     target: Link
     max_run: int
+    drafter: Drafter | None
+    lookup: PromptLookupDrafter | None
     result_observers: list[Callable[[protocol.Result, float], None]]
     cancels: set[asyncio.Task[None]]  # Cancels of dropped runs on their way (kept from the GC)
+    _others_speculate: Callable[[Any], bool]  # whether every other generating session wants to speculate
 
     async def _run_start(
         self,
@@ -119,6 +126,74 @@ class RunRounds:
         stream = await target.stream(step)
         session.run = Run(stream, feed, policy, loaded, not sampling.greedy, stream.sent_at, counted=counted)
         return await self._run_next(session)
+
+    async def _run_round(self, session: RunSession, remaining: int) -> Round | None:
+        """The run's next token, watched for a free drafter (`fleettui.runtime.lookup_watch`): where it would
+        propose, the run is cut short if verifying pays (its tokens made until the Cancel's Ack are still
+        read as rounds, since a run makes what plain rounds would; None once none is left, and the caller
+        verifies), else the run's next tokens measure the drafts in its shadow."""
+        run = session.run
+        assert run is not None
+        watch = self._watch(run)
+        if watch is not None and run.shadow is None and not run.stream.done and remaining > 1:
+            policy, drafter = watch
+            proposal = drafter.find(session.history, policy.max_k)
+            if proposal:
+                k, probe = cut_k(policy, run.loaded, self._others_speculate(session))
+                if k:  # (the tokens the run makes until the Cancel's Ack are compared with the drafts too)
+                    take_cut(policy, k, probe, run.loaded)
+                    run.shadow = Shadow(tuple(proposal))
+                    await self._end_run_early(session, Cut(policy, k))
+                    if session.run is None:
+                        return None
+                else:
+                    run.shadow = Shadow(tuple(proposal))
+        round_ = await self._run_next(session)
+        if watch is not None and run.shadow is not None:  # (a run ended midway teaches nothing)
+            run.shadow = run.shadow.follow(int(round_.result.tokens[-1]), watch[0])
+        return round_
+
+    def _watch(self, run: Run) -> tuple[KPolicy, PromptLookupDrafter] | None:
+        """The free drafter a run is watched for and its policy (adaptive sessions with prompt lookup)."""
+        policy = next((p for p in run.counted if p.free), None)
+        drafter = self.lookup if self.lookup is not None else self.drafter
+        if policy is None or not isinstance(drafter, PromptLookupDrafter):
+            return None
+        return policy, drafter
+
+    async def _end_run_early(self, session: RunSession, cut: Cut) -> None:
+        """Cancel the session's run mid-reply for `cut`'s drafter; what it made until the Cancel's Ack stays
+        readable, and the time the Cancel took is that drafter's (`_charge_cut`)."""
+        run = session.run
+        assert run is not None
+        cancelling, received = time.perf_counter(), run.stream.received
+        try:
+            await self.target.request(protocol.Control(protocol.Kind.CANCEL, session.id, 0))
+            if run.stream.failure is not None:  # an Error of the run: the last step's effect is unknown
+                raise run.stream.failure
+        except BaseException:
+            self._drop_run(session)
+            raise
+        # what the Cancel cost: its round trip, less the tokens the run made meanwhile (read as rounds)
+        costs = cut.policy.costs
+        plain = costs.achieved("plain", run.loaded).rate
+        made = (run.stream.received - received) / plain if plain > 0 else 0.0
+        cut.seconds = max(time.perf_counter() - cancelling - made, 0.0)
+        costs.cut.add(1, cut.seconds)
+        session.cut = cut
+        run.stream.end()
+        if run.finished:
+            session.run = None
+
+    def _charge_cut(
+        self, session: RunSession, policy: KPolicy, drafted: bool, loaded: bool, draft_seconds: float
+    ) -> float:
+        """The drafting time of a round after a run was cut short for a drafter: with the Cancel's time if
+        that drafter drafts this round, else that time goes to the drafter's realized rate on its own."""
+        if session.cut is None:
+            return draft_seconds
+        cut, session.cut = session.cut, None
+        return draft_seconds + cut.charge(drafted, policy, loaded)
 
     async def _run_next(self, session: RunSession) -> Round:
         """The run's next token as a round of K = 0 (its cost: the time since the previous token arrived)."""
@@ -157,6 +232,7 @@ class RunRounds:
         """End a run the reply no longer needs: Cancel it, then commit the steps it made past the reply."""
         async with session.lock:
             run, session.run = session.run, None
+            session.cut = None  # (a cut for the reply's last tokens: nothing is left to verify)
             if run is None:
                 return
             try:

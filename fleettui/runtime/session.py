@@ -10,6 +10,7 @@ from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.generation import GenerationStats
 from fleettui.runtime.ledger import CacheLedger, Feed
+from fleettui.runtime.lookup_watch import Cut
 from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.runs import Run
 
@@ -32,6 +33,7 @@ class Session:
         self.target_epoch = -1
         self.draft_epoch = -1
         self.run: Run | None = None  # what the pipeline is generating on its own (fleettui.runtime.runs)
+        self.cut: Cut | None = None  # a run cut short for a free drafter: the next round verifies its drafts
         self.wants_speculation = False  # its last choice found speculation paying (`KPolicy.choose`, shared)
         self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for

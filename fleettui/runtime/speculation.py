@@ -84,7 +84,11 @@ class PromptLookupDrafter:
     async def propose(
         self, session: int, history: list[int], k: int, sampling: Sampling, rng: np.random.Generator
     ) -> Draft:
-        return Draft.deterministic(lookup(history, k, self.max_ngram))
+        return Draft.deterministic(self.find(history, k))
+
+    def find(self, history: list[int], k: int) -> list[int]:
+        """What `propose` would propose, at once (a run asks it at each token it makes)."""
+        return lookup(history, k, self.max_ngram)
 
 
 def lookup(history: list[int], k: int, max_ngram: int = 3) -> list[int]:

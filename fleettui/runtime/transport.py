@@ -92,6 +92,11 @@ class ReplyStream:
         """Why the run's stream ended before all its Results (an Error, a lost stage, `close()`), or None."""
         return self._failure
 
+    @property
+    def unread(self) -> int:
+        """How many Results arrived and were not read yet."""
+        return len(self._ready)
+
     def buffered(self) -> list[tuple[protocol.Result, float]]:
         """What arrived and was not read yet (taken out)."""
         items = list(self._ready)
@@ -140,6 +145,12 @@ class ReplyStream:
             self.fail(RunStalled(f"a run stalled: no token for {limit:g} s"))
         else:
             self.fail(LinkError(f"no answer from the pipeline within {limit:g} s (a run)"))
+
+    def end(self) -> None:
+        """The run was cancelled and the Cancel's Ack came: what arrived is all of it (the Ack follows the
+        run's last Result)."""
+        self.count = self.received
+        self._retire()
 
     def close(self) -> None:
         """Stop listening: whatever of the run still arrives is dropped quietly."""

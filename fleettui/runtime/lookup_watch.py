@@ -1,0 +1,98 @@
+"""Provides the watch a run keeps for a free drafter (prompt lookup), asked at each token the run makes.
+
+A lookup proposes where the text repeats, which can be any token: asked only where runs happen to end it
+misses most repeats, and cutting runs at fixed lengths for its sake costs a restart each time (the bench's
+2-stage lookup row lost 6 % with runs cut every 16 tokens and 2 drafts in 128 tokens). So the run itself
+is watched. Where the lookup would propose, either
+- a verify of its drafts is expected to pay, the Cancel's time included (`cut_k`): the run is cut short
+  there (`RunRounds._end_run_early`) and the round after it verifies the drafts; or
+- it is not: the run goes on, and its next tokens say how many of the drafts a verify would have accepted
+  (`Shadow`). The lookup's acceptance is learnt at no cost, so a lookup that is seldom right never costs a
+  verify to find out (it cost 13 % of a reply of 128 tokens, 26 drafts of which 4 were right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleettui.runtime.policy import KPolicy
+
+
+@dataclass
+class Cut:
+    """A run cut short for a free drafter: its policy, the K to verify, what the Cancel took."""
+
+    policy: KPolicy
+    k: int
+    seconds: float = 0.0
+
+    def charge(self, drafted: bool, policy: KPolicy, loaded: bool) -> float:
+        """What the round after the cut adds to its drafting time: the Cancel's time if the cut's drafter
+        drafts it (`drafted` by `policy`), else nothing, and the drafter's realized rate is charged that time
+        plus a plain step: the run's tokens made meanwhile already contradicted its drafts (the lookup finds
+        nothing now) and a new run starts, a round trip through the chain."""
+        if drafted and policy is self.policy:
+            return self.seconds
+        plain = self.policy.costs.achieved("plain", loaded).rate
+        self.policy.charge(self.policy.drafter, loaded, self.seconds + (1.0 / plain if plain > 0 else 0.0))
+        return 0.0
+
+
+@dataclass
+class Shadow:
+    """A lookup's drafts the run is not cut for, compared with the tokens the run makes next."""
+
+    tokens: tuple[int, ...]
+    matched: int = 0
+
+    def follow(self, token: int, policy: KPolicy) -> Shadow | None:
+        """Compare the run's next token; once a draft differs or all matched, teach `policy` the acceptance
+        a verify would have had and end (None)."""
+        if token == self.tokens[self.matched]:
+            self.matched += 1
+            if self.matched < len(self.tokens):
+                return self
+        policy.learn_acceptance(len(self.tokens), self.matched)
+        return None
+
+
+def cut_k(policy: KPolicy, loaded: bool, shared: bool) -> tuple[int, bool]:
+    """(K, is it a probe) to cut a run for where the free drafter proposes; K = 0: let the run go on.
+
+    K is the best by the modelled rate (acceptance i.i.d. at the policy's alpha, the verify's fitted cost
+    plus the Cancel's, `RunRounds._end_run_early`) if that beats plain decoding. If it does but the realized rates say speculating has
+    lost (`KPolicy.losing`: what the model does not see, like OpenVINO's slower steps after a verify), the
+    run is cut only when a probe is due. Under load, not while another session decodes plainly (`shared`).
+    """
+    if policy.fixed_k is not None:
+        return policy.fixed_k, False
+    costs = policy.costs
+    plain = costs.verify(1, loaded)
+    if (loaded and not shared) or plain is None:
+        return 0, False
+    # unknown, a Cancel is taken to cost a plain step (its round trip), so no run is cut on the prior alpha
+    cut = costs.cut.predict(1)
+    cut = plain if cut is None else cut
+    alpha = min(policy.alpha, 0.999)
+    best, best_rate = 0, 1.0 / max(plain, 1e-6)
+    # while verifies of one size were measured, their cost is flat in K: no K beyond an exploring one
+    largest = policy.fair_k(loaded) if costs.latency.sloped else min(3, policy.fair_k(loaded))
+    for k in range(1, largest + 1):
+        verify = costs.verify(k + 1, loaded)
+        if verify is None:
+            break
+        rate = (1 - alpha ** (k + 1)) / (1 - alpha) / max(cut + verify, 1e-6)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    if best and policy.losing(loaded):
+        return (min(2, policy.max_k), True) if policy.rounds_until_probe(loaded) <= 1 else (0, False)
+    return best, False
+
+
+def take_cut(policy: KPolicy, k: int, probe: bool, loaded: bool) -> None:
+    """The bookkeeping `KPolicy.choose` does for a round of K drafts, for the round after a cut."""
+    costs, arm = policy.costs, (policy.drafter, loaded)
+    policy.probing, policy.wants, policy.last_choice = probe, not probe, k
+    costs.since_probe[arm] = 0
+    interval = costs.probe_intervals.get(arm, policy.probe_every)
+    costs.probe_intervals[arm] = min(2 * interval, 512) if probe else policy.probe_every
