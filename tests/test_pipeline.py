@@ -239,3 +239,31 @@ def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: li
     tokens, counts, seen = asyncio.run(run())
     assert tokens == reference[1:]
     assert counts["pipelined"] > 0, seen
+
+
+def test_runs_cut_short_for_prompt_lookup_are_exact(shard_cache: Path) -> None:
+    """A reply that repeats itself: the 2-stage pipeline generates in runs, the runs are watched for prompt
+    lookup, cut short where its drafts are worth a verify, and the tokens made until the Cancel's Ack are
+    read as the reply's own. Greedy output still equals the unsplit model's."""
+    from shards import ChainRunner, chat_ids
+
+    from shard_compiler.compiler import compile_shards
+
+    prompt, count = "Repeat this line five times: the quick brown fox jumps over the lazy dog.", 96
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    expected = ChainRunner(unsplit, exact=True).greedy(chat_ids(unsplit, prompt), count, stop_at_eos=True)
+    fleet = make_fleet(shard_cache, 2, "prompt-lookup", "auto")
+
+    async def run() -> tuple[list[int], int, int]:
+        controller = FleetController(fleet)
+        try:
+            coordinator = await controller.start()
+            session = await coordinator.open_session()
+            generation = await coordinator.chat(session, prompt, GenerationParams(max_tokens=count))
+            return list(generation.token_ids), generation.stats.accepted, coordinator.runs_cut
+        finally:
+            await controller.stop()
+
+    tokens, accepted, cut = asyncio.run(run())
+    assert tokens == expected
+    assert cut > 0 and accepted > 0, (cut, accepted)

@@ -81,6 +81,7 @@ class Coordinator(RunRounds, AheadRounds):
         # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets it, since
         # only it knows whether the chain feeds its tokens back: one stage, or a last stage with a loop).
         self.max_run = 0
+        self.runs_cut = 0  # ... and how many were cut short for prompt lookup (fleettui.runtime.lookup_watch)
         # The next round starts during this one when its wires leave the time (fleettui.runtime.pipelined).
         self._ahead_fields(drafter)
         self.cancels: set[asyncio.Task[None]] = set()

@@ -94,6 +94,7 @@ class RunRounds:
     lookup: PromptLookupDrafter | None
     result_observers: list[Callable[[protocol.Result, float], None]]
     cancels: set[asyncio.Task[None]]  # Cancels of dropped runs on their way (kept from the GC)
+    runs_cut: int  # runs cut short for a free drafter (lookup_watch)
     _others_speculate: Callable[[Any], bool]  # whether every other generating session wants to speculate
 
     async def _run_start(
@@ -179,6 +180,7 @@ class RunRounds:
         plain = costs.achieved("plain", run.loaded).rate
         made = (run.stream.received - received) / plain if plain > 0 else 0.0
         cut.seconds = max(time.perf_counter() - cancelling - made, 0.0)
+        self.runs_cut += 1
         costs.cut.add(1, cut.seconds)
         session.cut = cut
         run.stream.end()
