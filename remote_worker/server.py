@@ -273,7 +273,13 @@ class StageServer(StageCompute):
         queued: protocol.Message | RunStep = message
         if isinstance(message, protocol.Control):
             self.run_stops.stopped(session)  # before it is queued: the compute thread may serve it at once
-        elif isinstance(message, protocol.Step) and message.run > 1 and self.engine.is_first:
+        elif (
+            isinstance(message, protocol.Step)
+            and (message.run > 1 or message.looped)
+            and self.engine.is_first
+        ):
+            # (a run's last step is looped with run = 1: dropped all the same, or it would be computed after
+            # the Cancel and its Result would follow the Ack, one slot the coordinator never learns of)
             if message.looped and not self.run_stops.current(session, seq):
                 self.stats.run_ends += 1  # the next step of a run that was ended: expected, not counted
                 return
