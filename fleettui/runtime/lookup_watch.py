@@ -56,19 +56,21 @@ class Shadow:
         return None
 
 
-def cut_k(policy: KPolicy, loaded: bool, shared: bool) -> tuple[int, bool]:
+def cut_k(policy: KPolicy, loaded: bool) -> tuple[int, bool]:
     """(K, is it a probe) to cut a run for where the free drafter proposes; K = 0: let the run go on.
 
     K is the best by the modelled rate (acceptance i.i.d. at the policy's alpha, the verify's fitted cost
     plus the Cancel's, `RunRounds._end_run_early`) if that beats plain decoding. If it does but the realized rates say speculating has
     lost (`KPolicy.losing`: what the model does not see, like OpenVINO's slower steps after a verify), the
-    run is cut only when a probe is due. Under load, not while another session decodes plainly (`shared`).
+    run is cut only when a probe is due. Never on loaded stages: there a cut's verify and the restart after
+    it take the busiest stage from the other sessions (4 users on 2 stages measured 0.86-1.05x no
+    speculation with cuts); the lookup is still asked where runs end, and still measured in the shadow.
     """
     if policy.fixed_k is not None:
         return policy.fixed_k, False
     costs = policy.costs
     plain = costs.verify(1, loaded)
-    if (loaded and not shared) or plain is None:
+    if loaded or plain is None:
         return 0, False
     # unknown, a Cancel is taken to cost a plain step (its round trip), so no run is cut on the prior alpha
     cut = costs.cut.predict(1)

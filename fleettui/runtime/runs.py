@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -95,7 +95,6 @@ class RunRounds:
     result_observers: list[Callable[[protocol.Result, float], None]]
     cancels: set[asyncio.Task[None]]  # Cancels of dropped runs on their way (kept from the GC)
     runs_cut: int  # runs cut short for a free drafter (lookup_watch)
-    _others_speculate: Callable[[Any], bool]  # whether every other generating session wants to speculate
 
     async def _run_start(
         self,
@@ -140,7 +139,7 @@ class RunRounds:
             policy, drafter = watch
             proposal = drafter.find(session.history, policy.max_k)
             if proposal:
-                k, probe = cut_k(policy, run.loaded, self._others_speculate(session))
+                k, probe = cut_k(policy, run.loaded)
                 if k:  # (the tokens the run makes until the Cancel's Ack are compared with the drafts too)
                     take_cut(policy, k, probe, run.loaded)
                     run.shadow = Shadow(tuple(proposal))
