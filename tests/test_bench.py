@@ -299,6 +299,8 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
                 assert part["compute_ms"] > 0 and part["queue_ms"] >= 0 and part["wire_ms"] >= 0
             if row["spec_k"] != 0:
                 assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
+            if row["spec_k"] == "auto":  # its policy's first, untimed reply (it explores): kept apart
+                assert row["details"]["cold_tok_s"] > 0, row
             if row["hop_delay_ms"] and row["users"] == 1 and row["spec_k"] == 0:
                 # one round trip per token crosses the N + 1 delayed links of the ring
                 wire = sum(part["wire_ms"] for part in row["stage_breakdown"])

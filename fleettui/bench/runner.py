@@ -338,6 +338,19 @@ async def run_fleet_group(
             await coordinator.close_session(session)
         attempts: list[list[dict[str, Any]]] = [[] for _ in specs]
         policies: dict[str | None, Any] = {}  # per drafter, kept across rounds
+        for spec, row in zip(specs, rows, strict=True):
+            # An adaptive row's policy first answers one untimed reply: a serving fleet's first request
+            # explores (the draft's costs, its acceptance), every later one starts from what it learnt; the
+            # rounds measure the latter, the first reply's rate is kept as `cold_tok_s`.
+            if spec.spec_k == "auto" and coordinator.drafter is not None:
+                drafter = coordinator.drafter
+                try:
+                    cold = await _measure(coordinator, spec, prompts, tokens, recorder, policies)
+                    row.details["cold_tok_s"] = round(cold["aggregate_tok_s"], 2)
+                except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
+                    row.status = f"failed: {type(error).__name__}: {error}"
+                finally:
+                    coordinator.drafter = drafter
         for round_index in range(repeats):
             order = list(enumerate(zip(specs, rows, strict=True)))
             for index, (spec, row) in order[:: -1 if round_index % 2 else 1]:  # ABBA: drift evens out
