@@ -76,6 +76,14 @@ def _fleet_rows(fleet: Fleet, quick: bool, k: int | str, speculate: bool, users:
             )
             rows.append(plain)
             rows += [RowSpec("fleet", count, users_now, spec, group="spec", versus=plain.name) for spec in on]
+            if speculate and count == stages and users_now == 1:
+                # prompt lookup: a free drafter, the honest contrast to a self-draft as large as the target;
+                # beside its pair, so the two are measured seconds apart (this machine drifts by the minute)
+                rows.append(
+                    RowSpec(
+                        "fleet", stages, 1, "auto", draft="prompt-lookup", group="spec", versus=plain.name
+                    )
+                )
     plain_1u = RowSpec("fleet", stages, 1, 0).name
     if speculate:
         rows += [
@@ -83,8 +91,6 @@ def _fleet_rows(fleet: Fleet, quick: bool, k: int | str, speculate: bool, users:
             for fixed in K_SWEEP
             if fixed <= fleet.speculation.max_k and fixed != k
         ]
-        # prompt lookup: a free drafter, the honest contrast to a self-draft as large as the target
-        rows.append(RowSpec("fleet", stages, 1, "auto", draft="prompt-lookup", group="spec", versus=plain_1u))
     for delay in (10.0, 50.0):
         naive = RowSpec("fleet", stages, 1, 0, delay, group="delay")
         rows.append(naive)
