@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettui.bench.baseline import run_baseline
+from fleettui.bench.calibration import calibrate_hosts
 from fleettui.bench.machine import CpuWitness, machine_info
 from fleettui.bench.report import (
     Row,
@@ -218,28 +219,7 @@ async def _measure(
 
 def _own_cpu_seconds() -> float:
     """CPU seconds of this process alone (all its threads, no children)."""
-    times = os.times()
-    return times.user + times.system
-
-
-async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> None:
-    """Measure the per-layer and head costs of the fleet's local hosts before it is planned, so its split
-    comes from measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per
-    bench run and host settings (`measured`): a profile cached hours ago under other load can misplace a
-    layer (on this VM the head's cost against a layer's moved by 30 % between two quiet hours)."""
-    from fleettui.errors import PlanError
-    from fleettui.planning.planner import plan_fleet
-    from fleettui.planning.profiles import Children, calibrate
-
-    children = Children()
-    try:
-        layers = plan_fleet(fleet).shape.num_layers
-        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured, children)
-    except asyncio.CancelledError:  # (a SIGTERM): the thread ends at once, not after the timing children
-        children.stop()
-        raise
-    except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
-        progress(f"calibration skipped: {error}")
+    return os.times().user + os.times().system
 
 
 def synthetic_prompts(vocab: int, count: int = 8, length: int = SYNTHETIC_PROMPT) -> list[list[int]]:
@@ -338,27 +318,19 @@ async def run_fleet_group(
             await coordinator.close_session(session)
         attempts: list[list[dict[str, Any]]] = [[] for _ in specs]
         policies: dict[str | None, Any] = {}  # per drafter, kept across rounds
-        for spec, row in zip(specs, rows, strict=True):
-            # An adaptive row's policy first answers one untimed reply: a serving fleet's first request
-            # explores (the draft's costs, its acceptance), every later one starts from what it learnt; the
-            # rounds measure the latter, the first reply's rate is kept as `cold_tok_s`.
-            if spec.spec_k == "auto" and coordinator.drafter is not None:
-                drafter = coordinator.drafter
-                try:
-                    cold = await _measure(coordinator, spec, prompts, tokens, recorder, policies)
-                    row.details["cold_tok_s"] = round(cold["aggregate_tok_s"], 2)
-                except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
-                    row.status = f"failed: {type(error).__name__}: {error}"
-                finally:
-                    coordinator.drafter = drafter
-        for round_index in range(repeats):
+        # Round -1: each adaptive row's policy answers one untimed reply first. A serving fleet's first request
+        # explores (the draft's costs, its acceptance), every later one starts from what it learnt: the rounds
+        # measure the latter, `cold_tok_s` keeps the former.
+        for round_index in range(-1, repeats):
+            cold = round_index < 0
             order = list(enumerate(zip(specs, rows, strict=True)))
             for index, (spec, row) in order[:: -1 if round_index % 2 else 1]:  # ABBA: drift evens out
-                if not row.ok:
+                if not row.ok or (cold and spec.spec_k != "auto"):
                     continue
-                progress(
-                    spec.name + (f" (round {round_index + 1}/{repeats})" if repeats > 1 else ""), row=True
-                )
+                if not cold:  # (a cold reply says its rate in one line when it is done)
+                    progress(
+                        spec.name + (f" (round {round_index + 1}/{repeats})" if repeats > 1 else ""), row=True
+                    )
                 row.precision, row.layers = precision, layers
                 row.details["model_name"] = manifest.model_name
                 row.details["synthetic"] = manifest.synthetic
@@ -368,15 +340,23 @@ async def run_fleet_group(
                     continue
                 drafter = coordinator.drafter
                 try:
-                    attempts[index].append(
-                        await _measure(coordinator, spec, prompts, tokens, recorder, policies)
+                    measured = await _measure(coordinator, spec, prompts, tokens, recorder, policies)
+                    rate = f"{measured['aggregate_tok_s']:.1f} tok/s"
+                    if cold:
+                        row.details["cold_tok_s"] = round(measured["aggregate_tok_s"], 2)
+                    else:
+                        attempts[index].append(measured)
+                    progress(
+                        f"{spec.name}: its policy's untimed first reply, {rate}" if cold else rate,
+                        result=not cold,
                     )
-                    progress(f"{attempts[index][-1]['aggregate_tok_s']:.1f} tok/s", result=True)
                 except Exception as error:  # noqa: BLE001 - one broken row must not lose the others
                     row.status = f"failed: {type(error).__name__}: {error}"
-                    progress(row.status, result=True)
+                    progress(f"{spec.name}: {row.status}" if cold else row.status, result=not cold)
                 finally:
                     coordinator.drafter = drafter
+            if cold:
+                continue
             for partner in partners:  # the baselines, in the same window (the fleet idles meanwhile)
                 progress(f"{partner.name} (paired with this group)", row=False)
                 partner_runs[partner.name].append(await baseline_runner(partner))

@@ -280,7 +280,7 @@ class Coordinator(RunRounds, AheadRounds):
             own, compute = round_costs(result.trace, verify_seconds)
             facts = RoundFacts(
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
-                round_.loaded, prefilled, self._several(), draft.computed,
+                round_.loaded, prefilled, self._several(), draft.computed, session.id,
             )  # fmt: skip
             round_.policy.record_round(facts)
             stats.rounds += 1

@@ -66,8 +66,8 @@ class CostModel:
     # lost against plain decoding (its after-effect on the plain rounds that followed included)
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
     after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # plain rounds still charged to it
-    # loaded: (drafter, plain rounds left) whose excess still goes to that drafter's realized rate
-    after_verify: dict[bool, tuple[str, int]] = field(default_factory=dict)
+    # loaded: (drafter, plain rounds left, session) whose excess still goes to that drafter's realized rate
+    after_verify: dict[bool, tuple[str, int, int]] = field(default_factory=dict)
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
@@ -148,6 +148,7 @@ class RoundFacts:
     prefilled: bool = False
     several: bool = False  # other sessions were generating too
     draft_computed: float | None = None  # of draft_seconds, what the draft model computed (no queueing)
+    session: int = 0  # whose round it is (a verify's after-effect is its own session's only when alone)
 
 
 class KPolicy:
@@ -273,26 +274,30 @@ class KPolicy:
             if pipeline:
                 self.costs.achieved(self.drafter, loaded).add(facts.accepted + 1, seconds)
             self._own[loaded].add(facts.accepted + 1, seconds)
-            self.costs.after_verify[loaded] = (self.drafter, AFTER_VERIFY_ROUNDS)
+            if pipeline:
+                self.costs.after_verify[loaded] = (self.drafter, AFTER_VERIFY_ROUNDS, facts.session)
+            return
+        if not pipeline:  # several sessions on stages with room: plain's rate alone is no yardstick here
             return
         after = self.costs.after_verify.pop(loaded, None)
         if after is not None and plain_seconds is not None:
-            drafter, left = after
+            drafter, left, session = after
             if left > 1:
-                self.costs.after_verify[loaded] = (drafter, left - 1)
-            self.charge(drafter, loaded, seconds - plain_seconds, pipeline)
-            if pipeline:  # a round at plain's own rate: plain keeps its rate and its count of rounds grows
-                self.costs.achieved("plain", loaded).add(1, plain_seconds)
-        elif pipeline:
+                self.costs.after_verify[loaded] = (drafter, left - 1, session)
+            # on loaded stages another session's steps slow down too: the pipeline's record is charged; a
+            # session's own record only for its own steps
+            self.charge(drafter, loaded, seconds - plain_seconds, own=session == facts.session)
+            # a round at plain's own rate: plain keeps its rate and its count of rounds grows
+            self.costs.achieved("plain", loaded).add(1, plain_seconds)
+        else:
             self.costs.achieved("plain", loaded).add(1, seconds)
 
-    def charge(self, drafter: str, loaded: bool, seconds: float, pipeline: bool = True) -> None:
+    def charge(self, drafter: str, loaded: bool, seconds: float, own: bool = True) -> None:
         """Add `seconds` that speculating with `drafter` cost beyond its rounds (their after-effect on plain
-        steps, a run cut short for it) to its realized rates: the pipeline's and, if it is this policy's
-        drafter, this session's."""
-        if pipeline:
-            self.costs.achieved(drafter, loaded).stretch(seconds)
-        if drafter == self.drafter:
+        steps, a run cut short for it) to its realized rates: the pipeline's and, if `own` and it is this
+        policy's drafter, this session's."""
+        self.costs.achieved(drafter, loaded).stretch(seconds)
+        if own and drafter == self.drafter:
             self._own[loaded].stretch(seconds)
 
     def learn_acceptance(self, k: int, accepted: int, decay: float = 0.97) -> None:

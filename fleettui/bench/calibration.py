@@ -1,0 +1,29 @@
+"""Provides the bench's calibration of its fleets' hosts: per-layer and head costs measured before planning."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from fleettui.config.fleet import Fleet
+
+
+async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> None:
+    """Measure the per-layer and head costs of the fleet's local hosts before it is planned, so its split
+    comes from measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per
+    bench run and host settings (`measured`): a profile cached hours ago under other load can misplace a
+    layer (on this VM the head's cost against a layer's moved by 30 % between two quiet hours)."""
+    from fleettui.errors import PlanError
+    from fleettui.planning.planner import plan_fleet
+    from fleettui.planning.profiles import Children, calibrate
+
+    children = Children()
+    try:
+        layers = plan_fleet(fleet).shape.num_layers
+        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured, children)
+    except asyncio.CancelledError:  # (a SIGTERM): the thread ends at once, not after the timing children
+        children.stop()
+        raise
+    except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
+        progress(f"calibration skipped: {error}")
