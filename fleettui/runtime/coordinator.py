@@ -413,10 +413,8 @@ class Coordinator(RunRounds, AheadRounds):
                 counted = tuple(session.policies.values())
                 for candidate in (candidate for candidate in counted if not candidate.free):
                     probe = candidate.rounds_until_probe(loaded)
-                    if candidate.measuring_soon(loaded):
-                        probe = min(
-                            probe, RUN_TOKENS_EXPLORING
-                        )  # measure the draft soon, not after 16 tokens
+                    if candidate.measuring_soon(loaded):  # measure the draft soon, not after 16 tokens
+                        probe = min(probe, RUN_TOKENS_EXPLORING)
                     length = min(length, RUN_TOKENS_ADAPTIVE, probe)
             if length > 1:
                 first = await self._run_start(session, params, length, generated, policy, loaded, counted)

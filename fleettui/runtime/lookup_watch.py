@@ -60,8 +60,8 @@ def cut_k(policy: KPolicy, loaded: bool) -> tuple[int, bool]:
     """(K, is it a probe) to cut a run for where the free drafter proposes; K = 0: let the run go on.
 
     K is the best by the modelled rate (acceptance i.i.d. at the policy's alpha, the verify's fitted cost
-    plus the Cancel's, `RunRounds._end_run_early`) if that beats plain decoding. If it does but the realized rates say speculating has
-    lost (`KPolicy.losing`: what the model does not see, like OpenVINO's slower steps after a verify), the
+    plus the Cancel's, `RunRounds._end_run_early`) if that beats plain decoding. If it does but the realized
+    rates say speculating has lost (`KPolicy.losing`: what the model does not see, like OpenVINO's slower steps after a verify), the
     run is cut only when a probe is due. Never on loaded stages: there a cut's verify and the restart after
     it take the busiest stage from the other sessions (4 users on 2 stages measured 0.86-1.05x no
     speculation with cuts); the lookup is still asked where runs end, and still measured in the shadow.

@@ -53,9 +53,8 @@ class CostModel:
     latency: LinearCost = field(default_factory=LinearCost)  # one session: own round-trip latency
     compute: LinearCost = field(default_factory=LinearCost)  # several: the busiest stage's compute
     drafts: dict[str, LinearCost] = field(default_factory=dict)
-    cut: LinearCost = field(
-        default_factory=LinearCost
-    )  # a run cut short for a free drafter: its Cancel's time
+    # a run cut short for a free drafter (fleettui.runtime.lookup_watch): what its Cancel cost
+    cut: LinearCost = field(default_factory=LinearCost)
     realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
@@ -271,10 +270,9 @@ class KPolicy:
             if lone:
                 self.costs.after_verify.pop(loaded, None)
                 return
-            if pipeline:
-                self.costs.achieved(self.drafter, loaded).add(facts.accepted + 1, seconds)
             self._own[loaded].add(facts.accepted + 1, seconds)
             if pipeline:
+                self.costs.achieved(self.drafter, loaded).add(facts.accepted + 1, seconds)
                 self.costs.after_verify[loaded] = (self.drafter, AFTER_VERIFY_ROUNDS, facts.session)
             return
         if not pipeline:  # several sessions on stages with room: plain's rate alone is no yardstick here
