@@ -221,7 +221,8 @@ async def _measure(
 
 def _own_cpu_seconds() -> float:
     """CPU seconds of this process alone (all its threads, no children)."""
-    return os.times().user + os.times().system
+    times = os.times()
+    return times.user + times.system
 
 
 def synthetic_prompts(vocab: int, count: int = 8, length: int = SYNTHETIC_PROMPT) -> list[list[int]]:

@@ -139,15 +139,14 @@ class RunRounds:
             policy, drafter = watch
             proposal = drafter.find(session.history, policy.max_k)
             if proposal:
+                # followed by the run's next tokens (after a cut: those made until the Cancel's Ack)
+                run.shadow = Shadow(tuple(proposal))
                 k, probe = cut_k(policy, run.loaded)
-                if k:  # (the tokens the run makes until the Cancel's Ack are compared with the drafts too)
+                if k:
                     take_cut(policy, k, probe, run.loaded)
-                    run.shadow = Shadow(tuple(proposal))
                     await self._end_run_early(session, Cut(policy, k))
                     if session.run is None:
                         return None
-                else:
-                    run.shadow = Shadow(tuple(proposal))
         round_ = await self._run_next(session)
         if watch is not None and run.shadow is not None:  # (a run ended midway teaches nothing)
             run.shadow = run.shadow.follow(int(round_.result.tokens[-1]), watch[0])
