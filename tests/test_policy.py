@@ -5,8 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleettui.runtime.measures import StageLoad, round_costs
-from fleettui.runtime.policy import CostModel, KPolicy, RoundFacts, choose_drafter
+from fleettui.runtime.measures import LinearCost, StageLoad, round_costs
+from fleettui.runtime.policy import (
+    EXPLORING_K,
+    MEASURABLE_HIT_RATE,
+    CostModel,
+    KPolicy,
+    RoundFacts,
+    choose_drafter,
+)
 from remote_worker import protocol
 
 
@@ -331,3 +338,47 @@ def test_a_verifys_after_effect_on_plain_steps_is_charged_to_its_drafter() -> No
     assert abs(policy.costs.achieved("plain", loaded=False).rate - 100.0) < 1.0
     assert policy.costs.achieved("draft", loaded=False).rate < 100.0
     assert policy.costs.losing("draft", loaded=False) and policy.choose() == 0
+
+
+def test_plain_rounds_never_push_the_verify_sizes_out_of_the_fit() -> None:
+    """Plain rounds far outnumber verifies: with one window for all sizes a reply's plain steps pushed every
+    verify out of it, the fit lost its slope and a verify of 17 tokens looked as cheap as a plain step (a
+    lookup on loaded emulated PCs chose K = 16: 52-60 ms against 8 ms). Each size keeps its own samples."""
+    cost = LinearCost()
+    for size in (3, 5):
+        for _ in range(4):
+            cost.add(size, 0.004 * size)
+    for _ in range(500):
+        cost.add(1, 0.008)
+    assert cost.sloped
+    assert cost.predict(17) > 4 * cost.predict(1)
+
+
+def test_no_k_beyond_an_exploring_one_until_a_verifys_slope_is_measured() -> None:
+    """Measured at one size only, a verify's cost is taken flat in K: every K would look as cheap as the
+    one measured. On one core it is not (12-15 ms for 2 tokens, 17-21 ms for 4, against 8 ms plain), so no
+    K beyond EXPLORING_K is verified until a second size gives the slope; then the whole max_k is open."""
+    policy = KPolicy(None, max_k=16, drafter="lookup")
+    for _ in range(10):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.008, asked=1))
+    assert not policy.costs.latency.sloped
+    assert policy.fair_k(loaded=False) == EXPLORING_K
+    for _ in range(10):
+        policy.record_round(RoundFacts(3, 3, 0.0, 0.009, asked=3))
+    assert policy.costs.latency.sloped and policy.fair_k(loaded=False) == 16
+
+
+def test_a_lookup_that_seldom_proposes_does_not_count_as_speculating_for_the_others() -> None:
+    """On loaded stages a session speculates only while every other one does (all or none). A lookup that
+    proposes in 1 ask of 10 may still pay by the model, but its session decodes plainly, and another
+    session's verifies would slow it for nothing (2 emulated PCs x 2 users: 40 against 77 tok/s, 0.81x no
+    speculation together): it does not `want` speculation."""
+    policy = KPolicy(None, max_k=8, drafter="lookup")
+    for _ in range(20):
+        for k in (0, 2):
+            policy.record_round(RoundFacts(k, k, 0.0, 0.008 + 0.001 * k, asked=k))
+    assert policy.choose(free_draft=True) > 0 and policy.wants
+    for index in range(60):
+        policy.asked(proposed=index % 10 == 0)
+    assert policy.hit_rate < MEASURABLE_HIT_RATE
+    assert policy.choose(free_draft=True) > 0 and not policy.wants

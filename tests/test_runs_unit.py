@@ -16,6 +16,7 @@ import pytest
 from test_coordinator_unit import PROMPTS, FakePipeline, NoisyDrafter, _model, _plain_greedy
 
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.policy import MEASURABLE_HIT_RATE
 from fleettui.runtime.speculation import PromptLookupDrafter
 from fleettui.runtime.transport import ReplyStream, StageLost
 from remote_worker import protocol
@@ -200,6 +201,8 @@ async def test_a_lookup_that_finds_nothing_never_cuts_a_run() -> None:
     assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 80)
     assert generation.stats.drafted == 0 and drafter.asked >= 2
     assert stage.runs == [80] and stage.extra == 0
+    # each run token counts as an ask: for the all-or-none rule on loaded stages the session does not draft
+    assert session.policies["lookup"].hit_rate < MEASURABLE_HIT_RATE
 
 
 class _LookupFindingSometimes(PromptLookupDrafter):

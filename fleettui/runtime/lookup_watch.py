@@ -75,26 +75,18 @@ def cut_k(policy: KPolicy, loaded: bool) -> tuple[int, bool]:
     # unknown, a Cancel is taken to cost a plain step (its round trip), so no run is cut on the prior alpha
     cut = costs.cut.predict(1)
     cut = plain if cut is None else cut
-    alpha = min(policy.alpha, 0.999)
-    best, best_rate = 0, 1.0 / max(plain, 1e-6)
-    # while verifies of one size were measured, their cost is flat in K: no K beyond an exploring one
-    largest = policy.fair_k(loaded) if costs.latency.sloped else min(3, policy.fair_k(loaded))
-    for k in range(1, largest + 1):
-        verify = costs.verify(k + 1, loaded)
-        if verify is None:
-            break
-        rate = (1 - alpha ** (k + 1)) / (1 - alpha) / max(cut + verify, 1e-6)
-        if rate > best_rate:
-            best, best_rate = k, rate
+    # where the run is cut, the lookup does propose: its hit rate is 1 there
+    rates = {
+        k: policy.expected_rate(k, True, loaded, hit=1.0, extra=cut) or 0.0
+        for k in range(policy.fair_k(loaded) + 1)
+    }
+    best = max(rates, key=rates.__getitem__)
     if best and policy.losing(loaded):
-        return (min(2, policy.max_k), True) if policy.rounds_until_probe(loaded) <= 1 else (0, False)
+        return (min(2, policy.max_k), True) if policy.probe_due(loaded) else (0, False)
     return best, False
 
 
 def take_cut(policy: KPolicy, k: int, probe: bool, loaded: bool) -> None:
     """The bookkeeping `KPolicy.choose` does for a round of K drafts, for the round after a cut."""
-    costs, arm = policy.costs, (policy.drafter, loaded)
-    policy.probing, policy.wants, policy.last_choice = probe, not probe, k
-    costs.since_probe[arm] = 0
-    interval = costs.probe_intervals.get(arm, policy.probe_every)
-    costs.probe_intervals[arm] = min(2 * interval, 512) if probe else policy.probe_every
+    policy.took(k, probe, loaded)
+    policy.wants = not probe

@@ -19,26 +19,36 @@ from remote_worker.protocol import trace_records
 
 @dataclass
 class LinearCost:
-    """Least-squares fit of seconds = a + b * size over the recent samples.
+    """Least-squares fit of seconds = a + b * size over the recent samples of each size.
 
+    Each size keeps its own `PER_SIZE` latest samples: plain rounds far outnumber verifies, and one window
+    for all let a reply's plain steps push every verify out of it. The fit then lost its slope, a verify of
+    17 tokens looked as cheap as a plain step, and a prompt lookup on loaded stages chose K = 16 (its verify
+    took 52-60 ms against 8 ms per plain step, on emulated PCs).
     Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
     takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
     K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
     The fit is computed once per new sample (closed form), not per prediction: a round asks for dozens.
     """
 
+    PER_SIZE = 32
+
     proportional: bool = False
-    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    samples: dict[float, deque[float]] = field(default_factory=dict)  # size: its latest seconds
     _fit: tuple[float, float, float] | None = None  # (intercept, slope, the one size seen or 0)
 
     def add(self, size: float, seconds: float) -> None:
-        self.window.append((size, seconds))
+        self.samples.setdefault(size, deque(maxlen=self.PER_SIZE)).append(seconds)
         self._fit = None
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.samples)
 
     def _fitted(self) -> tuple[float, float, float]:
         if self._fit is None:
-            samples = np.array(self.window, np.float64)
-            sizes, times = samples[:, 0], samples[:, 1]
+            sizes = np.concatenate([np.full(len(times), size) for size, times in self.samples.items()])
+            times = np.concatenate([np.fromiter(times, np.float64) for times in self.samples.values()])
             mean_size, mean_time = float(sizes.mean()), float(times.mean())
             spread = float(((sizes - mean_size) ** 2).sum())
             if spread == 0.0:
@@ -51,10 +61,10 @@ class LinearCost:
     @property
     def sloped(self) -> bool:
         """Whether two different sizes were measured (else the slope is a guess)."""
-        return len({size for size, _seconds in self.window}) > 1
+        return len(self.samples) > 1
 
     def predict(self, size: float) -> float | None:
-        if not self.window:
+        if not self.samples:
             return None
         intercept, slope, only = self._fitted()
         if only:  # one size measured so far (a size 0 leaves the flat mean)

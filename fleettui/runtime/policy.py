@@ -39,6 +39,7 @@ MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut r
 # plain steps (`KPolicy.fair_k`). Measured on 2 emulated PCs with 2 users, a prompt lookup accepting 9 of 9
 # made 23 ms verifies against 8 ms plain steps and the other user fell from 60 to 22 tok/s.
 FAIR_VERIFY_COST = 1.5
+EXPLORING_K = 3  # the K that measures a verify's slope (and a draft's cost) first
 
 
 @dataclass
@@ -125,7 +126,7 @@ class CostModel:
         return spec.rate < plain.rate
 
     def verify(self, size: int, loaded: bool) -> float | None:
-        if loaded and self.compute.window:
+        if loaded and self.compute.measured:
             return self.compute.predict(size)
         return self.latency.predict(size)
 
@@ -182,7 +183,9 @@ class KPolicy:
         self._own = {False: Realized(), True: Realized()}  # this session's speculative rounds
         self.last_choice = 0
         self.probing = False
-        self.wants = False  # whether its last `choose` found speculation paying (before the all-or-none rule)
+        self.wants = (
+            False  # its last `choose` found speculation paying and it mostly drafts (the all-or-none rule)
+        )
 
     def fork(self, drafter: str, free: bool = False) -> KPolicy:
         """A fresh policy for one session and drafter, sharing this pipeline's costs and settings.
@@ -326,13 +329,25 @@ class KPolicy:
                 return True
         return False
 
+    def _rounds_left(self, loaded: bool) -> int:
+        """Plain rounds left, by the pipeline's probe schedule, before this drafter is probed again."""
+        arm = (self.drafter, loaded)
+        return self.costs.probe_intervals.get(arm, self.probe_every) - self.costs.since_probe.get(arm, 0)
+
+    def probe_due(self, loaded: bool) -> bool:
+        """Whether this round is a probe's while K = 0 wins: due by the rounds since the last one, affordable
+        in time (`CostModel.probe_affordable`) and able to pay at all (`could_pay`)."""
+        return (
+            self._rounds_left(loaded) <= 1
+            and self.costs.probe_affordable(self.drafter, loaded)
+            and self.could_pay(loaded)
+        )
+
     def rounds_until_probe(self, loaded: bool) -> int:
         """Plain rounds left before this drafter is probed again while K = 0 wins (at least 1; a probe due by
         its rounds but not yet affordable in time is `probe_every` rounds away, so runs keep their length)."""
-        arm = (self.drafter, loaded)
-        interval = self.costs.probe_intervals.get(arm, self.probe_every)
-        left = interval - self.costs.since_probe.get(arm, 0)
-        if left <= 1 and not (self.costs.probe_affordable(self.drafter, loaded) and self.could_pay(loaded)):
+        left = self._rounds_left(loaded)
+        if left <= 1 and not self.probe_due(loaded):
             return self.probe_every
         return max(1, left)
 
@@ -341,7 +356,17 @@ class KPolicy:
         arm = (self.drafter, loaded)
         self.costs.since_probe[arm] = self.costs.since_probe.get(arm, 0) + 1
 
-    def expected_rate(self, k: int, free_draft: bool = False, loaded: bool = False) -> float | None:
+    def expected_rate(
+        self,
+        k: int,
+        free_draft: bool = False,
+        loaded: bool = False,
+        hit: float | None = None,
+        extra: float = 0.0,
+    ) -> float | None:
+        """Tokens per second of rounds of K drafts at the policy's alpha. `hit`: the share of rounds in which
+        the drafter proposes (its measured hit rate by default; 1 where it is known to propose, as after a
+        run cut short for it); `extra`: seconds each such round costs beyond draft and verify (a Cancel)."""
         plain = self.costs.verify(1, loaded)
         verify = self.costs.verify(k + 1, loaded)
         if verify is None or plain is None:
@@ -356,13 +381,13 @@ class KPolicy:
             return 1.0 / max(plain, 1e-6)
         alpha = min(self.alpha, 0.999)
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        hit = self.hit_rate
+        hit = self.hit_rate if hit is None else hit
         # a miss (nothing proposed) is a plain step at the cost of the lookup
-        return (hit * tokens + (1 - hit)) / max(draft + hit * verify + (1 - hit) * plain, 1e-6)
+        return (hit * tokens + (1 - hit)) / max(draft + hit * (verify + extra) + (1 - hit) * plain, 1e-6)
 
     def exploring(self, free_draft: bool = False, loaded: bool = False) -> bool:
         """Whether the costs to choose K are still unknown (the plain step's or the draft's)."""
-        return self.expected_rate(min(3, self.max_k), free_draft, loaded) is None
+        return self.expected_rate(min(EXPLORING_K, self.max_k), free_draft, loaded) is None
 
     def measuring_soon(self, loaded: bool = False) -> bool:
         """Whether a run should end early so this drafter is measured: its costs are unknown and, asked, it
@@ -374,12 +399,17 @@ class KPolicy:
     def fair_k(self, loaded: bool) -> int:
         """The largest K this session may verify now: `max_k` alone; under load (other sessions wait behind
         each step at the busiest stage) the largest K whose verify costs that stage at most
-        `FAIR_VERIFY_COST` plain steps, so one user's well-drafted rounds do not starve the others."""
-        if not loaded or not self.costs.compute.window:
-            return self.max_k
+        `FAIR_VERIFY_COST` plain steps, so one user's well-drafted rounds do not starve the others. While
+        verifies of one size only were measured in this regime their cost is taken flat in K, so no K beyond
+        an exploring one (`EXPLORING_K`): on one core a verify's cost grows with every token (12-15 ms for
+        2 tokens, 17-21 ms for 4, against 8 ms plain, on emulated PCs)."""
+        verify = self.costs.compute if loaded and self.costs.compute.measured else self.costs.latency
+        largest = self.max_k if verify.sloped else min(EXPLORING_K, self.max_k)
+        if not loaded or not self.costs.compute.measured:
+            return largest
         plain = self.costs.compute.predict(1) or 0.0
         fair = 0
-        for k in range(1, self.max_k + 1):
+        for k in range(1, largest + 1):
             cost = self.costs.compute.predict(k + 1)
             if cost is None or cost > FAIR_VERIFY_COST * plain:
                 break
@@ -423,33 +453,40 @@ class KPolicy:
         rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.fair_k(loaded) + 1)}
         unknown = [k for k, rate in rates.items() if rate is None]
         if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
-            choice = 0 if 0 in unknown else min(3, self.max_k)
+            choice = 0 if 0 in unknown else min(EXPLORING_K, self.max_k)
             self.probing = choice > 0
         else:
             choice = max(rates, key=lambda k: rates[k] or 0.0)
             if choice and self.losing(loaded):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
-            self.wants = choice > 0
+            # it speculates for the all-or-none rule only if it mostly drafts when asked: a lookup that finds
+            # something in 1 round of 10 may still pay by the model, but its session decodes plainly, and
+            # another session's verifies then slow it down for nothing (2 emulated PCs x 2 users: 45 against
+            # 94 tok/s, 0.80x no speculation together, while it "wanted" on a hit rate of 0.1)
+            self.wants = choice > 0 and self.hit_rate >= MEASURABLE_HIT_RATE
             if loaded and not shared:
                 choice = 0  # all or none on loaded stages: another session would not speculate
-            intervals, since, arm = self.costs.probe_intervals, self.costs.since_probe, (self.drafter, loaded)
-            since[arm] = 0 if choice else since.get(arm, 0) + 1
             if choice:
-                intervals[arm] = self.probe_every
-            elif (
-                since[arm] >= intervals.get(arm, self.probe_every)
-                and self.costs.probe_affordable(self.drafter, loaded)
-                and self.could_pay(loaded)
-            ):
+                self.took(choice, probe=False, loaded=loaded)
+            elif self.probe_due(loaded):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
                 # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
                 # count are the pipeline's: sessions take turns probing, none starts afresh.
-                since[arm] = 0
-                intervals[arm] = min(2 * intervals.get(arm, self.probe_every), 512)
                 choice = min(2, self.max_k)
-                self.probing = True
+                self.took(choice, probe=True, loaded=loaded)
+            else:
+                self.plain_round(loaded)
         self.last_choice = choice
         return choice
+
+    def took(self, k: int, probe: bool, loaded: bool) -> None:
+        """Count a round of K > 0 drafts chosen for this drafter (a `probe` while K = 0 wins, which backs the
+        next probe off; else the probe interval starts over) toward the pipeline's probe schedule."""
+        arm = (self.drafter, loaded)
+        self.costs.since_probe[arm] = 0
+        interval = self.costs.probe_intervals.get(arm, self.probe_every)
+        self.costs.probe_intervals[arm] = min(2 * interval, 512) if probe else self.probe_every
+        self.probing, self.last_choice = probe, k
 
 
 def choose_drafter(

@@ -138,6 +138,8 @@ class RunRounds:
         if watch is not None and run.shadow is None and not run.stream.done and remaining > 1:
             policy, drafter = watch
             proposal = drafter.find(session.history, policy.max_k)
+            # each run token is a round that would have asked it: its hit rate is per token, as a round's is
+            policy.asked(proposed=bool(proposal))
             if proposal:
                 # followed by the run's next tokens (after a cut: those made until the Cancel's Ack)
                 run.shadow = Shadow(tuple(proposal))
