@@ -21,7 +21,7 @@ from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.policy import RoundFacts
-from fleettui.runtime.speculation import Draft, KPolicy, PromptLookupDrafter, Sampling, lookup
+from fleettui.runtime.speculation import Draft, KPolicy, NgramIndex, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import StageLost
 from remote_worker import decoding, protocol
 
@@ -262,9 +262,32 @@ def test_ledger_refuses_a_stale_feed() -> None:
 
 
 def test_prompt_lookup_finds_the_latest_match() -> None:
-    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
-    assert lookup([1, 2, 3], 2) == []
-    assert lookup([5, 6, 5], 2) == [6, 5]
+    assert NgramIndex().find([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert NgramIndex().find([1, 2, 3], 2) == []
+    assert NgramIndex().find([5, 6, 5], 2) == [6, 5]
+
+
+def _scanned_lookup(history: list[int], k: int, max_ngram: int) -> list[int]:
+    """The lookup by a scan of the whole history (what the incremental index replaces)."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        starts = [i for i in range(len(history) - n) if history[i : i + n] == history[-n:]]
+        if starts and k > 0:
+            return history[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_the_incremental_ngram_index_finds_what_a_scan_of_the_whole_history_finds() -> None:
+    """A run asks the lookup at every token, so each session's history is indexed as it grows: per
+    token O(max_ngram) instead of a scan (51 us at 300 tokens). Replies appended one token or several at a
+    time, a new reply's list, all give what a scan gives."""
+    rng = np.random.default_rng(7)
+    drafter = PromptLookupDrafter(max_ngram=3)
+    for reply in range(40):
+        history = [int(t) for t in rng.integers(0, 5, size=int(rng.integers(1, 6)))]
+        for _step in range(int(rng.integers(1, 40))):
+            history.extend(int(t) for t in rng.integers(0, 5, size=int(rng.integers(1, 4))))
+            k = int(rng.integers(0, 9))
+            assert drafter.find(history, k, session=reply % 3) == _scanned_lookup(history, k, 3)
 
 
 async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:

@@ -184,7 +184,7 @@ async def test_a_stage_lost_mid_run_is_recovered_exactly() -> None:
 class _LookupFindingNothing(PromptLookupDrafter):
     """A prompt lookup on a reply that never repeats its history: asked, it finds nothing."""
 
-    def find(self, history: list[int], k: int) -> list[int]:
+    def find(self, history: list[int], k: int, session: int = 0) -> list[int]:
         self.asked = getattr(self, "asked", 0) + 1
         return []
 
@@ -213,7 +213,7 @@ class _LookupFindingSometimes(PromptLookupDrafter):
         super().__init__()
         self.period, self.window = period, window
 
-    def find(self, history: list[int], k: int) -> list[int]:
+    def find(self, history: list[int], k: int, session: int = 0) -> list[int]:
         if len(history) % self.period >= self.window:
             return []
         sequence = list(history)
@@ -241,8 +241,8 @@ async def test_a_run_ends_early_where_a_paying_lookup_finds_a_repeat() -> None:
 class _LookupAlwaysWrong(_LookupFindingSometimes):
     """A prompt lookup that proposes in the same stretches, always a wrong first token."""
 
-    def find(self, history: list[int], k: int) -> list[int]:
-        right = super().find(history, k)
+    def find(self, history: list[int], k: int, session: int = 0) -> list[int]:
+        right = super().find(history, k, session)
         return [(right[0] + 1) % 16, *right[1:]] if right else []
 
 

@@ -135,6 +135,8 @@ class Coordinator(RunRounds, AheadRounds):
             if self.drafter is not None:
                 with contextlib.suppress(StageLost):
                     await self.drafter.close(session.id)
+            if self.lookup is not None:
+                await self.lookup.close(session.id)
 
     # -- recovery ---------------------------------------------------------------------------------
     async def _guarded(self, session: Session, action: Callable[[], Awaitable[_T]]) -> _T:

@@ -137,7 +137,7 @@ class RunRounds:
         watch = self._watch(run)
         if watch is not None and run.shadow is None and not run.stream.done and remaining > 1:
             policy, drafter = watch
-            proposal = drafter.find(session.history, policy.max_k)
+            proposal = drafter.find(session.history, policy.max_k, session.id)
             # each run token is a round that would have asked it: its hit rate is per token, as a round's is
             policy.asked(proposed=bool(proposal))
             if proposal:
