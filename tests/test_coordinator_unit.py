@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fleettui.runtime import ahead as ahead_drafts
+from fleettui.runtime import cost_model as cost_model_module
 from fleettui.runtime import policy as policy_module
 from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator, GenerationParams
@@ -312,7 +313,8 @@ async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
     is the model draft's (if it pays now), not a plain step or run, and the lookup's miss is counted once.
     The first round of a reply stays plain on a miss (the first token never waits for the draft)."""
     monkeypatch.setattr(
-        "fleettui.runtime.coordinator.choose_drafter", lambda _policies, _loaded, _shared: ("lookup", 3)
+        "fleettui.runtime.coordinator.choose_drafter",
+        lambda _policies, _loaded, _shared, _watched: ("lookup", 3),
     )
     drafter = PartDrafter()  # records each proposal
     coordinator = Coordinator(FakePipeline(), None, drafter, max_k=4)
@@ -684,7 +686,7 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     compute from the stages). The output is plain greedy in every case."""
     # what a probe catches up on, not how often probes come: no time budget for them here, and probes even
     # of a draft that perfect acceptance could not make pay (`KPolicy.could_pay`)
-    monkeypatch.setattr(policy_module, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(cost_model_module, "PROBE_SHARE", 1e9)
     monkeypatch.setattr(policy_module, "PROBE_CEILING", 0.0)
     drafter = LagDrafter(per_token=0.05)
     pipeline = WiredPipeline(wire=wire) if wire else LanPipeline(stage=0.005)

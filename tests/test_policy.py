@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fleettui.runtime.cost_model import CostModel
 from fleettui.runtime.measures import LinearCost, StageLoad, round_costs
 from fleettui.runtime.policy import (
     EXPLORING_K,
     MEASURABLE_HIT_RATE,
-    CostModel,
     KPolicy,
     RoundFacts,
     choose_drafter,
@@ -232,7 +232,7 @@ def test_a_probes_cost_includes_the_slower_plain_steps_after_it() -> None:
     """Measured on one stage: while the draft caught up the stage idled, and its next plain steps ran slower
     (13, 12, 11 ms against 9). A probe is charged what it lost against plain decoding: its own round beyond
     its tokens' plain time, plus the excess of the AFTER_PROBE_ROUNDS plain rounds after it."""
-    from fleettui.runtime.policy import AFTER_PROBE_ROUNDS
+    from fleettui.runtime.cost_model import AFTER_PROBE_ROUNDS
 
     costs = CostModel()
     policy = KPolicy(None, 8, costs=costs, drafter="model")
@@ -382,3 +382,23 @@ def test_a_lookup_that_seldom_proposes_does_not_count_as_speculating_for_the_oth
         policy.asked(proposed=index % 10 == 0)
     assert policy.hit_rate < MEASURABLE_HIT_RATE
     assert policy.choose(free_draft=True) > 0 and not policy.wants
+
+
+def test_a_lookup_learning_in_the_runs_shadow_is_probed_only_to_recheck_a_measured_loss() -> None:
+    """Where runs are watched for prompt lookup its acceptance is learnt in their shadow, free. A probe then
+    only costs (a cut run, a verify of drafts the model expects to fail: 1-3 per reply of 128 tokens on one
+    stage), so while the model says K = 0 it is not probed; a lookup the model says pays but the realized
+    rates say lost is probed, to measure that loss again. Without the shadow, probes keep alpha alive."""
+    lookup = KPolicy(None, 8, probe_every=4, drafter="lookup", free=True)
+    for _ in range(40):
+        for k in (0, 2, 4):  # a lookup that is never right: K = 0 wins
+            lookup.record_round(RoundFacts(k, 0, 0.0, 0.010 + 0.002 * k, asked=k))
+    assert max(lookup.choose(free_draft=True, shadowed=True) for _ in range(12)) == 0
+    assert max(lookup.choose(free_draft=True, shadowed=False) for _ in range(12)) == 2
+    right = KPolicy(None, 8, probe_every=4, drafter="lookup", free=True)
+    for _ in range(40):
+        right.record_round(RoundFacts(0, 0, 0.0, 0.010))
+        right.record_round(RoundFacts(3, 3, 0.0, 0.016, asked=3))
+    right.charge("lookup", loaded=False, seconds=10.0)  # its realized rate lost (after-effects)
+    assert right.expected_rate(3, True) > right.expected_rate(0, True) and right.losing(False)
+    assert max(right.choose(free_draft=True, shadowed=True) for _ in range(12)) == 2

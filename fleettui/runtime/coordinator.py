@@ -373,7 +373,12 @@ class Coordinator(RunRounds, AheadRounds):
             shared = self._others_speculate(session)
             candidates = self._candidates(session)
             # a run cut short where the free lookup proposes: it drafts now (lookup_watch)
-            name, k = ("lookup", session.cut.k) if session.cut else choose_drafter(candidates, loaded, shared)
+            watched = bool(self.max_run) and hasattr(self.target, "stream")  # runs, watched for the lookup
+            name, k = (
+                ("lookup", session.cut.k)
+                if session.cut
+                else choose_drafter(candidates, loaded, shared, watched)
+            )
             session.wants_speculation = any(policy.wants for policy in session.policies.values())
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))

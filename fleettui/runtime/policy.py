@@ -1,33 +1,17 @@
 """Provides the adaptive speculation policy: K per round and the drafter per session, from measured rates.
 
-Costs are fitted per pipeline (`CostModel`, shared by every session): a verify of K + 1 tokens costs
-- alone (one session generating): its own latency, the round trip minus time spent queued at the stages;
-- loaded (several sessions at once while the busiest stage computes at least half the time, `StageLoad`):
-  what it takes from the busiest stage, its compute, since the pipeline is then bound by that stage's
-  throughput and not by one session's latency.
-Both come from the stages' own traces (received / started / finished / sent), not from wall time, so a
-session's rounds are not charged for the queue other sessions build. Acceptance is per session and drafter.
+Costs are fitted per pipeline (`fleettui.runtime.cost_model.CostModel`, shared by every session): a verify's
+own latency alone, the busiest stage's compute under load. Acceptance is per session and drafter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from fleettui.runtime.measures import LinearCost, Realized
+from fleettui.runtime.cost_model import CostModel
+from fleettui.runtime.measures import Realized
 
-MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
-MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
-# While K = 0 wins, probing a drafter takes at most this share of the generating time: the issue's bar is
-# speculation >= 0.98x no speculation, so exploring may cost at most 2 % (it was 5 %, when a probe was charged
-# its drafting alone; charged what it really lost, a probe of the model draft on one stage came every ~2.4 s
-# of generating, two replies of 128 tokens, at 5 %, and comes every ~6 s at 2 %).
-PROBE_SHARE = 0.02
-# A probe costs more than its drafting: measured on one stage (2 cores, the draft on the same cores), the stage
-# idled ~55 ms while the draft caught up, then its next n = 1 steps took 13, 12, 11 ms against a steady 9
-# (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
-# its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs.
-AFTER_PROBE_ROUNDS = 8
 # OpenVINO's CPU plugin runs the first 1-token steps after a verify of several tokens slower (15-17.5 ms
 # against 9 after a 3-token verify, on loaded stages for the other sessions too): what this many plain
 # rounds after a verify take beyond plain's rate is charged to the verify's drafter, not to plain decoding.
@@ -39,96 +23,12 @@ MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut r
 # plain steps (`KPolicy.fair_k`). Measured on 2 emulated PCs with 2 users, a prompt lookup accepting 9 of 9
 # made 23 ms verifies against 8 ms plain steps and the other user fell from 60 to 22 tok/s.
 FAIR_VERIFY_COST = 1.5
+# On loaded stages a drafter's expected rate must beat plain decoding by this much: what its verifies do to the
+# other sessions' steps beyond the fitted compute (OpenVINO's slower steps after a verify, one user finishing
+# early and leaving the pipeline half idle) is outside the model. On 2 emulated PCs x 2 users, a lookup expected
+# to gain a few % on one user's replies (alpha ~0.5, K = 1) lost 3-6 % of both users' tokens per second.
+LOADED_MARGIN = 1.1
 EXPLORING_K = 3  # the K that measures a verify's slope (and a draft's cost) first
-
-
-@dataclass
-class CostModel:
-    """Verify and draft costs of one pipeline, shared by its sessions' policies.
-
-    Beside the fitted costs it keeps what each arm really achieved (tokens per second of wall time, apart
-    for one session alone and for several at once): the guard that keeps speculation from being a loss
-    whatever the model misses (Python overheads, a draft that shares the stages' cores, queueing).
-    """
-
-    latency: LinearCost = field(default_factory=LinearCost)  # one session: own round-trip latency
-    compute: LinearCost = field(default_factory=LinearCost)  # several: the busiest stage's compute
-    drafts: dict[str, LinearCost] = field(default_factory=dict)
-    # a run cut short for a free drafter (fleettui.runtime.lookup_watch): what its Cancel cost
-    cut: LinearCost = field(default_factory=LinearCost)
-    realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
-    acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
-    probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
-    since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
-    # seconds of rounds recorded (every arm, each session's round counted), alone and loaded: generating time
-    generating: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    # (drafter, loaded): the generating time when its last speculative round was recorded, and what that round
-    # lost against plain decoding (its after-effect on the plain rounds that followed included)
-    last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
-    after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # plain rounds still charged to it
-    # loaded: (drafter, plain rounds left, session) whose excess still goes to that drafter's realized rate
-    after_verify: dict[bool, tuple[str, int, int]] = field(default_factory=dict)
-
-    def probe_affordable(self, drafter: str, loaded: bool) -> bool:
-        """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
-        enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly draft pays its catch-up on
-        all it missed (a 48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and
-        counting rounds alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage
-        2-user row lost ~30 % of its first reply to them). Idle time does not count: a probe after a pause
-        costs the next reply as much. A free drafter (prompt lookup) is always affordable."""
-        last = self.last_drafted.get((drafter, loaded))
-        return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
-
-    def charge_probe(
-        self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float
-    ) -> None:
-        """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next probe is
-        budgeted against: its cost is the time it took beyond its `tokens` at plain decoding's
-        `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their excess."""
-        key = (drafter, loaded)
-        self.last_drafted[key] = (self.generating[loaded], max(seconds - tokens * plain_seconds, 0.0))
-        self.after_probe[key] = AFTER_PROBE_ROUNDS
-
-    def charge_after_probe(self, loaded: bool, seconds: float, plain_seconds: float | None) -> None:
-        """A plain round (any session's): what it took beyond plain decoding's time per token goes to every
-        probe still charged with its after-effect in this regime."""
-        for key, left in list(self.after_probe.items()):
-            if key[1] != loaded:
-                continue
-            if left <= 1:
-                del self.after_probe[key]
-            else:
-                self.after_probe[key] = left - 1
-            if plain_seconds is not None and key in self.last_drafted:
-                since, cost = self.last_drafted[key]
-                self.last_drafted[key] = (since, cost + max(seconds - plain_seconds, 0.0))
-
-    def draft(self, name: str) -> LinearCost:
-        return self.drafts.setdefault(name, LinearCost(proportional=True))
-
-    def achieved(self, arm: str, loaded: bool) -> Realized:
-        return self.realized.setdefault((arm, loaded), Realized())
-
-    def losing(self, drafter: str, loaded: bool, own: Realized | None = None) -> bool:
-        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not.
-
-        `own` is one session's record with that drafter: it speaks for the session once it has enough
-        rounds (acceptance differs a lot between sessions), else the pipeline's record does.
-        """
-        plain = self.achieved("plain", loaded)
-        spec = (
-            own
-            if own is not None and own.rounds >= MIN_SPECULATIVE_ROUNDS
-            else self.achieved(drafter, loaded)
-        )
-        if plain.rounds < MIN_REALIZED_ROUNDS or spec.rounds < MIN_SPECULATIVE_ROUNDS:
-            return False
-        return spec.rate < plain.rate
-
-    def verify(self, size: int, loaded: bool) -> float | None:
-        if loaded and self.compute.measured:
-            return self.compute.predict(size)
-        return self.latency.predict(size)
 
 
 @dataclass(frozen=True)
@@ -420,8 +320,16 @@ class KPolicy:
         """The K with the highest expected rate now (no probe, no bookkeeping; 0 while costs are unknown)."""
         if self.fixed_k is not None:
             return self.fixed_k
-        rates = {k: self.expected_rate(k, free_draft, loaded) or 0.0 for k in range(self.fair_k(loaded) + 1)}
+        rates = {k: rate or 0.0 for k, rate in self._rates(free_draft, loaded).items()}
         return max(rates, key=rates.__getitem__)
+
+    def _rates(self, free_draft: bool, loaded: bool) -> dict[int, float | None]:
+        """The expected rate of each K this session may verify now, as K is chosen by: on loaded stages a
+        K > 0 counts `LOADED_MARGIN` less (None: a cost still unknown)."""
+        rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.fair_k(loaded) + 1)}
+        if loaded:
+            rates = {k: rate / LOADED_MARGIN if k and rate is not None else rate for k, rate in rates.items()}
+        return rates
 
     def losing(self, loaded: bool) -> bool:
         """Whether speculating has measurably yielded fewer tokens per second than not: by the session's own
@@ -439,7 +347,9 @@ class KPolicy:
             return 0
         return self.best_k(free_draft=self.free, loaded=loaded)
 
-    def choose(self, free_draft: bool = False, loaded: bool = False, shared: bool = True) -> int:
+    def choose(
+        self, free_draft: bool = False, loaded: bool = False, shared: bool = True, shadowed: bool = False
+    ) -> int:
         """K for this round. Under load, `shared` says whether every other generating session wants to
         speculate too: if one does not, this session decodes plainly as well (probes apart), since its
         longer verifies would lengthen that session's every turn at the busy stage and only it would gain
@@ -450,13 +360,13 @@ class KPolicy:
         if self.fixed_k is not None:
             self.last_choice = self.fixed_k
             return self.fixed_k
-        rates = {k: self.expected_rate(k, free_draft, loaded) for k in range(self.fair_k(loaded) + 1)}
+        rates = self._rates(free_draft, loaded)
         unknown = [k for k, rate in rates.items() if rate is None]
         if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
             choice = 0 if 0 in unknown else min(EXPLORING_K, self.max_k)
             self.probing = choice > 0
         else:
-            choice = max(rates, key=lambda k: rates[k] or 0.0)
+            choice = modelled = max(rates, key=lambda k: rates[k] or 0.0)
             if choice and self.losing(loaded):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
             # it speculates for the all-or-none rule only if it mostly drafts when asked: a lookup that finds
@@ -468,10 +378,13 @@ class KPolicy:
                 choice = 0  # all or none on loaded stages: another session would not speculate
             if choice:
                 self.took(choice, probe=False, loaded=loaded)
-            elif self.probe_due(loaded):
+            elif self.probe_due(loaded) and (modelled or not shadowed):
                 # A probe makes a costly draft catch up on everything since its last use: back off while
                 # probes keep confirming K = 0, so exploring stays a small share of the work. Interval and
                 # count are the pipeline's: sessions take turns probing, none starts afresh.
+                # A drafter whose runs are watched (`shadowed`, prompt lookup) learns its acceptance in their
+                # shadow: it is probed only to measure again a loss the model disputes, never to keep alpha
+                # alive (a probe's cut run and failed verify cost ~1.5 plain steps, 1-3 of them per reply).
                 choice = min(2, self.max_k)
                 self.took(choice, probe=True, loaded=loaded)
             else:
@@ -490,17 +403,17 @@ class KPolicy:
 
 
 def choose_drafter(
-    policies: Sequence[tuple[str, KPolicy, bool]], loaded: bool, shared: bool = True
+    policies: Sequence[tuple[str, KPolicy, bool]], loaded: bool, shared: bool = True, shadowed: bool = False
 ) -> tuple[str, int]:
     """(drafter name, K) for one round among candidates (name, that drafter's policy, is it free).
 
     A candidate that is still exploring or probing goes first (free drafters before costly ones); otherwise
     the candidate whose best K has the highest expected rate wins. ("", 0) = no speculation this round.
-    `shared`: see `KPolicy.choose`.
+    `shared`: see `KPolicy.choose`; `shadowed`: runs are watched for the free drafters (`lookup_watch`).
     """
     best: tuple[float, str, int] = (-1.0, "", 0)
     for name, policy, free in sorted(policies, key=lambda item: not item[2]):
-        k = policy.choose(free_draft=free, loaded=loaded, shared=shared)
+        k = policy.choose(free_draft=free, loaded=loaded, shared=shared, shadowed=free and shadowed)
         if policy.probing:
             return name, k
         rate = policy.expected_rate(k, free, loaded) or 0.0

@@ -8,9 +8,10 @@ from typing import Protocol
 
 import numpy as np
 
+from fleettui.runtime.cost_model import CostModel
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.measures import round_costs
-from fleettui.runtime.policy import CostModel, KPolicy
+from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.transport import Link
 from remote_worker import protocol
 
