@@ -402,3 +402,21 @@ def test_a_lookup_learning_in_the_runs_shadow_is_probed_only_to_recheck_a_measur
     right.charge("lookup", loaded=False, seconds=10.0)  # its realized rate lost (after-effects)
     assert right.expected_rate(3, True) > right.expected_rate(0, True) and right.losing(False)
     assert max(right.choose(free_draft=True, shadowed=True) for _ in range(12)) == 2
+
+
+def test_a_new_sessions_prior_hit_rate_follows_the_pipelines_lookups() -> None:
+    """Each reply is a new session: with a prior hit rate of 1 every new session's lookup counted as
+    speculating for the all-or-none rule until its own misses wore the prior down, and each reply's first
+    rounds verified drafts on loaded stages (2 emulated PCs x 2 users, 6 rounds each way: 0.95x no
+    speculation median with that prior, 0.98x with the pipeline's). A new session leans to what the lookup
+    found in this pipeline's other sessions (weight 2, as alpha)."""
+    base = KPolicy(None, 8)
+    first = base.fork("lookup", free=True)
+    assert first.hit_rate == pytest.approx(1.0)  # nothing measured yet: the lookup is asked before judged
+    for index in range(100):
+        first.asked(proposed=index % 10 == 0)
+    second = base.fork("lookup", free=True)
+    assert second.hit_rate < MEASURABLE_HIT_RATE and base.fork("model").hit_rate == pytest.approx(1.0)
+    for _ in range(3):  # its own reply repeats itself: a few hits make it count again
+        second.asked(proposed=True)
+    assert second.hit_rate >= MEASURABLE_HIT_RATE

@@ -46,6 +46,7 @@ class CostModel:
     cut: LinearCost = field(default_factory=LinearCost)
     realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
+    proposals: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [proposed, asked]
     probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
     since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
     # seconds of rounds recorded (every arm, each session's round counted), alone and loaded: generating time

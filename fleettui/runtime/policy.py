@@ -91,12 +91,16 @@ class KPolicy:
         """A fresh policy for one session and drafter, sharing this pipeline's costs and settings.
 
         Its prior acceptance (weight 2, as the default 1:1) leans to what the drafter achieved in this
-        pipeline's other sessions, so a new session does not start from alpha = 0.5 every time.
+        pipeline's other sessions, so a new session does not start from alpha = 0.5 every time; so does its
+        prior hit rate (weight 2): a lookup that mostly finds nothing in this pipeline does not count as
+        speculating for the all-or-none rule in a new reply's first rounds.
         """
         policy = KPolicy(self.fixed_k, self.max_k, self.probe_every, self.costs, drafter, free)
         accepted, rejected = self.costs.acceptance.get(drafter, (1.0, 1.0))
         share = min(max(accepted / max(accepted + rejected, 1e-9), 0.05), 0.95)
         policy._accepted, policy._rejected = 2 * share, 2 * (1 - share)
+        proposed, asked = self.costs.proposals.get(drafter, (1.0, 1.0))
+        policy._hits, policy._asks = 2 * min(max(proposed / max(asked, 1e-9), 0.05), 1.0), 2.0
         return policy
 
     @property
@@ -213,6 +217,9 @@ class KPolicy:
         """Count one request to the drafter and whether it proposed anything (a lookup may find nothing)."""
         self._asks = self._asks * decay + 1
         self._hits = self._hits * decay + (1 if proposed else 0)
+        shared = self.costs.proposals.setdefault(self.drafter, [1.0, 1.0])
+        shared[0] = shared[0] * decay + (1 if proposed else 0)
+        shared[1] = shared[1] * decay + 1
 
     def could_pay(self, loaded: bool) -> bool:
         """Whether some K would beat plain decoding by `PROBE_CEILING` were every draft accepted (True while
