@@ -37,8 +37,42 @@ SHRINK_OUTPUT_BYTES = 4 << 20  # an output buffer above this is released after t
 _KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "u4": 0.5}
 
 
+LOGITS_KEEP = "logits_keep"  # the input slice_logits adds: how many of the step's last rows get logits
+
+
 class EngineError(RuntimeError):
     """A request the engine cannot serve; the message says why in one line."""
+
+
+def slice_logits(model: Any) -> bool:
+    """Give the head only the last LOGITS_KEEP rows of its input: a Slice and an i64 [1] input are put before
+    the MatMul that makes the `logits` output. A prefill of n tokens then projects one row onto the vocabulary,
+    not n (its other rows were thrown away); the kept rows' values are those of the whole projection. False
+    (the model unchanged) when the output is not made that way."""
+    import openvino as ov
+    from openvino import opset8 as ops
+
+    result = model.outputs[0].get_node()
+    head = result.input(0).get_source_output().get_node()
+    if (
+        head.get_type_name() != "MatMul"
+        or head.get_attributes().get("transpose_a")
+        or head.input(0).get_partial_shape().rank.get_length() != 3
+    ):
+        return False
+    keep = ops.parameter([1], ov.Type.i64, name=LOGITS_KEEP)
+    keep.output(0).get_tensor().set_names({LOGITS_KEEP})
+    last_rows = ops.slice(
+        head.input(0).get_source_output(),
+        ops.negative(keep),
+        ops.constant(np.asarray([np.iinfo(np.int64).max], np.int64)),
+        ops.constant(np.asarray([1], np.int64)),
+        ops.constant(np.asarray([1], np.int64)),
+    )
+    head.input(0).replace_source_output(last_rows.output(0))
+    model.add_parameters([keep])
+    model.validate_nodes_and_infer_types()
+    return True
 
 
 @dataclass
@@ -47,6 +81,7 @@ class Session:
     cache_len: int = 0  # physical KV slots, masked ones included
     mask: np.ndarray = None  # type: ignore[assignment]  # int64 over physical slots, with spare capacity
     broken: str = ""  # why the state can no longer be trusted (a failed infer or compaction)
+    inputs: tuple[np.ndarray, ...] = ()  # the last step's input arrays, which its tensors share
 
     def __post_init__(self) -> None:
         if self.mask is None:
@@ -113,6 +148,8 @@ class StageEngine:
         self._ov = ov
         core = ov.Core()
         model = core.read_model(str(self.shard_dir / self.stage.ir))
+        # the last stage's head projects only the rows asked for (a prefill's last), as GenAI's pipeline does
+        self.slices_logits = self.stage.is_last and slice_logits(model)
         self.requested = self._properties(core, device, threads, inference_precision, kv_cache_precision)
         started = time.perf_counter()
         try:
@@ -127,12 +164,23 @@ class StageEngine:
         except RuntimeError as error:
             raise EngineError(f"compile on {device} failed: {compile_cache.first_line(error)}") from None
         self.compile_seconds = time.perf_counter() - started
-        names = {name for port in self.compiled.inputs for name in port.get_names()}
+        index = {name: i for i, port in enumerate(self.compiled.inputs) for name in port.get_names()}
         self.data_input = "input_ids" if self.stage.is_first else "hidden_states"
         for needed in (self.data_input, "attention_mask", "position_ids"):
-            if needed not in names:
+            if needed not in index:
                 raise ManifestError(f"{self.stage.ir}: input {needed!r} is missing")
-        self.has_beam_idx = "beam_idx" in names
+        # input indices, so a step sets its tensors directly (OpenVINO's dict dispatch cost ~2 % of a token)
+        self._data_port, self._mask_port = index[self.data_input], index["attention_mask"]
+        self._position_port, self._beam_port = index["position_ids"], index.get("beam_idx")
+        self.has_beam_idx = self._beam_port is not None
+        self._keep_port = index[LOGITS_KEEP] if self.slices_logits else None
+        wanted = {self._data_port: "i64" if self.stage.is_first else "f32", self._mask_port: "i64"}
+        wanted.update({self._position_port: "i64", **({self._beam_port: "i32"} if self.has_beam_idx else {})})
+        wanted.update({self._keep_port: "i64"} if self._keep_port is not None else {})
+        for port, kind in wanted.items():  # a step's arrays are these types, shared with no conversion
+            found = self.compiled.inputs[port].get_element_type().get_type_name()
+            if found != kind:
+                raise ManifestError(f"{self.stage.ir}: input {port} is {found}, the worker feeds {kind}")
         self.sessions: dict[int, Session] = {}
         self._effective: dict[str, str] | None = None
         self._beam_idx = np.zeros(1, np.int32)
@@ -214,7 +262,10 @@ class StageEngine:
         if session in self.sessions:
             self.reset(session)
             return
-        self.sessions[session] = Session(self.compiled.create_infer_request())
+        request = self.compiled.create_infer_request()
+        if self._beam_port is not None:  # the same single beam for every step (its array lives in self)
+            request.set_input_tensor(self._beam_port, self._ov.Tensor(self._beam_idx, shared_memory=True))
+        self.sessions[session] = Session(request)
 
     def close(self, session: int) -> None:
         """Forget a session and free its cache (closing an unknown session is a no-op)."""
@@ -281,36 +332,41 @@ class StageEngine:
         n = int(data.shape[0])
         if n == 0:
             raise EngineError(f"session {session}: empty step")
-        inputs = {self.data_input: self._data(data, n)}
+        values = self._data(data, n)
+        if not values.flags.writeable:  # a frame's buffer: a shared tensor needs writeable memory
+            values = values.copy()
         for start, end in ranges:
             state.mask[start:end] = 0
         state.reserve(cache_len + n)
         state.mask[cache_len : cache_len + n] = 1
-        inputs["attention_mask"] = state.mask[: cache_len + n].reshape(1, -1)
-        inputs["position_ids"] = np.arange(pos0, pos0 + n, dtype=np.int64).reshape(1, n)
-        if self.has_beam_idx:
-            inputs["beam_idx"] = self._beam_idx
+        mask = state.mask[: cache_len + n].reshape(1, -1)
+        positions = np.arange(pos0, pos0 + n, dtype=np.int64).reshape(1, n)
+        # The tensors share these arrays' memory and OpenVINO keeps no reference to them: the session does,
+        # until its next step.
+        keep = np.asarray([keep_last if 0 < keep_last < n else n], np.int64)
+        state.inputs = (values, mask, positions, keep)
+        request, tensor = state.request, self._ov.Tensor
         try:
-            outputs = state.request.infer(inputs, share_inputs=True, share_outputs=True)
+            if self._keep_port is not None:
+                request.set_input_tensor(self._keep_port, tensor(keep, shared_memory=True))
+            request.set_input_tensor(self._data_port, tensor(values, shared_memory=True))
+            request.set_input_tensor(self._mask_port, tensor(mask, shared_memory=True))
+            request.set_input_tensor(self._position_port, tensor(positions, shared_memory=True))
+            request.infer()
+            logits = request.get_output_tensor(0).data
         except RuntimeError as error:
             state.broken = (
                 f"inference failed: {str(error).strip().splitlines()[0] if str(error).strip() else error}"
             )
             raise EngineError(f"session {session}: {state.broken}") from None
         state.cache_len = cache_len + n
-        output: np.ndarray = outputs[0][0]
-        if 0 < keep_last < n:
-            output = output[n - keep_last :]
-        if outputs[0].nbytes > SHRINK_OUTPUT_BYTES:
+        output: np.ndarray = logits[0]
+        if 0 < keep_last < len(output):
+            output = output[len(output) - keep_last :]
+        if logits.nbytes > SHRINK_OUTPUT_BYTES:
             output = output.copy()
             port = self.compiled.outputs[0]
-            state.request.set_output_tensor(
-                0,
-                self._ov.Tensor(
-                    port.get_element_type(),
-                    [1, 1, outputs[0].shape[-1]],
-                ),
-            )
+            request.set_output_tensor(0, tensor(port.get_element_type(), [1, 1, logits.shape[-1]]))
         return output
 
     def _data(self, data: np.ndarray, n: int) -> np.ndarray:

@@ -78,7 +78,7 @@ def greedy(engine: object, session: int, prompt: list[int], tokens: int) -> tupl
     step = engine.step  # type: ignore[attr-defined]
     no_mask = np.zeros((0, 2), np.int64)
     started = time.perf_counter()
-    logits = step(session, 0, 0, no_mask, np.asarray(prompt, np.int64))
+    logits = step(session, 0, 0, no_mask, np.asarray(prompt, np.int64), keep_last=1)
     produced = [int(np.argmax(logits[-1]))]
     ttft = time.perf_counter() - started
     position = len(prompt)

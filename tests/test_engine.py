@@ -211,3 +211,25 @@ def test_engine_refuses_inconsistent_requests(chain: Chain) -> None:
     first.close(30)
     chain.engines[1].close(30)
     assert not first.has(30)
+
+
+def test_the_head_projects_only_the_rows_asked_for_and_they_equal_the_full_projection(
+    chain: Chain, shard_dir: Path
+) -> None:
+    """slice_logits: a prefill's head sees one row (n x vocabulary floats were thrown away before); the rows
+    kept are exactly those rows of the whole projection, at any keep (a verify keeps K + 1)."""
+    first, last = chain.engines
+    assert last.slices_logits and not first.slices_logits
+    prompt = chat_prompt(shard_dir, "Why is the sky blue?")
+    n = len(prompt)
+    outputs = {}
+    for session, keep in ((40, 0), (41, 1), (42, 3), (43, n + 5)):
+        chain.open(session)
+        hidden = first.step(session, 0, 0, NO_RANGES, prompt)
+        outputs[keep] = last.step(session, 0, 0, NO_RANGES, hidden, keep_last=keep).copy()
+        chain.close(session)
+    assert outputs[0].shape == (n, 49152) and outputs[n + 5].shape == (n, 49152)
+    assert outputs[1].shape == (1, 49152) and outputs[3].shape == (3, 49152)
+    np.testing.assert_array_equal(outputs[1], outputs[0][-1:])
+    np.testing.assert_array_equal(outputs[3], outputs[0][-3:])
+    np.testing.assert_array_equal(outputs[n + 5], outputs[0])
