@@ -9,6 +9,7 @@ NaN/Inf out of the model is such a failure: it names stage and session instead o
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -194,8 +195,9 @@ class StageCompute:
 
     def _check_finite(self, session: int, output: np.ndarray) -> None:
         """NaN/Inf out of the model: an Error naming stage and session, never a token; the cache is distrusted."""
-        if bool(np.isfinite(output).all()):
-            return
+        with np.errstate(over="ignore"):  # a finite sum: every value is finite (NaN and Inf propagate)
+            if math.isfinite(float(output.sum())) or bool(np.isfinite(output).all()):
+                return  # (only a sum that overflowed needs the second look)
         what = "logits" if self.engine.is_last else "hidden states"
         reason = f"session {session}: stage {self.config.stage_index} computed non-finite {what} (NaN/Inf)"
         self.engine.mark_broken(session, reason)

@@ -140,9 +140,9 @@ def run_step(decode: Decode) -> Decode:
 def run_next(decode: Decode, token: int) -> Decode:
     """The Decode of a run's next token once `token` was emitted: the uniforms after this token's two, and
     `token` counted in the penalties' context and reply, as the coordinator would have sent them."""
-    uniforms = decode.uniforms[2:] if len(decode.uniforms) else decode.uniforms
     if not decode.penalized:
-        return replace(decode, uniforms=uniforms)
+        return replace(decode, uniforms=decode.uniforms[2:]) if len(decode.uniforms) else decode
+    uniforms = decode.uniforms[2:] if len(decode.uniforms) else decode.uniforms
     ids, counts = decode.penalty_ids, decode.penalty_counts
     index = int(np.searchsorted(ids, token))
     if index < len(ids) and int(ids[index]) == token:
@@ -211,6 +211,9 @@ def _draft_q(decode: Decode, j: int, vocab: int) -> np.ndarray:
     return q
 
 
+_NO_TOP_IDS, _NO_TOP_LOGPROBS = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+
+
 def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties applied first.
 
@@ -219,6 +222,15 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     """
     drafts = np.asarray(decode.draft_tokens, np.int64)
     k = len(drafts)
+    if k == 0 and decode.greedy and not decode.penalized and decode.top_logprobs <= 0 and logits.ndim == 2:
+        if logits.shape[0] != 1:
+            raise ValueError(f"score: logits {logits.shape} do not hold 1 position")
+        return (
+            np.array([int(np.argmax(logits[0]))], np.int64),
+            0,
+            _NO_TOP_IDS,
+            _NO_TOP_LOGPROBS,
+        )  # a run's step
     if logits.ndim != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"score: logits {logits.shape} do not hold {k + 1} positions")
     vocab = logits.shape[1]

@@ -260,3 +260,28 @@ def test_non_finite_model_output_is_an_error_naming_stage_and_session() -> None:
         thread.join(10)
         server.close()
         context.destroy(linger=0)
+
+
+def test_the_finite_check_sees_every_nan_and_inf_and_passes_huge_finite_values() -> None:
+    """_check_finite sums first: NaN and Inf always make the sum non-finite; finite values whose sum
+    overflows get the element-wise look and pass."""
+    from types import SimpleNamespace
+
+    from remote_worker.compute import StageCompute
+
+    broken: list[str] = []
+    compute = StageCompute.__new__(StageCompute)
+    compute.engine = SimpleNamespace(is_last=True, mark_broken=lambda session, reason: broken.append(reason))
+    compute.config = SimpleNamespace(stage_index=1)
+    huge = np.full((2, 8), 3e38, np.float32)  # finite, and their sum overflows float32
+    compute._check_finite(7, huge)
+    for bad in (np.nan, np.inf, -np.inf):
+        values = huge.copy()
+        values[1, 3] = bad
+        with pytest.raises(ValueError, match="non-finite logits"):
+            compute._check_finite(7, values)
+    mixed = np.zeros((1, 4), np.float32)
+    mixed[0, :2] = (np.inf, -np.inf)  # sums to NaN
+    with pytest.raises(ValueError, match="session 7: stage 1"):
+        compute._check_finite(7, mixed)
+    assert len(broken) == 4
