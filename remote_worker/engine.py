@@ -174,9 +174,11 @@ class StageEngine:
         self._position_port, self._beam_port = index["position_ids"], index.get("beam_idx")
         self.has_beam_idx = self._beam_port is not None
         self._keep_port = index[LOGITS_KEEP] if self.slices_logits else None
-        wanted = {self._data_port: "i64" if self.stage.is_first else "f32", self._mask_port: "i64"}
-        wanted.update({self._position_port: "i64", **({self._beam_port: "i32"} if self.has_beam_idx else {})})
-        wanted.update({self._keep_port: "i64"} if self._keep_port is not None else {})
+        wanted: dict[int, str] = {self._data_port: "i64" if self.stage.is_first else "f32"}
+        wanted.update({self._mask_port: "i64", self._position_port: "i64"})
+        for optional, kind in ((self._beam_port, "i32"), (self._keep_port, "i64")):
+            if optional is not None:
+                wanted[optional] = kind
         for port, kind in wanted.items():  # a step's arrays are these types, shared with no conversion
             found = self.compiled.inputs[port].get_element_type().get_type_name()
             if found != kind:
