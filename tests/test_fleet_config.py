@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -256,3 +258,35 @@ def test_result_batch_reaches_only_the_last_stage(tmp_path: Path, setting: str, 
     assert last.result_port is not None and last.result_batch_ms == batch
     drafts = [config for config in configs if config.role == "draft"]  # its Proposals are never held
     assert {config.result_batch_ms for config in [*others, *drafts]} == {0.0}
+
+
+def test_port_blocks_handed_out_never_overlap_each_other_nor_the_fleets_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block is free only until its worker binds: a fleet's hosts and its draft are all chosen before
+    any binds, so a later block must not overlap an earlier one (a stage once failed with "Address
+    already in use" because its draft had drawn a block over its own)."""
+    from fleettui.control import deployment as module
+
+    blocks = [range(base, base + 4) for base in (module.free_port_block() for _ in range(200))]
+    ports = [port for block in blocks for port in block]
+    assert len(ports) == len(set(ports))
+    first = blocks[0].start
+    module._HANDED_OUT.clear()  # forgotten: only the fleet's own ports keep the draft off them now
+    fleet = load_fleet(write(tmp_path, HOST.format(name="a") + HOST.format(name="b")))
+    fleet = replace(fleet, hosts=(replace(fleet.hosts[0], base_port=first), fleet.hosts[1]))
+    draws = [first, first + 2, first - 3] + [first + 4 * n for n in range(4, 400)]  # the first three overlap
+    monkeypatch.setattr(module, "random", SimpleNamespace(Random=lambda: _Draws(draws)))
+    deployment = module.build_deployment(
+        fleet, [(0, 20), (20, 30)], lambda host: str(tmp_path), str(tmp_path)
+    )
+    assert deployment.draft is not None
+    assert deployment.draft.host.base_port >= first + 16
+
+
+class _Draws:
+    def __init__(self, values: list[int]) -> None:
+        self.values = iter(values)
+
+    def randrange(self, start: int, stop: int) -> int:
+        return next(self.values)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 import secrets
 import socket
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleettui.config.fleet import Fleet, Host
+from fleettui.config.fleet import PORTS_PER_HOST, Fleet, Host
 from fleettui.runtime.transport import ClientKeys
 from remote_worker.config import CurveKeys, Endpoint, StageConfig
 
@@ -24,21 +25,29 @@ def generate_keypair() -> tuple[str, str]:
     return public.decode(), secret.decode()
 
 
-def free_port_block(count: int = 4, host: str = LOCALHOST) -> int:
-    """A base port whose next `count` ports are free on `host` right now.
+def free_port_block(count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: Iterable[int] = ()) -> int:
+    """A base port whose next `count` ports are free on `host` right now and overlap no block given before.
 
     Chosen below the kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
     taken as the source port of any outgoing connection before the worker binds it ("Address already in
-    use" on a busy machine).
+    use" on a busy machine). A block is only free until its worker binds it, so this process remembers
+    the blocks it handed out and never hands out an overlapping one (a fleet's hosts and its draft are
+    chosen before any of them binds); `avoid` adds ports known to be meant for something else.
     """
     low, high = _ephemeral_range()
     candidates = (1024, low) if low - 1024 > 1000 else (high + 1, 65535)
     generator = random.Random()
+    avoided = {port for block in _HANDED_OUT for port in block} | set(avoid)
     for _ in range(500):
         base = generator.randrange(candidates[0], candidates[1] - count)
-        if all(_port_free(host, base + offset) for offset in range(count)):
+        block = range(base, base + count)
+        if avoided.isdisjoint(block) and all(_port_free(host, port) for port in block):
+            _HANDED_OUT.append(block)
             return base
     raise RuntimeError("no free block of ports")
+
+
+_HANDED_OUT: deque[range] = deque(maxlen=512)  # the blocks this process handed out last (long bound)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -185,7 +194,10 @@ def build_deployment(
         placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
     draft = None
     if draft_dir is not None:
-        host = draft_host or Host(name="draft", base_port=free_port_block())
+        taken = [
+            port for each in fleet.hosts for port in range(each.base_port, each.base_port + PORTS_PER_HOST)
+        ]
+        host = draft_host or Host(name="draft", base_port=free_port_block(avoid=taken))
         curve = None
         if encrypted:
             assert coordinator is not None
