@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(EXIT_ENGINE, f"stage {config.stage_index}: {error}")
     if stopping:
         return 0
+    try:  # a compiled model's first inference does one-time work: paid here, not by the first answer
+        logger.info("stage %d warmed up in %.0f ms", config.stage_index, 1000 * engine.warm_up())
+    except EngineError as error:
+        return _fail(EXIT_ENGINE, f"stage {config.stage_index}: warm-up step failed: {error}")
+    if stopping:
+        return 0
 
     import zmq
 

@@ -399,6 +399,7 @@ class StageServer(StageCompute):
             "properties": dict(self._properties),
             "compile_seconds": round(float(self.engine.compile_seconds), 3),
             "compiled_from_cache": bool(self.engine.loaded_from_cache),
+            "warm_up_seconds": round(float(self.engine.warm_up_seconds), 3),
             "layers": [layers.start, layers.end],
             "is_first": self.engine.is_first,
             "is_last": self.engine.is_last,

@@ -113,6 +113,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     assert {w["pid"] for w in listed["workers"]} == pids and {w["state"] for w in listed["workers"]} == {
         "ready"
     }
+    assert all("warmed up in" in w["compiled"] for w in listed["workers"])  # before they said ready
 
     app = FleetApp(load_fleet(fleet_file), FleetController, GenerationParams(max_tokens=8))
     async with app.run_test(size=(140, 45)) as pilot:

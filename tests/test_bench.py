@@ -309,7 +309,8 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
 
 
 def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_path: Path) -> None:
-    """`bench --startup`: every start reaches READY; the restart (and only it) loads its compiled model."""
+    """`bench --startup`: every start reaches READY warmed up; the restart (and only it) loads its compiled
+    model; the whole fleet then starts and answers twice."""
     from fleettui.bench.startup import MODES, startup_bench
     from fleettui.control.running import run
 
@@ -317,9 +318,13 @@ def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_p
     report = run(lambda: startup_bench(load_fleet(DEFAULT_FLEET), rounds=1))
     assert len(report.starts) == len(report.split) * len(MODES)
     for start in report.starts:
-        assert start.seconds > 0 and start.compile_seconds > 0
+        assert start.seconds > 0 and start.compile_seconds > 0 and start.warm_up_seconds > 0
         assert start.from_cache == (start.mode == "again"), start
     assert "again/off" in report.summary() and "not loaded" not in report.summary()
+    assert len(report.answers) == 1 and all(
+        ttft > 0 for ttft in report.answers[0]
+    )  # a fresh fleet asked twice
+    assert "first answer after the fleet started" in report.summary()
     assert set(Path(tempfile.gettempdir()).glob("fleettui-startup-*")) == before
 
 

@@ -130,10 +130,12 @@ def test_a_restarted_worker_says_it_loaded_its_compiled_model_from_the_shard_fol
             assert worker.stdout is not None
             line = worker.stdout.readline()
             assert line.startswith("READY"), log.read_text()
+            assert "warmed up in" in log.read_text()  # before READY: the first answer does not pay it
             answers.append(_ping(config.control_port))
         finally:
             worker.terminate()
             worker.communicate(timeout=60)
     assert [answer["compiled_from_cache"] for answer in answers] == [False, True]
     assert all(isinstance(answer["compile_seconds"], float) for answer in answers)
+    assert all(answer["warm_up_seconds"] > 0 for answer in answers)
     assert len(_blobs(shard / "compiled")) == 1

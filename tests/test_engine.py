@@ -233,3 +233,24 @@ def test_the_head_projects_only_the_rows_asked_for_and_they_equal_the_full_proje
     np.testing.assert_array_equal(outputs[1], outputs[0][-1:])
     np.testing.assert_array_equal(outputs[3], outputs[0][-3:])
     np.testing.assert_array_equal(outputs[n + 5], outputs[0])
+
+
+def test_a_warm_up_mid_answer_leaves_no_session_behind_and_changes_no_token(
+    chain: Chain, shard_dir: Path
+) -> None:
+    """warm_up (what a worker runs before it reports ready) steps a scratch session and closes it: an answer
+    in progress on the same engines goes on token-identically, and the engines hold only its session."""
+    prompt = chat_prompt(shard_dir, "Name three rivers in Europe.")
+    expected = plain_greedy(chain, 60, prompt, 6)
+    chain.open(61)
+    tokens = [int(chain.step(61, 0, prompt)[-1].argmax())]
+    for engine in chain.engines:
+        assert engine.warm_up() > 0 and engine.warm_up_seconds > 0
+        assert set(engine.sessions) == {61}
+    position = len(prompt)
+    for _ in range(5):
+        tokens.append(int(chain.step(61, position, [tokens[-1]])[-1].argmax()))
+        position += 1
+    chain.close(61)
+    assert tokens == expected
+    assert all(engine.sessions == {} for engine in chain.engines)

@@ -4,7 +4,10 @@
 ROUNDS interleaved rounds, starts `python -m remote_worker` on a private folder of links to the stage's files
 three times: with the compile cache off, on with an empty cache (the first start after a deploy), and on again
 (a relaunch after a crash, a PC that rebooted). Each start is timed from the process launch to its READY line
-and the worker's ping says how it got its compiled model, so the report shows the compile's share too.
+and the worker's ping says how it got its compiled model and how long its warm-up step took, so the report
+shows their shares too. Then, on a fleet of local hosts, each round starts the whole fleet and asks two
+questions: the first answer's time to first token against the next one's is what a user pays for a cold
+pipeline right after a deploy (before the workers warmed up before READY: 370 against 40 ms).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from remote_worker.manifest import COMPILED_FOLDER, MANIFEST_NAME
 
 START_TIMEOUT = 600.0
 MODES = ("off", "first", "again")  # cache off; on, empty; on, filled by the start before
+FIRST_QUESTION = "What is the capital of France?"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Start:
     seconds: float  # launch to READY
     compile_seconds: float
     from_cache: bool
+    warm_up_seconds: float = 0.0
 
 
 @dataclass
@@ -43,6 +48,7 @@ class StartupReport:
     model: str
     split: list[tuple[int, int]]
     starts: list[Start] = field(default_factory=list)
+    answers: list[tuple[float, float]] = field(default_factory=list)  # (first, next) answer's TTFT, seconds
 
     def median(self, stage: int, mode: str, attribute: str = "seconds") -> float:
         values = [getattr(s, attribute) for s in self.starts if s.stage == stage and s.mode == mode]
@@ -55,7 +61,8 @@ class StartupReport:
             cells = []
             for mode in MODES:
                 cells.append(
-                    f"{mode} {self.median(stage, mode):5.2f} s (compile {self.median(stage, mode, 'compile_seconds'):4.2f})"
+                    f"{mode} {self.median(stage, mode):5.2f} s (compile {self.median(stage, mode, 'compile_seconds'):4.2f},"
+                    f" warm-up {self.median(stage, mode, 'warm_up_seconds'):4.2f})"
                 )
             off, again = self.median(stage, "off"), self.median(stage, "again")
             ratio = f"{again / off:.2f}x" if off else "-"
@@ -64,6 +71,14 @@ class StartupReport:
                 f"  stage {stage} {str(layers):<9} "
                 + "  ".join(cells)
                 + f"  again/off {ratio}{'' if cached else '  (not loaded from the cache!)'}"
+            )
+        if self.answers:
+            first = statistics.median(a[0] for a in self.answers)
+            following = statistics.median(a[1] for a in self.answers)
+            lines.append(
+                f"first answer after the fleet started ({len(self.answers)} round(s)): time to first token "
+                f"{1000 * first:.0f} ms, the next answer's {1000 * following:.0f} ms "
+                f"(first/next {first / following if following else 0:.2f}x)"
             )
         return "\n".join(lines)
 
@@ -91,9 +106,37 @@ async def startup_bench(
                     report.starts.append(start)
                     say(
                         f"stage {stage} round {round_index + 1} {mode}: ready in {start.seconds:.2f} s "
-                        f"(compile {start.compile_seconds:.2f} s{', from the cache' if start.from_cache else ''})"
+                        f"(compile {start.compile_seconds:.2f} s{', from the cache' if start.from_cache else ''},"
+                        f" warm-up {start.warm_up_seconds:.2f} s)"
                     )
+    if all(host.is_local for host in fleet.hosts):
+        for round_index in range(rounds):
+            report.answers.append(await _first_answers(fleet))
+            first, following = report.answers[-1]
+            say(
+                f"fleet round {round_index + 1}: first answer's first token {1000 * first:.0f} ms, next {1000 * following:.0f} ms"
+            )
+    else:
+        say("first answers: not measured (the fleet has SSH hosts; this group starts local workers only)")
     return report
+
+
+async def _first_answers(fleet: Fleet) -> tuple[float, float]:
+    """Start the fleet afresh (fresh ports, never attached nor recorded), ask twice; both answers' TTFT."""
+    from fleettui.control.controller import FleetController
+    from fleettui.control.deployment import free_port_block
+    from fleettui.runtime.generation import GenerationParams
+
+    hosts = tuple(replace(host, base_port=free_port_block()) for host in fleet.hosts)
+    controller = FleetController(replace(fleet, hosts=hosts))
+    params = GenerationParams(max_tokens=8)
+    try:
+        await controller.start(attach=False, record=False)
+        first = await controller.ask(FIRST_QUESTION, params)
+        following = await controller.ask(FIRST_QUESTION, params)
+    finally:
+        await controller.stop()
+    return first.stats.ttft, following.stats.ttft
 
 
 def _link_tree(source: Path, target: Path, names: tuple[str, ...]) -> None:
@@ -159,11 +202,12 @@ async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, wor
         except asyncio.TimeoutError:
             process.kill()
             await process.wait()
-    compile_seconds = answer.get("compile_seconds")
+    compile_seconds, warm_up_seconds = answer.get("compile_seconds"), answer.get("warm_up_seconds")
     return Start(
         stage,
         mode,
         seconds,
         float(compile_seconds) if isinstance(compile_seconds, (int, float)) else 0.0,
         answer.get("compiled_from_cache") is True,
+        float(warm_up_seconds) if isinstance(warm_up_seconds, (int, float)) else 0.0,
     )

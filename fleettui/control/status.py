@@ -21,7 +21,9 @@ class WorkerStatus:
     ports: tuple[int, ...]
     pid: int | None
     state: str  # the worker's own answer ("ready", "loading") or why there is none
-    compiled: str = ""  # "compiled in 1.4 s" or "loaded from the compile cache in 0.2 s" (its answer)
+    compiled: str = (
+        ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in ..." (its answer)
+    )
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,14 @@ def _compiled(extra: dict[str, object]) -> str:
     seconds = extra.get("compile_seconds")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
         return ""
-    if extra.get("compiled_from_cache") is True:
-        return f"loaded from the compile cache in {seconds:.1f} s"
-    return f"compiled in {seconds:.1f} s"
+    how = "loaded from the compile cache" if extra.get("compiled_from_cache") is True else "compiled"
+    warm = extra.get("warm_up_seconds")
+    warmed = (
+        f", warmed up in {warm:.1f} s"
+        if isinstance(warm, (int, float)) and not isinstance(warm, bool)
+        else ""
+    )
+    return f"{how} in {seconds:.1f} s{warmed}"
 
 
 async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
