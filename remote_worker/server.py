@@ -3,7 +3,8 @@
 Sockets: data PULL (bound; the previous stage or the coordinator pushes into it), an outgoing PUSH (connected
 to the next stage, or bound at `result_port` for the last stage and the draft, where the coordinator pulls),
 a control REP (JSON ping/stats/lease/shutdown) and a telemetry PUB (one JSON sample about once a second).
-Sockets are bound only after the model compiled, so a "ready" answer to ping means ready to serve.
+Sockets are bound only after the model compiled and ran its warm-up step, so a "ready" answer to ping means
+ready to serve at full speed.
 
 Two threads, each socket used by one of them only: the I/O thread owns data, control, telemetry and the
 handshake monitors — it validates every frame as it arrives, queues work in a byte-bounded inbox and answers
