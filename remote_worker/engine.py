@@ -308,8 +308,7 @@ class StageEngine:
         OpenVINO's CPU plugin does its one-time work for a compiled model (weights repacked for the kernels,
         buffers) at its first inference: 270-370 ms for half of SmolLM2 on one core, against 8 ms for every
         step after it, whatever the steps' shapes. The worker warms up before it reports ready, so the first
-        answer after a deploy, relaunch or rebalance does not pay it (a fresh local fleet's first token: 370
-        against 40 ms).
+        answer after a deploy does not pay it (a fresh local fleet's first token: 56-61 against 371-479 ms).
         """
         started = time.perf_counter()
         scratch = min(self.sessions, default=0) - 1  # not a session the coordinator has opened
