@@ -290,3 +290,24 @@ class _Draws:
 
     def randrange(self, start: int, stop: int) -> int:
         return next(self.values)
+
+
+def test_two_processes_draw_port_blocks_from_different_stripes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands (or test workers) choosing blocks at once cannot remember each other's: each draws from
+    its own stripe of the range, so their blocks never overlap unless their process ids share a stripe."""
+    from fleettui.control import deployment as module
+
+    drawn = {}
+    for pid in (3, 4):
+        monkeypatch.setattr(module.os, "getpid", lambda pid=pid: pid)
+        drawn[pid] = {module.free_port_block() for _ in range(30)}
+    monkeypatch.undo()
+    low, high = module._ephemeral_range()
+    width = (low - 1024) // module.PORT_STRIPES
+    for pid, bases in drawn.items():
+        assert all(
+            1024 + (pid % module.PORT_STRIPES) * width
+            <= base
+            < 1024 + (pid % module.PORT_STRIPES + 1) * width
+            for base in bases
+        ), pid

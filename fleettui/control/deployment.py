@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import socket
@@ -32,14 +33,20 @@ def free_port_block(count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: I
     taken as the source port of any outgoing connection before the worker binds it ("Address already in
     use" on a busy machine). A block is only free until its worker binds it, so this process remembers
     the blocks it handed out and never hands out an overlapping one (a fleet's hosts and its draft are
-    chosen before any of them binds); `avoid` adds ports known to be meant for something else.
+    chosen before any of them binds); `avoid` adds ports known to be meant for something else. Another
+    process may draw the same block in that window too: each process draws first from its own stripe of
+    the range (by process id, one of `PORT_STRIPES`), so two commands or test workers at once collide
+    only when their ids share a stripe.
     """
     low, high = _ephemeral_range()
-    candidates = (1024, low) if low - 1024 > 1000 else (high + 1, 65535)
+    first, last = (1024, low) if low - 1024 > 1000 else (high + 1, 65535)
+    width = (last - first) // PORT_STRIPES
+    start = first + (os.getpid() % PORT_STRIPES) * width
+    ranges = [(start, start + width)] * 400 + [(first, last)] * 100  # its stripe, then anywhere
     generator = random.Random()
     avoided = {port for block in _HANDED_OUT for port in block} | set(avoid)
-    for _ in range(500):
-        base = generator.randrange(candidates[0], candidates[1] - count)
+    for low_end, high_end in ranges:
+        base = generator.randrange(low_end, high_end - count)
         block = range(base, base + count)
         if avoided.isdisjoint(block) and all(_port_free(host, port) for port in block):
             _HANDED_OUT.append(block)
@@ -47,6 +54,7 @@ def free_port_block(count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: I
     raise RuntimeError("no free block of ports")
 
 
+PORT_STRIPES = 16
 _HANDED_OUT: deque[range] = deque(maxlen=512)  # the blocks this process handed out last (long bound)
 
 
