@@ -193,3 +193,52 @@ def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
         "meaning": "hidden",
     }
     assert replace(_manifest(tmp_path), pad_token_id=2).pad_token_id == 2
+
+
+def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart skips the SHA-256 of files unchanged since their check (several seconds a stage on a large
+    model); any write, even one that keeps the size and sets the modification time back, is hashed again."""
+    import os
+
+    from remote_worker import manifest as module
+
+    manifest = _manifest(tmp_path)
+    write_manifest(tmp_path, manifest)
+    files = len(manifest.stages[1].files)
+    assert verify_stage(tmp_path, manifest, 1) == files  # the first check hashes every file
+    assert (tmp_path / module.VERIFIED_FOLDER / "stage_1.json").is_file()
+    hashed: list[Path] = []
+    real = module.sha256_file
+    monkeypatch.setattr(module, "sha256_file", lambda path: hashed.append(path) or real(path))
+    assert verify_stage(tmp_path, manifest, 1) == 0 and hashed == []
+    assert verify_stage(tmp_path, manifest, 1, stamp=False) == files  # without the stamp: every file
+
+    weights = tmp_path / "stage_1" / "openvino_model.bin"
+    before = weights.stat()
+    weights.write_bytes(bytes(len(weights.read_bytes())))  # same size, other bytes ...
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # ... and the old modification time
+    with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
+        verify_stage(tmp_path, manifest, 1)
+    with pytest.raises(ManifestError, match="SHA-256 mismatch"):  # a failed check is never stamped
+        verify_stage(tmp_path, manifest, 1)
+
+
+def test_an_unreadable_or_unwritable_stamp_only_costs_the_hashes(tmp_path: Path) -> None:
+    from remote_worker import manifest as module
+
+    manifest = _manifest(tmp_path)
+    write_manifest(tmp_path, manifest)
+    files = len(manifest.stages[0].files)
+    stamp = tmp_path / module.VERIFIED_FOLDER / "stage_0.json"
+    stamp.parent.mkdir()
+    for garbage in ("{not json", '{"format": 99, "files": {}}', '["a list"]', '{"format": 1, "files": 3}'):
+        stamp.write_text(garbage)
+        assert verify_stage(tmp_path, manifest, 0) == files
+        assert verify_stage(tmp_path, manifest, 0) == 0  # rewritten as a valid stamp
+    stamp.unlink()
+    stamp.mkdir()  # cannot be replaced by a file: verified every time, nothing left behind
+    assert verify_stage(tmp_path, manifest, 0) == files
+    assert verify_stage(tmp_path, manifest, 0) == files
+    assert [p.name for p in stamp.parent.iterdir()] == ["stage_0.json"]

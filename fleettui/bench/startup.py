@@ -2,12 +2,13 @@
 
 `fleettui bench FLEET --startup [ROUNDS]` compiles (or finds) the fleet's shards, then for every stage, in
 ROUNDS interleaved rounds, starts `python -m remote_worker` on a private folder of links to the stage's files
-three times: with the compile cache off, on with an empty cache (the first start after a deploy), and on again
-(a relaunch after a crash, a PC that rebooted). Each start is timed from the process launch to its READY line
-and the worker's ping says how it got its compiled model and how long its warm-up step took, so the report
-shows their shares too. Then, on a fleet of local hosts, each round starts the whole fleet and asks two
-questions: the first answer's time to first token against the next one's is what a user pays for a cold
-pipeline right after a deploy (before the workers warmed up before READY: 370 against 40 ms).
+three times: with the compile cache off, on with an empty cache (the first start after a deploy), and on
+again (a relaunch after a crash, a PC that rebooted: its compiled model cached, its files' checks stamped,
+see `remote_worker.manifest.verify_files`). Each start is timed from the process launch to its READY line and
+the worker's ping says how it got its compiled model and how long its warm-up step took, so the report shows
+their shares too. Then, on a fleet of local hosts, each round starts the whole fleet and asks two questions:
+the first answer's time to first token against the next one's is what a user pays for a cold pipeline right
+after a deploy (before the workers warmed up before READY: 370 against 40 ms).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from fleettui.config.fleet import Fleet
 from remote_worker.config import StageConfig
-from remote_worker.manifest import COMPILED_FOLDER, MANIFEST_NAME
+from remote_worker.manifest import COMPILED_FOLDER, MANIFEST_NAME, VERIFIED_FOLDER
 
 START_TIMEOUT = 600.0
 MODES = ("off", "first", "again")  # cache off; on, empty; on, filled by the start before
@@ -100,6 +101,8 @@ async def startup_bench(
             _link_tree(compiled.directory, folder, (MANIFEST_NAME, f"stage_{stage}"))
             for round_index in range(rounds):
                 for mode in MODES:
+                    if mode != "again":  # a start after a deploy: nothing compiled or checked yet
+                        shutil.rmtree(folder / VERIFIED_FOLDER, ignore_errors=True)
                     if mode == "first":
                         shutil.rmtree(folder / COMPILED_FOLDER, ignore_errors=True)
                     start = await _start(deployed[stage].config, folder, stage, mode, Path(work))
@@ -122,21 +125,39 @@ async def startup_bench(
 
 
 async def _first_answers(fleet: Fleet) -> tuple[float, float]:
-    """Start the fleet afresh (fresh ports, never attached nor recorded), ask twice; both answers' TTFT."""
+    """Start the fleet afresh (fresh ports, never attached nor recorded), ask twice; both answers' TTFT.
+
+    The question goes in as token ids: the chat template's for a real model, seeded random ids for a
+    synthetic one (no tokenizer)."""
+    from fleettui.bench.runner import synthetic_prompts
     from fleettui.control.controller import FleetController
     from fleettui.control.deployment import free_port_block
+    from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.generation import GenerationParams
 
     hosts = tuple(replace(host, base_port=free_port_block()) for host in fleet.hosts)
     controller = FleetController(replace(fleet, hosts=hosts))
     params = GenerationParams(max_tokens=8)
+    seconds = []
     try:
-        await controller.start(attach=False, record=False)
-        first = await controller.ask(FIRST_QUESTION, params)
-        following = await controller.ask(FIRST_QUESTION, params)
+        coordinator = await controller.start(attach=False, record=False)
+        chat = coordinator.chat_format
+        assert controller.target is not None
+        manifest = controller.target.manifest
+        prompt = (
+            chat.encode_chat([ChatMessage("user", FIRST_QUESTION)])
+            if chat is not None
+            else synthetic_prompts(manifest.vocab_size, count=1)[0]
+        )
+        for _ in range(2):
+            session = await controller.open_session()
+            try:
+                seconds.append((await controller.generate(session, prompt, params)).stats.ttft)
+            finally:
+                await controller.close_session(session)
     finally:
         await controller.stop()
-    return first.stats.ttft, following.stats.ttft
+    return seconds[0], seconds[1]
 
 
 def _link_tree(source: Path, target: Path, names: tuple[str, ...]) -> None:
