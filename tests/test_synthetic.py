@@ -140,3 +140,15 @@ def test_plan_and_ask_on_a_synthetic_model(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert shown.returncode == 0 and "synthetic" in shown.stdout
+
+
+@pytest.mark.slow
+def test_startup_first_answers_run_on_a_synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`bench --startup` asks a fresh fleet twice in token ids, so a model with no tokenizer is measured too
+    (it once asked in chat and died with a traceback on the 1B shape)."""
+    from fleettui.bench.startup import _first_answers
+    from fleettui.control.running import run
+
+    fleet = _fleet(tmp_path_factory.mktemp("synthetic-startup"), 2)
+    first, following = run(lambda: _first_answers(fleet))
+    assert first > 0 and following > 0
