@@ -176,6 +176,7 @@ def _link_tree(source: Path, target: Path, names: tuple[str, ...]) -> None:
 
 async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, work: Path) -> Start:
     from fleettui.control.deployment import free_port_block
+    from fleettui.control.status import answer_seconds
     from fleettui.runtime.transport import control_request
 
     base = free_port_block()
@@ -223,12 +224,11 @@ async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, wor
         except asyncio.TimeoutError:
             process.kill()
             await process.wait()
-    compile_seconds, warm_up_seconds = answer.get("compile_seconds"), answer.get("warm_up_seconds")
     return Start(
         stage,
         mode,
         seconds,
-        float(compile_seconds) if isinstance(compile_seconds, (int, float)) else 0.0,
+        answer_seconds(answer, "compile_seconds") or 0.0,
         answer.get("compiled_from_cache") is True,
-        float(warm_up_seconds) if isinstance(warm_up_seconds, (int, float)) else 0.0,
+        answer_seconds(answer, "warm_up_seconds") or 0.0,
     )

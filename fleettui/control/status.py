@@ -21,9 +21,7 @@ class WorkerStatus:
     ports: tuple[int, ...]
     pid: int | None
     state: str  # the worker's own answer ("ready", "loading") or why there is none
-    compiled: str = (
-        ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in ..." (its answer)
-    )
+    compiled: str = ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in …"
 
 
 @dataclass(frozen=True)
@@ -63,19 +61,20 @@ class StatusReport:
         return "\n".join(rows)
 
 
+def answer_seconds(answer: dict[str, object], key: str) -> float | None:
+    """A duration a worker's ping answer reports (compile, warm-up), or None when it does not say."""
+    value = answer.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _compiled(extra: dict[str, object]) -> str:
     """How the worker got its compiled model, from its ping answer ("" when it does not say)."""
-    seconds = extra.get("compile_seconds")
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+    seconds = answer_seconds(extra, "compile_seconds")
+    if seconds is None:
         return ""
     how = "loaded from the compile cache" if extra.get("compiled_from_cache") is True else "compiled"
-    warm = extra.get("warm_up_seconds")
-    warmed = (
-        f", warmed up in {warm:.1f} s"
-        if isinstance(warm, (int, float)) and not isinstance(warm, bool)
-        else ""
-    )
-    return f"{how} in {seconds:.1f} s{warmed}"
+    warm = answer_seconds(extra, "warm_up_seconds")
+    return f"{how} in {seconds:.1f} s" + (f", warmed up in {warm:.1f} s" if warm is not None else "")
 
 
 async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
