@@ -4,98 +4,31 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from manifests import fake_manifest  # noqa: E402
+
 from remote_worker.manifest import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
     LayerRange,
     Manifest,
     ManifestError,
-    StageSpec,
-    TensorSpec,
     even_split,
     load_manifest,
     ranges_from_splits,
-    sha256_file,
     verify_all,
     verify_stage,
     write_manifest,
 )
 
 
-def _stage_files(directory: Path, index: int) -> dict[str, str]:
-    files = {}
-    for name, content in (
-        ("openvino_model.xml", f"<xml {index}/>"),
-        ("openvino_model.bin", f"weights {index}"),
-    ):
-        path = directory / f"stage_{index}" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-        files[f"stage_{index}/{name}"] = sha256_file(path)
-    return files
-
-
-def _manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Manifest:
-    tokenizer = directory / "tokenizer" / "tokenizer.json"
-    tokenizer.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.write_text("{}")
-    stages = []
-    for index, layers in enumerate(ranges_from_splits(splits, 30)):
-        first = (
-            TensorSpec("input_ids", "i64", (1, "n"), "ids")
-            if layers.is_first
-            else TensorSpec("hidden_states", "f32", (1, "n", 576), "hidden")
-        )
-        stages.append(
-            StageSpec(
-                index=index,
-                layers=layers,
-                num_layers=30,
-                ir=f"stage_{index}/openvino_model.xml",
-                inputs=(first, TensorSpec("attention_mask", "i64", (1, "cache_len + n"), "mask")),
-                outputs=(TensorSpec("logits", "f32", (1, "n", 49152), "logits"),),
-                state_names=tuple(
-                    f"layer{layer}.{kind}" for layer in range(layers.start, layers.end) for kind in "kv"
-                ),
-                files=_stage_files(directory, index),
-            )
-        )
-    return Manifest(
-        format_version=FORMAT_VERSION,
-        model_name="smollm2-135m-instruct",
-        source="gguf:/x.gguf",
-        source_hash="ab" * 32,
-        compiler_version="2",
-        cache_key="0123456789abcdef",
-        precision="int4",
-        weight_group_size=64,
-        num_layers=30,
-        hidden_size=576,
-        vocab_size=49152,
-        num_attention_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0},
-        max_position_embeddings=8192,
-        tokenizer="tokenizer",
-        chat_template="{{ messages }}",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        pad_token_id=None,
-        stages=tuple(stages),
-        shared_files={"tokenizer/tokenizer.json": sha256_file(tokenizer)},
-        created_at="2026-11-30T08:00:00+00:00",
-    )
-
-
 def test_round_trip_through_the_directory(tmp_path: Path) -> None:
-    manifest = _manifest(tmp_path)
+    manifest = fake_manifest(tmp_path)
     path = write_manifest(tmp_path, manifest)
     assert path == tmp_path / MANIFEST_NAME
     loaded = load_manifest(tmp_path)
@@ -123,7 +56,7 @@ def test_round_trip_through_the_directory(tmp_path: Path) -> None:
     ],
 )
 def test_strict_parsing_names_the_problem(tmp_path: Path, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
-    data = json.loads(_manifest(tmp_path).to_json())
+    data = json.loads(fake_manifest(tmp_path).to_json())
     mutate(data)
     with pytest.raises(ManifestError, match=re.escape(expected)):
         Manifest.from_dict(data)
@@ -138,7 +71,7 @@ def test_missing_and_corrupt_manifest_files(tmp_path: Path) -> None:
 
 
 def test_hash_mismatch_and_missing_file(tmp_path: Path) -> None:
-    manifest = _manifest(tmp_path)
+    manifest = fake_manifest(tmp_path)
     write_manifest(tmp_path, manifest)
     verify_stage(tmp_path, manifest, 0)
     (tmp_path / "stage_1" / "openvino_model.bin").write_text("tampered")
@@ -183,7 +116,7 @@ def test_splits_must_cover_the_model() -> None:
 
 
 def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
-    data = json.loads(_manifest(tmp_path).to_json())
+    data = json.loads(fake_manifest(tmp_path).to_json())
     stage = data["stages"][1]
     assert stage["layers"] == {"start": 16, "end": 30}
     assert stage["inputs"][0] == {
@@ -192,7 +125,7 @@ def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
         "shape": [1, "n", 576],
         "meaning": "hidden",
     }
-    assert replace(_manifest(tmp_path), pad_token_id=2).pad_token_id == 2
+    assert replace(fake_manifest(tmp_path), pad_token_id=2).pad_token_id == 2
 
 
 def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
@@ -204,7 +137,7 @@ def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
 
     from remote_worker import manifest as module
 
-    manifest = _manifest(tmp_path)
+    manifest = fake_manifest(tmp_path)
     write_manifest(tmp_path, manifest)
     files = len(manifest.stages[1].files)
     assert verify_stage(tmp_path, manifest, 1) == files  # the first check hashes every file
@@ -228,7 +161,7 @@ def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
 def test_an_unreadable_or_unwritable_stamp_only_costs_the_hashes(tmp_path: Path) -> None:
     from remote_worker import manifest as module
 
-    manifest = _manifest(tmp_path)
+    manifest = fake_manifest(tmp_path)
     write_manifest(tmp_path, manifest)
     files = len(manifest.stages[0].files)
     stamp = tmp_path / module.VERIFIED_FOLDER / "stage_0.json"

@@ -119,6 +119,50 @@ async def test_push_resumes_a_truncated_file_and_restarts_a_foreign_one(fleet: F
         assert not Path(str(weights) + ".part").exists()
 
 
+async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_the_push(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The host checks a stage's files with the worker's own stamp: the worker's start after a push, and an
+    unchanged redeploy, read none of them (an 8B stage is gigabytes); any write on the host is caught."""
+    from manifests import fake_manifest
+
+    from remote_worker.manifest import VERIFIED_FOLDER, verify_stage, write_manifest
+
+    folder = tmp_path / "shard"
+    manifest = fake_manifest(folder)
+    write_manifest(folder, manifest)
+    weights = "stage_0/openvino_model.bin"
+    async with HostSession(fleet.hosts[0]) as session:
+        await session.run_preflight()
+        remote, first = await session.push_shard(ShardAssignment(folder, 0))
+        assert first.files_sent == 3
+        assert verify_stage(Path(remote), manifest, 0) == 0  # the worker's start hashes nothing
+        stamp = Path(remote) / VERIFIED_FOLDER / "stage_0.json"
+        stamp.unlink()
+        assert verify_stage(Path(remote), manifest, 0) == 2  # now the worker writes the stamp itself
+        # the host reports a stamped file's hash without reading it: a record edited to claim another hash
+        # (the file itself untouched) is what the host reports, so that file travels again
+        record = json.loads(stamp.read_text())
+        record["files"][weights][0] = "0" * 64
+        stamp.write_text(json.dumps(record))
+        _, again = await session.push_shard(ShardAssignment(folder, 0))
+        assert (again.files_sent, again.bytes_sent) == (1, (folder / weights).stat().st_size)
+        _, unchanged = await session.push_shard(ShardAssignment(folder, 0))
+        assert unchanged.files_sent == 0 and unchanged.bytes_sent == 0
+        # a file rewritten on the host with its size and modification time kept is read again and replaced
+        path = Path(remote) / weights
+        before = path.stat()
+        path.write_bytes(bytes(before.st_size))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        _, repaired = await session.push_shard(ShardAssignment(folder, 0))
+        assert repaired.files_sent == 1 and sha256(path) == sha256(folder / weights)
+        assert verify_stage(Path(remote), manifest, 0) == 0
+        # a stage file changed on the operator's machine is refused before anything travels
+        (folder / weights).write_text("tampered")
+        with pytest.raises(ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"):
+            await session.push_shard(ShardAssignment(folder, 0))
+
+
 async def test_config_is_written_with_mode_0600(fleet: Fleet) -> None:
     async with HostSession(fleet.hosts[0]) as session:
         await session.run_preflight()

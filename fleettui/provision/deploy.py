@@ -8,7 +8,6 @@ does not stop the others). Local-transport hosts are skipped here: they run on t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import uuid
@@ -36,8 +35,10 @@ from fleettui.provision.events import (
 )
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
-from fleettui.provision.transfer import local_sha256, push_files, tree_files
+from fleettui.provision.stage_files import ShardAssignment, shard_files, stage_push
+from fleettui.provision.transfer import RemoteStamp, push_files, tree_files
 from fleettui.provision.wheelhouse import Target, Wheelhouse, build_wheelhouse
+from remote_worker.manifest import ManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,6 @@ ConfigSource = str | Callable[[RemotePaths], str]
 ReadyHook = Callable[[Host, HostDeployment], Awaitable[None]]
 MIN_PYTHON = (3, 10)
 VENV_BYTES = 700 << 20  # room a venv with openvino needs
-
-
-@dataclass(frozen=True)
-class ShardAssignment:
-    """A host's stage: the local compiled shard folder and the stage index inside it."""
-
-    directory: Path
-    stage: int
-    files: tuple[str, ...] | None = None  # relative paths to push; default: manifest.json and stage_{i}/
 
 
 @dataclass(frozen=True)
@@ -71,14 +63,6 @@ class DeployOptions:
     stop_timeout: float = 10.0
     deployment: str | None = None  # identifies the processes this deployment starts (default: random)
     prune: bool = False  # remove the host's other shard folders once this one is pushed (deploy --prune)
-
-
-def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
-    """The relative paths a stage needs from its shard folder."""
-    if shard.files is not None:
-        return shard.files
-    wanted = ("manifest.json", f"stage_{shard.stage}")  # a worker verifies and loads only its own stage
-    return tuple(name for name in wanted if (shard.directory / name).exists())
 
 
 def _emit(handler: EventHandler | None, event: ProvisionEvent) -> None:
@@ -195,13 +179,13 @@ class HostSession:
         self.emit("preflight", preflight.summary())
         return preflight
 
-    async def push(self, files: Sequence[Any], step: Step) -> PushResult:
+    async def push(self, files: Sequence[Any], step: Step, stamp: RemoteStamp | None = None) -> PushResult:
         def progress(done: int, total: int, name: str) -> None:
             self.emit(step, name, done, total)
 
         result = await push_files(
             self.sftp, self.connection, self.shell, self.host.python, files, host=self.host.name, step=step,
-            progress=progress,
+            progress=progress, stamp=stamp,
         )  # fmt: skip
         self.emit(
             step,
@@ -250,15 +234,11 @@ class HostSession:
 
     async def push_shard(self, shard: ShardAssignment) -> tuple[str, PushResult]:
         """Push the stage's files into a content-addressed folder; returns (remote folder, result)."""
-        names = shard_files(shard)
-        local = tree_files(shard.directory, "", names)
-        digest = hashlib.sha256()
-        for item in local:
-            sha = await asyncio.to_thread(local_sha256, item.local)
-            digest.update(f"{item.remote}\0{sha}\0".encode())
-        remote = self.paths(shard_key=digest.hexdigest()[:16]).shard
-        files = tree_files(shard.directory, remote, names)
-        return remote, await self.push(files, "shard")
+        try:
+            remote, files, stamp = await asyncio.to_thread(stage_push, shard, self.paths().shard)
+        except ManifestError as error:
+            raise ProvisionError(self.host.name, "shard", f"local shard {shard.directory}: {error}") from None
+        return remote, await self.push(files, "shard", stamp)
 
     async def write_config(self, path: str, text: str) -> None:
         """Write the stage config with mode 0600 (it holds the stage's secret CurveZMQ key)."""

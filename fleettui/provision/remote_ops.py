@@ -1,4 +1,5 @@
-"""Operations run by a host's own Python (source sent over SSH stdin): preflight, hashes, install, launch, stop.
+"""Operations run by a host's own Python (sent over SSH stdin): preflight, hashes, seal, install, launch,
+stop, status.
 
 Stdlib only and Python >= 3.10, POSIX and Windows. The operator runs ``python -`` on the host and sends
 this file on stdin followed by one line ``sys.exit(main(["-", OPERATION, JSON]))``, so no argument
@@ -131,13 +132,100 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _stamp_entries(stamp: dict[str, Any] | None) -> dict[str, Any]:
+    """The entries of a stage's stamp that are still of the worker's format ({} when absent or unreadable).
+
+    The stamp is the worker's own (`remote_worker.manifest.verify_files`, whose format a test holds this
+    copy to): for each file of the stage the SHA-256 it matched, then size, mtime, ctime, inode and device
+    at that check. Any write changes the ctime, which cannot be set back, so an unchanged record spares a
+    read of the file."""
+    if not stamp:
+        return {}
+    try:
+        data = json.loads(Path(stamp["file"]).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) and data.get("format") == stamp["format"] else None
+    return files if isinstance(files, dict) else {}
+
+
+def _write_stamp(stamp: dict[str, Any], files: dict[str, Any]) -> None:
+    """Replace the stamp whole (best effort: a stamp that cannot be written only costs hashes later)."""
+    path = Path(stamp["file"])
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps({"format": stamp["format"], "files": files}), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+
+
+def _stage_name(name: str, stamp: dict[str, Any] | None) -> str | None:
+    """NAME relative to the stamped folder when it is one of the stage's files, else None."""
+    if not stamp:
+        return None
+    root = stamp["root"].rstrip("/") + "/"
+    relative = name[len(root) :] if name.startswith(root) else None
+    return relative if relative in stamp["expected"] else None
+
+
+def _stamp_record(info: os.stat_result, sha: str) -> list[Any]:
+    return [sha, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+
+
 def hashes(args: dict[str, Any]) -> dict[str, Any]:
-    """Size and SHA-256 of each path that exists (None for the others)."""
+    """Size and SHA-256 of each path that exists (None for the others).
+
+    With a ``stamp`` ({file, root, format, expected: {relative name: SHA-256}}), a stage file whose stamp
+    record still matches is not read, and the stamp is rewritten with the stage files found intact."""
+    stamp = args.get("stamp")
+    known = _stamp_entries(stamp)
+    intact: dict[str, Any] = {}
     result: dict[str, Any] = {}
     for name in args["paths"]:
         path = _path(name)
-        result[name] = [path.stat().st_size, _sha256(path)] if path.is_file() else None
+        if not path.is_file():
+            result[name] = None
+            continue
+        info = path.stat()  # before the hash: a write during it changes the ctime the record keeps
+        relative = _stage_name(name, stamp)
+        record = known.get(relative) if relative else None
+        sha = (
+            record[0]
+            if isinstance(record, list) and record[1:] == _stamp_record(info, "")[1:]
+            else _sha256(path)
+        )
+        result[name] = [info.st_size, sha]
+        if relative and stamp and sha == stamp["expected"][relative]:
+            intact[relative] = _stamp_record(info, sha)
+    if stamp and intact != known:
+        _write_stamp(stamp, intact)
     return {"files": result}
+
+
+def seal(args: dict[str, Any]) -> dict[str, Any]:
+    """Move each pushed ``name.part`` into place and check its SHA-256 there; a file that differs is removed.
+
+    ``renamed``: {final path: expected SHA-256}; with a ``stamp`` (as for `hashes`) the stage files found
+    intact are added to the stamp, so neither the next deploy nor the worker's start reads them again."""
+    stamp = args.get("stamp")
+    known = _stamp_entries(stamp)
+    mismatched = []
+    for name, expected in args["renamed"].items():
+        path = _path(name)
+        os.replace(_path(name + ".part"), path)
+        info = path.stat()
+        if _sha256(path) != expected:
+            path.unlink()
+            mismatched.append(name)
+            continue
+        relative = _stage_name(name, stamp)
+        if relative:
+            known[relative] = _stamp_record(info, expected)
+    if stamp:
+        _write_stamp(stamp, {name: record for name, record in known.items() if name in stamp["expected"]})
+    return {"mismatched": mismatched}
 
 
 def _run(command: list[str]) -> tuple[int, str]:
@@ -385,6 +473,7 @@ OPERATIONS = {
     "prune": prune,
     "preflight": preflight,
     "hashes": hashes,
+    "seal": seal,
     "install": install,
     "devices": devices,
     "launch": launch,

@@ -3,7 +3,9 @@
 For each file the host reports size and SHA-256 of ``name`` and ``name.part``. A file whose hash already
 matches is skipped. A remote prefix (a ``.part`` left by an interrupted push, or a truncated file) whose
 hash matches the same prefix of the local file is continued from its end; anything else starts over.
-Data goes to ``name.part``; after the remote hash equals the local one it is renamed into place.
+Data goes to ``name.part``; the host moves it into place and checks its hash there (``seal``), removing a
+file that differs. With a stage's stamp (`RemoteStamp`) the host reads no file that is unchanged since it
+was last found intact, by a deploy or by the worker's own start.
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ Progress = Callable[[int, int, str], None]  # bytes done, bytes total, current f
 class FileToPush:
     local: Path
     remote: str  # absolute remote path with forward slashes
+    sha256: str | None = None  # known and checked already (a shard's manifest); else hashed here
+
+
+@dataclass(frozen=True)
+class RemoteStamp:
+    """A stage's stamp on the host (the worker's `verified/stage_N.json`) and the files it may hold."""
+
+    file: str
+    root: str  # the remote shard folder the names are relative to
+    expected: dict[str, str]  # relative name -> SHA-256 (the manifest's files of the stage)
+    format: int
+
+    def payload(self) -> dict[str, Any]:
+        return {"file": self.file, "root": self.root, "expected": self.expected, "format": self.format}
 
 
 def local_sha256(path: Path, size: int | None = None) -> str:
@@ -53,6 +69,10 @@ def local_sha256(path: Path, size: int | None = None) -> str:
     if size is None:
         _hash_cache[key] = digest.hexdigest()
     return digest.hexdigest()
+
+
+def _sha256_of(item: FileToPush) -> str:
+    return item.sha256 if item.sha256 is not None else local_sha256(item.local)
 
 
 def tree_files(local_dir: Path, remote_dir: str, relative: Sequence[str] | None = None) -> list[FileToPush]:
@@ -79,14 +99,18 @@ async def push_files(
     host: str,
     step: str,
     progress: Progress | None = None,
+    stamp: RemoteStamp | None = None,
 ) -> PushResult:
     """Push ``files`` to the host; only missing or different bytes travel. Raises ProvisionError."""
     started = time.monotonic()
     sizes = [item.local.stat().st_size for item in files]
-    hashes = await asyncio.gather(*(asyncio.to_thread(local_sha256, item.local) for item in files))
+    hashes = await asyncio.gather(*(asyncio.to_thread(_sha256_of, item) for item in files))
+    stamped = {"stamp": stamp.payload()} if stamp else {}
     queried = [name for item in files for name in (item.remote, item.remote + ".part")]
     remote = (
-        await run_operation(connection, shell, python, "hashes", {"paths": queried}, host=host, step=step)
+        await run_operation(
+            connection, shell, python, "hashes", {"paths": queried, **stamped}, host=host, step=step
+        )
     )["files"]
     total = sum(sizes)
     plan: list[tuple[FileToPush, int, str, int]] = []  # file, size, hash, resume offset
@@ -137,18 +161,13 @@ async def push_files(
                 stream.close()
     transfer_seconds = time.monotonic() - transfer_started
     if plan:
-        parts = [item.remote + ".part" for item, _, _, _ in plan]
-        check = (
-            await run_operation(connection, shell, python, "hashes", {"paths": parts}, host=host, step=step)
-        )["files"]
-        for item, size, digest, _offset in plan:
-            got = check.get(item.remote + ".part")
-            if not got or got[0] != size or got[1] != digest:
-                await sftp.remove(item.remote + ".part")
-                raise ProvisionError(
-                    host, step, f"SHA-256 mismatch after pushing {item.local.name}: removed, retry"
-                )
-            await sftp.posix_rename(item.remote + ".part", item.remote)
+        renamed = {item.remote: digest for item, _, digest, _ in plan}
+        answer = await run_operation(
+            connection, shell, python, "seal", {"renamed": renamed, **stamped}, host=host, step=step
+        )
+        if answer["mismatched"]:
+            name = PurePosixPath(answer["mismatched"][0]).name
+            raise ProvisionError(host, step, f"SHA-256 mismatch after pushing {name}: removed, retry")
     if progress:
         progress(total, total, "")
     seconds = time.monotonic() - started
