@@ -211,11 +211,17 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
             data.get("model_type"), data.get("architectures"), str(source.path / "config.json")
         )
         return data
+    cached = cache_root / "sources" / digest / "config.json"  # DIGEST: the GGUF file's content hash
+    try:
+        data = json.loads(cached.read_text())
+    except (OSError, ValueError):  # not derived yet (or a damaged copy: derived again)
+        data = None
+    if isinstance(data, dict):  # the GGUF itself is not opened: its reader parses every field, the whole
+        # vocabulary included (2 s for SmolLM2, on every fleet start that finds its shards cached)
+        _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path))
+        return data
     architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]
     _check_architecture(architecture, None, str(source.path))
-    cached = cache_root / "sources" / digest / "config.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)

@@ -251,6 +251,43 @@ def test_unchanged_request_is_a_verified_no_op(fp32_shards: dict[int, Path], tmp
     assert not [path for path in tmp_path.iterdir() if path.name != "copy"]  # no temporary dirs left behind
 
 
+def test_a_cached_request_does_not_parse_the_gguf(
+    fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fleet start asks the compiler for its shards; when they are cached that costs no GGUF parse
+    (its reader builds every field, the whole vocabulary included: 2 s for SmolLM2), the config derived at
+    compile time serves. A damaged derived config is derived again; one of another architecture refused."""
+    from shards import session_cache_root
+
+    from shard_compiler import sources
+    from shard_compiler.compiler import compile_shards
+
+    def parse(path: Path, keys: object) -> None:
+        raise AssertionError(f"{path} parsed for {keys}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sources, "gguf_metadata", parse)
+        events: list = []
+        again = compile_shards(
+            "smollm2-135m-instruct",
+            stages=1,
+            precision="fp32",
+            cache_root=session_cache_root(),
+            progress=events.append,
+        )
+        assert again == fp32_shards[1] and [event.step for event in events] == ["cached"]
+
+    source = sources.resolve("smollm2-135m-instruct")
+    digest = sources.source_hash(source, tmp_path)
+    derived = sources.raw_config(source, tmp_path, digest)
+    cached = tmp_path / "sources" / digest / "config.json"
+    cached.write_text("{damaged")
+    assert sources.raw_config(source, tmp_path, digest) == derived
+    cached.write_text(json.dumps({**derived, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(sources.CompileError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        sources.raw_config(source, tmp_path, digest)
+
+
 @pytest.mark.slow
 def test_interrupted_compile_leaves_nothing_that_looks_valid(tmp_path: Path) -> None:
     from shards import session_cache_root
