@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +246,24 @@ def test_mypy_holds_fleettui_and_the_worker_to_the_strict_rules() -> None:
     ]  # fmt: skip
     covered = {module for override in strict for module in override["module"]}
     assert {"fleettui.*", "remote_worker.*"} <= covered
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "import remote_worker.__main__, remote_worker.profile, remote_worker.mono",  # the worker, profile, mono
+        "import shard_compiler.__main__",  # the compiler (NNCF reports through the same module)
+        "import fleettui.cli, fleettui.bench.baseline",  # the operator, the GenAI baseline
+        "import runpy; runpy.run_path('fleettui/provision/remote_ops.py')['devices']({})",  # a host's probe
+    ],
+)
+def test_no_process_of_ours_reports_to_openvinos_telemetry(entry: str) -> None:
+    """`import openvino` sends a usage event to Google Analytics unless `openvino_telemetry` is missing, and
+    waits for it at exit (3 s on a PC without internet): none of our processes loads that module."""
+    code = f"{entry}\nimport sys, openvino, nncf\nprint(sys.modules.get('openvino_telemetry'))"
+    environment = {key: value for key, value in os.environ.items() if key != "CI"}  # CI=true silences it too
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=environment, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "None"

@@ -268,6 +268,7 @@ def install(args: dict[str, Any]) -> dict[str, Any]:
 
 def devices(args: dict[str, Any]) -> dict[str, Any]:
     """OpenVINO's devices as seen by the worker's interpreter (run with the venv's Python)."""
+    sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]  # as remote_worker does
     try:
         import openvino  # type: ignore[import-not-found]
     except ImportError as error:
