@@ -386,11 +386,14 @@ def verify_stage(directory: Path, manifest: Manifest, index: int, stamp: bool = 
     return verify_files(directory, manifest.stages[index].files, path)
 
 
-def verify_all(directory: Path, manifest: Manifest) -> None:
-    """Check the shared (tokenizer) files and every stage's files."""
-    verify_files(directory, manifest.shared_files)
-    for stage in manifest.stages:
-        verify_files(directory, stage.files)
+def verify_all(directory: Path, manifest: Manifest, stamp: bool = False) -> int:
+    """Check the shared (tokenizer) files and every stage's files, raising ManifestError on the first problem;
+    returns how many files were hashed (`stamp`: skip those unchanged since a check, see `verify_files`)."""
+    shared = Path(directory) / VERIFIED_FOLDER / "shared.json" if stamp else None
+    hashed = verify_files(directory, manifest.shared_files, shared)
+    return hashed + sum(
+        verify_stage(directory, manifest, index, stamp) for index in range(len(manifest.stages))
+    )
 
 
 def even_split(num_layers: int, stages: int) -> tuple[LayerRange, ...]:

@@ -113,7 +113,7 @@ def cached(directory: Path, cache_key: str) -> Manifest | None:
         if manifest.cache_key != cache_key:
             logger.info("%s holds another compile (key %s); rebuilding", directory, manifest.cache_key)
             return None
-        verify_all(directory, manifest)
+        verify_all(directory, manifest, stamp=True)  # files intact since their last check are not read again
         return manifest
     except ManifestError as error:
         logger.warning("cached shards in %s are not valid (%s); rebuilding", directory, error)

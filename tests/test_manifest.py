@@ -175,3 +175,17 @@ def test_an_unreadable_or_unwritable_stamp_only_costs_the_hashes(tmp_path: Path)
     assert verify_stage(tmp_path, manifest, 0) == files
     assert verify_stage(tmp_path, manifest, 0) == files
     assert [p.name for p in stamp.parent.iterdir()] == ["stage_0.json"]
+
+
+def test_the_whole_shard_checked_before_is_not_hashed_again(tmp_path: Path) -> None:
+    """The compiler's cache check (`verify_all`, at every fleet start) uses the stamps too, the tokenizer's
+    files included; a file changed since is hashed again and refused."""
+    manifest = fake_manifest(tmp_path)
+    write_manifest(tmp_path, manifest)
+    files = len(manifest.shared_files) + sum(len(stage.files) for stage in manifest.stages)
+    assert verify_all(tmp_path, manifest, stamp=True) == files
+    assert verify_all(tmp_path, manifest, stamp=True) == 0
+    assert verify_all(tmp_path, manifest) == files  # without stamps: every file, as before
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("[]")  # same size, other bytes
+    with pytest.raises(ManifestError, match=r"^tokenizer/tokenizer\.json: SHA-256 mismatch"):
+        verify_all(tmp_path, manifest, stamp=True)

@@ -197,29 +197,50 @@ def test_int4_shard_answers(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------------------- cache
 @pytest.mark.slow
-def test_unchanged_request_is_a_verified_no_op(fp32_shards: dict[int, Path], tmp_path: Path) -> None:
+def test_unchanged_request_is_a_verified_no_op(
+    fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from shards import session_cache_root
 
+    from remote_worker import manifest as manifest_module
     from shard_compiler.compiler import compile_shards
 
     directory = fp32_shards[1]
-    before = {path: path.stat().st_mtime_ns for path in directory.rglob("*")}
-    events = []
-    again = compile_shards(
-        "smollm2-135m-instruct",
-        stages=1,
-        precision="fp32",
-        cache_root=session_cache_root(),
-        progress=events.append,
-    )
-    assert again == directory
-    assert [event.step for event in events] == ["cached"]
-    assert {path: path.stat().st_mtime_ns for path in directory.rglob("*")} == before
+
+    def files() -> dict[Path, int]:  # the shards' own files (the check's stamps are bookkeeping beside them)
+        return {
+            path: path.stat().st_mtime_ns
+            for path in directory.rglob("*")
+            if manifest_module.VERIFIED_FOLDER not in path.relative_to(directory).parts
+        }
+
+    def request_again() -> None:
+        events: list = []
+        again = compile_shards(
+            "smollm2-135m-instruct",
+            stages=1,
+            precision="fp32",
+            cache_root=session_cache_root(),
+            progress=events.append,
+        )
+        assert again == directory and [event.step for event in events] == ["cached"]
+
+    before = files()
+    request_again()
+    assert files() == before
+    # that check stamped what it found intact, so the next reads no file (an 8B model's are gigabytes, and
+    # every fleet start asks for its shards)
+    hashed: list[Path] = []
+    real = manifest_module.sha256_file
+    monkeypatch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(path) or real(path))
+    request_again()
+    assert hashed == [] and files() == before
+    monkeypatch.undo()
 
     # a copy with one corrupted weight file is detected and rebuilt, never trusted
     copy = tmp_path / "copy"
-    shutil.copytree(directory, copy)
-    events.clear()
+    shutil.copytree(directory, copy)  # the stamps too: but a copy is other files, so it is hashed again
+    events: list = []
     assert (
         compile_shards(
             "smollm2-135m-instruct",
