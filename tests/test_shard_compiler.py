@@ -197,6 +197,23 @@ def test_int4_shard_answers(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------------------- cache
 @pytest.mark.slow
+def answered_from_the_cache(directory: Path) -> None:
+    """Ask the compiler again for the 1-stage fp32 shards in DIRECTORY: it answers from its cache."""
+    from shards import session_cache_root
+
+    from shard_compiler.compiler import compile_shards
+
+    events: list = []
+    again = compile_shards(
+        "smollm2-135m-instruct",
+        stages=1,
+        precision="fp32",
+        cache_root=session_cache_root(),
+        progress=events.append,
+    )
+    assert again == directory and [event.step for event in events] == ["cached"]
+
+
 def test_unchanged_request_is_a_verified_no_op(
     fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,26 +231,15 @@ def test_unchanged_request_is_a_verified_no_op(
             if manifest_module.VERIFIED_FOLDER not in path.relative_to(directory).parts
         }
 
-    def request_again() -> None:
-        events: list = []
-        again = compile_shards(
-            "smollm2-135m-instruct",
-            stages=1,
-            precision="fp32",
-            cache_root=session_cache_root(),
-            progress=events.append,
-        )
-        assert again == directory and [event.step for event in events] == ["cached"]
-
     before = files()
-    request_again()
+    answered_from_the_cache(directory)
     assert files() == before
     # that check stamped what it found intact, so the next reads no file (an 8B model's are gigabytes, and
     # every fleet start asks for its shards)
     hashed: list[Path] = []
     real = manifest_module.sha256_file
     monkeypatch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(path) or real(path))
-    request_again()
+    answered_from_the_cache(directory)
     assert hashed == [] and files() == before
     monkeypatch.undo()
 
@@ -278,25 +284,15 @@ def test_a_cached_request_does_not_parse_the_gguf(
     """Every fleet start asks the compiler for its shards; when they are cached that costs no GGUF parse
     (its reader builds every field, the whole vocabulary included: 2 s for SmolLM2), the config derived at
     compile time serves. A damaged derived config is derived again; one of another architecture refused."""
-    from shards import session_cache_root
 
     from shard_compiler import sources
-    from shard_compiler.compiler import compile_shards
 
     def parse(path: Path, keys: object) -> None:
         raise AssertionError(f"{path} parsed for {keys}")
 
     with monkeypatch.context() as patch:
         patch.setattr(sources, "gguf_metadata", parse)
-        events: list = []
-        again = compile_shards(
-            "smollm2-135m-instruct",
-            stages=1,
-            precision="fp32",
-            cache_root=session_cache_root(),
-            progress=events.append,
-        )
-        assert again == fp32_shards[1] and [event.step for event in events] == ["cached"]
+        answered_from_the_cache(fp32_shards[1])
 
     source = sources.resolve("smollm2-135m-instruct")
     digest = sources.source_hash(source, tmp_path)

@@ -59,9 +59,9 @@ def test_weights_are_seeded_and_shaped() -> None:
 
 
 def test_manifest_without_the_synthetic_key_still_loads(tmp_path: Path) -> None:
-    from tests.test_manifest import _manifest  # type: ignore[attr-defined]
+    from tests.manifests import fake_manifest
 
-    manifest = _manifest(tmp_path)
+    manifest = fake_manifest(tmp_path)
     data = manifest.to_dict()
     assert data["synthetic"] is False
     del data["synthetic"]
