@@ -247,7 +247,7 @@ def test_bind_rules() -> None:
         check_bind("0.0.0.0", ())
 
 
-def test_live_requests_are_registered_until_they_end_and_shown_as_cells() -> None:
+def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_shown_as_cells() -> None:
     from fleettui.serve.live import LiveRequests
     from fleettui.ui.widgets.api_panel import request_cells
 
@@ -261,5 +261,11 @@ def test_live_requests_are_registered_until_they_end_and_shown_as_cells() -> Non
     assert cells["client"] == "10.0.0.5:5123" and cells["tokens"] == "11/17p" and cells["rate"] == "5.0"
     assert request_cells(second, now=102.0)["rate"] == "-"
     live.end(first)
-    live.end(first)  # twice is harmless
-    assert live.snapshot() == [second] and live.finished == 1
+    ended = first.ended
+    live.end(first, "stopped")  # twice is harmless: the first end holds
+    assert ended is not None and first.state == "done" and first.ended == ended
+    assert live.finished == 1 and list(live.requests.values()) == [second]
+    assert live.snapshot(now=ended + 1.0) == [first, second]  # a finished request stays on show a moment,
+    assert request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]  # frozen
+    assert not first.active and second.active
+    assert live.snapshot(now=ended + live.linger + 0.1) == [second]  # then leaves

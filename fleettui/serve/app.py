@@ -215,7 +215,7 @@ class FleetServer:
 
     def _forget(self, ticket: Ticket, live: LiveRequest) -> None:
         ticket.release()
-        self.live.end(live)
+        self.live.end(live, "stopped")
 
     async def _generate(
         self,
@@ -259,7 +259,7 @@ class FleetServer:
             return Outcome(generation, len(prompt), lease.reused_tokens)
         finally:
             ticket.release()
-            self.live.end(live)
+            self.live.end(live, "done" if completed else "stopped")
             if lease is not None:
                 # A cancelled or failed step may have reached the stages without the ledger knowing:
                 # such a session is closed on every stage, never reused.

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+LINGER_SECONDS = 3.0  # a finished request stays on show this long: a 0.3 s answer is still seen in the panel
 
 
 @dataclass
@@ -16,25 +19,32 @@ class LiveRequest:
     endpoint: str  # chat | completions
     preview: str  # the start of the last user message (or of the prompt)
     prompt_tokens: int
-    state: str = "queued"  # queued | generating
+    state: str = "queued"  # queued | generating | done | stopped
     tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    ended: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.ended is None
 
     def tokens_per_second(self, now: float | None = None) -> float:
         if self.first_token is None or self.tokens < 2:
             return 0.0
-        elapsed = (now or time.monotonic()) - self.first_token
+        elapsed = (self.ended or now or time.monotonic()) - self.first_token
         return (self.tokens - 1) / elapsed if elapsed > 0 else 0.0
 
 
 class LiveRequests:
-    """Requests currently queued or generating, by id; finished ones are counted, then forgotten."""
+    """Requests currently queued or generating, by id; finished ones are counted, shown a moment, then forgotten."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger: float = LINGER_SECONDS) -> None:
         self._ids = itertools.count(1)
         self.requests: dict[int, LiveRequest] = {}
         self.finished = 0
+        self.linger = linger
+        self._recent: deque[LiveRequest] = deque()
 
     def begin(self, client: str, endpoint: str, preview: str, prompt_tokens: int) -> LiveRequest:
         request = LiveRequest(
@@ -43,9 +53,16 @@ class LiveRequests:
         self.requests[request.id] = request
         return request
 
-    def end(self, request: LiveRequest) -> None:
+    def end(self, request: LiveRequest, state: str = "done") -> None:
+        """`state` is how it ended (done, or stopped: cancelled or failed); a second call changes nothing."""
         if self.requests.pop(request.id, None) is not None:
             self.finished += 1
+            request.state, request.ended = state, time.monotonic()
+            self._recent.append(request)
 
-    def snapshot(self) -> list[LiveRequest]:
-        return sorted(self.requests.values(), key=lambda each: each.id)
+    def snapshot(self, now: float | None = None) -> list[LiveRequest]:
+        """The active requests and those that ended within the last `linger` seconds, oldest first."""
+        now = time.monotonic() if now is None else now
+        while self._recent and (self._recent[0].ended or 0.0) < now - self.linger:
+            self._recent.popleft()
+        return sorted([*self.requests.values(), *self._recent], key=lambda each: each.id)

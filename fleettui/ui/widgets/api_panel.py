@@ -34,7 +34,7 @@ def request_cells(request: LiveRequest, now: float) -> dict[str, str]:
 
 
 class ApiPanel(DataTable[Text]):
-    """Live API sessions beside the chat; `show()` redraws from a snapshot of the server's registry."""
+    """Live API sessions beside the chat (and those just ended); `show()` redraws from the server's registry."""
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id, cursor_type="row", zebra_stripes=True, show_cursor=False)
@@ -58,4 +58,5 @@ class ApiPanel(DataTable[Text]):
                     self.update_cell(key, column, Text(cells[column]), update_width=True)
             else:
                 self.add_row(*(Text(cells[column]) for column, _ in COLUMNS), key=key)
-        self.border_subtitle = f"{self.url} · {len(requests)} active · {finished} answered"
+        active = sum(request.active for request in requests)
+        self.border_subtitle = f"{self.url} · {active} active · {finished} answered"
