@@ -263,6 +263,17 @@ def test_the_mix_of_step_sizes_and_a_slowdown_of_every_stage_are_not_mistaken() 
     for _ in range(32):
         mixed.observe(_result([0.010, 0.005]))
     assert mixed.throttled() == {}
+    # A real prefill: the last stage's head scores one position, so its share is smaller than in a decode.
+    # By sums the long prefills would dominate the baseline and the decodes after it read as 1.6x.
+    prefills = Balancer([(0, 19), (19, 30)], window=8, patience=2)
+    for index in range(8):
+        prefills.observe(_result([0.190, 0.110] if index < 3 else [0.010, 0.010]))
+    for _ in range(32):
+        prefills.observe(_result([0.010, 0.010]))
+    assert relative_slowdown(prefills.baseline_rows, prefills.recent_rows, 1) == pytest.approx(
+        8 / (3 * 11 / 19 + 5)
+    )
+    assert prefills.throttled() == {}
     alike = Balancer([(0, 15), (15, 30)], window=8, patience=2)
     for _ in range(8):
         alike.observe(_result([0.010, 0.005]))

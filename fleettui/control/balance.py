@@ -120,14 +120,17 @@ def relative_slowdown(
     baseline: Sequence[Sequence[float]], recent: Sequence[Sequence[float]], stage: int
 ) -> float:
     """How much more of the pipeline's compute STAGE takes now than in the baseline, against the other stages
-    (1.0 = unchanged; pure). Rows are steps, each with every stage's time for that same step, so the mix of
-    step sizes (prefills, verify windows) cancels out, and a slowdown that hits only some steps (a duty-cycle
-    throttle, a noisy neighbour) counts with its full weight, which a median of step times would miss."""
+    (1.0 = unchanged; pure). Rows are steps, each with every stage's time for that same step, so a machine
+    slowing down as a whole cancels out, and a slowdown that hits only some steps (a duty-cycle throttle, a
+    noisy neighbour) counts with its full weight, which a median of step times would miss.
+
+    Each step's share counts once, whatever its length: a prefill's shares differ from a decode's (the last
+    stage's head scores only the last position), and a sum over a baseline of long prefills would weigh them
+    so much that the decodes after it read as the last stage slowing down."""
 
     def share(rows: Sequence[Sequence[float]]) -> float:
-        own = sum(row[stage] for row in rows)
-        others = sum(sum(row) - row[stage] for row in rows)
-        return own / others if others > 0 else 0.0
+        shares = [row[stage] / others for row in rows if (others := sum(row) - row[stage]) > 0]
+        return sum(shares) / len(shares) if shares else 0.0
 
     before, now = share(baseline), share(recent)
     return now / before if before > 0 and now > 0 else 1.0
