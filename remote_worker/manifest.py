@@ -386,6 +386,12 @@ def verify_stage(directory: Path, manifest: Manifest, index: int, stamp: bool = 
     return verify_files(directory, manifest.stages[index].files, path)
 
 
+def forget_stamp(directory: Path, index: int) -> None:
+    """Make the next check of stage INDEX read every file again (`fleettui deploy --recheck`): the stamp
+    cannot see bit rot that left a file's size, times and inode alone."""
+    (Path(directory) / VERIFIED_FOLDER / f"stage_{index}.json").unlink(missing_ok=True)
+
+
 def verify_all(directory: Path, manifest: Manifest, stamp: bool = False) -> int:
     """Check the shared (tokenizer) files and every stage's files, raising ManifestError on the first problem;
     returns how many files were hashed (`stamp`: skip those unchanged since a check, see `verify_files`)."""

@@ -79,3 +79,26 @@ def fake_manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Man
         shared_files={"tokenizer/tokenizer.json": sha256_file(tokenizer)},
         created_at="2026-11-30T08:00:00+00:00",
     )
+
+
+def rot_behind_the_stamp(folder: Path, relative: str, stamp: Path) -> None:
+    """Bit rot: the file's bytes change (same size), and its stamp record is made to match its metadata
+    again, as when a disk corrupts data without any write through the file system (no ctime change)."""
+    import json
+
+    path = folder / relative
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    record = json.loads(stamp.read_text())
+    info = path.stat()
+    sha = record["files"][relative][0]
+    record["files"][relative] = [
+        sha,
+        info.st_size,
+        info.st_mtime_ns,
+        info.st_ctime_ns,
+        info.st_ino,
+        info.st_dev,
+    ]
+    stamp.write_text(json.dumps(record))

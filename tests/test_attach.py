@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -82,7 +83,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     from fleettui.ui.screens.quit import QuitScreen
     from fleettui.ui.widgets.chat import ChatPane
 
-    deployed = fleettui("deploy", str(fleet_file))
+    deployed = fleettui("deploy", str(fleet_file), "--recheck")
     assert deployed.returncode == 0, deployed.stderr
     record = store.load(load_fleet(fleet_file))
     assert record is not None and record.owner is None and record.holder is None
@@ -104,6 +105,10 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
 
     logs = fleettui("logs", str(fleet_file), "-n", "5")
     assert logs.returncode == 0
+    # `--recheck`: every worker read all of its stage's files, trusting no stamp of the compiler's checks
+    verified = fleettui("logs", str(fleet_file), "-n", "1000").stdout
+    checks = re.findall(r"files verified in .* \((\d+) of (\d+) hashed", verified)
+    assert len(checks) == 3 and all(hashed == total != "0" for hashed, total in checks), checks
     assert {"[a]", "[b]", "[draft]"} <= {line.split(" ", 1)[0] for line in logs.stdout.splitlines()}
     status = fleettui("status", str(fleet_file), "--json")
     assert status.returncode == 0, status.stdout + status.stderr

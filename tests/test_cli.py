@@ -77,6 +77,7 @@ def test_every_subcommand_is_registered_with_help() -> None:
     parsed = build_parser().parse_args(translate(["--ask", "-", "--system", "Be brief."]))
     assert (parsed.command, parsed.prompt, parsed.system) == ("ask", "-", "Be brief.")
     assert build_parser().parse_args(["deploy", "f.toml", "--prune"]).prune
+    assert build_parser().parse_args(["deploy", "f.toml", "--recheck"]).recheck
     assert build_parser().parse_args(["cache", "prune", "--keep", "3"]).keep == 3
 
 

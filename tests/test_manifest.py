@@ -189,3 +189,21 @@ def test_the_whole_shard_checked_before_is_not_hashed_again(tmp_path: Path) -> N
     (tmp_path / "tokenizer" / "tokenizer.json").write_text("[]")  # same size, other bytes
     with pytest.raises(ManifestError, match=r"^tokenizer/tokenizer\.json: SHA-256 mismatch"):
         verify_all(tmp_path, manifest, stamp=True)
+
+
+def test_forgetting_the_stamp_finds_bit_rot_it_cannot_see(tmp_path: Path) -> None:
+    """`deploy --recheck`: bytes that rot without a write leave the stamp's record true; forgetting the stamp
+    reads every file again and refuses the rotten one."""
+    from manifests import rot_behind_the_stamp
+
+    from remote_worker.manifest import VERIFIED_FOLDER, forget_stamp
+
+    manifest = fake_manifest(tmp_path)
+    write_manifest(tmp_path, manifest)
+    assert verify_stage(tmp_path, manifest, 1) == len(manifest.stages[1].files)
+    rot_behind_the_stamp(tmp_path, "stage_1/openvino_model.bin", tmp_path / VERIFIED_FOLDER / "stage_1.json")
+    assert verify_stage(tmp_path, manifest, 1) == 0  # what the stamp cannot see
+    forget_stamp(tmp_path, 1)
+    forget_stamp(tmp_path, 1)  # twice is harmless
+    with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
+        verify_stage(tmp_path, manifest, 1)

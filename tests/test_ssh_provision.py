@@ -124,7 +124,7 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
 ) -> None:
     """The host checks a stage's files with the worker's own stamp: the worker's start after a push, and an
     unchanged redeploy, read none of them (an 8B stage is gigabytes); any write on the host is caught."""
-    from manifests import fake_manifest
+    from manifests import fake_manifest, rot_behind_the_stamp
 
     from remote_worker.manifest import VERIFIED_FOLDER, verify_stage, write_manifest
 
@@ -157,6 +157,18 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
         _, repaired = await session.push_shard(ShardAssignment(folder, 0))
         assert repaired.files_sent == 1 and sha256(path) == sha256(folder / weights)
         assert verify_stage(Path(remote), manifest, 0) == 0
+        # bit rot on the host, invisible to the stamp: only a recheck reads the file and replaces it
+        rot_behind_the_stamp(Path(remote), weights, stamp)
+        _, trusted = await session.push_shard(ShardAssignment(folder, 0))
+        assert trusted.files_sent == 0
+        _, rechecked = await session.push_shard(ShardAssignment(folder, 0), recheck=True)
+        assert rechecked.files_sent == 1 and sha256(path) == sha256(folder / weights)
+        assert verify_stage(Path(remote), manifest, 0) == 0  # stamped again by the recheck
+        # ... and bit rot on the operator's copy is refused by a recheck before anything travels
+        rot_behind_the_stamp(folder, weights, folder / VERIFIED_FOLDER / "stage_0.json")
+        assert (await session.push_shard(ShardAssignment(folder, 0)))[1].files_sent == 0
+        with pytest.raises(ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"):
+            await session.push_shard(ShardAssignment(folder, 0), recheck=True)
         # a stage file changed on the operator's machine is refused before anything travels
         (folder / weights).write_text("tampered")
         with pytest.raises(ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"):

@@ -17,6 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prune", action="store_true", help="remove other (older) shard folders on the SSH hosts once pushed"
     )
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="read every stage file again, here and on each host, instead of trusting the stamps of earlier "
+        "checks (finds bit rot that left a file's size and times alone)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         ):
             print(f"[{event.source}] {event.text}", file=sys.stderr, flush=True)
 
-    controller = FleetController(fleet, on_event=show, settings=options.settings(args), prune=args.prune)
+    controller = FleetController(
+        fleet, on_event=show, settings=options.settings(args), prune=args.prune, recheck=args.recheck
+    )
 
     async def main() -> int:
         done = False

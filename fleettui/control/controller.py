@@ -82,11 +82,11 @@ class FleetController:
         settings: Settings | None = None,
         lease: float = LEASE_SECONDS,
         prune: bool = False,  # SSH hosts: remove their other shard folders once this one is pushed
+        recheck: bool = False,  # read every stage file again, trusting no stamp of an earlier check
     ) -> None:
         self.settings = settings or Settings()
-        self.prune = prune
-        self.base_fleet = fleet
-        self.fleet = apply(fleet, self.settings)
+        self.prune, self.recheck = prune, recheck
+        self.base_fleet, self.fleet = fleet, apply(fleet, self.settings)
         self._on_event = on_event or (lambda event: None)
         self.lease = lease
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
@@ -288,7 +288,7 @@ class FleetController:
             self._lease = Lease(lambda: self.deployment, self.lease)
             self._lease.start()
         local = [p for p in deployment.placements if p.host.is_local]
-        local_launcher = LocalLauncher(deployment.keys, lease=self.worker_lease)
+        local_launcher = LocalLauncher(deployment.keys, lease=self.worker_lease, recheck=self.recheck)
         for placement in local:
             self._set_state(placement.config.name, Loading())
             self.launched.append(await local_launcher.start(placement))
@@ -297,7 +297,7 @@ class FleetController:
             store.save(self.record)
         remote = SshLauncher(
             self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout, prune=self.prune,
-            lease=self.worker_lease,
+            recheck=self.recheck, lease=self.worker_lease,
         )  # fmt: skip
         jobs = [self._bring_up(local_launcher, each, ready_timeout) for each in list(self.launched)]
         jobs += [self._bring_up_remote(remote, p) for p in deployment.stages if not p.host.is_local]

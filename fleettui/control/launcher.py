@@ -135,8 +135,13 @@ class LocalLauncher:
     keys: ClientKeys | None
     python: str = sys.executable
     lease: float = 0.0  # > 0: the worker exits by itself this long after its last control request
+    recheck: bool = False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
 
     async def start(self, placement: Placement) -> Launched:
+        if self.recheck:
+            from remote_worker.manifest import forget_stamp
+
+            forget_stamp(Path(placement.config.shard_dir), placement.config.stage_index)
         return spawn(leased(placement, self.lease), self.python)
 
     async def handshake(self, launched: Launched, timeout: float) -> PingReply:
@@ -257,6 +262,7 @@ class SshLauncher:
     on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
     prune: bool = False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
+    recheck: bool = False  # as LocalLauncher.recheck, on both sides of the push
     lease: float = 0.0  # as LocalLauncher.lease
     reports: dict[str, HostDeployment] = field(default_factory=dict)
 
@@ -282,7 +288,7 @@ class SshLauncher:
             ShardAssignment(self.shard_dir, placement.config.stage_index),
             config,
             placement.config.deployment,
-            DeployOptions(deployment=placement.config.deployment, prune=self.prune),
+            DeployOptions(deployment=placement.config.deployment, prune=self.prune, recheck=self.recheck),
             self.on_event,
             ready,
         )

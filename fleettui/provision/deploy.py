@@ -63,6 +63,7 @@ class DeployOptions:
     stop_timeout: float = 10.0
     deployment: str | None = None  # identifies the processes this deployment starts (default: random)
     prune: bool = False  # remove the host's other shard folders once this one is pushed (deploy --prune)
+    recheck: bool = False  # read every stage file on both sides, trusting no stamp (deploy --recheck)
 
 
 def _emit(handler: EventHandler | None, event: ProvisionEvent) -> None:
@@ -232,10 +233,11 @@ class HostSession:
         self.emit("devices", ", ".join(f"{name}: {full}" for name, full in answer["names"].items()))
         return self.preflight
 
-    async def push_shard(self, shard: ShardAssignment) -> tuple[str, PushResult]:
-        """Push the stage's files into a content-addressed folder; returns (remote folder, result)."""
+    async def push_shard(self, shard: ShardAssignment, recheck: bool = False) -> tuple[str, PushResult]:
+        """Push the stage's files into a content-addressed folder; returns (remote folder, result).
+        `recheck`: read every file of the stage on both sides, trusting no stamp."""
         try:
-            remote, files, stamp = await asyncio.to_thread(stage_push, shard, self.paths().shard)
+            remote, files, stamp = await asyncio.to_thread(stage_push, shard, self.paths().shard, recheck)
         except ManifestError as error:
             raise ProvisionError(self.host.name, "shard", f"local shard {shard.directory}: {error}") from None
         return remote, await self.push(files, "shard", stamp)
@@ -372,7 +374,7 @@ async def deploy_host(
             result = replace(result, preflight=await session.probe_devices())
             python = session.venv_python()
         result = replace(result, step="shard")
-        shard_dir, pushed = await session.push_shard(shard)
+        shard_dir, pushed = await session.push_shard(shard, options.recheck)
         if options.prune:
             await session.prune_shards([shard_dir])
         paths = replace(session.paths(), shard=shard_dir)

@@ -178,9 +178,10 @@ def hashes(args: dict[str, Any]) -> dict[str, Any]:
     """Size and SHA-256 of each path that exists (None for the others).
 
     With a ``stamp`` ({file, root, format, expected: {relative name: SHA-256}}), a stage file whose stamp
-    record still matches is not read, and the stamp is rewritten with the stage files found intact."""
+    record still matches is not read, and the stamp is rewritten with the stage files found intact; with
+    ``recheck`` in it, every file is read (bit rot leaves a file's metadata alone)."""
     stamp = args.get("stamp")
-    known = _stamp_entries(stamp)
+    known = {} if stamp and stamp.get("recheck") else _stamp_entries(stamp)
     intact: dict[str, Any] = {}
     result: dict[str, Any] = {}
     for name in args["paths"]:

@@ -8,7 +8,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleettui.provision.transfer import FileToPush, RemoteStamp, local_sha256, tree_files
-from remote_worker.manifest import STAMP_FORMAT, VERIFIED_FOLDER, ManifestError, load_manifest, verify_stage
+from remote_worker.manifest import (
+    STAMP_FORMAT,
+    VERIFIED_FOLDER,
+    ManifestError,
+    forget_stamp,
+    load_manifest,
+    verify_stage,
+)
 
 
 @dataclass(frozen=True)
@@ -28,27 +35,30 @@ def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
     return tuple(name for name in wanted if (shard.directory / name).exists())
 
 
-def checked_stage(shard: ShardAssignment) -> dict[str, str]:
+def checked_stage(shard: ShardAssignment, recheck: bool = False) -> dict[str, str]:
     """The SHA-256 of each file of the stage, from its manifest, after checking the local copies (with the
-    local stamp the workers keep there, so files intact since a check are not read); {} for a folder whose
-    manifest cannot be read (its files are hashed as any). Raises ManifestError when a file differs."""
+    local stamp the workers keep there, so files intact since a check are not read, unless `recheck`); {}
+    for a folder whose manifest cannot be read (its files are hashed as any). Raises ManifestError when a
+    file differs."""
     try:
         manifest = load_manifest(shard.directory)
     except ManifestError:
         return {}
+    if recheck:
+        forget_stamp(shard.directory, shard.stage)
     verify_stage(shard.directory, manifest, shard.stage)
     return dict(manifest.stages[shard.stage].files)
 
 
 def stage_push(
-    shard: ShardAssignment, shards_folder: str
+    shard: ShardAssignment, shards_folder: str, recheck: bool = False
 ) -> tuple[str, list[FileToPush], RemoteStamp | None]:
     """The remote folder (under SHARDS_FOLDER, named by the files' hashes), the files to push there and the
     stage's stamp on the host; raises ManifestError when a local file differs from the manifest.
 
     With the files checked against the manifest here and the host's copy checked with the worker's stamp,
-    an unchanged redeploy reads no file of the stage on either side."""
-    known = checked_stage(shard)
+    an unchanged redeploy reads no file of the stage on either side; `recheck` reads them all on both."""
+    known = checked_stage(shard, recheck)
     local = [
         replace(item, sha256=known.get(item.remote) or local_sha256(item.local))
         for item in tree_files(shard.directory, "", shard_files(shard))
@@ -60,5 +70,6 @@ def stage_push(
     files = [replace(item, remote=f"{remote}/{item.remote}") for item in local]
     if not known:
         return remote, files, None
-    stamp = RemoteStamp(f"{remote}/{VERIFIED_FOLDER}/stage_{shard.stage}.json", remote, known, STAMP_FORMAT)
+    stamp_file = f"{remote}/{VERIFIED_FOLDER}/stage_{shard.stage}.json"
+    stamp = RemoteStamp(stamp_file, remote, known, STAMP_FORMAT, recheck)
     return remote, files, stamp

@@ -46,9 +46,17 @@ class RemoteStamp:
     root: str  # the remote shard folder the names are relative to
     expected: dict[str, str]  # relative name -> SHA-256 (the manifest's files of the stage)
     format: int
+    recheck: bool = False  # read every file again, trusting no record (`deploy --recheck`), then stamp
 
     def payload(self) -> dict[str, Any]:
-        return {"file": self.file, "root": self.root, "expected": self.expected, "format": self.format}
+        recheck = {"recheck": True} if self.recheck else {}
+        return {
+            "file": self.file,
+            "root": self.root,
+            "expected": self.expected,
+            "format": self.format,
+            **recheck,
+        }
 
 
 def local_sha256(path: Path, size: int | None = None) -> str:
