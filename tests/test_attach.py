@@ -92,6 +92,14 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     run_dir = Path(record.run_dir or "")
     assert run_dir.is_dir() and oct(run_dir.stat().st_mode)[-3:] == "700"  # noqa: ASYNC240
 
+    # two local stages on one machine: each on its own slice of the CPUs, like the PCs they stand for
+    from fleettui.config.local_cores import share_local_cores
+
+    workers = record.pids()
+    for host in share_local_cores(load_fleet(fleet_file)).hosts:
+        wanted = sorted(host.cores or os.sched_getaffinity(0))
+        assert psutil.Process(workers[host.name]).cpu_affinity() == wanted, host.name
+
     again = fleettui("deploy", str(fleet_file))
     assert again.returncode == 0 and "already deployed" in again.stdout and our_workers() == pids
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -311,3 +312,33 @@ def test_two_processes_draw_port_blocks_from_different_stripes(monkeypatch: pyte
             < 1024 + (pid % module.PORT_STRIPES + 1) * width
             for base in bases
         ), pid
+
+
+def test_local_stages_share_this_machines_cores_disjointly_unless_a_host_says_otherwise() -> None:
+    """Several local stages each get a contiguous slice of the usable CPUs, threads = slice size (the first
+    stages take the remainder); SSH hosts, a lone local stage, too few CPUs, or any local host that sets
+    `cores` or `threads` leave the fleet as written."""
+    from fleettui.config.fleet import Host
+    from fleettui.config.local_cores import share_local_cores
+    from fleettui.control.settings import apply
+    from fleettui.control.store import Settings
+
+    fleet = load_fleet(DEFAULT_FLEET)
+    split = share_local_cores(fleet, [1, 0])
+    assert [(h.cores, h.threads) for h in split.hosts] == [((0,), 1), ((1,), 1)]
+    three = replace(fleet, hosts=(*fleet.hosts, replace(fleet.hosts[0], name="c", base_port=5570)))
+    assert [(h.cores, h.threads) for h in share_local_cores(three, range(8)).hosts] == [
+        ((0, 1, 2), 3), ((3, 4, 5), 3), ((6, 7), 2),
+    ]  # fmt: skip
+    ssh = Host(name="pc", transport="ssh", address="10.0.0.9")
+    mixed = replace(fleet, hosts=(fleet.hosts[0], ssh, fleet.hosts[1]))
+    assert [h.cores for h in share_local_cores(mixed, [0, 1, 2, 3]).hosts] == [(0, 1), (), (2, 3)]
+    assert share_local_cores(replace(fleet, hosts=(fleet.hosts[0], ssh)), [0, 1]).hosts[0].cores == ()
+    assert share_local_cores(three, [0, 1]) == three  # three stages, two CPUs: shared as before
+    for written in ({"cores": (0, 1)}, {"threads": 2}):
+        chosen = replace(fleet, hosts=(replace(fleet.hosts[0], **written), fleet.hosts[1]))
+        assert share_local_cores(chosen, [0, 1]) == chosen
+    assert share_local_cores(split, [0, 1]) == split  # applying it again changes nothing
+    # the fleet as it runs (the controller, the TUI) is split with this process's own CPUs
+    usable = sorted(os.sched_getaffinity(0))
+    assert apply(fleet, Settings()) == share_local_cores(fleet, usable)

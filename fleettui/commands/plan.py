@@ -24,10 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fleettui.config.local_cores import share_local_cores
     from fleettui.model.shape import ModelShape
     from fleettui.planning.planner import format_plan, plan_fleet
 
-    fleet = options.load(args)
+    fleet = share_local_cores(options.load(args))  # as it runs: local stages on their own cores
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
     if args.profile:  # measured costs (issue 12)
         from fleettui.planning.plan_profile import run_plan_profile

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fleettui.config.fleet import Fleet
+from fleettui.config.local_cores import share_local_cores
 from fleettui.control.store import Settings
 from fleettui.runtime.coordinator import GenerationParams
 
@@ -29,7 +30,8 @@ def with_overrides(
 
 
 def apply(fleet: Fleet, settings: Settings) -> Fleet:
-    """The fleet with recorded or command-line settings applied."""
+    """The fleet as it runs: recorded or command-line settings applied, local stages on their own cores."""
+    fleet = share_local_cores(fleet)
     return with_overrides(fleet, settings.exact, settings.draft, settings.k)
 
 
