@@ -233,7 +233,9 @@ async def test_a_run_ends_early_where_a_paying_lookup_finds_a_repeat() -> None:
         session = await coordinator.open_session()
         generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=90))
         assert list(generation.token_ids) == _plain_greedy(prompt, 90)
-        assert generation.stats.accepted > 20 and generation.stats.accepted == generation.stats.drafted
+        # how many stretches pay depends on the step costs the policy measures: 27 and 32 here, quiet or with
+        # three busy processes, 17 for the first prompt once in CI beside the other test worker
+        assert generation.stats.accepted >= 10 and generation.stats.accepted == generation.stats.drafted
         await coordinator.close_session(session)
     assert len(stage.runs) >= 4 and sum(stage.runs) > 2 * 90  # runs asked for the rest were cut short
 
