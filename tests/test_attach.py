@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -11,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def fleet_file(shard_cache: Path, tmp_path: Path) -> Path:
+def fleet_file(shard_cache: Path, tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "fleet.toml"
     ports = [free_port_block(), free_port_block()]
     path.write_text(
@@ -37,7 +38,15 @@ def fleet_file(shard_cache: Path, tmp_path: Path) -> Path:
         '[speculation]\ndraft = "self-int4"\nk = 2\n'
         f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = {ports[1]}\n'
     )
-    return path
+    yield path
+    # a test that failed after `deploy` left its workers running (a deployment outlives its command): stop
+    # them through the record, and kill whatever of this test's is left, so no failure leaves a process
+    if our_workers():
+        with contextlib.suppress(subprocess.SubprocessError):
+            fleettui("stop", str(path), timeout=60)
+    for pid in our_workers():
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
 
 
 def fleettui(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
