@@ -108,6 +108,14 @@ def test_plan_json_and_a_closed_pipe_end_quietly() -> None:
     assert result.returncode == 0
     plan = json.loads(result.stdout)
     assert plan["stages"] and plan["stages"][0]["layers"][0] == 0
+    # the plan of the fleet as it runs: the default fleet's two local stages on their own CPUs
+    from fleettui.config.fleet import load_fleet
+    from fleettui.config.local_cores import share_local_cores
+
+    hosts = share_local_cores(load_fleet(DEFAULT_FLEET)).hosts
+    assert [stage["cores"] for stage in plan["stages"]] == [list(host.cores) for host in hosts]
+    text = run("plan").stdout
+    assert ("local stages on their own CPUs: stage-a on CPU" in text) == bool(hosts[0].cores), text
     piped = subprocess.run(
         f"{sys.executable} -m fleettui plan | head -c 10",
         shell=True,

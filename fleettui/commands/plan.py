@@ -28,15 +28,22 @@ def run(args: argparse.Namespace) -> int:
     from fleettui.model.shape import ModelShape
     from fleettui.planning.planner import format_plan, plan_fleet
 
-    fleet = share_local_cores(options.load(args))  # as it runs: local stages on their own cores
+    written = options.load(args)
+    fleet = share_local_cores(written)  # as it runs: local stages on their own cores
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
     if args.profile:  # measured costs (issue 12)
         from fleettui.planning.plan_profile import run_plan_profile
 
         return run_plan_profile(fleet, shape)
     plan = plan_fleet(fleet, shape)
+    cores = {host.name: list(host.cores) for host in fleet.hosts if host.cores}
     if not args.json:
         print(format_plan(plan))
+        if fleet != written:
+            shares = ", ".join(f"{name} on CPU {','.join(map(str, each))}" for name, each in cores.items())
+            print(
+                f"\nlocal stages on their own CPUs: {shares} (a host's `cores` or `threads` keeps them as written)"
+            )
         return 0
     document = {
         "model": plan.shape.name,
@@ -50,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         "stages": [
             {
                 "host": stage.host,
+                "cores": cores.get(stage.host, []),  # [] = every CPU of its host
                 "layers": list(stage.layers),
                 "weight_bytes": stage.weight_bytes,
                 "kv_bytes": stage.kv_bytes,
