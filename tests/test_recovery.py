@@ -129,6 +129,13 @@ def test_host_that_does_not_come_back_is_planned_around(
     assert [r.action for r in reports] == ["replan"]
     assert [h.name for h in controller.fleet.hosts] == ["stage-0", "stage-2"]
     assert controller.deployment is not None and len(controller.deployment.stages) == 2
+    # three local stages on this machine's CPUs shared nothing out (2 CPUs here); the two left share them anew
+    from fleettui.config.local_cores import share_local_cores
+
+    survivors = tuple(host for host in fleet.hosts if host.name != "stage-1")
+    wanted = share_local_cores(replace(fleet, hosts=survivors)).hosts
+    assert [(h.cores, h.threads) for h in controller.fleet.hosts] == [(h.cores, h.threads) for h in wanted]
+    assert [tuple(p.config.cpu_cores) for p in controller.deployment.stages] == [h.cores for h in wanted]
 
 
 def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:

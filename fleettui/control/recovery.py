@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from fleettui.config.fleet import Fleet, ResilienceSettings
+from fleettui.config.local_cores import share_local_cores
 from fleettui.control import relaunch
 from fleettui.control.deployment import Deployment, Placement, build_deployment
 from fleettui.control.rebalance import Rebalancer, head_layers
@@ -283,8 +284,13 @@ class Recovery:
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.deployment is not None
         fleet = controller.fleet
-        rest = tuple(replace(host, layers=None) for host in fleet.hosts if host.name not in gone)
-        smaller = replace(fleet, hosts=rest, path=None)
+        written = {host.name: host for host in controller.base_fleet.hosts}  # before the CPUs were shared out
+        rest = tuple(
+            replace(written.get(host.name, host), layers=None)
+            for host in fleet.hosts
+            if host.name not in gone
+        )
+        smaller = share_local_cores(replace(fleet, hosts=rest, path=None))  # the local survivors share anew
         try:
             if not rest:
                 raise PlanError("no host is left")
