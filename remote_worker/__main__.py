@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             inference_precision=config.inference_precision,
             kv_cache_precision=config.kv_cache_precision,
             verify_hashes=config.verify_hashes,
+            trust_stamps=config.trust_stamps,
             cache_dir=Path(config.shard_dir) / COMPILED_FOLDER if config.compile_cache else None,
         )
     except ManifestError as error:

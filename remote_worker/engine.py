@@ -127,6 +127,7 @@ class StageEngine:
         kv_cache_precision: str | None = None,
         verify_hashes: bool = True,
         cache_dir: Path | str | None = None,
+        trust_stamps: bool = True,
     ) -> None:
         import openvino as ov
 
@@ -138,7 +139,7 @@ class StageEngine:
             )
         if verify_hashes:
             started = time.perf_counter()
-            hashed = verify_stage(self.shard_dir, self.manifest, stage_index)
+            hashed = verify_stage(self.shard_dir, self.manifest, stage_index, trust=trust_stamps)
             logger.info(
                 "stage %d: files verified in %.1f s (%d of %d hashed, the rest unchanged since their check)",
                 stage_index,

@@ -320,7 +320,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_files(directory: Path, hashes: dict[str, str], stamp: Path | None = None) -> int:
+def verify_files(
+    directory: Path, hashes: dict[str, str], stamp: Path | None = None, trust: bool = True
+) -> int:
     """Check that every listed file exists under DIRECTORY and has the recorded SHA-256; returns how many
     files were hashed.
 
@@ -331,8 +333,10 @@ def verify_files(directory: Path, hashes: dict[str, str], stamp: Path | None = N
     folder, so whoever could forge it could as well edit the manifest there. A deploy from the operator
     reads and writes the same stamp on the host (`fleettui.provision.remote_ops`, `hashes` and `seal`), so
     the worker's first start after a push hashes nothing the push checked. Writing it is best effort.
+    With `trust` False every file is hashed and the stamp rewritten (`fleettui deploy --recheck`: bit rot
+    leaves a file's metadata alone, which no stamp can see).
     """
-    known = _read_stamp(stamp) if stamp is not None else {}
+    known = _read_stamp(stamp) if stamp is not None and trust else {}
     checked: dict[str, list[Any]] = {}
     hashed = 0
     for relative, expected in hashes.items():
@@ -377,19 +381,16 @@ def _write_stamp(path: Path, files: dict[str, list[Any]]) -> None:
                 os.unlink(temporary)
 
 
-def verify_stage(directory: Path, manifest: Manifest, index: int, stamp: bool = True) -> int:
+def verify_stage(
+    directory: Path, manifest: Manifest, index: int, stamp: bool = True, trust: bool = True
+) -> int:
     """Check every file of stage INDEX against the manifest, raising ManifestError on the first problem;
-    returns how many files were hashed (`stamp`: skip those unchanged since a check, see `verify_files`)."""
+    returns how many files were hashed (`stamp`: skip those unchanged since a check unless not `trust`, see
+    `verify_files`)."""
     if not 0 <= index < len(manifest.stages):
         raise ManifestError(f"stage {index}: the manifest has stages 0..{len(manifest.stages) - 1}")
     path = Path(directory) / VERIFIED_FOLDER / f"stage_{index}.json" if stamp else None
-    return verify_files(directory, manifest.stages[index].files, path)
-
-
-def forget_stamp(directory: Path, index: int) -> None:
-    """Make the next check of stage INDEX read every file again (`fleettui deploy --recheck`): the stamp
-    cannot see bit rot that left a file's size, times and inode alone."""
-    (Path(directory) / VERIFIED_FOLDER / f"stage_{index}.json").unlink(missing_ok=True)
+    return verify_files(directory, manifest.stages[index].files, path, trust)
 
 
 def verify_all(directory: Path, manifest: Manifest, stamp: bool = False) -> int:

@@ -191,19 +191,20 @@ def test_the_whole_shard_checked_before_is_not_hashed_again(tmp_path: Path) -> N
         verify_all(tmp_path, manifest, stamp=True)
 
 
-def test_forgetting_the_stamp_finds_bit_rot_it_cannot_see(tmp_path: Path) -> None:
-    """`deploy --recheck`: bytes that rot without a write leave the stamp's record true; forgetting the stamp
-    reads every file again and refuses the rotten one."""
+def test_a_check_that_trusts_no_stamp_finds_bit_rot_it_cannot_see(tmp_path: Path) -> None:
+    """`deploy --recheck`: bytes that rot without a write leave the stamp's record true; a check that trusts
+    no stamp reads every file again, refuses the rotten one, and stamps what it found intact."""
     from manifests import rot_behind_the_stamp
 
-    from remote_worker.manifest import VERIFIED_FOLDER, forget_stamp
+    from remote_worker.manifest import VERIFIED_FOLDER
 
     manifest = fake_manifest(tmp_path)
     write_manifest(tmp_path, manifest)
-    assert verify_stage(tmp_path, manifest, 1) == len(manifest.stages[1].files)
+    files = len(manifest.stages[1].files)
+    assert verify_stage(tmp_path, manifest, 1) == files
+    assert verify_stage(tmp_path, manifest, 1, trust=False) == files  # every file, stamp or not
+    assert verify_stage(tmp_path, manifest, 1) == 0  # ... and stamped again
     rot_behind_the_stamp(tmp_path, "stage_1/openvino_model.bin", tmp_path / VERIFIED_FOLDER / "stage_1.json")
     assert verify_stage(tmp_path, manifest, 1) == 0  # what the stamp cannot see
-    forget_stamp(tmp_path, 1)
-    forget_stamp(tmp_path, 1)  # twice is harmless
     with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
-        verify_stage(tmp_path, manifest, 1)
+        verify_stage(tmp_path, manifest, 1, trust=False)

@@ -529,12 +529,14 @@ def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
     import sys
 
     from fleettui.config.fleet import DEFAULT_FLEET
+    from fleettui.config.local_cores import share_local_cores
     from fleettui.planning.planner import plan_fleet
 
     # The same split on both sides: a local host may have a measured cost profile (another test's calibration)
-    # that an SSH host has not, and a different split rounds differently at bf16.
+    # that an SSH host has not, and a different split rounds differently at bf16. (The local fleet as it
+    # runs: its two stages on their own CPUs, which its profiles are keyed by.)
     text = ssh_hosts.fleet_toml(memory_gb=4.0)
-    for index, stage in enumerate(plan_fleet(load_fleet(DEFAULT_FLEET)).stages):
+    for index, stage in enumerate(plan_fleet(share_local_cores(load_fleet(DEFAULT_FLEET))).stages):
         text = text.replace(
             f'name = "host{index}"\n', f'name = "host{index}"\nlayers = [{stage.start}, {stage.end}]\n'
         )

@@ -229,11 +229,12 @@ def _validated(path: Path) -> Fleet:
 
 
 def _print_plan(fleet: Fleet) -> int:
+    from fleettui.config.local_cores import share_local_cores
     from fleettui.errors import PlanError
     from fleettui.planning.planner import format_plan, plan_fleet
 
     try:
-        print(format_plan(plan_fleet(replace(fleet))))
+        print(format_plan(plan_fleet(share_local_cores(replace(fleet)))))  # as it will run
     except PlanError as error:
         print(f"fleettui: the plan: {error}", file=sys.stderr)
         return 1

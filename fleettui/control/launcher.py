@@ -138,10 +138,10 @@ class LocalLauncher:
     recheck: bool = False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
 
     async def start(self, placement: Placement) -> Launched:
-        if self.recheck:
-            from remote_worker.manifest import forget_stamp
-
-            forget_stamp(Path(placement.config.shard_dir), placement.config.stage_index)
+        if (
+            self.recheck
+        ):  # the worker hashes its files itself: a stamp another process writes meanwhile is moot
+            placement = replace(placement, config=replace(placement.config, trust_stamps=False))
         return spawn(leased(placement, self.lease), self.python)
 
     async def handshake(self, launched: Launched, timeout: float) -> PingReply:

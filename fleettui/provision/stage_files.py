@@ -12,7 +12,6 @@ from remote_worker.manifest import (
     STAMP_FORMAT,
     VERIFIED_FOLDER,
     ManifestError,
-    forget_stamp,
     load_manifest,
     verify_stage,
 )
@@ -44,9 +43,7 @@ def checked_stage(shard: ShardAssignment, recheck: bool = False) -> dict[str, st
         manifest = load_manifest(shard.directory)
     except ManifestError:
         return {}
-    if recheck:
-        forget_stamp(shard.directory, shard.stage)
-    verify_stage(shard.directory, manifest, shard.stage)
+    verify_stage(shard.directory, manifest, shard.stage, trust=not recheck)
     return dict(manifest.stages[shard.stage].files)
 
 
