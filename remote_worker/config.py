@@ -70,9 +70,8 @@ class StageConfig:
     wire_dtype: str = "f16"
     curve: CurveKeys | None = None  # None = plaintext (debug only; logged loudly)
     verify_hashes: bool = True
-    trust_stamps: bool = (
-        True  # False: hash every file of the stage at start, whatever its stamp says (--recheck)
-    )
+    # False: hash every file of the stage at start, whatever its stamp says (`deploy --recheck`)
+    trust_stamps: bool = True
     compile_cache: bool = True  # keep the compiled model in the shard folder's compiled/ for restarts
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
     max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused

@@ -21,13 +21,12 @@ from fleettui.config.fleet import Fleet
 def share_local_cores(fleet: Fleet, cpus: Sequence[int] | None = None) -> Fleet:
     """The fleet with its local stages pinned to disjoint slices of CPUS (default: the CPUs this process may
     use); see the module docstring."""
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    ordered = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     local = [index for index, host in enumerate(fleet.hosts) if host.is_local]
-    if len(local) < 2 or len(cpus) < len(local):
+    if len(local) < 2 or len(ordered) < len(local):
         return fleet
     if any(fleet.hosts[index].cores or fleet.hosts[index].threads for index in local):
         return fleet
-    ordered = sorted(cpus)
     base, extra = divmod(len(ordered), len(local))
     hosts, start = list(fleet.hosts), 0
     for rank, index in enumerate(local):

@@ -138,9 +138,8 @@ class LocalLauncher:
     recheck: bool = False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
 
     async def start(self, placement: Placement) -> Launched:
-        if (
-            self.recheck
-        ):  # the worker hashes its files itself: a stamp another process writes meanwhile is moot
+        # the worker hashes its files itself: a stamp another process writes meanwhile cannot stand in
+        if self.recheck:
             placement = replace(placement, config=replace(placement.config, trust_stamps=False))
         return spawn(leased(placement, self.lease), self.python)
 

@@ -8,13 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleettui.provision.transfer import FileToPush, RemoteStamp, local_sha256, tree_files
-from remote_worker.manifest import (
-    STAMP_FORMAT,
-    VERIFIED_FOLDER,
-    ManifestError,
-    load_manifest,
-    verify_stage,
-)
+from remote_worker.manifest import STAMP_FORMAT, VERIFIED_FOLDER, ManifestError, load_manifest, verify_stage
 
 
 @dataclass(frozen=True)

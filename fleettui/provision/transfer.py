@@ -49,13 +49,12 @@ class RemoteStamp:
     recheck: bool = False  # read every file again, trusting no record (`deploy --recheck`), then stamp
 
     def payload(self) -> dict[str, Any]:
-        recheck = {"recheck": True} if self.recheck else {}
         return {
             "file": self.file,
             "root": self.root,
             "expected": self.expected,
             "format": self.format,
-            **recheck,
+            "recheck": self.recheck,
         }
 
 
