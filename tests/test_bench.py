@@ -345,6 +345,33 @@ def test_only_keeps_one_group_and_its_partners() -> None:
     assert plan_rows(fleet, quick=True, only="scale") == []
 
 
+def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
+    from fleettui.bench.rows import PAIRED_REPEATS, group_repeats, measurement_count
+
+    fleet = load_fleet(DEFAULT_FLEET)
+    full = plan_rows(fleet, quick=False)
+    groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
+    for spec in full:
+        if spec.kind == "fleet":
+            groups.setdefault(spec.fleet_key, []).append(spec)
+    rounds = {key: group_repeats(members, 3) for key, members in groups.items()}
+    # speculation against none on a LAN: its margins are a few %, so more pairs decide them
+    assert rounds[("", 2, False, 0.0)] == rounds[("", 1, False, 0.0)] == PAIRED_REPEATS > 3
+    assert rounds[("", 2, True, 0.0)] == PAIRED_REPEATS  # the emulated PCs' spec row too
+    # behind slow hops the ratios are several x; the scale group pairs with monos only
+    assert rounds[("", 2, False, 50.0)] == 3
+    assert rounds[("synthetic:llama-3.2-1b", 2, True, 0.0)] == 3
+    assert all(group_repeats(members, 1) == 1 for members in groups.values())  # --quick: one round
+    # the progress counter announces the measurements made as rows: the spec group's 16 fleet rows in 5
+    # rounds each; the PCs' lone 1-stage row 3 rounds, its 2-stage rows 5 (their mono partners run inside)
+    spec = plan_rows(fleet, quick=False, only="spec")
+    assert sum(1 for r in spec if r.kind == "fleet") == 16 and measurement_count(spec, 3) == 16 * 5
+    assert measurement_count(plan_rows(fleet, quick=False, only="pcs"), 3) == 1 * 3 + 3 * 5
+    assert measurement_count(plan_rows(fleet, quick=False, only="anchors"), 3) == 5 * 3  # all alone
+    quick = plan_rows(fleet, quick=True)  # one round; genai is measured inside its fleet row's group
+    assert measurement_count(quick, 1) == len(quick) - 1 and any(r.versus == "genai" for r in quick)
+
+
 def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
     from fleettui.bench.runner import _pair
 

@@ -16,6 +16,10 @@ K_SWEEP = (2, 4, 8)
 GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale")
 SCALE_MODEL = "synthetic:llama-3.2-1b"  # the scale group: a 1B shape where compute, not overhead, dominates
 SCALE_USERS = (1, 2, 4)
+# Rounds of a LAN fleet group whose rows are paired with one another (speculation against none): adjacent
+# windows of one pair still moved 0.87-1.15x apart on this shared machine, so the median of 3 pairs decided
+# a 0.98x bar by chance (auto vs none over 10 pairs: median 1.00-1.01, single pairs 0.88-1.22).
+PAIRED_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,30 @@ def plan_rows(
     chosen = {row.name for row in rows if row.group == only}
     wanted = {row.versus for row in rows if row.group == only}
     return [row for row in rows if row.name in chosen or row.name in wanted]
+
+
+def group_repeats(members: list[RowSpec], repeats: int) -> int:
+    """Rounds for one fleet group: `PAIRED_REPEATS` in a full run (repeats > 1) when the group is on a LAN
+    (no hop delay, where speculation's margins are a few %) and one of its rows is paired with another of
+    its rows; else `repeats` (behind slow hops the ratios are several x, and each round takes long)."""
+    names = {member.name for member in members}
+    lan = members[0].hop_delay_ms == 0
+    if repeats > 1 and lan and any(member.versus in names for member in members):
+        return max(repeats, PAIRED_REPEATS)
+    return repeats
+
+
+def measurement_count(specs: list[RowSpec], repeats: int) -> int:
+    """How many measurements the bench announces as rows: each fleet row once per round of its group, each
+    baseline that no fleet row is paired with once per round (paired ones run inside their groups' rounds)."""
+    groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
+    for spec in specs:
+        if spec.kind == "fleet":
+            groups.setdefault(spec.fleet_key, []).append(spec)
+    baselines = [spec for spec in specs if spec.kind != "fleet"]
+    paired = {p.name for members in groups.values() for p in group_partners(members, baselines)}
+    alone = sum(1 for spec in baselines if spec.name not in paired)
+    return alone * repeats + sum(len(m) * group_repeats(m, repeats) for m in groups.values())
 
 
 def group_partners(members: list[RowSpec], baselines: list[RowSpec]) -> list[RowSpec]:

@@ -32,7 +32,7 @@ from fleettui.bench.report import (
     stage_breakdown,
 )
 from fleettui.bench.results import paired_rates
-from fleettui.bench.rows import GROUPS, RowSpec, group_partners, new_row, plan_rows
+from fleettui.bench.rows import GROUPS, RowSpec, group_partners, group_repeats, new_row, plan_rows
 from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
@@ -472,8 +472,9 @@ async def run_bench(
             progress(f"{outcome.aggregate_tok_s:.1f} tok/s" if outcome.ok else outcome.status, result=True)
     for key, members in groups.items():
         partners = partners_of[key]
+        rounds = group_repeats(members, repeats)
         rows, partner_runs = await run_fleet_group(
-            fleet, members, tokens, machine["openvino_devices"], progress, repeats, partners, baseline_once,
+            fleet, members, tokens, machine["openvino_devices"], progress, rounds, partners, baseline_once,
             calibrated,
         )  # fmt: skip
         results.update(zip(members, rows, strict=True))

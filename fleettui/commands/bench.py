@@ -137,7 +137,7 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     """`fleettui bench FLEET [--quick] [--only GROUP] [--json FILE|-] [--exact] [--spec-k K | --no-spec]
     [--max-tokens N]`."""
     from fleettui.bench.report import document, dumps, format_table, format_targets, plot, targets
-    from fleettui.bench.rows import GROUPS, plan_rows
+    from fleettui.bench.rows import GROUPS, measurement_count, plan_rows
     from fleettui.bench.runner import FULL_REPEATS, FULL_TOKENS, PROMPTS, QUICK_TOKENS, run_bench
     from fleettui.control.settings import with_overrides
 
@@ -150,7 +150,7 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     if not specs:
         raise FleetError(f"--only {only}: the {'quick' if args.quick else 'full'} profile has no such rows")
     repeats = 1 if args.quick else FULL_REPEATS
-    progress = Progress(len(specs) * repeats)
+    progress = Progress(measurement_count(specs, repeats))
     started = time.perf_counter()
     try:
         rows, machine = run_loop(lambda: run_bench(fleet, specs, tokens, progress, repeats))
