@@ -372,6 +372,18 @@ def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
     assert measurement_count(quick, 1) == len(quick) - 1 and any(r.versus == "genai" for r in quick)
 
 
+def test_each_round_asks_other_prompts_and_every_row_of_a_round_the_same() -> None:
+    from fleettui.bench.runner import round_prompts
+
+    prompts = [[index] for index in range(8)]
+    assert round_prompts(prompts, 1, 0) == [[0]] and round_prompts(prompts, 1, 4) == [[4]]
+    assert round_prompts(prompts, 4, 2) == [[2], [3], [4], [5]]  # each user its own prompt
+    assert round_prompts(prompts, 2, -1) == [[7], [0]]  # the untimed first reply: not round 0's prompt
+    assert round_prompts(prompts, 2, 7) == [[7], [0]]  # wraps around
+    # five rounds of a 1-user row span five prompts, not one prompt five times
+    assert len({tuple(round_prompts(prompts, 1, r)[0]) for r in range(5)}) == 5
+
+
 def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
     from fleettui.bench.runner import _pair
 
