@@ -143,6 +143,28 @@ async def test_a_new_pipeline_measures_its_draft_after_two_run_tokens_not_sixtee
     assert not all(policy.exploring() for policy in session.policies.values())
 
 
+async def test_runs_are_not_cut_for_a_draft_that_could_not_pay() -> None:
+    """A draft costlier per token than the stage's whole step (10 ms against ~1 ms) pays at no acceptance
+    (`KPolicy.could_pay`): once its costs are measured, a run goes on for `RUN_TOKENS_UNPAYING` tokens instead
+    of ending every 16 for a choice that cannot change (each restart is a round trip through the coordinator
+    with the stages idle: 2-4 % of a 2-stage reply here). A draft that could pay still ends runs at 16
+    (`test_interleaved_runs_and_adaptive_speculation_stay_exact`). Output unchanged."""
+    from test_coordinator_unit import TimedDrafter
+
+    from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_UNPAYING
+
+    stage = FakeRunStage(delay=0.0005)
+    coordinator = _coordinator(stage, protocol.MAX_RUN, TimedDrafter(1000, per_token=0.01))
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=300))
+    assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 300)
+    policy = session.policies["model"]
+    assert not policy.exploring() and not policy.could_pay(False)
+    assert stage.runs[0] < RUN_TOKENS_ADAPTIVE  # measured first (exploring runs of 2 tokens)
+    assert RUN_TOKENS_UNPAYING in stage.runs  # then runs of 128 tokens, not of 16
+    assert sum(1 for run in stage.runs if run >= RUN_TOKENS_ADAPTIVE) <= 3
+
+
 async def test_a_reply_that_fails_mid_run_leaves_the_session_exact_for_its_next_turn() -> None:
     """The reply's consumer fails after 5 tokens of a run of 200: a Cancel stops the stage at once (no
     generating for nobody), and the next turn replays the session, exactly."""

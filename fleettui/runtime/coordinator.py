@@ -37,7 +37,7 @@ from fleettui.runtime.limits import validate_request
 from fleettui.runtime.measures import LOADED_UTILIZATION, StageLoad, round_costs
 from fleettui.runtime.pipelined import AheadRounds
 from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter
-from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_EXPLORING, RunRounds
+from fleettui.runtime.runs import RunRounds, costly_run_tokens
 from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link, LinkError, StageLost
@@ -415,14 +415,11 @@ class Coordinator(RunRounds, AheadRounds):
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
             if params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None:
-                # adaptive: a costly draft's policy chooses again after a while, and by the time its next probe
-                # is due; a free drafter is asked at each token of the run instead (`RunRounds._run_round`)
+                # adaptive: a costly draft's policy chooses again after a while (`costly_run_tokens`); a free
+                # drafter is asked at each token of the run instead (`RunRounds._run_round`)
                 counted = tuple(session.policies.values())
                 for candidate in (candidate for candidate in counted if not candidate.free):
-                    probe = candidate.rounds_until_probe(loaded)
-                    if candidate.measuring_soon(loaded):  # measure the draft soon, not after 16 tokens
-                        probe = min(probe, RUN_TOKENS_EXPLORING)
-                    length = min(length, RUN_TOKENS_ADAPTIVE, probe)
+                    length = min(length, costly_run_tokens(candidate, loaded))
             if length > 1:
                 first = await self._run_start(session, params, length, generated, policy, loaded, counted)
                 return dataclasses.replace(first, asked=asked, draft_seconds=draft_seconds)
