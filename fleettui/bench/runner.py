@@ -221,9 +221,8 @@ async def _measure(
 def round_prompts(prompts: list[list[int]], users: int, round_index: int) -> list[list[int]]:
     """The prompts of one round: user u of round r asks prompt r + u (the untimed round -1 the last one).
 
-    Every row of a round asks the same ones, so a pair compares like with like, and a row's median over its
-    rounds spans several prompts: a draft's acceptance differs a lot between prompts (fixed K = 8 on one
-    stage: 0.78-1.00 over four prompts), and one prompt for every round let one run's luck stand for speculation."""
+    Every row of a round asks the same ones, so a pair compares like with like, and a row's median spans
+    several prompts: a draft's acceptance differs a lot between prompts (fixed K = 8 on one stage: 0.78-1.00)."""
     return [prompts[(round_index + user) % len(prompts)] for user in range(users)]
 
 
