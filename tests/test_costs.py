@@ -252,3 +252,40 @@ def test_calibration_times_a_stage_at_its_quietest_window() -> None:
     burst, calm = results
     assert burst["decode_ms"] < 3.0 and calm["decode_ms"] < 3.0  # both ~1 ms
     assert min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5  # the burst, seen
+
+
+def test_the_bench_calibrates_its_fleet_as_the_controller_runs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's 2-stage fleet runs with its local stages on their own cores (`share_local_cores`); its
+    calibration must time those settings, or the plan finds no profile and falls back to the byte counts (on a
+    machine without older profiles the fleet ran 23/7: 11.2 vs 8.5 ms per token)."""
+    import asyncio
+    import os
+
+    from fleettui.bench.calibration import calibrate_hosts
+    from fleettui.bench.runner import bench_fleet
+    from fleettui.control.settings import apply
+    from fleettui.control.store import Settings
+    from fleettui.planning import profiles
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    timed: list[tuple[int, ...]] = []
+
+    def fake_time(fleet: object, host: object, shard_dir: Path, *rest: object) -> list[dict[str, object]]:
+        timed.append(host.cores)  # type: ignore[attr-defined]
+        return [
+            {"layers": [0, 1], "last": False, "decode_ms": 0.5, "prefill_ms": 5.0},
+            {"layers": [1, 29], "last": False, "decode_ms": 8.6, "prefill_ms": 112.0},
+            {"layers": [29, 30], "last": True, "decode_ms": 2.6, "prefill_ms": 34.0},
+        ]
+
+    monkeypatch.setattr(profiles, "time_stages", fake_time)
+    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits, children=None: tmp_path)
+    base = load_fleet(DEFAULT_FLEET)
+    variant = bench_fleet(replace(base, model=replace(base.model, shards=tmp_path / "shards")), 2, False)
+    asyncio.run(calibrate_hosts(variant, lambda text: None, set()))
+    running = apply(variant, Settings())  # the fleet the controller starts
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert sorted(timed) == sorted(host.cores for host in running.hosts) and all(timed)
+    assert plan_fleet(running).costs is not None
