@@ -331,6 +331,11 @@ def format_plan(plan: Plan) -> str:
         + (" — manual split" if plan.manual else "")
         + (" — split from measured costs (plan --profile)" if plan.costs else "")
         + (
+            " — split from parameter bytes (no measured profile yet: plan --profile)"
+            if not plan.costs and not plan.manual and len(plan.stages) > 1
+            else ""
+        )
+        + (
             " — SYNTHETIC (seeded random weights, for benchmarks)"
             if shape.name.startswith("synthetic:")
             else ""
