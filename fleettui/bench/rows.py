@@ -194,17 +194,35 @@ def group_repeats(members: list[RowSpec], repeats: int) -> int:
     return repeats
 
 
-def measurement_count(specs: list[RowSpec], repeats: int) -> int:
-    """How many measurements the bench announces as rows: each fleet row once per round of its group, each
-    baseline that no fleet row is paired with once per round (paired ones run inside their groups' rounds)."""
+@dataclass(frozen=True)
+class Schedule:
+    """How the bench measures its rows: fleet rows in groups sharing one fleet (`RowSpec.fleet_key`), each
+    with the baselines its rows are paired with measured in its rounds; the other baselines alone."""
+
+    groups: dict[tuple[str, int, bool, float], list[RowSpec]]
+    partners: dict[tuple[str, int, bool, float], list[RowSpec]]  # per group
+    alone: list[RowSpec]  # baselines no fleet row is paired with
+
+
+def schedule(specs: list[RowSpec]) -> Schedule:
+    """The groups, their partners and the lone baselines of SPECS (in their order)."""
     groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
     for spec in specs:
         if spec.kind == "fleet":
             groups.setdefault(spec.fleet_key, []).append(spec)
     baselines = [spec for spec in specs if spec.kind != "fleet"]
-    paired = {p.name for members in groups.values() for p in group_partners(members, baselines)}
-    alone = sum(1 for spec in baselines if spec.name not in paired)
-    return alone * repeats + sum(len(m) * group_repeats(m, repeats) for m in groups.values())
+    partners = {key: group_partners(members, baselines) for key, members in groups.items()}
+    paired = {spec.name for each in partners.values() for spec in each}
+    return Schedule(groups, partners, [spec for spec in baselines if spec.name not in paired])
+
+
+def measurement_count(specs: list[RowSpec], repeats: int) -> int:
+    """How many measurements the bench announces as rows: each fleet row once per round of its group, each
+    baseline that no fleet row is paired with once per round (paired ones run inside their groups' rounds)."""
+    planned = schedule(specs)
+    return len(planned.alone) * repeats + sum(
+        len(members) * group_repeats(members, repeats) for members in planned.groups.values()
+    )
 
 
 def group_partners(members: list[RowSpec], baselines: list[RowSpec]) -> list[RowSpec]:

@@ -32,7 +32,7 @@ from fleettui.bench.report import (
     stage_breakdown,
 )
 from fleettui.bench.results import paired_rates
-from fleettui.bench.rows import GROUPS, RowSpec, group_partners, group_repeats, new_row, plan_rows
+from fleettui.bench.rows import GROUPS, RowSpec, group_repeats, new_row, plan_rows, schedule
 from fleettui.config.fleet import Fleet, Host
 
 log = logging.getLogger(__name__)
@@ -467,16 +467,11 @@ async def run_bench(
         directory, prompt = await single(spec.model or fleet.model.name)
         return await run_baseline(spec, directory, prompt, tokens, fleet)
 
-    baselines = [s for s in specs if s.kind != "fleet"]
-    groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
-    for spec in specs:
-        if spec.kind == "fleet":
-            groups.setdefault(spec.fleet_key, []).append(spec)
-    partners_of = {key: group_partners(members, baselines) for key, members in groups.items()}
-    paired = {spec.name for partners in partners_of.values() for spec in partners}
+    planned = schedule(specs)
+    groups, partners_of, alone = planned.groups, planned.partners, planned.alone
+    baselines = [spec for spec in specs if spec.kind != "fleet"]
     measured: dict[str, list[Row]] = {spec.name: [] for spec in baselines}
     ratios: dict[str, list[float]] = {}  # a baseline paired with another, both measured in one group's rounds
-    alone = [spec for spec in baselines if spec.name not in paired]
     for round_index in range(repeats):  # unpaired baselines: interleaved rounds among themselves
         for spec in alone:
             progress(spec.name + (f" (round {round_index + 1}/{repeats})" if repeats > 1 else ""), row=True)
