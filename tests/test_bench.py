@@ -346,14 +346,10 @@ def test_only_keeps_one_group_and_its_partners() -> None:
 
 
 def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
-    from fleettui.bench.rows import PAIRED_REPEATS, group_repeats, measurement_count
+    from fleettui.bench.rows import PAIRED_REPEATS, group_repeats, measurement_count, schedule
 
     fleet = load_fleet(DEFAULT_FLEET)
-    full = plan_rows(fleet, quick=False)
-    groups: dict[tuple[str, int, bool, float], list[RowSpec]] = {}
-    for spec in full:
-        if spec.kind == "fleet":
-            groups.setdefault(spec.fleet_key, []).append(spec)
+    groups = schedule(plan_rows(fleet, quick=False)).groups
     rounds = {key: group_repeats(members, 3) for key, members in groups.items()}
     # speculation against none on a LAN: its margins are a few %, so more pairs decide them
     assert rounds[("", 2, False, 0.0)] == rounds[("", 1, False, 0.0)] == PAIRED_REPEATS > 3
