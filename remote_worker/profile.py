@@ -2,12 +2,13 @@
 
     python -m remote_worker.profile --shard DIR [--stages 0,1,2] [--device CPU] [--threads T] [--cores 0]
         [--inference-precision f32] [--kv-cache-precision f32] [--context 128] [--tokens 24] [--chunk 128]
+        [--pipeline S | --pauses-ms P0,P1,...]
 
 Prints one JSON object: per stage, its layers, whether it holds the embedding / the head, and the
 milliseconds of a 1-token decode step after CONTEXT cached tokens (the lowest 20th percentile of 4 windows
-0.5 s apart) and of one CHUNK-token prefill (the fastest of 4). Inputs are random (ids or hidden states):
-cost does not depend on the values. Stages are stepped round-robin in this process, exactly as a worker
-runs them (same StageEngine, same OpenVINO settings).
+0.5 s apart), each step after the pause the stage has live (`time_stages`), and of one CHUNK-token prefill
+(the fastest of 4). Inputs are random (ids or hidden states): cost does not depend on the values. The
+stages run in this process exactly as a worker runs them (same StageEngine, same OpenVINO settings).
 """
 
 from __future__ import annotations
@@ -43,41 +44,53 @@ def time_stages(
     chunk: int = 128,
     windows: int = WINDOWS,
     gap: float = GAP,
+    pauses_ms: list[float] | None = None,
+    pipeline: int = 0,
 ) -> list[dict[str, Any]]:
     """Per engine: 1-token decode ms after CONTEXT tokens and the ms of a CHUNK prefill, at their quietest.
 
-    The engines are stepped round-robin, one decode step each per round, so every stage is timed in the
-    same windows: load from other programs slows them alike and does not skew one stage against another.
-    The TOKENS steps are spread over WINDOWS windows GAP seconds apart, and a stage's cost is the lowest of
-    its windows' low percentiles (20th), its prefill the fastest of one per window: other programs only
-    ever make a step slower, and a host timed beside another (each on its own cores) must not come out
-    slower for a half-second burst on its core alone. One window of 48 steps once measured an emulated
-    PC 1.7x slower than its twin and the planner gave the other 22 of 30 layers (7.8 against 4.6 ms a
-    token; the balanced split 17/13 ran 5.5 and 4.8).
+    A step costs more after a pause: on a shared Xeon a 28-layer stage timed right after its last step took
+    0.31 ms a layer and 0.40 after 8 ms idle, the head 1.7 against 3.2 ms (busy-waiting the pause instead of
+    sleeping changed nothing). A stage in a pipeline serving one user pauses while the rest of the pipeline
+    computes its token, so each engine's steps are timed after the pause it will have live: PAUSES_MS[i]
+    before each of engine i's steps when given (the rest of a planned split, predicted), else (PIPELINE-1)/
+    PIPELINE of the whole model's token, measured on these engines, which must then make up the model (the
+    calibration split; PIPELINE <= 1: back to back). Stepping the calibration stages round-robin instead
+    gave the 28-layer stage a 4 ms pause and the 1-layer stages 13 ms, and charged the head 9 layers where
+    the live 2-stage pipeline costs it 8.
+
+    Every engine is timed in the same windows, one block of steps each, so load from other programs slows
+    them alike and does not skew one stage against another. The TOKENS steps are spread over WINDOWS
+    windows GAP seconds apart, and a stage's cost is the lowest of its windows' low percentiles (20th), its
+    prefill the fastest of one per window: other programs only ever make a step slower, and a host timed
+    beside another (each on its own cores) must not come out slower for a half-second burst on its core
+    alone. One window of 48 steps once measured an emulated PC 1.7x slower than its twin and the planner
+    gave the other 22 of 30 layers (7.8 against 4.6 ms a token; the balanced split 17/13 ran 5.5 and 4.8).
     """
     generator = np.random.default_rng(0)
     per_window = max(1, -(-tokens // windows))
     for engine in engines:
         engine.open(1)
     try:
+        if pauses_ms is not None:
+            pauses = [max(0.0, float(pause)) / 1000.0 for pause in pauses_ms]
+        elif pipeline > 1:  # an untimed estimate of the whole model's token after such a pause
+            share = (pipeline - 1) / pipeline
+            back_to_back = _window(engines, [0.0] * len(engines), 4, context, generator)
+            rough = [share * sum(statistics.median(t) for t in back_to_back)] * len(engines)
+            paused = _window(engines, rough, per_window, context, generator)
+            pauses = [share * sum(statistics.median(t) for t in paused)] * len(engines)
+        else:
+            pauses = [0.0] * len(engines)
         decode: list[list[list[float]]] = [[] for _ in engines]  # per engine, per window
         prefills: list[list[float]] = [[] for _ in engines]
         for window in range(windows):
             if window:
                 time.sleep(gap)
-            for engine in engines:  # (re)fill the context; the first steps after a prefill reallocate
-                engine.reset(1)
-                engine.step(1, 0, 0, NO_MASK, _inputs(engine, context, generator), keep_last=1)
-            for windows_of in decode:
-                windows_of.append([])
-            for index in range(per_window + 2):
-                position = context + index
-                for engine, times in zip(engines, decode, strict=True):
-                    data = _inputs(engine, 1, generator)
-                    started = time.perf_counter()
-                    engine.step(1, position, position, NO_MASK, data)
-                    if index >= 2:
-                        times[-1].append(time.perf_counter() - started)
+            for times, timed in zip(
+                decode, _window(engines, pauses, per_window, context, generator), strict=True
+            ):
+                times.append(timed)
             for engine, prefill in zip(engines, prefills, strict=True):
                 engine.reset(1)
                 data = _inputs(engine, chunk, generator)
@@ -88,7 +101,7 @@ def time_stages(
         for engine in engines:
             engine.close(1)
     results = []
-    for engine, steps, prefill in zip(engines, decode, prefills, strict=True):
+    for engine, steps, prefill, pause in zip(engines, decode, prefills, pauses, strict=True):
         stage = engine.stage
         lows = [float(np.percentile(window, 20)) for window in steps]
         results.append(
@@ -100,12 +113,36 @@ def time_stages(
                 "decode_ms": 1000.0 * min(lows),
                 "decode_median_ms": 1000.0 * statistics.median(t for window in steps for t in window),
                 "decode_windows_ms": [1000.0 * low for low in lows],
+                "pause_ms": 1000.0 * pause,
                 "prefill_ms": 1000.0 * min(prefill),
                 "context": context,
                 "chunk": chunk,
             }
         )
     return results
+
+
+def _window(
+    engines: list[Any], pauses: list[float], steps: int, context: int, generator: np.random.Generator
+) -> list[list[float]]:
+    """One timing window: per engine, STEPS 1-token decode steps after CONTEXT cached tokens, each after
+    that engine's pause (seconds); the two first steps after the prefill (which reallocate) go untimed."""
+    found: list[list[float]] = []
+    for engine, pause in zip(engines, pauses, strict=True):
+        engine.reset(1)
+        engine.step(1, 0, 0, NO_MASK, _inputs(engine, context, generator), keep_last=1)
+        times: list[float] = []
+        for index in range(steps + 2):
+            position = context + index
+            data = _inputs(engine, 1, generator)
+            if pause:
+                time.sleep(pause)
+            started = time.perf_counter()
+            engine.step(1, position, position, NO_MASK, data)
+            if index >= 2:
+                times.append(time.perf_counter() - started)
+        found.append(times)
+    return found
 
 
 def profile(
@@ -118,8 +155,10 @@ def profile(
     context: int = 128,
     tokens: int = 48,
     chunk: int = 128,
+    pauses_ms: list[float] | None = None,
+    pipeline: int = 0,
 ) -> dict[str, Any]:
-    """Time the requested stages of SHARD_DIR (all by default), interleaved, with a worker's settings."""
+    """Time the requested stages of SHARD_DIR (all by default) in the same windows, with a worker's settings."""
     from remote_worker.engine import StageEngine
     from remote_worker.manifest import load_manifest
 
@@ -140,7 +179,7 @@ def profile(
         "threads": threads,
         "cores": sorted(os.sched_getaffinity(0)),
         "properties": engines[0].effective_properties() if engines else {},
-        "stages": time_stages(engines, context, tokens, chunk),
+        "stages": time_stages(engines, context, tokens, chunk, pauses_ms=pauses_ms, pipeline=pipeline),
     }
 
 
@@ -149,6 +188,16 @@ def _list(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _pauses(text: str) -> list[float]:
+    try:
+        found = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of milliseconds") from None
+    if any(not 0.0 <= pause <= 10_000.0 for pause in found):
+        raise argparse.ArgumentTypeError(f"{text!r}: each pause must be within [0, 10000] ms")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=48, help="timed decode steps")
     parser.add_argument("--chunk", type=int, default=128, help="tokens of the timed prefill chunk")
+    pause = parser.add_mutually_exclusive_group()
+    pause.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        metavar="S",
+        help="the stages make up the model: time each after (S-1)/S of its token, as in an S-stage pipeline",
+    )
+    pause.add_argument("--pauses-ms", type=_pauses, help="per timed stage: its idle ms before each step")
     arguments = parser.parse_args(argv)
+    if arguments.pauses_ms is not None and len(arguments.pauses_ms) != len(arguments.stages or ()):
+        parser.error("--pauses-ms needs --stages and one pause per stage")
+    if arguments.pipeline < 0:
+        parser.error(f"--pipeline {arguments.pipeline}: a pipeline has at least 1 stage")
     try:
         if arguments.cores:
             os.sched_setaffinity(0, arguments.cores)
@@ -181,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             arguments.context,
             arguments.tokens,
             arguments.chunk,
+            arguments.pauses_ms,
+            arguments.pipeline,
         )
     except Exception as error:  # one line for the caller (fleettui plan --profile shows it)
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -6,6 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from fleettui.errors import PlanError
+from fleettui.planning.costs import predicted_ms
 from fleettui.planning.planner import format_plan, plan_fleet
 from fleettui.planning.profiles import calibrate, compile_split, format_comparison, time_stages
 
@@ -44,14 +45,18 @@ def run_plan_profile(fleet: Fleet, shape: Any = None, out: Any = None) -> int:
     measured: list[float] = []
     if all(host.is_local for host in fleet.hosts):
         splits = [0, *[stage.end for stage in planned.stages]]
-        say(f"compiling the planned split {splits} (cached) and timing its stages, interleaved")
+        say(f"compiling the planned split {splits} (cached) and timing its stages, each after the rest")
         shard_dir = compile_split(fleet, splits)
+        predicted = predicted_ms(counts, costs)
+        pauses = [sum(predicted) - own for own in predicted]  # live, one user: the rest of the pipeline
         settings = {(h.device, h.threads, h.cores) for h in fleet.hosts}
-        if len(settings) == 1:  # one process steps every stage round-robin: the same windows for all
-            measured = [float(s["decode_ms"]) for s in time_stages(fleet, fleet.hosts[0], shard_dir)]
+        if len(settings) == 1:  # one process times every stage: the same windows for all
+            indices = list(range(len(counts)))
+            timed = time_stages(fleet, fleet.hosts[0], shard_dir, indices, None, pauses)
+            measured = [float(s["decode_ms"]) for s in timed]
         else:
             measured = [
-                float(time_stages(fleet, host, shard_dir, [index])[0]["decode_ms"])
+                float(time_stages(fleet, host, shard_dir, [index], None, [pauses[index]])[0]["decode_ms"])
                 for index, host in enumerate(fleet.hosts)
             ]
     print("\nmeasured vs predicted decode ms per token, each stage on its host's settings:", file=stream)

@@ -2,8 +2,8 @@
 
 Calibration compiles the model with the split [0, 1, L-1, L] (cached like any shards) and times each of its
 three stages with the host's OpenVINO settings (`python -m remote_worker.profile`, a child process: fleettui
-never imports OpenVINO). `fit_costs` turns the three timings into per-layer, head and per-call costs, kept
-under the cache dir per machine / device / threads / cores / model / precisions. The planner uses them when
+never imports OpenVINO), each after the pause it has in the fleet's pipeline serving one user. `fit_costs` turns the three timings into per-layer, head and per-call costs, kept
+under the cache dir per machine / device / threads / cores / model / precisions / stage count. The planner uses them when
 every host has one. Local hosts are calibrated here; an SSH host keeps the parameter-count estimate.
 """
 
@@ -28,7 +28,7 @@ from fleettui.planning.costs import MeasuredCosts, StageTiming, fit_costs, imbal
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet, Host
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: each calibration stage timed after its live 1-user pause (was round-robin)
 TIMEOUT = 1800.0
 
 
@@ -44,6 +44,7 @@ def _material(fleet: Fleet, host: Host) -> dict[str, Any]:
         "precision": fleet.model.precision,
         "inference": runtime.inference_precision,
         "kv_cache": runtime.kv_cache_precision,
+        "pipeline": len(fleet.hosts),  # a stage pauses (S-1)/S of a token between steps: costs depend on it
     }
 
 
@@ -123,8 +124,11 @@ def time_stages(
     shard_dir: Path,
     stages: list[int] | None = None,
     children: Children | None = None,
+    pauses_ms: list[float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here."""
+    """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here: each
+    after PAUSES_MS (per stage) when given, else as the calibration split of the fleet's pipeline (each
+    after the rest of the fleet's token: `remote_worker.profile.time_stages`)."""
     command = [
         sys.executable,
         "-m",
@@ -136,6 +140,10 @@ def time_stages(
     ]
     if stages is not None:
         command += ["--stages", ",".join(map(str, stages))]
+    if pauses_ms is not None:
+        command += ["--pauses-ms", ",".join(f"{pause:.3f}" for pause in pauses_ms)]
+    else:
+        command += ["--pipeline", str(len(fleet.hosts))]
     if host.threads:
         command += ["--threads", str(host.threads)]
     if host.cores:
