@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from fleettui.config.fleet import Fleet
 
@@ -34,3 +35,34 @@ def share_local_cores(fleet: Fleet, cpus: Sequence[int] | None = None) -> Fleet:
         hosts[index] = replace(hosts[index], cores=tuple(ordered[start : start + size]), threads=size)
         start += size
     return replace(fleet, hosts=tuple(hosts))
+
+
+def core_kind(cpu: int, root: Path = Path("/sys/devices")) -> tuple[str, ...]:
+    """What sets CPU apart from this machine's other cores, as Linux tells it: its capacity, its highest
+    clock, and on hybrid Intel CPUs whether it is a performance or an efficient core ('' when not told)."""
+    found: list[str] = []
+    for name in ("cpu_capacity", "cpufreq/cpuinfo_max_freq"):
+        try:
+            found.append((root / "system" / "cpu" / f"cpu{cpu}" / name).read_text(encoding="ascii").strip())
+        except OSError:
+            found.append("")
+    for kind in ("cpu_core", "cpu_atom"):
+        try:
+            listed = (root / kind / "cpus").read_text(encoding="ascii")
+        except OSError:
+            continue
+        if cpu in _cpu_list(listed):
+            found.append(kind)
+    return tuple(found)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a sysfs list such as '0-7,16-23' (malformed parts are skipped)."""
+    found: set[int] = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        try:
+            found.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            continue
+    return found

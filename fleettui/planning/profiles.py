@@ -2,9 +2,10 @@
 
 Calibration compiles the model with the split [0, 1, L-1, L] (cached like any shards) and times each of its
 three stages with the host's OpenVINO settings (`python -m remote_worker.profile`, a child process: fleettui
-never imports OpenVINO), each after the pause it has in the fleet's pipeline serving one user. `fit_costs` turns the three timings into per-layer, head and per-call costs, kept
-under the cache dir per machine / device / threads / cores / model / precisions / stage count. The planner uses them when
-every host has one. Local hosts are calibrated here; an SSH host keeps the parameter-count estimate.
+never imports OpenVINO), each after the pause it has in the fleet's pipeline serving one user. `fit_costs`
+turns the three timings into per-layer, head and per-call costs, kept under the cache dir per machine /
+device / threads / cores / model / precisions / stage count (hosts on alike cores of this machine, calibrated
+together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are calibrated here; an SSH host keeps the parameter-count estimate.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -212,12 +213,14 @@ def calibrate(
     )
     with ThreadPoolExecutor(len(timed) if at_once else 1) as pool:
         results = list(pool.map(lambda host: time_stages(fleet, host, shard_dir, None, children), timed))
-    for (path, hosts), stages in zip(todo.items(), results, strict=True):
-        costs = fit_costs(timings(stages))
+    own = [fit_costs(timings(stages)) for stages in results]
+    pooled = pool_alike(timed, own)
+    for (path, hosts), stages, costs, mine in zip(todo.items(), results, pooled, own, strict=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "settings": _material(fleet, hosts[0]),
             "costs": asdict(costs),
+            "own_costs": asdict(mine),
             "stages": stages,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timed_together": [host.name for host in timed] if at_once else [hosts[0].name],
@@ -226,6 +229,39 @@ def calibrate(
         done.add(path)
         found.update((host.name, costs) for host in hosts)
     return found
+
+
+def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCosts]:
+    """Per host, the mean costs of the hosts calibrated with it that differ only by which cores of this
+    machine they use, when those cores are alike (`core_kind`: capacity, top clock, performance or efficient
+    core). Two such hosts differ only by noise: timed at once, two identical vCPUs of a shared Xeon came out
+    3.6 % apart per layer, enough to tip the plan from 19/11 (which ran 0.97) to 20/10 (0.88); their mean
+    halves that noise. Hosts on unlike cores (a hybrid CPU's P- and E-cores) keep their own costs."""
+    from fleettui.config.local_cores import core_kind
+
+    def key(host: Host) -> tuple[object, ...] | None:
+        if not host.is_local or not host.cores:
+            return None
+        kinds = {core_kind(cpu) for cpu in host.cores}
+        return (host.device, host.threads, len(host.cores), tuple(sorted(kinds))) if len(kinds) == 1 else None
+
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for index, host in enumerate(hosts):
+        found = key(host)
+        if found is not None:
+            groups.setdefault(found, []).append(index)
+    pooled = list(costs)
+    for members in groups.values():
+        if len(members) > 1:
+            mean = MeasuredCosts(
+                **{
+                    term.name: sum(getattr(costs[i], term.name) for i in members) / len(members)
+                    for term in fields(MeasuredCosts)
+                }
+            )
+            for index in members:
+                pooled[index] = mean
+    return pooled
 
 
 AT_ONCE = " at the same time (each on its own cores: one window, so load from other programs skews none)"
