@@ -201,6 +201,7 @@ class Schedule:
 
     groups: dict[tuple[str, int, bool, float], list[RowSpec]]
     partners: dict[tuple[str, int, bool, float], list[RowSpec]]  # per group
+    baselines: list[RowSpec]  # every row that is not a fleet row (mono, GenAI), paired or not
     alone: list[RowSpec]  # baselines no fleet row is paired with
 
 
@@ -213,7 +214,7 @@ def schedule(specs: list[RowSpec]) -> Schedule:
     baselines = [spec for spec in specs if spec.kind != "fleet"]
     partners = {key: group_partners(members, baselines) for key, members in groups.items()}
     paired = {spec.name for each in partners.values() for spec in each}
-    return Schedule(groups, partners, [spec for spec in baselines if spec.name not in paired])
+    return Schedule(groups, partners, baselines, [spec for spec in baselines if spec.name not in paired])
 
 
 def measurement_count(specs: list[RowSpec], repeats: int) -> int:

@@ -468,8 +468,7 @@ async def run_bench(
         return await run_baseline(spec, directory, prompt, tokens, fleet)
 
     planned = schedule(specs)
-    groups, partners_of, alone = planned.groups, planned.partners, planned.alone
-    baselines = [spec for spec in specs if spec.kind != "fleet"]
+    groups, partners_of, baselines, alone = planned.groups, planned.partners, planned.baselines, planned.alone
     measured: dict[str, list[Row]] = {spec.name: [] for spec in baselines}
     ratios: dict[str, list[float]] = {}  # a baseline paired with another, both measured in one group's rounds
     for round_index in range(repeats):  # unpaired baselines: interleaved rounds among themselves

@@ -5,7 +5,8 @@ three stages with the host's OpenVINO settings (`python -m remote_worker.profile
 never imports OpenVINO), each after the pause it has in the fleet's pipeline serving one user. `fit_costs`
 turns the three timings into per-layer, head and per-call costs, kept under the cache dir per machine /
 device / threads / cores / model / precisions / stage count (hosts on alike cores of this machine, calibrated
-together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are calibrated here; an SSH host keeps the parameter-count estimate.
+together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are
+calibrated here; an SSH host keeps the parameter-count estimate.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCo
     from fleettui.config.local_cores import core_kind
 
     def key(host: Host) -> tuple[object, ...] | None:
-        if not host.is_local or not host.cores:
+        if not host.cores:  # (calibrated hosts are local: SSH hosts are not timed)
             return None
         kinds = {core_kind(cpu) for cpu in host.cores}
         return (host.device, host.threads, len(host.cores), tuple(sorted(kinds))) if len(kinds) == 1 else None
