@@ -2,7 +2,7 @@
 
     python -m remote_worker.profile --shard DIR [--stages 0,1,2] [--device CPU] [--threads T] [--cores 0]
         [--inference-precision f32] [--kv-cache-precision f32] [--context 128] [--tokens 24] [--chunk 128]
-        [--pipeline S | --pauses-ms P0,P1,...]
+        [--pipeline S | --pauses-ms P0,P1,...] [--until-stdin-closes]
 
 Prints one JSON object: per stage, its layers, whether it holds the embedding / the head, and the
 milliseconds of a 1-token decode step after CONTEXT cached tokens (the lowest 20th percentile of 4 windows
@@ -200,6 +200,22 @@ def _pauses(text: str) -> list[float]:
     return found
 
 
+def _exit_when_stdin_closes() -> None:
+    """End this process when its standard input closes: run over SSH, a dropped or cancelled connection
+    closes it, and a timing nobody waits for must not keep a remote core busy."""
+    import threading
+
+    def watch() -> None:
+        while os.read(0, 4096):  # the raw descriptor: a thread blocked in sys.stdin would hold its buffer's
+            pass  # lock, and the interpreter aborts at exit ("could not acquire lock ... at shutdown")
+        try:  # (its stderr is closed too when the connection dropped)
+            print("profile: standard input closed, stopping", file=sys.stderr, flush=True)
+        finally:
+            os._exit(130)
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m remote_worker.profile", description=__doc__.splitlines()[0]
@@ -225,11 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the stages make up the model: time each after (S-1)/S of its token, as in an S-stage pipeline",
     )
     pause.add_argument("--pauses-ms", type=_pauses, help="per timed stage: its idle ms before each step")
+    parser.add_argument(
+        "--until-stdin-closes",
+        action="store_true",
+        help="exit as soon as standard input closes (run over SSH: a dropped connection ends the timing)",
+    )
     arguments = parser.parse_args(argv)
     if arguments.pauses_ms is not None and len(arguments.pauses_ms) != len(arguments.stages or ()):
         parser.error("--pauses-ms needs --stages and one pause per stage")
     if arguments.pipeline < 0:
         parser.error(f"--pipeline {arguments.pipeline}: a pipeline has at least 1 stage")
+    if arguments.until_stdin_closes:
+        _exit_when_stdin_closes()
     try:
         if arguments.cores:
             os.sched_setaffinity(0, arguments.cores)

@@ -140,7 +140,7 @@ def test_plan_profile_times_each_planned_stage_after_the_rest_of_the_pipeline(
     monkeypatch.setattr(plan_profile, "calibrate", lambda *args, **kwargs: {"a": costs, "b": costs})
     monkeypatch.setattr(profiles, "fleet_costs", lambda fleet: [costs, costs])
     monkeypatch.setattr(plan_profile, "time_stages", fake_time)
-    monkeypatch.setattr(plan_profile, "compile_split", lambda fleet, splits: tmp_path)
+    monkeypatch.setattr(plan_profile, "compile_split", lambda fleet, splits, children=None: tmp_path)
     shown = io.StringIO()
     assert plan_profile.run_plan_profile(fleet, None, shown) == 0
     ((stages, pauses),) = asked

@@ -329,7 +329,8 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
         _fleet(tmp_path, '[resilience]\ndetect_seconds = 3\ngrace_seconds = 60\nrebalance = "auto"')
     )
     assert fleet.resilience.detect_seconds == 3.0 and fleet.resilience.grace_seconds == 60.0
-    assert fleet.resilience.rebalance == "auto"
+    assert fleet.resilience.rebalance == "auto" and fleet.resilience.calibrate == "auto"
+    assert load_fleet(_fleet(tmp_path, '[resilience]\ncalibrate = "off"')).resilience.calibrate == "off"
 
 
 @pytest.mark.parametrize(
@@ -337,6 +338,7 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
     [
         ("[resilience]\ndetect = 3", "resilience.detect: unknown key"),
         ('[resilience]\nrebalance = "sometimes"', "resilience.rebalance"),
+        ("[resilience]\ncalibrate = true", "resilience.calibrate"),
         ("[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3", "at least twice heartbeat_seconds"),
         ("[resilience]\nthrottle_ratio = 1.0", "resilience.throttle_ratio"),
         ("[resilience]\nunresponsive_seconds = 30", "resilience.unresponsive_seconds: unknown key"),

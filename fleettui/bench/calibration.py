@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -10,26 +9,14 @@ from fleettui.config.fleet import Fleet
 
 
 async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> None:
-    """Measure the per-layer and head costs of the fleet's local hosts before it is planned, so its split
-    comes from measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per
-    bench run and host settings (`measured`): a profile cached hours ago under other load can misplace a
-    layer (on this VM the head's cost against a layer's moved by 30 % between two quiet hours).
+    """Measure the per-layer and head costs of the fleet's hosts before it is planned, so its split comes from
+    measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per bench run
+    and host settings (`measured`): a profile cached hours ago under other load can misplace a layer (on this
+    VM the head's cost against a layer's moved by 30 % between two quiet hours).
 
     The hosts are calibrated as they will run: local stages on their own cores (`share_local_cores`, as the
     controller starts them); calibrated unshared, the profiles were not the ones the plan looked up, and on a
     machine without older profiles the 2-stage fleet ran the byte-count split (23/7: 11.2 vs 8.5 ms/token)."""
-    from fleettui.config.local_cores import share_local_cores
-    from fleettui.errors import PlanError
-    from fleettui.planning.planner import plan_fleet
-    from fleettui.planning.profiles import Children, calibrate
+    from fleettui.control.calibration import calibrate_fleet
 
-    children = Children()
-    fleet = share_local_cores(fleet)
-    try:
-        layers = plan_fleet(fleet).shape.num_layers
-        await asyncio.to_thread(calibrate, fleet, layers, None, progress, True, measured, children)
-    except asyncio.CancelledError:  # (a SIGTERM): the thread ends at once, not after the timing children
-        children.stop()
-        raise
-    except PlanError as error:  # e.g. too few layers to calibrate: the byte-count estimate plans
-        progress(f"calibration skipped: {error}")
+    await calibrate_fleet(fleet, progress, force=True, measured=measured)

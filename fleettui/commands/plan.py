@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="calibrate the local hosts (cached) and show measured vs predicted per stage",
+        help="calibrate the hosts (cached; SSH hosts on themselves) and show measured vs predicted per stage",
     )
 
 
@@ -32,9 +32,10 @@ def run(args: argparse.Namespace) -> int:
     fleet = share_local_cores(written)  # as it runs: local stages on their own cores
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
     if args.profile:  # measured costs (issue 12)
-        from fleettui.planning.plan_profile import run_plan_profile
+        from fleettui.control.calibration import remote_timer
+        from fleettui.planning.plan_profile import run_plan_profile, say
 
-        return run_plan_profile(fleet, shape)
+        return run_plan_profile(fleet, shape, None, lambda children: remote_timer(children, say))
     plan = plan_fleet(fleet, shape)
     cores = {host.name: list(host.cores) for host in fleet.hosts if host.cores}
     if not args.json:

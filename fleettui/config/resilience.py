@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fleettui.config.toml_source import Section
 
 REBALANCE_MODES = ("off", "propose", "auto")
+CALIBRATE_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -18,11 +19,12 @@ class ResilienceSettings:
     grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
     rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
     throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
+    calibrate: str = "auto"  # auto: a deploy times hosts with no cost profile for its settings first | off
 
 
 def parse_resilience(section: Section) -> ResilienceSettings:
     section.reject_unknown(
-        ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio")
+        ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio", "calibrate")
     )
     heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
     detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
@@ -38,4 +40,5 @@ def parse_resilience(section: Section) -> ResilienceSettings:
         throttle_ratio=section.number(
             "throttle_ratio", float, 1.5, lambda v: 1.0 < v <= 100.0, "over 1, at most 100"
         ),
+        calibrate=section.choice("calibrate", CALIBRATE_MODES, "auto"),
     )

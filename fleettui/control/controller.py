@@ -1,9 +1,9 @@
 """Provides the fleet controller: the one path from a fleet file to running stages (plan, launch, connect, serve).
 
-`start()` attaches to the fleet's recorded deployment when it is alive, or compiles, launches every stage
-(local and SSH behind one launcher interface), hand-shakes, records the deployment and connects. A fleet
-started for one command holds its workers on a lease the controller renews; `detach()` hands them to the
-record (`fleettui stop` finds them) and `stop()` stops exactly this deployment's workers.
+`start()` attaches to the fleet's live recorded deployment, or calibrates hosts whose costs are unknown,
+compiles, launches every stage (local and SSH behind one launcher interface), hand-shakes, records the
+deployment and connects. A fleet started for one command holds its workers on a lease the controller renews;
+`detach()` hands them to the record (`fleettui stop` finds them), `stop()` stops this deployment's workers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from fleettui.config.fleet import Fleet
 from fleettui.control import store
 from fleettui.control.api import SessionHandle
+from fleettui.control.calibration import calibrate_fleet, wants_calibration
 from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
 from fleettui.control.connection import Connection, Lease, answers_ping, connect
 from fleettui.control.deployment import Deployment, Placement, build_deployment
@@ -53,16 +54,14 @@ from fleettui.control.states import (
     provision_state,
 )  # fmt: skip
 from fleettui.control.store import DeploymentRecord, Settings
-from fleettui.provision.events import ProvisionEvent
+from fleettui.provision.events import ProvisionEvent, Step
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
 from remote_worker.replies import PingReply, TelemetrySample
 
-__all__ = [
-    "ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides",
-]  # fmt: skip
+__all__ = ["ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides"]
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0  # a worker started for one command exits this long after its controller vanished
@@ -167,18 +166,20 @@ class FleetController:
     def layer_ranges(self) -> list[tuple[int, int]]:
         from fleettui.planning.planner import plan_fleet
 
-        return [(start, end) for start, end in plan_fleet(self.fleet).ranges]
+        return list(plan_fleet(self.fleet).ranges)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def prepare(self) -> None:
-        """Compile (or find in the cache) the target shards and the draft model."""
+        """Calibrate hosts whose costs are unknown (`control.calibration`), then compile the target and draft."""
         for host in self.fleet.hosts:
             self._set_state(host.name, Provisioning("compile"))
 
-        def progress(line: str) -> None:
-            self._emit(LogLine("shard_compiler", line))
-            self._emit(Progress("compiler", "compile", message=line))
+        def progress(line: str, source: str = "compiler", step: Step = "compile") -> None:
+            self._emit(LogLine("shard_compiler" if source == "compiler" else source, line))
+            self._emit(Progress(source, step, message=line))
 
+        if wants_calibration(self.fleet):
+            await calibrate_fleet(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
         try:
             self.target, self.draft = await compile_fleet(self.fleet, self.layer_ranges(), progress)
         except CompileError as error:
@@ -197,8 +198,7 @@ class FleetController:
         """Attach to the fleet's live deployment, or launch one; returns the connected coordinator.
 
         `endpoint_map` reroutes every data link of the chain (e.g. through the bench's hop-delay proxies);
-        such a fleet is never attached to nor recorded.
-        """
+        such a fleet is never attached to nor recorded."""
         if self.coordinator is not None:  # connected already (a failed stage is recovery's business)
             return self.coordinator
         if attach and endpoint_map is None and await self.attach():

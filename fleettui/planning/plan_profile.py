@@ -3,32 +3,50 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleettui.errors import PlanError
 from fleettui.planning.costs import predicted_ms
 from fleettui.planning.planner import format_plan, plan_fleet
-from fleettui.planning.profiles import calibrate, compile_split, format_comparison, time_stages
+from fleettui.planning.profiles import (
+    Children,
+    RemoteTimer,
+    calibrate,
+    compile_split,
+    format_comparison,
+    profile_arguments,
+    time_stages,
+)
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet
 
 
-def run_plan_profile(fleet: Fleet, shape: Any = None, out: Any = None) -> int:
-    """`fleettui plan FLEET --profile`: calibrate (or reuse) the hosts' profiles, plan from them, then compile
-    the planned split and time each stage on its host's settings: measured vs predicted per stage."""
+def say(text: str) -> None:
+    """One line of the calibration's progress, on stderr (stdout holds the tables)."""
+    print(f"  - {text}", file=sys.stderr, flush=True)
+
+
+def run_plan_profile(
+    fleet: Fleet,
+    shape: Any = None,
+    out: Any = None,
+    remote: Callable[[Children], RemoteTimer] | None = None,
+) -> int:
+    """`fleettui plan FLEET --profile`: calibrate the hosts' profiles, plan from them, then compile the planned
+    split and time each stage on its host (SSH hosts through `remote(children)`, without it they are neither
+    calibrated nor timed): measured vs predicted per stage."""
     from fleettui.model.builtin import shape_for_model
 
     stream = out or sys.stdout
-
-    def say(text: str) -> None:
-        print(f"  - {text}", file=sys.stderr, flush=True)
-
     shape = shape or shape_for_model(fleet.model.name)
     if shape is None:
         raise PlanError(f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json")
     by_bytes = plan_fleet(fleet, shape, use_profile=False)
-    found = calibrate(fleet, shape.num_layers, progress=say, force=True)  # asked for: measure now, re-cache
+    children = Children()
+    timer = remote(children) if remote is not None else None
+    found = calibrate(fleet, shape.num_layers, None, say, True, None, children, timer)  # measure now
     planned = plan_fleet(fleet, shape)
     print(format_plan(planned), file=stream)
     if planned.costs is None:
@@ -43,22 +61,33 @@ def run_plan_profile(fleet: Fleet, shape: Any = None, out: Any = None) -> int:
         print(f"\nthe byte-count split {old} would take (predicted from the profile):", file=stream)
         print(format_comparison(names, old, costs, None), file=stream)
     measured: list[float] = []
-    if all(host.is_local for host in fleet.hosts):
+    if timer is not None or all(host.is_local for host in fleet.hosts):
         splits = [0, *[stage.end for stage in planned.stages]]
         say(f"compiling the planned split {splits} (cached) and timing its stages, each after the rest")
-        shard_dir = compile_split(fleet, splits)
+        shard_dir = compile_split(fleet, splits, children)
         predicted = predicted_ms(counts, costs)
         pauses = [sum(predicted) - own for own in predicted]  # live, one user: the rest of the pipeline
-        settings = {(h.device, h.threads, h.cores) for h in fleet.hosts}
-        if len(settings) == 1:  # one process times every stage: the same windows for all
-            indices = list(range(len(counts)))
-            timed = time_stages(fleet, fleet.hosts[0], shard_dir, indices, None, pauses)
-            measured = [float(s["decode_ms"]) for s in timed]
-        else:
-            measured = [
-                float(time_stages(fleet, host, shard_dir, [index], None, [pauses[index]])[0]["decode_ms"])
-                for index, host in enumerate(fleet.hosts)
-            ]
+        measured = _time_planned(fleet, shard_dir, pauses, children, timer)
     print("\nmeasured vs predicted decode ms per token, each stage on its host's settings:", file=stream)
     print(format_comparison(names, counts, costs, measured or None), file=stream)
     return 0
+
+
+def _time_planned(
+    fleet: Fleet, shard_dir: Any, pauses: list[float], children: Children, timer: RemoteTimer | None
+) -> list[float]:
+    """Decode ms per token of each planned stage on its own host, after its pause."""
+    hosts = fleet.hosts
+    if all(host.is_local for host in hosts) and len({(h.device, h.threads, h.cores) for h in hosts}) == 1:
+        timed = time_stages(fleet, hosts[0], shard_dir, list(range(len(hosts))), children, pauses)
+        return [float(s["decode_ms"]) for s in timed]  # one process timed every stage: the same windows
+    measured = {}
+    for index, host in enumerate(hosts):
+        if host.is_local:
+            measured[index] = time_stages(fleet, host, shard_dir, [index], children, [pauses[index]])[0]
+    away = [index for index, host in enumerate(hosts) if not host.is_local]
+    for index in away:  # one stage on each: its own files pushed, timed on the host
+        assert timer is not None
+        args = profile_arguments(fleet, hosts[index], [pauses[index]])
+        measured[index] = timer([(hosts[index], args)], shard_dir, [index])[0][0]
+    return [float(measured[index]["decode_ms"]) for index in range(len(hosts))]

@@ -6,13 +6,15 @@ never imports OpenVINO), each after the pause it has in the fleet's pipeline ser
 turns the three timings into per-layer, head and per-call costs, kept under the cache dir per machine /
 device / threads / cores / model / precisions / stage count (hosts on alike cores of this machine, calibrated
 together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are
-calibrated here; an SSH host keeps the parameter-count estimate.
+calibrated here, SSH hosts on themselves (the worker installed and the split pushed as a deploy does:
+`fleettui.control.calibration`), keyed by their address.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -80,7 +82,16 @@ class Children:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen[str]] = set()
+        self._hooks: list[Callable[[], None]] = []
         self._stopped = False
+
+    def on_stop(self, hook: Callable[[], None]) -> None:
+        """Call HOOK (from any thread) when the calibration is stopped: at once if it is already."""
+        with self._lock:
+            if not self._stopped:
+                self._hooks.append(hook)
+                return
+        hook()
 
     def run(self, command: list[str], what: str) -> str:
         """The last line the child printed; PlanError with its last stderr line when it fails or is stopped."""
@@ -109,6 +120,13 @@ class Children:
             self._stopped = True
             for child in self._running:
                 child.kill()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
 
 def compile_split(fleet: Fleet, splits: list[int], children: Children | None = None) -> Path:
@@ -120,6 +138,27 @@ def compile_split(fleet: Fleet, splits: list[int], children: Children | None = N
     return Path((children or Children()).run(command, "shard compiler"))
 
 
+def profile_arguments(fleet: Fleet, host: Host, pauses_ms: list[float] | None = None) -> list[str]:
+    """The options of `remote_worker.profile` for HOST's settings (all but `--shard` and `--stages`): each
+    timed stage after PAUSES_MS (per stage) when given, else as the calibration split of the fleet's
+    pipeline (each after the rest of the fleet's token: `remote_worker.profile.time_stages`)."""
+    arguments = ["--device", host.device]
+    if pauses_ms is not None:
+        arguments += ["--pauses-ms", ",".join(f"{pause:.3f}" for pause in pauses_ms)]
+    else:
+        arguments += ["--pipeline", str(len(fleet.hosts))]
+    if host.threads:
+        arguments += ["--threads", str(host.threads)]
+    if host.cores:
+        arguments += ["--cores", ",".join(map(str, host.cores))]
+    runtime = fleet.runtime
+    if runtime.inference_precision != "auto":
+        arguments += ["--inference-precision", runtime.inference_precision]
+    if runtime.kv_cache_precision != "auto":
+        arguments += ["--kv-cache-precision", runtime.kv_cache_precision]
+    return arguments
+
+
 def time_stages(
     fleet: Fleet,
     host: Host,
@@ -128,33 +167,12 @@ def time_stages(
     children: Children | None = None,
     pauses_ms: list[float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here: each
-    after PAUSES_MS (per stage) when given, else as the calibration split of the fleet's pipeline (each
-    after the rest of the fleet's token: `remote_worker.profile.time_stages`)."""
-    command = [
-        sys.executable,
-        "-m",
-        "remote_worker.profile",
-        "--shard",
-        str(shard_dir),
-        "--device",
-        host.device,
-    ]
+    """The stages of SHARD_DIR (all by default) timed with HOST's settings, in a child process here
+    (`profile_arguments`)."""
+    command = [sys.executable, "-m", "remote_worker.profile", "--shard", str(shard_dir)]
     if stages is not None:
         command += ["--stages", ",".join(map(str, stages))]
-    if pauses_ms is not None:
-        command += ["--pauses-ms", ",".join(f"{pause:.3f}" for pause in pauses_ms)]
-    else:
-        command += ["--pipeline", str(len(fleet.hosts))]
-    if host.threads:
-        command += ["--threads", str(host.threads)]
-    if host.cores:
-        command += ["--cores", ",".join(map(str, host.cores))]
-    runtime = fleet.runtime
-    if runtime.inference_precision != "auto":
-        command += ["--inference-precision", runtime.inference_precision]
-    if runtime.kv_cache_precision != "auto":
-        command += ["--kv-cache-precision", runtime.kv_cache_precision]
+    command += profile_arguments(fleet, host, pauses_ms)
     return list(json.loads((children or Children()).run(command, f"profile of {host.name}"))["stages"])
 
 
@@ -167,6 +185,11 @@ def timings(stages: list[dict[str, Any]]) -> list[StageTiming]:
     ]
 
 
+RemoteTimer = Callable[[list[tuple["Host", list[str]]], Path, list[int]], list[list[dict[str, Any]]]]
+"""Times STAGES of a shard folder on SSH hosts, each with its `profile_arguments`, all at once: per host the
+profile's per-stage records (`fleettui.control.calibration.remote_timer`; planning does not reach hosts)."""
+
+
 def calibrate(
     fleet: Fleet,
     num_layers: int,
@@ -175,11 +198,15 @@ def calibrate(
     force: bool = False,
     measured: set[Path] | None = None,
     children: Children | None = None,
+    remote: RemoteTimer | None = None,
 ) -> dict[str, MeasuredCosts]:
-    """Measured costs of every local host (calibrated once per distinct settings, then cached).
+    """Measured costs of every host (calibrated once per distinct settings, then cached): local hosts in
+    child processes here, SSH hosts on the host itself through REMOTE (without it they keep the byte-count
+    estimate).
 
-    Hosts pinned to disjoint cores are timed at the same time when the memory allows (one window: noise from
-    other programs then tilts none of them against another); others one after the other.
+    Local hosts pinned to disjoint cores are timed at the same time when the memory allows (one window: noise
+    from other programs then tilts none of them against another); others one after the other. SSH hosts are
+    separate machines: they are timed at the same time, beside the local ones.
 
     `force` measures again instead of using the cache, once per distinct settings; profiles named in
     `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
@@ -199,7 +226,7 @@ def calibrate(
         cached = None if force and path not in done else load_costs(fleet, host, root)
         if cached is not None:
             found[host.name] = cached
-        elif not host.is_local:
+        elif not host.is_local and remote is None:
             say(f"{host.name}: SSH host, not calibrated (the byte-count estimate plans it)")
         else:
             todo.setdefault(path, []).append(host)  # a second host with the same settings shares the timing
@@ -208,28 +235,60 @@ def calibrate(
     say("compiling the calibration split [0, 1, L-1, L] (cached)")
     shard_dir = compile_split(fleet, [0, 1, num_layers - 1, num_layers], children)
     timed = [hosts[0] for hosts in todo.values()]
-    at_once = len(timed) > 1 and _disjoint([h.cores for h in timed]) and _memory_allows(shard_dir, len(timed))
-    say(
-        f"{', '.join(h.name for h in timed)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
-    )
-    with ThreadPoolExecutor(len(timed) if at_once else 1) as pool:
-        results = list(pool.map(lambda host: time_stages(fleet, host, shard_dir, None, children), timed))
+    local = [host for host in timed if host.is_local]
+    away = [host for host in timed if not host.is_local]
+    at_once = len(local) > 1 and _disjoint([h.cores for h in local]) and _memory_allows(shard_dir, len(local))
+    if local:
+        say(
+            f"{', '.join(h.name for h in local)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
+        )
+    if away:
+        say(
+            f"{', '.join(h.name for h in away)}: installing the worker, pushing the calibration split, timing it"
+        )
+    with ThreadPoolExecutor(len(local) if at_once else 1) as pool, ThreadPoolExecutor(1) as hosts_away:
+        try:
+            remote_results = (
+                hosts_away.submit(
+                    remote, [(h, profile_arguments(fleet, h)) for h in away], shard_dir, [0, 1, 2]
+                )
+                if away and remote is not None
+                else None
+            )
+            local_results = list(pool.map(lambda h: time_stages(fleet, h, shard_dir, None, children), local))
+            by_host = dict(zip([h.name for h in local], local_results, strict=True))
+            if remote_results is not None:
+                by_host.update(zip([h.name for h in away], remote_results.result(), strict=True))
+        except BaseException:  # one failed: the others stop too (their timing would go unused)
+            children.stop()
+            raise
+    results = [by_host[host.name] for host in timed]
     own = [fit_costs(timings(stages)) for stages in results]
     pooled = pool_alike(timed, own)
     for (path, hosts), stages, costs, mine in zip(todo.items(), results, pooled, own, strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "settings": _material(fleet, hosts[0]),
             "costs": asdict(costs),
             "own_costs": asdict(mine),
             "stages": stages,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "timed_together": [host.name for host in timed] if at_once else [hosts[0].name],
+            "timed_together": [host.name for host in local]
+            if at_once and hosts[0].is_local
+            else [hosts[0].name],
         }
-        path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        _write_atomically(path, json.dumps(record, indent=1))
         done.add(path)
         found.update((host.name, costs) for host in hosts)
     return found
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: two programs calibrating the same settings at once (two deploys, two
+    test workers) each leave a complete profile, the last one wins."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCosts]:
@@ -241,7 +300,7 @@ def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCo
     from fleettui.config.local_cores import core_kind
 
     def key(host: Host) -> tuple[object, ...] | None:
-        if not host.cores:  # (calibrated hosts are local: SSH hosts are not timed)
+        if not host.is_local or not host.cores:  # (an SSH host's cores are not this machine's)
             return None
         kinds = {core_kind(cpu) for cpu in host.cores}
         return (host.device, host.threads, len(host.cores), tuple(sorted(kinds))) if len(kinds) == 1 else None

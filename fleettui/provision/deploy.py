@@ -215,6 +215,22 @@ class HostSession:
         answer = await self.operation("install", payload, "install")
         return bool(answer["installed"]), pushed
 
+    async def install_worker(self, options: DeployOptions) -> tuple[str, bool, PushResult | None]:
+        """Build (or reuse) the offline wheelhouse for this host, install the worker from it unless that exact
+        one is installed, and check the host's device: (wheelhouse digest, installed now, its push)."""
+        assert self.preflight is not None
+        self.emit("wheelhouse", "preparing the offline wheelhouse")
+        wheelhouse = await build_wheelhouse(
+            Target.from_preflight(self.preflight),
+            options.wheelhouse_cache,
+            options.worker_source,
+            list(options.requirements) if options.requirements is not None else None,
+            lambda text: self.emit("wheelhouse", text),
+        )
+        installed, pushed = await self.install(wheelhouse)
+        await self.probe_devices()
+        return wheelhouse.digest, installed, pushed
+
     async def probe_devices(self) -> Preflight:
         """OpenVINO devices through the worker's interpreter; the host's device must be among them."""
         assert self.preflight is not None
@@ -359,19 +375,9 @@ async def deploy_host(
         python = host.python
         if options.install:
             result = replace(result, step="wheelhouse")
-            session.emit("wheelhouse", "preparing the offline wheelhouse")
-            wheelhouse = await build_wheelhouse(
-                Target.from_preflight(preflight),
-                options.wheelhouse_cache,
-                options.worker_source,
-                list(options.requirements) if options.requirements is not None else None,
-                lambda text: session.emit("wheelhouse", text),
-            )
-            result = replace(result, step="install")
-            installed, pushed = await session.install(wheelhouse)
-            result = replace(result, installed=installed, wheelhouse_push=pushed, step="devices")
-            result = replace(result, wheelhouse=wheelhouse.digest)
-            result = replace(result, preflight=await session.probe_devices())
+            digest, installed, pushed = await session.install_worker(options)
+            result = replace(result, installed=installed, wheelhouse_push=pushed, wheelhouse=digest)
+            result = replace(result, preflight=session.preflight)
             python = session.venv_python()
         result = replace(result, step="shard")
         shard_dir, pushed = await session.push_shard(shard, options.recheck)

@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 Step = Literal[
     "compile", "connect", "preflight", "wheelhouse", "install", "devices", "shard", "config", "launch", "ready",
-    "done", "failed", "skipped", "stop", "logs", "prune",
+    "done", "failed", "skipped", "stop", "logs", "prune", "calibrate",
 ]  # fmt: skip
 STEPS: tuple[Step, ...] = get_args(Step)
 
