@@ -64,7 +64,10 @@ def test_70b_int4_on_four_32gb_pcs_fits_in_four_ranges(tmp_path: Path) -> None:
     assert 33 * GIB < sum(stage.weight_bytes for stage in result.stages) < 38 * GIB
     table = format_plan(result)
     assert "[0, " in table and ", 80)" in table and "pc-3" in table and "int4" in table
-    assert "split from parameter bytes (no measured profile yet: plan --profile)" in table.splitlines()[0]
+    assert (
+        "split from parameter bytes (no measured profile yet: the next deploy or plan --profile measures)"
+        in table.splitlines()[0]
+    )
 
 
 def test_70b_on_two_16gb_pcs_is_refused_with_explanation() -> None:

@@ -329,9 +329,13 @@ def format_plan(plan: Plan) -> str:
         + (f" (group {shape.group_size})" if plan.precision == "int4" else "")
         + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} tokens"
         + (" — manual split" if plan.manual else "")
-        + (" — split from measured costs (plan --profile)" if plan.costs else "")
         + (
-            " — split from parameter bytes (no measured profile yet: plan --profile)"
+            " — split from measured costs (cached profiles; plan --profile measures again)"
+            if plan.costs
+            else ""
+        )
+        + (
+            " — split from parameter bytes (no measured profile yet: the next deploy or plan --profile measures)"
             if not plan.costs and not plan.manual and len(plan.stages) > 1
             else ""
         )
