@@ -202,6 +202,30 @@ def test_stage_costs_count_the_head_on_the_last_stage() -> None:
     assert stage_costs([(0, 10), (10, 20)], [1.0, 1.7], head_layers=7.0) == [0.1, pytest.approx(0.1)]
 
 
+def test_the_rebalancer_counts_the_head_as_the_last_hosts_profile_measured_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live rebalancer weighs the lm_head by the last host's measured costs once it has a profile (the
+    deploy's calibration), by weight size before."""
+    import json
+    from dataclasses import asdict
+
+    from fleettui.config.fleet import DEFAULT_FLEET
+    from fleettui.control.rebalance import head_layers
+    from fleettui.planning.costs import MeasuredCosts
+    from fleettui.planning.profiles import profile_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fleet = load_fleet(DEFAULT_FLEET)
+    by_bytes = head_layers(fleet)
+    assert 7.5 < by_bytes < 8.5  # SmolLM2: 49152 x 576 against a layer's weights
+    path = profile_path(fleet, fleet.hosts[-1])
+    path.parent.mkdir(parents=True)
+    costs = MeasuredCosts(layer_ms=0.25, head_ms=2.75, call_ms=0.2)
+    path.write_text(json.dumps({"costs": asdict(costs)}))
+    assert head_layers(fleet) == pytest.approx(11.0)
+
+
 def test_best_split_balances_hosts_of_different_speed() -> None:
     assert best_split(30, [1.0, 1.0]) == [(0, 15), (15, 30)]
     assert best_split(30, [1.0, 2.0]) == [(0, 20), (20, 30)]

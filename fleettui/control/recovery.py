@@ -88,7 +88,7 @@ class Recovery:
             [p.config.name for p in stages],
             self.settings.rebalance,
             self.settings.throttle_ratio,
-            head_layers(controller.fleet.model.name),
+            head_layers(controller.fleet),
             controller._emit,
             self.switch_split,
         )

@@ -124,10 +124,6 @@ class Children:
         for hook in hooks:
             hook()
 
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
 
 def compile_split(fleet: Fleet, splits: list[int], children: Children | None = None) -> Path:
     """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content)."""
