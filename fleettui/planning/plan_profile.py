@@ -82,12 +82,11 @@ def _time_planned(
         timed = time_stages(fleet, hosts[0], shard_dir, list(range(len(hosts))), children, pauses)
         return [float(s["decode_ms"]) for s in timed]  # one process timed every stage: the same windows
     measured = {}
-    for index, host in enumerate(hosts):
+    for index, host in enumerate(hosts):  # one stage on each host, after its pause
         if host.is_local:
             measured[index] = time_stages(fleet, host, shard_dir, [index], children, [pauses[index]])[0]
-    away = [index for index, host in enumerate(hosts) if not host.is_local]
-    for index in away:  # one stage on each: its own files pushed, timed on the host
-        assert timer is not None
-        args = profile_arguments(fleet, hosts[index], [pauses[index]])
-        measured[index] = timer([(hosts[index], args)], shard_dir, [index])[0][0]
+        else:  # its own files pushed, timed on the host
+            assert timer is not None
+            args = profile_arguments(fleet, host, [pauses[index]])
+            measured[index] = timer([(host, args)], shard_dir, [index])[0][0]
     return [float(measured[index]["decode_ms"]) for index in range(len(hosts))]

@@ -19,8 +19,7 @@ import asyncssh
 from fleettui.config.fleet import Host
 from fleettui.errors import PlanError, ProvisionError
 from fleettui.provision.deploy import VENV_BYTES, DeployOptions, EventHandler, HostSession
-from fleettui.provision.stage_files import ShardAssignment
-from fleettui.provision.transfer import tree_files
+from fleettui.provision.stage_files import ShardAssignment, shard_bytes
 
 TIMEOUT = 1800.0  # a calibration of a big model's stages on a slow PC still ends well within this
 
@@ -47,9 +46,8 @@ async def time_remote(
     try:
         await session.open(options.connect_timeout)
         push = calibration_push(shard_dir, stages)
-        size = sum(item.local.stat().st_size for item in tree_files(shard_dir, "", push.files))
         step = "preflight"
-        await session.run_preflight(needed_disk=size + (VENV_BYTES if options.install else 0))
+        await session.run_preflight(needed_disk=shard_bytes(push) + (VENV_BYTES if options.install else 0))
         python = host.python
         if options.install:
             step = "install"

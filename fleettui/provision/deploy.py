@@ -35,7 +35,7 @@ from fleettui.provision.events import (
 )
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
-from fleettui.provision.stage_files import ShardAssignment, shard_files, stage_push
+from fleettui.provision.stage_files import ShardAssignment, shard_bytes, stage_push
 from fleettui.provision.transfer import RemoteStamp, push_files, tree_files
 from fleettui.provision.wheelhouse import Target, Wheelhouse, build_wheelhouse
 from remote_worker.manifest import ManifestError
@@ -365,11 +365,8 @@ async def deploy_host(
     try:
         await session.open(options.connect_timeout)
         result = replace(result, step="preflight")
-        shard_bytes = sum(
-            item.local.stat().st_size for item in tree_files(shard.directory, "", shard_files(shard))
-        )
         preflight = await session.run_preflight(
-            needed_disk=shard_bytes + (VENV_BYTES if options.install else 0)
+            needed_disk=shard_bytes(shard) + (VENV_BYTES if options.install else 0)
         )
         result = replace(result, preflight=preflight)
         python = host.python

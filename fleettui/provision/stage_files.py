@@ -28,6 +28,11 @@ def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
     return tuple(name for name in wanted if (shard.directory / name).exists())
 
 
+def shard_bytes(shard: ShardAssignment) -> int:
+    """The bytes of the files a push of SHARD sends (what the host's disk must hold)."""
+    return sum(item.local.stat().st_size for item in tree_files(shard.directory, "", shard_files(shard)))
+
+
 def checked_stage(shard: ShardAssignment, recheck: bool = False) -> dict[str, str]:
     """The SHA-256 of each file of the stage, from its manifest, after checking the local copies (with the
     local stamp the workers keep there, so files intact since a check are not read, unless `recheck`); {}
