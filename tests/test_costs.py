@@ -86,6 +86,38 @@ def test_planner_uses_a_cached_profile_for_every_host(
     assert [s.count for s in plan_fleet(fleet, use_profile=False).stages] == [s.count for s in before.stages]
 
 
+def test_a_replan_around_a_lost_host_uses_the_costs_measured_with_another_stage_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three SSH PCs calibrated as a 3-stage fleet, the slow one twice as slow per layer: the 2-stage fleet
+    left after losing a fast one plans from those costs (not bytes), and a deploy of it still calibrates."""
+    import json
+    from dataclasses import asdict
+
+    from fleettui.config.fleet import Host
+    from fleettui.control.calibration import wants_calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    base = load_fleet(DEFAULT_FLEET)
+    hosts = tuple(
+        Host(name=f"pc-{i}", transport="ssh", address=f"10.0.0.{i + 1}", user="u") for i in range(3)
+    )
+    fleet = replace(base, hosts=hosts, path=None)
+    slow = replace(SMOLLM, layer_ms=SMOLLM.layer_ms * 2)
+    for host, costs in zip(hosts, (slow, SMOLLM, SMOLLM), strict=True):
+        path = profile_path(fleet, host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"costs": asdict(costs)}))
+    left = replace(fleet, hosts=(hosts[0], hosts[2]))
+    assert fleet_costs(left, nearest=False) is None  # no profile of this stage count
+    assert fleet_costs(left) == [slow, SMOLLM]
+    measured, by_bytes = plan_fleet(left), plan_fleet(left, use_profile=False)
+    assert measured.costs is not None and by_bytes.costs is None
+    assert measured.stages[0].count < by_bytes.stages[0].count  # the slow PC gets fewer layers
+    assert wants_calibration(left)  # a fresh deploy of it measures its own stage count
+    assert fleet_costs(replace(left, hosts=(hosts[0], replace(hosts[2], address="10.0.0.9")))) is None
+
+
 @pytest.mark.slow
 def test_calibration_of_real_shards_gives_a_profile_the_planner_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

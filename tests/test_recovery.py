@@ -337,3 +337,45 @@ def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
         psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids.values()
     )
     assert store.load(fleet) is None
+
+
+@pytest.mark.parametrize("how", ["launch", "attach"])
+def test_a_stage_killed_while_the_command_connects_is_relaunched_and_the_answer_is_exact(
+    shard_cache: Path, recovery_reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """stage-1 dies after it answered its ready check (or the attach's ping) but before the Hello crossed the
+    chain: the handshake waits for the recovery's relaunch and sends Hello again, instead of failing."""
+    from fleettui.control import controller as controller_module
+
+    fleet = make_fleet(shard_cache, 2)
+    real_connect = controller_module.connect
+    killed: list[int] = []
+
+    async def connect_after_a_kill(*args: object, **kwargs: object) -> object:
+        if not killed:
+            killed.append(active.worker_pids()["stage-1"])
+            os.kill(killed[0], signal.SIGKILL)
+        return await real_connect(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[list[int], list[RecoveryReport], bool]:
+        nonlocal active
+        if how == "attach":
+            await FleetController(fleet).deploy()  # launched, recorded and handed over
+        monkeypatch.setattr(controller_module, "connect", connect_after_a_kill)
+        active = FleetController(fleet)
+        try:
+            await active.start()
+            generation = await active.ask(PROMPTS[0], GenerationParams(max_tokens=TOKENS))
+            reports = list(active.recovery.reports) if active.recovery else []
+            return list(generation.token_ids), reports, active.attached
+        finally:
+            await active.stop()
+
+    active = FleetController(fleet)
+    tokens, reports, attached = asyncio.run(scenario())
+    print_reports(reports)
+    assert killed and attached == (how == "attach")
+    assert tokens == recovery_reference[0]
+    assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
+    assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
+    assert store.load(fleet) is None

@@ -23,9 +23,7 @@ def remote_timer(children: Children, progress: Callable[[str], None]) -> RemoteT
     """Times stages on SSH hosts, all at once, from a thread with no event loop of its own (the calibration's).
     `children.stop()` cancels it: each remote timing's SSH channel closes and its process ends."""
 
-    def run(
-        jobs: list[tuple[Host, list[str]]], shard_dir: Path, stages: list[int]
-    ) -> list[list[dict[str, Any]]]:
+    def run(jobs: list[tuple[Host, list[str]]], shard_dir: Path, stages: list[int]) -> list[dict[str, Any]]:
         from fleettui.provision.calibrate_remote import time_remote
         from fleettui.provision.events import ProvisionEvent
 
@@ -33,7 +31,7 @@ def remote_timer(children: Children, progress: Callable[[str], None]) -> RemoteT
             if event.message and (not event.bytes_total or event.bytes_done == event.bytes_total):
                 progress(f"{event.host}: {event.step}: {event.message}")
 
-        async def all_hosts() -> list[list[dict[str, Any]]]:
+        async def all_hosts() -> list[dict[str, Any]]:
             task = asyncio.current_task()
             assert task is not None
             loop = asyncio.get_running_loop()
@@ -80,10 +78,55 @@ async def calibrate_fleet(
     return fleet_costs(fleet) is not None
 
 
+async def calibrate_on_deploy(fleet: Fleet, progress: Callable[[str], None]) -> None:
+    """A deploy's calibration (`[resilience] calibrate = "auto"`, no manual split): SSH hosts that are another
+    PC than the one their profile measured lose that profile (`forget_replaced`), then every host without a
+    profile for the deploy's settings is calibrated."""
+    if not _auto(fleet):
+        return
+    await forget_replaced(fleet, progress)
+    if wants_calibration(fleet):
+        await calibrate_fleet(fleet, progress)
+
+
+async def forget_replaced(fleet: Fleet, progress: Callable[[str], None], timeout: float = 10.0) -> list[str]:
+    """Ask each SSH host with a cached profile which PC it is (the preflight: machine-id, CPU, cores, memory)
+    and drop the profiles another PC measured at its address; the names of the hosts whose profiles went.
+    A host that does not answer keeps its profile (the deploy then reports it)."""
+    from fleettui.planning.profiles import nearest_costs, replaced_profiles
+    from fleettui.provision.deploy import HostSession
+
+    async def check(host: Host) -> str | None:
+        session = HostSession(host, None)
+        try:
+            await session.open(timeout)
+            identity = (await session.run_preflight()).identity()
+        except Exception:  # unreachable or refused: the deploy's own preflight says why
+            return None
+        finally:
+            await session.close()
+        stale, change = replaced_profiles(host.address, identity)
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if not stale:
+            return None
+        progress(
+            f"{host.name}: another PC answers at {host.address} than the one calibrated ({change}): measuring it again"
+        )
+        return host.name
+
+    hosts = [host for host in fleet.hosts if not host.is_local and nearest_costs(fleet, host) is not None]
+    return [name for name in await asyncio.gather(*(check(host) for host in hosts)) if name is not None]
+
+
+def _auto(fleet: Fleet) -> bool:
+    return fleet.resilience.calibrate == "auto" and all(host.layers is None for host in fleet.hosts)
+
+
 def wants_calibration(fleet: Fleet) -> bool:
     """Whether a deploy of FLEET calibrates first: `calibrate = "auto"`, no manual split, a profile missing."""
-    if fleet.resilience.calibrate != "auto" or any(host.layers is not None for host in fleet.hosts):
+    if not _auto(fleet):
         return False
     from fleettui.config.local_cores import share_local_cores
 
-    return fleet_costs(share_local_cores(fleet)) is None
+    return fleet_costs(share_local_cores(fleet), nearest=False) is None  # this stage count's own

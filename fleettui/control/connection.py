@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from fleettui.config.fleet import Fleet
@@ -80,7 +80,7 @@ async def connect(
     endpoint_map: Callable[[Endpoint], Endpoint] | None,
     on_sample: Callable[[TelemetrySample], None],
 ) -> Connection:
-    """Link to the chain's head and tail (and the draft), check the chain with Hello, follow telemetry."""
+    """Link to the chain's head and tail (and the draft) and follow telemetry; `handshake` then checks the chain."""
     from fleettui.runtime.chat_format import ChatFormat
 
     head, tail = deployment.stages[0], deployment.stages[-1]
@@ -113,19 +113,34 @@ async def connect(
 
     feed = TelemetryFeed(_telemetry_urls(deployment), deployment.keys, sample_with_hop)
     connection = Connection(coordinator, links, feed, deployment, hops)
-    try:
-        stages = await coordinator.hello()
-        if stages != len(deployment.stages):
-            raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
-    except BaseException:
-        for link in links:
-            await link.close()
-        raise
     coordinator.result_observers.append(
         lambda result, received: _observe_hops(connection.deployment, hops, result, received)
     )
     feed.start()
     return connection
+
+
+async def handshake(
+    connection: Connection, recovered: Callable[[], Awaitable[object]], attempts: int = 3
+) -> None:
+    """Check the chain end to end with Hello. A stage lost meanwhile (declared by the recovery, which fails the
+    Hello at once) is awaited with `recovered()` and the Hello sent again: a stage that dies while a command
+    connects is relaunched like one that dies mid-answer."""
+    coordinator = connection.coordinator
+    for attempt in range(1, attempts + 1):
+        try:
+            stages = await coordinator.hello()
+        except StageLost:
+            await recovered()
+            if coordinator.fatal is not None:
+                raise RuntimeError(coordinator.fatal) from None
+            if attempt == attempts:
+                raise
+            continue
+        expected = len(connection.deployment.stages)  # a re-plan around a lost host changes it
+        if stages != expected:
+            raise RuntimeError(f"handshake crossed {stages} stages, expected {expected}")
+        return
 
 
 def run_limit(deployment: Deployment) -> int:

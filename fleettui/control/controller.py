@@ -12,16 +12,15 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 
 from fleettui.config.fleet import Fleet
 from fleettui.control import store
 from fleettui.control.api import SessionHandle
-from fleettui.control.calibration import calibrate_fleet, wants_calibration
+from fleettui.control.calibration import calibrate_on_deploy
 from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
-from fleettui.control.connection import Connection, Lease, answers_ping, connect
-from fleettui.control.deployment import Deployment, Placement, build_deployment
+from fleettui.control.connection import Connection, Lease, answers_ping, connect, handshake
+from fleettui.control.deployment import Deployment, Placement, build_deployment, rerouted
 from fleettui.control.launcher import (
     Launched,
     LaunchError,
@@ -178,8 +177,7 @@ class FleetController:
             self._emit(LogLine("shard_compiler" if source == "compiler" else source, line))
             self._emit(Progress(source, step, message=line))
 
-        if wants_calibration(self.fleet):
-            await calibrate_fleet(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
+        await calibrate_on_deploy(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
         try:
             self.target, self.draft = await compile_fleet(self.fleet, self.layer_ranges(), progress)
         except CompileError as error:
@@ -274,15 +272,7 @@ class FleetController:
             str(self.draft.directory) if self.draft else None,
         )
         if endpoint_map is not None:  # every stage's downstream link too, not only the coordinator's ends
-            stages = tuple(
-                replace(p, config=replace(p.config, next=endpoint_map(p.config.next))) if p.config.next else p
-                for p in deployment.stages
-            )
-            stages = tuple(
-                replace(p, config=replace(p.config, loop=endpoint_map(p.config.loop))) if p.config.loop else p
-                for p in stages
-            )
-            deployment = replace(deployment, stages=stages)
+            deployment = rerouted(deployment, endpoint_map)
         self.deployment = deployment
         if self.lease > 0:  # renewed from now on: a worker ready early waits for the others on it
             self._lease = Lease(lambda: self.deployment, self.lease)
@@ -364,12 +354,14 @@ class FleetController:
             self._connection = await connect(
                 self.fleet, deployment, self.target, endpoint_map, self._on_sample
             )
+            self.recovery = Recovery(self, compile_model)  # heartbeats and recovery, the handshake's too
+            self.recovery.start()
+            await handshake(self._connection, self.recovery.idle.wait)
         except (RuntimeError, ValueError) as error:
+            await self._release()
             raise ControllerError(f"connect: {error}") from None
-        for placement in deployment.stages:
+        for placement in self._connection.deployment.stages:
             self._set_state(placement.config.name, Ready())
-        self.recovery = Recovery(self, compile_model)  # launched or attached: heartbeats and recovery
-        self.recovery.start()
 
     async def _release(self) -> None:
         """Stop recovery and the lease watcher, close the telemetry feed and every link (workers untouched)."""

@@ -8,7 +8,7 @@ import secrets
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fleettui.config.fleet import PORTS_PER_HOST, Fleet, Host
@@ -234,6 +234,19 @@ def build_deployment(
         draft = Placement(host, config, LOCALHOST)
     keys = ClientKeys(*coordinator) if coordinator is not None else None
     return Deployment(deployment_id, tuple(placements), draft, keys)
+
+
+def rerouted(deployment: Deployment, route: Callable[[Endpoint], Endpoint]) -> Deployment:
+    """Every stage's downstream links (`next`, `loop`) sent through `route` (e.g. the bench's hop-delay proxies)."""
+    stages = []
+    for placement in deployment.stages:
+        config = placement.config
+        if config.next is not None:
+            config = replace(config, next=route(config.next))
+        if config.loop is not None:
+            config = replace(config, loop=route(config.loop))
+        stages.append(replace(placement, config=config))
+    return replace(deployment, stages=tuple(stages))
 
 
 def write_config(placement: Placement, directory: Path) -> Path:

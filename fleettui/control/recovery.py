@@ -313,6 +313,7 @@ class Recovery:
         compile_seconds, clock = time.monotonic() - clock, time.monotonic()
         await self._switch(smaller, ranges, compiled)
         split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        split += " by measured costs" if plan.costs is not None else " by parameter bytes"
         launch_seconds = time.monotonic() - clock
         return "replan", (
             f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"

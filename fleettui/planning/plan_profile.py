@@ -88,5 +88,5 @@ def _time_planned(
         else:  # its own files pushed, timed on the host
             assert timer is not None
             args = profile_arguments(fleet, host, [pauses[index]])
-            measured[index] = timer([(host, args)], shard_dir, [index])[0][0]
+            measured[index] = timer([(host, args)], shard_dir, [index])[0]["stages"][0]
     return [float(measured[index]["decode_ms"]) for index in range(len(hosts))]

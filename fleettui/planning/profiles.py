@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 PROFILE_VERSION = 2  # 2: each calibration stage timed after its live 1-user pause (was round-robin)
 TIMEOUT = 1800.0
+MAX_PIPELINE = 16  # stage counts a profile of another stage count is looked up among
 
 
-def _material(fleet: Fleet, host: Host) -> dict[str, Any]:
+def _material(fleet: Fleet, host: Host, pipeline: int | None = None) -> dict[str, Any]:
     runtime = fleet.runtime
     return {
         "version": PROFILE_VERSION,
@@ -48,31 +49,77 @@ def _material(fleet: Fleet, host: Host) -> dict[str, Any]:
         "precision": fleet.model.precision,
         "inference": runtime.inference_precision,
         "kv_cache": runtime.kv_cache_precision,
-        "pipeline": len(fleet.hosts),  # a stage pauses (S-1)/S of a token between steps: costs depend on it
+        # a stage pauses (S-1)/S of a token between steps: costs depend on the stage count
+        "pipeline": len(fleet.hosts) if pipeline is None else pipeline,
     }
 
 
-def profile_path(fleet: Fleet, host: Host, root: Path | None = None) -> Path:
+def profile_path(fleet: Fleet, host: Host, root: Path | None = None, pipeline: int | None = None) -> Path:
     from fleettui.config.paths import cache_dir
 
-    material = json.dumps(_material(fleet, host), sort_keys=True)
+    material = json.dumps(_material(fleet, host, pipeline), sort_keys=True)
     key = hashlib.sha256(material.encode()).hexdigest()[:16]
     return (root or cache_dir()) / "profiles" / f"{key}.json"
 
 
-def load_costs(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
-    """The cached cost profile of HOST for this fleet's model and settings, or None."""
+def load_costs(
+    fleet: Fleet, host: Host, root: Path | None = None, pipeline: int | None = None
+) -> MeasuredCosts | None:
+    """The cached cost profile of HOST for this fleet's model and settings (and stage count), or None."""
     try:
-        data = json.loads(profile_path(fleet, host, root).read_text(encoding="utf-8"))
+        data = json.loads(profile_path(fleet, host, root, pipeline).read_text(encoding="utf-8"))
         return MeasuredCosts(**data["costs"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def fleet_costs(fleet: Fleet, root: Path | None = None) -> list[MeasuredCosts] | None:
-    """One cached profile per host, or None when any host has none (then the byte-count estimate plans)."""
-    found = [load_costs(fleet, host, root) for host in fleet.hosts]
+def nearest_costs(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
+    """HOST's profile for this fleet's stage count, else the one measured in the nearest other stage count
+    (same machine, device, threads, cores, model and precisions). A re-plan around a lost host changes the
+    stage count but not what a layer costs on the hosts that are left: their costs plan it, not bytes."""
+    count = len(fleet.hosts)
+    for distance in range(MAX_PIPELINE):
+        for pipeline in dict.fromkeys((count - distance, count + distance)):
+            if 1 <= pipeline <= MAX_PIPELINE:
+                found = load_costs(fleet, host, root, pipeline)
+                if found is not None:
+                    return found
+    return None
+
+
+def fleet_costs(fleet: Fleet, root: Path | None = None, nearest: bool = True) -> list[MeasuredCosts] | None:
+    """One cached profile per host (`nearest`: of the nearest stage count when none of this one), or None when
+    any host has none (then the byte-count estimate plans)."""
+    if nearest:
+        found = [nearest_costs(fleet, host, root) for host in fleet.hosts]
+    else:
+        found = [load_costs(fleet, host, root) for host in fleet.hosts]
     return None if any(cost is None for cost in found) else found  # type: ignore[return-value]
+
+
+def replaced_profiles(
+    address: str, identity: dict[str, Any], root: Path | None = None
+) -> tuple[list[Path], str]:
+    """The cached profiles measured on the SSH host at ADDRESS by another PC than the one IDENTITY describes
+    (the operator swapped it behind the same address), and what differs ("cpu: A -> B"). Profiles that
+    recorded no identity (measured before identities were kept) cannot tell and stay."""
+    from fleettui.config.paths import cache_dir
+
+    stale: list[Path] = []
+    change = ""
+    for path in sorted(((root or cache_dir()) / "profiles").glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            measured_on = record.get("identity")
+            if record["settings"]["machine"] != address or not isinstance(measured_on, dict):
+                continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        differs = [key for key in identity if measured_on.get(key) != identity[key]]
+        if differs:
+            stale.append(path)
+            change = ", ".join(f"{key}: {measured_on.get(key)} -> {identity[key]}" for key in differs)
+    return stale, change
 
 
 class Children:
@@ -181,9 +228,10 @@ def timings(stages: list[dict[str, Any]]) -> list[StageTiming]:
     ]
 
 
-RemoteTimer = Callable[[list[tuple["Host", list[str]]], Path, list[int]], list[list[dict[str, Any]]]]
-"""Times STAGES of a shard folder on SSH hosts, each with its `profile_arguments`, all at once: per host the
-profile's per-stage records (`fleettui.control.calibration.remote_timer`; planning does not reach hosts)."""
+RemoteTimer = Callable[[list[tuple["Host", list[str]]], Path, list[int]], list[dict[str, Any]]]
+"""Times STAGES of a shard folder on SSH hosts, each with its `profile_arguments`, all at once: per host
+{"stages": the profile's per-stage records, "identity": which PC answered} (`fleettui.control.calibration.
+remote_timer`; planning does not reach hosts)."""
 
 
 def calibrate(
@@ -242,6 +290,7 @@ def calibrate(
         say(
             f"{', '.join(h.name for h in away)}: installing the worker, pushing the calibration split, timing it"
         )
+    identities: dict[str, dict[str, Any]] = {}  # SSH hosts: which PC was timed (`forget_replaced`)
     with ThreadPoolExecutor(len(local) if at_once else 1) as pool, ThreadPoolExecutor(1) as hosts_away:
         try:
             remote_results = (
@@ -254,7 +303,8 @@ def calibrate(
             local_results = list(pool.map(lambda h: time_stages(fleet, h, shard_dir, None, children), local))
             by_host = dict(zip([h.name for h in local], local_results, strict=True))
             if remote_results is not None:
-                by_host.update(zip([h.name for h in away], remote_results.result(), strict=True))
+                for host, answer in zip(away, remote_results.result(), strict=True):
+                    by_host[host.name], identities[host.name] = answer["stages"], answer["identity"]
         except BaseException:  # one failed: the others stop too (their timing would go unused)
             children.stop()
             raise
@@ -267,6 +317,7 @@ def calibrate(
             "costs": asdict(costs),
             "own_costs": asdict(mine),
             "stages": stages,
+            "identity": identities.get(hosts[0].name),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timed_together": [host.name for host in local]
             if at_once and hosts[0].is_local

@@ -37,9 +37,10 @@ async def time_remote(
     options: DeployOptions | None = None,
     on_event: EventHandler | None = None,
     timeout: float = TIMEOUT,
-) -> list[dict[str, Any]]:
+) -> dict[str, Any]:
     """STAGES of SHARD_DIR timed on HOST by `remote_worker.profile` with ARGUMENTS (its options other than
-    `--shard` and `--stages`): the profile's per-stage records. PlanError naming the host and step."""
+    `--shard` and `--stages`): {"stages": the profile's per-stage records, "identity": which PC answered
+    (`Preflight.identity`)}. PlanError naming the host and step."""
     options = options or DeployOptions()
     session = HostSession(host, on_event)
     step = "connect"
@@ -47,7 +48,9 @@ async def time_remote(
         await session.open(options.connect_timeout)
         push = calibration_push(shard_dir, stages)
         step = "preflight"
-        await session.run_preflight(needed_disk=shard_bytes(push) + (VENV_BYTES if options.install else 0))
+        found = await session.run_preflight(
+            needed_disk=shard_bytes(push) + (VENV_BYTES if options.install else 0)
+        )
         python = host.python
         if options.install:
             step = "install"
@@ -62,7 +65,7 @@ async def time_remote(
         ]  # fmt: skip
         session.emit("calibrate", f"timing stages {', '.join(map(str, stages))} of {shard_dir.name}")
         line = await _run_profile(session, python, command, timeout)
-        return list(json.loads(line)["stages"])
+        return {"stages": list(json.loads(line)["stages"]), "identity": found.identity()}
     except ProvisionError as error:
         raise PlanError(f"profile of {host.name}: {error.step}: {error.reason}") from None
     except (OSError, asyncssh.Error, ValueError, KeyError) as error:

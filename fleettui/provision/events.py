@@ -45,6 +45,17 @@ class Preflight:
     devices: tuple[str, ...] = ()
     device_names: dict[str, str] = field(default_factory=dict)
     openvino: str | None = None
+    machine_id: str | None = None  # /etc/machine-id (MachineGuid on Windows): which installation answers
+
+    def identity(self) -> dict[str, Any]:
+        """What tells one PC from another behind the same address (a calibration profile records it)."""
+        memory_gb = round(self.memory_total / 2**30, 1)
+        return {
+            "machine_id": self.machine_id,
+            "cpu": self.cpu,
+            "cpu_count": self.cpu_count,
+            "memory_gb": memory_gb,
+        }
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any]) -> Preflight:
@@ -64,6 +75,7 @@ class Preflight:
             ensurepip=bool(answer["ensurepip"]),
             os_name=str(answer.get("os_name", "posix")),
             installed=answer.get("installed"),
+            machine_id=answer.get("machine_id"),
         )
 
     def summary(self) -> str:

@@ -9,6 +9,7 @@ path. The answer is one ``FLEETTUI-RESULT {json}`` line on stdout. It is never i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 MARKER = "FLEETTUI-RESULT "
 WINDOWS = os.name == "nt"
+WINDOWS_ID = r"SOFTWARE\Microsoft\Cryptography"  # its value MachineGuid names the installation
 
 
 def venv_python(venv: str) -> str:
@@ -76,6 +78,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _machine_id() -> str | None:
+    """The OS's stable identifier of this installation (systemd / D-Bus machine-id, Windows MachineGuid)."""
+    if sys.platform == "win32":
+        import winreg
+
+        with contextlib.suppress(OSError), winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE, WINDOWS_ID) as key:
+            return str(winreg.QueryValueEx(key, "MachineGuid")[0])
+        return None
+    for name in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        with contextlib.suppress(OSError):
+            if found := Path(name).read_text(errors="replace").strip():
+                return found
+    return None
+
+
 def _os_name() -> str:
     release = Path("/etc/os-release")
     if release.exists():
@@ -108,6 +125,7 @@ def preflight(args: dict[str, Any]) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count() or 0,
+        "machine_id": _machine_id(),
         "python": list(sys.version_info[:3]),
         "python_executable": sys.executable,
         "libc": list(platform.libc_ver()),
