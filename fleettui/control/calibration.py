@@ -2,8 +2,9 @@
 themselves (`fleettui.provision.calibrate_remote`), cached per host and settings (`planning.profiles`).
 
 A deploy calibrates the hosts that have no profile for its settings yet (`[resilience] calibrate = "auto"`),
-so even the first deploy of a fleet splits its layers by measured costs; `fleettui plan --profile` and the
-bench measure again.
+so even the first deploy of a fleet splits its layers by measured costs, after dropping the profiles of SSH
+hosts that another PC now answers for (`forget_replaced`); `fleettui plan --profile` and the bench measure
+again.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ turns the three timings into per-layer, head and per-call costs, kept under the 
 device / threads / cores / model / precisions / stage count (hosts on alike cores of this machine, calibrated
 together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are
 calibrated here, SSH hosts on themselves (the worker installed and the split pushed as a deploy does:
-`fleettui.control.calibration`), keyed by their address.
+`fleettui.control.calibration`), keyed by their address; each SSH profile records which PC it timed, so a
+deploy drops it when another PC answers at that address (`replaced_profiles`). A host without a profile of the
+fleet's stage count plans from its profile of the nearest other one (`nearest_costs`: a re-plan).
 """
 
 from __future__ import annotations
