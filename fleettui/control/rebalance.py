@@ -32,9 +32,9 @@ def head_layers(fleet: Fleet) -> float:
     by weight size; 0 when neither is known offline."""
     from fleettui.errors import PlanError
     from fleettui.model.builtin import shape_for_model
-    from fleettui.planning.profiles import load_costs
+    from fleettui.planning.profiles import nearest_costs
 
-    measured = load_costs(fleet, fleet.hosts[-1])
+    measured = nearest_costs(fleet, fleet.hosts[-1])  # (after a re-plan: its profile of another stage count)
     if measured is not None and measured.layer_ms > 0 and measured.head_ms > 0:
         return measured.head_ms / measured.layer_ms
     try:
