@@ -379,3 +379,78 @@ def test_a_stage_killed_while_the_command_connects_is_relaunched_and_the_answer_
     assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
     assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
     assert store.load(fleet) is None
+
+
+def test_a_stage_killed_while_it_loads_is_started_again_and_the_answer_is_exact(
+    shard_cache: Path, recovery_reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stage-1 is SIGKILLed right after it was spawned, before it is ready (the OOM killer, a stray kill):
+    the launch starts it once more instead of failing the deploy, and the record names the new process."""
+    from fleettui.control import launcher as launcher_module
+
+    fleet = make_fleet(shard_cache, 2)
+    real_spawn = launcher_module.spawn
+    killed: list[int] = []
+
+    def spawn_then_kill(placement: object, *args: object) -> launcher_module.Launched:
+        launched = real_spawn(placement, *args)  # type: ignore[arg-type]
+        if launched.placement.config.name == "stage-1" and not killed:
+            assert launched.popen is not None
+            os.kill(launched.popen.pid, signal.SIGKILL)
+            killed.append(launched.popen.pid)
+        return launched
+
+    monkeypatch.setattr(launcher_module, "spawn", spawn_then_kill)
+
+    async def scenario() -> tuple[list[int], int, list[RecoveryReport]]:
+        controller = FleetController(fleet)
+        try:
+            await controller.start()
+            record = store.load(fleet)
+            assert record is not None
+            generation = await controller.ask(PROMPTS[0], GenerationParams(max_tokens=TOKENS))
+            reports = list(controller.recovery.reports) if controller.recovery else []
+            return list(generation.token_ids), record.pids()["stage-1"], reports
+        finally:
+            await controller.stop()
+
+    tokens, recorded, reports = asyncio.run(scenario())
+    assert killed and recorded != killed[0]
+    assert tokens == recovery_reference[0] and reports == []
+    assert store.load(fleet) is None
+
+
+def test_a_stage_that_exits_with_an_error_while_it_loads_fails_the_launch_at_once(
+    shard_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exit code (a bad shard or config: the worker says why and exits) is not retried: the launch fails
+    in one line naming the stage, the code and the end of its log (each line once), and no worker is left."""
+    from fleettui.control import launcher as launcher_module
+
+    failing = tmp_path / "python-that-fails"
+    failing.write_text("#!/bin/sh\necho 'remote_worker: stage_1/openvino_model.bin: missing'\nexit 3\n")
+    failing.chmod(0o755)
+    real_spawn = launcher_module.spawn
+    spawned: list[str] = []
+
+    def spawn(placement: object, *args: object) -> launcher_module.Launched:
+        name = placement.config.name  # type: ignore[attr-defined]
+        spawned.append(name)
+        return real_spawn(placement, str(failing)) if name == "stage-1" else real_spawn(placement, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(launcher_module, "spawn", spawn)
+    fleet = make_fleet(shard_cache, 2)
+
+    async def scenario() -> str:
+        controller = FleetController(fleet)
+        try:
+            with pytest.raises(Exception) as caught:
+                await controller.start()
+            return str(caught.value)
+        finally:
+            await controller.stop()
+
+    message = asyncio.run(scenario())
+    assert message == "stage-1: exited with code 3: remote_worker: stage_1/openvino_model.bin: missing"
+    assert spawned.count("stage-1") == 1  # not started again
+    assert store.load(fleet) is None

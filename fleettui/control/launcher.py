@@ -70,6 +70,14 @@ async def handshake(
         raise LaunchError(f"{placement.config.name}: {error}") from None
 
 
+def signal_name(number: int) -> str:
+    """ "signal 9 (SIGKILL)"; just the number for one Python does not name."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
+
+
 def port_holder(port: int) -> str | None:
     """Who listens on TCP `port` here ("pid N (command)"), or None when nobody does."""
     import psutil
@@ -143,18 +151,35 @@ class LocalLauncher:
             placement = replace(placement, config=replace(placement.config, trust_stamps=False))
         return spawn(leased(placement, self.lease), self.python)
 
-    async def handshake(self, launched: Launched, timeout: float) -> PingReply:
-        def exited() -> str | None:
-            if launched.popen is None or launched.popen.poll() is None:
-                return None
-            tail = " | ".join(log_tail(launched.log_path, 4, launched.log_start))
-            return f"exited with code {launched.popen.returncode}: {tail}"
+    async def handshake(self, launched: Launched, timeout: float, restarts: int = 1) -> PingReply:
+        """Wait until the worker is ready. One killed by a signal before that (the OOM killer, a stray
+        `kill`, a crash) is started again, `restarts` times, within `timeout`; one that exits with an error
+        code (a bad shard, a bad config) fails at once with the end of its log."""
+        deadline = asyncio.get_running_loop().time() + timeout
 
-        try:
-            return await handshake(launched.placement, self.keys, timeout, exited)
-        except LaunchError as error:
-            tail = " | ".join(log_tail(launched.log_path, 4, launched.log_start))
-            raise LaunchError(f"{error} {tail}".strip()) from None
+        def exited() -> str | None:
+            code = None if launched.popen is None else launched.popen.poll()
+            if code is None:
+                return None
+            return (
+                f"exited with code {code}" if code >= 0 else f"killed by {signal_name(-code)}"
+            )  # (a Popen: -N)
+
+        while True:
+            left = max(deadline - asyncio.get_running_loop().time(), 0.1)
+            try:
+                return await handshake(launched.placement, self.keys, left, exited)
+            except LaunchError as error:
+                killed = launched.popen is not None and (launched.popen.returncode or 0) < 0
+                if not (killed and restarts > 0 and deadline - asyncio.get_running_loop().time() > 1.0):
+                    tail = " | ".join(dict.fromkeys(log_tail(launched.log_path, 4, launched.log_start)))
+                    raise LaunchError(f"{error}: {tail}" if tail else str(error)) from None
+            restarts -= 1
+            log.warning(
+                "%s: %s before it was ready; starting it again", launched.placement.config.name, exited()
+            )
+            again = await self.start(launched.placement)
+            launched.process, launched.popen, launched.log_start = again.process, again.popen, again.log_start
 
     async def stop(self, launched: Launched, grace: float = 5.0) -> str:
         """Shut the worker down (control request, then TERM, then KILL) if it is still the one started."""
