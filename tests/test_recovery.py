@@ -138,6 +138,73 @@ def test_host_that_does_not_come_back_is_planned_around(
     assert [tuple(p.config.cpu_cores) for p in controller.deployment.stages] == [h.cores for h in wanted]
 
 
+def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
+    shard_cache: Path, recovery_reference: list[list[int]]
+) -> None:
+    """Stage 1 of 3 is lost for good (its port held) and the model moves onto two hosts; once the port is free
+    again (a PC that woke up) the model moves back onto all three, between rounds, and answers stay exact."""
+    squatters: list[socket.socket] = []
+
+    def lose_until_freed(controller: FleetController) -> None:
+        worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
+        assert worker.popen is not None
+        os.kill(worker.popen.pid, signal.SIGKILL)
+        worker.popen.wait()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", worker.placement.config.data_port))
+        squatter.listen()
+        squatters.append(squatter)
+
+    fleet = make_fleet(shard_cache, 3, grace_seconds=3.0, rejoin_seconds=1.0)
+
+    async def scenario() -> tuple[list[list[int]], list[int], list[RecoveryReport], list[str], int]:
+        controller = FleetController(fleet)
+        try:
+            coordinator = await controller.start()
+            sessions = [await coordinator.open_session() for _ in PROMPTS]
+            fired: list[bool] = []
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if not fired and len(tokens) > 0:
+                    fired.append(True)
+                    lose_until_freed(controller)
+
+            params = GenerationParams(max_tokens=TOKENS)
+            first = await asyncio.gather(
+                *(
+                    coordinator.chat(session, prompt, params, on_tokens if index == 0 else None)
+                    for index, (session, prompt) in enumerate(zip(sessions, PROMPTS, strict=True))
+                )
+            )
+            assert controller.recovery is not None and controller.recovery.away == ["stage-1"]
+            squatters.pop().close()  # the PC is back
+            for _ in range(600):  # the rejoin: a compile of the 3-stage split (cached) and a switch
+                if not controller.recovery.away:
+                    break
+                await asyncio.sleep(0.1)
+            again = await controller.ask(PROMPTS[0], params)
+            names = [p.config.name for p in controller.deployment.stages] if controller.deployment else []
+            record = store.load(fleet)
+            return (
+                [list(g.token_ids) for g in first], list(again.token_ids), list(controller.recovery.reports),
+                names, len(record.pids()) if record else 0,
+            )  # fmt: skip
+        finally:
+            await controller.stop()
+
+    try:
+        first, again, reports, names, recorded = asyncio.run(scenario())
+    finally:
+        for squatter in squatters:
+            squatter.close()
+    print_reports(reports)
+    assert first == recovery_reference and again == recovery_reference[0]
+    assert [r.action for r in reports] == ["replan", "rejoin"] and reports[1].stages == ("stage-1",)
+    assert names == ["stage-0", "stage-1", "stage-2"] and recorded == 3  # (no draft in this fleet)
+    assert store.load(fleet) is None
+
+
 def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:
     """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
     from fleettui.planning.planner import plan_fleet

@@ -355,6 +355,8 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
     assert fleet.resilience.detect_seconds == 3.0 and fleet.resilience.grace_seconds == 60.0
     assert fleet.resilience.rebalance == "auto" and fleet.resilience.calibrate == "auto"
     assert load_fleet(_fleet(tmp_path, '[resilience]\ncalibrate = "off"')).resilience.calibrate == "off"
+    assert fleet.resilience.rejoin_seconds == 10.0
+    assert load_fleet(_fleet(tmp_path, "[resilience]\nrejoin_seconds = 0")).resilience.rejoin_seconds == 0.0
 
 
 @pytest.mark.parametrize(
@@ -365,6 +367,7 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
         ("[resilience]\ncalibrate = true", "resilience.calibrate"),
         ("[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3", "at least twice heartbeat_seconds"),
         ("[resilience]\nthrottle_ratio = 1.0", "resilience.throttle_ratio"),
+        ("[resilience]\nrejoin_seconds = 0.5", "resilience.rejoin_seconds.*0 or 1..3600"),
         ("[resilience]\nunresponsive_seconds = 30", "resilience.unresponsive_seconds: unknown key"),
         ('[resilience]\ngrace_seconds = "soon"', "expected a number"),
     ],

@@ -20,12 +20,18 @@ class ResilienceSettings:
     rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
     throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
     calibrate: str = "auto"  # auto: a deploy times hosts with no cost profile for its settings first | off
+    rejoin_seconds: float = (
+        10.0  # a host planned around is tried this often; back, the model moves onto it (0: never)
+    )
 
 
 def parse_resilience(section: Section) -> ResilienceSettings:
     section.reject_unknown(
-        ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio", "calibrate")
-    )
+        (
+            "heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio", "calibrate",
+            "rejoin_seconds",
+        )
+    )  # fmt: skip
     heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
     detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
     if detect < 2 * heartbeat:
@@ -41,4 +47,7 @@ def parse_resilience(section: Section) -> ResilienceSettings:
             "throttle_ratio", float, 1.5, lambda v: 1.0 < v <= 100.0, "over 1, at most 100"
         ),
         calibrate=section.choice("calibrate", CALIBRATE_MODES, "auto"),
+        rejoin_seconds=section.number(
+            "rejoin_seconds", float, 10.0, lambda v: v == 0 or 1.0 <= v <= 3600.0, "0 or 1..3600"
+        ),
     )

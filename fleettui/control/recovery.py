@@ -75,6 +75,8 @@ class Recovery:
         self.idle = asyncio.Event()
         self.idle.set()
         self.python = sys.executable  # the interpreter local workers are relaunched with
+        self.away: list[str] = []  # hosts a re-plan left out, tried every `rejoin_seconds` (`_watch_away`)
+        self._rejoining: asyncio.Task[None] | None = None
 
     # -- watching -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -109,10 +111,11 @@ class Recovery:
 
     async def stop(self) -> None:
         await self.watcher.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
-                await self._task
+        for task in (self._task, self._rejoining):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
+                    await task
 
     # -- declaring a loss ---------------------------------------------------------------------------
     def _on_lost(self, name: str, reason: str, silent: float) -> None:
@@ -153,6 +156,9 @@ class Recovery:
         finally:
             coordinator.resume.set()
             self.idle.set()
+        watching = self._rejoining is not None and not self._rejoining.done()
+        if self.away and coordinator.fatal is None and self.settings.rejoin_seconds > 0 and not watching:
+            self._rejoining = asyncio.get_running_loop().create_task(self._watch_away(), name="rejoin")
 
     async def _recover_all(self) -> RecoveryReport:
         """Relaunch (or plan around) everything lost, then replay; losses during either join this recovery."""
@@ -184,6 +190,8 @@ class Recovery:
             if gone:
                 gone_all.extend(gone)
                 action, message = await self._replan(gone)
+                if action == "replan":
+                    self.away += [name for name in gone if name not in self.away]
                 messages.append(message)
                 if action == "degraded":
                     break
@@ -274,6 +282,65 @@ class Recovery:
             finally:
                 if not self._lost:  # a loss meanwhile: the recovery resumes the sessions when done
                     coordinator.resume.set()
+
+    # -- a host planned around comes back ------------------------------------------------------------
+    async def _watch_away(self) -> None:
+        """Try the hosts a re-plan left out every `rejoin_seconds` (a PC that slept or rebooted); those back
+        get the model moved onto them again, as the fleet file plans it with them."""
+        written = {host.name: host for host in self.controller.base_fleet.hosts}
+        while self.away:
+            await asyncio.sleep(self.settings.rejoin_seconds)
+            away = [written[name] for name in self.away if name in written]
+            answers = await asyncio.gather(*(relaunch.host_back(host) for host in away))
+            back = [host.name for host, answer in zip(away, answers, strict=True) if answer]
+            if back:
+                try:
+                    await self.rejoin(back)
+                except Exception as error:  # (a compile or a launch failed): keep serving, try again later
+                    log.warning("rejoin of %s failed: %s", ", ".join(back), error)
+                    self.controller._emit(
+                        LogLine("recovery", f"{', '.join(back)} back, rejoin failed: {error}")
+                    )
+
+    async def rejoin(self, back: list[str]) -> None:
+        """Move the model onto the fleet's hosts again with BACK among them: planned, compiled while serving,
+        then switched to between rounds (sessions paused and replayed, as a split switch)."""
+        from fleettui.planning.planner import plan_fleet
+
+        controller, coordinator = self.controller, self.controller.coordinator
+        assert coordinator is not None
+        fleet = controller.fleet
+        present = {host.name for host in fleet.hosts} | set(back)
+        hosts = tuple(replace(h, layers=None) for h in controller.base_fleet.hosts if h.name in present)
+        bigger = share_local_cores(replace(fleet, hosts=hosts, path=None))
+        plan = plan_fleet(bigger)
+        ranges = [(stage.start, stage.end) for stage in plan.stages]
+        model = fleet.model
+        started = time.monotonic()
+        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
+        if controller.coordinator is not coordinator:
+            return  # the fleet stopped meanwhile
+        async with self._exclusive:
+            coordinator.resume.clear()
+            try:
+                for session in list(coordinator.sessions.values()):
+                    async with session.lock:  # the round in flight finishes: a safe point
+                        pass
+                await self._switch(bigger, ranges, compiled)
+                switched = time.monotonic()
+                tokens = await coordinator.rebuild_all()
+            finally:
+                if not self._lost:
+                    coordinator.resume.set()
+        self.away = [name for name in self.away if name not in back]
+        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        report = RecoveryReport(
+            tuple(back), ("back",) * len(back), "rejoin", 0.0, switched - started,
+            time.monotonic() - switched, len(coordinator.sessions), tokens, f"with {', '.join(back)}: {split}",
+        )  # fmt: skip
+        self.reports.append(report)
+        controller._emit(report)
+        controller._emit(LogLine("recovery", _describe(report)))
 
     # -- re-planning without a host -----------------------------------------------------------------
     async def _replan(self, gone: list[str]) -> tuple[str, str]:

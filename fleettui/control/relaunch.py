@@ -129,3 +129,25 @@ async def launch_split(controller: Any, fleet: Any, old: Deployment, deployment:
         *(remote.start(p) for p in deployment.stages if not p.host.is_local),
     )
     track(controller, [each for each in outcomes if isinstance(each, Launched)])
+
+
+async def host_back(host: Any, timeout: float = 5.0) -> bool:
+    """Whether a host the fleet was planned around could run a stage again: an SSH host that accepts a
+    connection, a local one whose ports are free."""
+    from fleettui.control.launcher import LaunchError, check_ports
+    from fleettui.provision.deploy import HostSession
+
+    if host.is_local:
+        try:
+            check_ports([host])
+        except LaunchError:
+            return False
+        return True
+    session = HostSession(host, None)
+    try:
+        await session.open(timeout)
+    except Exception:  # asleep, rebooting, refused: not back yet
+        return False
+    finally:
+        await session.close()
+    return True

@@ -110,7 +110,7 @@ class RecoveryReport:
 
     stages: tuple[str, ...]
     reasons: tuple[str, ...]
-    action: str  # relaunch | replan | degraded | failed
+    action: str  # relaunch | replan | degraded | failed | rebalance | rejoin
     detect: float
     relaunch: float
     replay: float
