@@ -101,6 +101,20 @@ def _wake(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def lose_and_hold_its_port(controller: FleetController, squatters: list[socket.socket]) -> None:
+    """SIGKILL stage-1 and listen on its data port, so it cannot be started there again (a PC that is gone)
+    until the socket added to `squatters` is closed."""
+    worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
+    assert worker.popen is not None
+    os.kill(worker.popen.pid, signal.SIGKILL)
+    worker.popen.wait()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", worker.placement.config.data_port))
+    squatter.listen()
+    squatters.append(squatter)
+
+
 def test_host_that_does_not_come_back_is_planned_around(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
@@ -108,15 +122,7 @@ def test_host_that_does_not_come_back_is_planned_around(
     squatters: list[socket.socket] = []
 
     def lose_for_good(controller: FleetController) -> None:
-        worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
-        assert worker.popen is not None
-        os.kill(worker.popen.pid, signal.SIGKILL)
-        worker.popen.wait()
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", worker.placement.config.data_port))
-        squatter.listen()
-        squatters.append(squatter)
+        lose_and_hold_its_port(controller, squatters)
 
     fleet = make_fleet(shard_cache, 3, grace_seconds=3.0)
     try:
@@ -145,17 +151,6 @@ def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
     again (a PC that woke up) the model moves back onto all three, between rounds, and answers stay exact."""
     squatters: list[socket.socket] = []
 
-    def lose_until_freed(controller: FleetController) -> None:
-        worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
-        assert worker.popen is not None
-        os.kill(worker.popen.pid, signal.SIGKILL)
-        worker.popen.wait()
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", worker.placement.config.data_port))
-        squatter.listen()
-        squatters.append(squatter)
-
     fleet = make_fleet(shard_cache, 3, grace_seconds=3.0, rejoin_seconds=1.0)
 
     async def scenario() -> tuple[list[list[int]], list[int], list[RecoveryReport], list[str], int]:
@@ -168,7 +163,7 @@ def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
             def on_tokens(tokens: list[int], _text: str) -> None:
                 if not fired and len(tokens) > 0:
                     fired.append(True)
-                    lose_until_freed(controller)
+                    lose_and_hold_its_port(controller, squatters)
 
             params = GenerationParams(max_tokens=TOKENS)
             first = await asyncio.gather(
