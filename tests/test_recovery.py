@@ -239,6 +239,56 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
         assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
 
 
+def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
+    shard_cache: Path, recovery_reference: list[list[int]]
+) -> None:
+    """Neither host holds the model alone: losing stage-0 for good ends the sessions `degraded`; once its host
+    can run it again (here: the interpreter is back) the stage is relaunched and new answers are exact."""
+    import sys
+
+    from fleettui.planning.planner import plan_fleet
+
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0)
+    need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
+    fleet = replace(fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts))
+
+    async def scenario() -> tuple[list[BaseException | object], list[int], list[RecoveryReport]]:
+        controller = FleetController(fleet)
+        try:
+            coordinator = await controller.start()
+            session = await coordinator.open_session()
+            blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
+            assert blocked is not None and controller.recovery is not None
+            recovery = controller.recovery
+
+            def on_tokens(tokens: list[int], _text: str) -> None:
+                if blocked.poll() is None:
+                    os.kill(blocked.pid, signal.SIGKILL)
+                    recovery.python = "/nonexistent/python"  # the host cannot run it for now
+
+            params = GenerationParams(max_tokens=TOKENS)
+            first = await asyncio.gather(
+                coordinator.chat(session, PROMPTS[0], params, on_tokens), return_exceptions=True
+            )
+            assert recovery.down == ["stage-0"]
+            recovery.python = sys.executable  # the host is back
+            for _ in range(600):
+                if not recovery.down:
+                    break
+                await asyncio.sleep(0.1)
+            again = await controller.ask(PROMPTS[0], params)
+            return list(first), list(again.token_ids), list(recovery.reports)
+        finally:
+            await controller.stop()
+
+    first, again, reports = asyncio.run(scenario())
+    print_reports(reports)
+    assert isinstance(first[0], LinkError) and "degraded: needs" in str(first[0])
+    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
+    assert again == recovery_reference[0]
+    assert store.load(fleet) is None
+
+
 def quick_rebalancer(controller: FleetController) -> None:
     """Windows of 12 steps and a patience of 2: a proposal within one or two answers instead of minutes."""
     from fleettui.control.balance import Balancer

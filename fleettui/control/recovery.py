@@ -76,6 +76,7 @@ class Recovery:
         self.idle.set()
         self.python = sys.executable  # the interpreter local workers are relaunched with
         self.away: list[str] = []  # hosts a re-plan left out, tried every `rejoin_seconds` (`_watch_away`)
+        self.down: list[str] = []  # stages of a degraded fleet whose hosts are gone: relaunched when back
         self._rejoining: asyncio.Task[None] | None = None
 
     # -- watching -----------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Recovery:
             coordinator.resume.set()
             self.idle.set()
         watching = self._rejoining is not None and not self._rejoining.done()
-        if self.away and coordinator.fatal is None and self.settings.rejoin_seconds > 0 and not watching:
+        if (self.away or self.down) and self.settings.rejoin_seconds > 0 and not watching:
             self._rejoining = asyncio.get_running_loop().create_task(self._watch_away(), name="rejoin")
 
     async def _recover_all(self) -> RecoveryReport:
@@ -194,6 +195,7 @@ class Recovery:
                     self.away += [name for name in gone if name not in self.away]
                 messages.append(message)
                 if action == "degraded":
+                    self.down += [name for name in gone if name not in self.down]
                     break
             relaunch = time.monotonic() - started
             if self._lost:
@@ -288,8 +290,16 @@ class Recovery:
         """Try the hosts a re-plan left out every `rejoin_seconds` (a PC that slept or rebooted); those back
         get the model moved onto them again, as the fleet file plans it with them."""
         written = {host.name: host for host in self.controller.base_fleet.hosts}
-        while self.away:
+        while self.away or self.down:
             await asyncio.sleep(self.settings.rejoin_seconds)
+            if self.down:  # a degraded fleet: every lost host must be back before it can serve again
+                down = [written[name] for name in self.down if name in written]
+                if all(await asyncio.gather(*(relaunch.host_back(host) for host in down))):
+                    try:
+                        await self.revive()
+                    except Exception as error:  # (still gone after all): stay degraded, try again later
+                        log.warning("revive of %s failed: %s", ", ".join(self.down), error)
+                continue
             away = [written[name] for name in self.away if name in written]
             answers = await asyncio.gather(*(relaunch.host_back(host) for host in away))
             back = [host.name for host, answer in zip(away, answers, strict=True) if answer]
@@ -301,6 +311,29 @@ class Recovery:
                     self.controller._emit(
                         LogLine("recovery", f"{', '.join(back)} back, rejoin failed: {error}")
                     )
+
+    async def revive(self) -> None:
+        """A degraded fleet whose lost hosts are all back: their stages are started again as they were, the
+        degraded state ends (new requests are served again) and sessions still open are replayed."""
+        controller, coordinator = self.controller, self.controller.coordinator
+        assert coordinator is not None and controller.connection is not None
+        started = time.monotonic()
+        async with self._exclusive:
+            await asyncio.gather(*(self._relaunch(name) for name in self.down))
+            controller.connection.unblock()
+            coordinator.fatal = None
+            switched = time.monotonic()
+            tokens = await coordinator.rebuild_all()
+        names, self.down = tuple(self.down), []
+        for name in names:
+            controller._set_state(name, Ready())
+        report = RecoveryReport(
+            names, ("back",) * len(names), "rejoin", 0.0, switched - started, time.monotonic() - switched,
+            len(coordinator.sessions), tokens, "the degraded fleet is whole again",
+        )  # fmt: skip
+        self.reports.append(report)
+        controller._emit(report)
+        controller._emit(LogLine("recovery", _describe(report)))
 
     async def rejoin(self, back: list[str]) -> None:
         """Move the model onto the fleet's hosts again with BACK among them: planned, compiled while serving,
