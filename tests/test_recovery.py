@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -200,6 +201,21 @@ def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
     assert store.load(fleet) is None
 
 
+def stage_0_cannot_come_back(controller: FleetController) -> Callable[[list[int], str], None]:
+    """A token callback that SIGKILLs stage-0 once and points the recovery at an interpreter that does not
+    exist, so the stage cannot be started again until `recovery.python` is set back (a host that is away)."""
+    blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
+    assert blocked is not None and controller.recovery is not None
+    recovery = controller.recovery
+
+    def on_tokens(tokens: list[int], _text: str) -> None:
+        if blocked.poll() is None:
+            os.kill(blocked.pid, signal.SIGKILL)
+            recovery.python = "/nonexistent/python"
+
+    return on_tokens
+
+
 def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:
     """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
     from fleettui.planning.planner import plan_fleet
@@ -215,15 +231,7 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
         try:
             coordinator = await controller.start()
             sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
-            blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
-            assert blocked is not None and controller.recovery is not None
-            recovery = controller.recovery
-
-            def on_tokens(tokens: list[int], _text: str) -> None:
-                if blocked.poll() is None:
-                    os.kill(blocked.pid, signal.SIGKILL)
-                    recovery.python = "/nonexistent/python"  # the host never comes back
-
+            on_tokens = stage_0_cannot_come_back(controller)
             params = GenerationParams(max_tokens=TOKENS)
             calls = [
                 coordinator.chat(sessions[0], PROMPTS[0], params, on_tokens),
@@ -257,15 +265,9 @@ def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
         try:
             coordinator = await controller.start()
             session = await coordinator.open_session()
-            blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
-            assert blocked is not None and controller.recovery is not None
+            on_tokens = stage_0_cannot_come_back(controller)
+            assert controller.recovery is not None
             recovery = controller.recovery
-
-            def on_tokens(tokens: list[int], _text: str) -> None:
-                if blocked.poll() is None:
-                    os.kill(blocked.pid, signal.SIGKILL)
-                    recovery.python = "/nonexistent/python"  # the host cannot run it for now
-
             params = GenerationParams(max_tokens=TOKENS)
             first = await asyncio.gather(
                 coordinator.chat(session, PROMPTS[0], params, on_tokens), return_exceptions=True
