@@ -145,9 +145,7 @@ class Recovery:
         try:
             while self._lost:
                 report = await self._recover_all()
-                self.reports.append(report)
-                self.controller._emit(report)
-                self.controller._emit(LogLine("recovery", _describe(report)))
+                self._publish(report)
                 if report.action in ("degraded", "failed"):
                     coordinator.fatal = report.message
                     break
@@ -261,6 +259,23 @@ class Recovery:
             compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
         if controller.coordinator is not coordinator:
             return  # the fleet stopped meanwhile
+
+        def split_fleet() -> Fleet:  # the fleet as it is once the lock is held
+            fleet: Fleet = controller.fleet
+            hosts = tuple(replace(h, layers=r) for h, r in zip(fleet.hosts, ranges, strict=True))
+            return replace(fleet, hosts=hosts, path=None)
+
+        started, switched, tokens = await self._switch_between_rounds(split_fleet, ranges, compiled)
+        names = tuple(h.name for h in controller.fleet.hosts)
+        self._publish_switch(names, "rebalance", "rebalance", started, switched, tokens, f"split {ranges}")
+
+    async def _switch_between_rounds(
+        self, fleet_of: Callable[[], Fleet], ranges: list[tuple[int, int]], compiled: Any
+    ) -> tuple[float, float, int]:
+        """Under the recovery lock, once every session's round in flight has finished: switch to `ranges` of
+        `compiled` on `fleet_of()` and replay every session. (started, switched, replayed tokens)."""
+        coordinator = self.controller.coordinator
+        assert coordinator is not None
         async with self._exclusive:
             started = time.monotonic()
             coordinator.resume.clear()
@@ -268,22 +283,42 @@ class Recovery:
                 for session in list(coordinator.sessions.values()):
                     async with session.lock:  # the round in flight finishes: a safe point
                         pass
-                fleet = controller.fleet
-                hosts = tuple(replace(h, layers=r) for h, r in zip(fleet.hosts, ranges, strict=True))
-                await self._switch(replace(fleet, hosts=hosts, path=None), ranges, compiled)
+                await self._switch(fleet_of(), ranges, compiled)
                 switched = time.monotonic()
                 tokens = await coordinator.rebuild_all()
-                names = tuple(h.name for h in hosts)
-                report = RecoveryReport(
-                    names, ("rebalance",) * len(names), "rebalance", 0.0, switched - started,
-                    time.monotonic() - switched, len(coordinator.sessions), tokens, f"split {ranges}",
-                )  # fmt: skip
-                self.reports.append(report)
-                controller._emit(report)
-                controller._emit(LogLine("recovery", _describe(report)))
             finally:
                 if not self._lost:  # a loss meanwhile: the recovery resumes the sessions when done
                     coordinator.resume.set()
+        return started, switched, tokens
+
+    def _publish_switch(
+        self, names: tuple[str, ...], reason: str, action: str, started: float, switched: float, tokens: int,
+        message: str,
+    ) -> None:  # fmt: skip
+        """Publish a switch made on purpose (no loss to detect): `started`..`switched` the switch itself, then
+        the replay of `tokens` until now."""
+        coordinator = self.controller.coordinator
+        sessions = len(coordinator.sessions) if coordinator is not None else 0
+        replay = time.monotonic() - switched
+        self._publish(
+            RecoveryReport(
+                names,
+                (reason,) * len(names),
+                action,
+                0.0,
+                switched - started,
+                replay,
+                sessions,
+                tokens,
+                message,
+            )
+        )
+
+    def _publish(self, report: RecoveryReport) -> None:
+        """Keep a report, send it to the controller's observers and log its one line."""
+        self.reports.append(report)
+        self.controller._emit(report)
+        self.controller._emit(LogLine("recovery", _describe(report)))
 
     # -- a host planned around comes back ------------------------------------------------------------
     async def _watch_away(self) -> None:
@@ -327,13 +362,9 @@ class Recovery:
         names, self.down = tuple(self.down), []
         for name in names:
             controller._set_state(name, Ready())
-        report = RecoveryReport(
-            names, ("back",) * len(names), "rejoin", 0.0, switched - started, time.monotonic() - switched,
-            len(coordinator.sessions), tokens, "the degraded fleet is whole again",
-        )  # fmt: skip
-        self.reports.append(report)
-        controller._emit(report)
-        controller._emit(LogLine("recovery", _describe(report)))
+        self._publish_switch(
+            names, "back", "rejoin", started, switched, tokens, "the degraded fleet is whole again"
+        )
 
     async def rejoin(self, back: list[str]) -> None:
         """Move the model onto the fleet's hosts again with BACK among them: planned, compiled while serving,
@@ -353,27 +384,12 @@ class Recovery:
         compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
         if controller.coordinator is not coordinator:
             return  # the fleet stopped meanwhile
-        async with self._exclusive:
-            coordinator.resume.clear()
-            try:
-                for session in list(coordinator.sessions.values()):
-                    async with session.lock:  # the round in flight finishes: a safe point
-                        pass
-                await self._switch(bigger, ranges, compiled)
-                switched = time.monotonic()
-                tokens = await coordinator.rebuild_all()
-            finally:
-                if not self._lost:
-                    coordinator.resume.set()
+        _, switched, tokens = await self._switch_between_rounds(lambda: bigger, ranges, compiled)
         self.away = [name for name in self.away if name not in back]
         split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
-        report = RecoveryReport(
-            tuple(back), ("back",) * len(back), "rejoin", 0.0, switched - started,
-            time.monotonic() - switched, len(coordinator.sessions), tokens, f"with {', '.join(back)}: {split}",
-        )  # fmt: skip
-        self.reports.append(report)
-        controller._emit(report)
-        controller._emit(LogLine("recovery", _describe(report)))
+        self._publish_switch(
+            tuple(back), "back", "rejoin", started, switched, tokens, f"with {', '.join(back)}: {split}"
+        )
 
     # -- re-planning without a host -----------------------------------------------------------------
     async def _replan(self, gone: list[str]) -> tuple[str, str]:
