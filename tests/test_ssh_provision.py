@@ -317,6 +317,85 @@ async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(fleet: Flee
     assert not alive(two.pid)
 
 
+# A stand-in stage that does, per run, what argv[2] says ("first,later"): its runs are counted in argv[1].
+# (No braces: deploy formats every argv part.)
+STAGED = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+runs = len(list(folder.glob('run-*')))
+(folder / ('run-%d' % runs)).write_text(str(os.getpid()))
+how = sys.argv[2].split(',')[min(runs, 1)]
+if how == 'ready':
+    (folder / 'ready').write_text(str(os.getpid()))
+    time.sleep(600)
+if how == 'killed-at-once':
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(1.0)
+if how == 'killed':
+    os.kill(os.getpid(), signal.SIGKILL)
+print('remote_worker: shard /x/stage_0: missing', flush=True)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("runs", "started_again"),
+    [
+        ("killed,ready", "died without a reason (killed?)"),
+        ("killed-at-once,ready", "killed by SIGKILL at once"),
+        ("fails,ready", None),
+        ("killed,killed", "died without a reason (killed?)"),
+    ],
+)
+async def test_a_stage_killed_while_it_loads_is_started_again_once(
+    fleet: Fleet, shard: Path, tmp_path: Path, runs: str, started_again: str | None
+) -> None:
+    """A worker that dies before its handshake without a word (SIGKILL: the OOM killer, a stray kill) is
+    started once more, also when it died within the launch's own look; one that says why (an exit code
+    with its "remote_worker: ..." line) or dies again fails the host at once with its log, nothing left."""
+    from fleettui.provision.deploy import deploy_host, stop_host
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+
+    async def ready(_host: Host, _result: object) -> None:
+        for _ in range(300):
+            if (folder / "ready").exists():
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError("no handshake within 30 s")
+
+    options = DeployOptions(install=False, argv=("{python}", "-c", STAGED, str(folder), runs))
+    events: list[ProvisionEvent] = []
+    host = fleet.hosts[0]
+    report = await deploy_host(host, ShardAssignment(shard, 0), "{}", "deploy-k", options, events.append, ready)
+    try:
+        pids = [int(path.read_text()) for path in sorted(folder.glob("run-*"))]
+        said = [e.message for e in events if "starting it again" in e.message]
+        if started_again is None:  # a reason: not started again
+            assert len(pids) == 1 and not said
+        else:
+            assert len(pids) == 2 and said == [
+                f"the stage process {started_again} before it was ready; starting it again"
+            ]
+        if runs.endswith("ready"):
+            if started_again is None:
+                assert not report.ok and report.step == "ready"
+                assert report.error == (
+                    "the stage process exited while loading; log: remote_worker: shard /x/stage_0: missing"
+                )
+            else:
+                assert report.ok and report.pid == pids[1] == int((folder / "ready").read_text())
+                assert alive(pids[1]) and not alive(pids[0])
+        else:
+            assert not report.ok and report.step == "ready" and report.error
+            assert report.error.startswith("the stage process exited while loading")
+    finally:
+        await stop_host(host, None, options)
+    assert not any(alive(pid) for pid in pids)
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

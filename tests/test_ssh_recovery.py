@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,4 +109,46 @@ def test_a_host_cut_off_then_back_completes_exactly(
     assert reports[0].stages == ("host0",) and "host0" in reports[0].stages
     assert reports[0].relaunch >= LINK_DOWN_SECONDS - reports[0].detect - 1.0  # waited for the host
     assert not alive(before[0])  # the worker that was cut off was stopped when its host came back
+    assert not workers_left(ssh_hosts), "a worker outlived the fleet's stop"
+
+
+def test_a_stage_killed_while_it_loads_on_an_ssh_host_is_started_again_and_the_answer_is_exact(
+    ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
+) -> None:
+    """host1's worker is frozen the moment its pid file names it and SIGKILLed 0.6 s later, before it can be
+    ready (the OOM killer while it loads): the deploy starts it once more over SSH, and the answer is exact."""
+    fleet = ssh_fleet(ssh_hosts, shard_cache, tmp_path)
+    host = next(h for h in fleet.hosts if h.name == "host1")
+    pidfile = Path(run_file(host.workdir, host.name, host.base_port, ".pid"))
+    pidfile.unlink(missing_ok=True)
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_while_loading() -> None:
+        while not done.is_set():
+            try:
+                pid = int(json.loads(pidfile.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.005)
+                continue
+            if alive(pid):
+                os.kill(pid, signal.SIGSTOP)  # frozen within milliseconds of its start: it cannot be ready
+                time.sleep(0.6)  # past the launch's own look at it
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_while_loading)
+    killer.start()
+    events: list[object] = []
+    try:
+        tokens, _controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:1], None, events))
+    finally:
+        done.set()
+        killer.join()
+    said = [str(e) for e in events if "starting it again" in str(e)]
+    assert killed and not alive(killed[0])
+    assert tokens == recovery_reference[:1] and reports == []
+    assert said and "host1" in said[0] and "died without a reason (killed?)" in said[0], said
     assert not workers_left(ssh_hosts), "a worker outlived the fleet's stop"

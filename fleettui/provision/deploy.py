@@ -36,6 +36,7 @@ from fleettui.provision.events import (
 from fleettui.provision.remote import PosixShell, RemoteShell, run_operation
 from fleettui.provision.ssh import connect
 from fleettui.provision.stage_files import ShardAssignment, shard_bytes, stage_push
+from fleettui.provision.stage_start import StageExited, StageStart
 from fleettui.provision.transfer import RemoteStamp, push_files, tree_files
 from fleettui.provision.wheelhouse import Target, Wheelhouse, build_wheelhouse
 from remote_worker.manifest import ManifestError
@@ -88,6 +89,7 @@ class HostSession:
         self.connection: Any = None
         self.sftp: Any = None
         self.preflight: Preflight | None = None
+        self.log_start = 0  # where the last launch's output begins in its (appended) log
 
     async def __aenter__(self) -> HostSession:
         await self.open()
@@ -286,9 +288,8 @@ class HostSession:
         answer = await self.operation("launch", payload, "launch")
         if "exited" in answer:
             tail = " | ".join(answer.get("log_tail", "").strip().splitlines()[-3:])
-            raise ProvisionError(
-                self.host.name, "launch", f"exited at once with status {answer['exited']}: {tail}"
-            )
+            raise StageExited(self.host.name, int(answer["exited"]), tail)
+        self.log_start = int(answer.get("log_start", 0))
         self.emit("launch", f"pid {answer['pid']}, log {paths.log}")
         return int(answer["pid"])
 
@@ -319,35 +320,14 @@ class HostSession:
     async def status(self, pidfile: str) -> dict[str, Any]:
         return dict((await self.operation("status", {"pidfiles": [pidfile]}, "status"))["status"][pidfile])
 
-    async def tail(self, path: str, size: int = 65536) -> str:
-        return str((await self.operation("tail", {"path": path, "bytes": size}, "logs"))["text"])
+    async def tail(self, path: str, size: int = 65536, start: int = 0) -> str:
+        """The end of a remote file (`size` bytes at most, none before offset `start`)."""
+        payload = {"path": path, "bytes": size, "start": start}
+        return str((await self.operation("tail", payload, "logs"))["text"])
 
 
 def _stage_pidfile(host: Host) -> str:
     return run_file(host.workdir, host.name, host.base_port, ".pid")
-
-
-async def _await_ready(
-    session: HostSession, ready: Awaitable[None], paths: RemotePaths, deployment: str, options: DeployOptions
-) -> None:
-    """Wait for the readiness hook while watching the process: a stage that dies fails at once, with its log."""
-    task = asyncio.ensure_future(ready)
-    failure = None
-    try:
-        while failure is None:
-            done, _ = await asyncio.wait({task}, timeout=2.0)
-            if task in done:
-                error = task.exception()
-                failure = None if error is None else str(error) or type(error).__name__
-                break
-            if not (await session.status(paths.pidfile))["alive"]:
-                failure = "the stage process exited while loading"
-    finally:
-        task.cancel()
-    if failure is not None:
-        log = " | ".join((await session.tail(paths.log, 4000)).strip().splitlines()[-3:])
-        await session.stop([paths.pidfile], deployment, options.stop_timeout)  # leave nothing behind
-        raise ProvisionError(session.host.name, "ready", f"{failure}; log: {log}")
 
 
 async def deploy_host(
@@ -387,14 +367,13 @@ async def deploy_host(
         result = replace(result, step="launch")
         await session.stop([paths.pidfile], None, options.stop_timeout)  # a previous run of this stage
         argv = [part.format(python=python, config=paths.config, shard=paths.shard) for part in options.argv]
-        pid = await session.launch(argv, paths, deployment, {"PYTHONUNBUFFERED": "1", **options.env})
+        starting = StageStart(session, argv, paths, deployment, options.stop_timeout)
+        pid = await starting.launch({"PYTHONUNBUFFERED": "1", **options.env})
         result = replace(result, pid=pid, step="ready")
         if wait_ready is not None:
             session.emit("ready", "waiting for the stage's handshake")
-            await _await_ready(
-                session, wait_ready(host, replace(result, ok=True)), paths, deployment, options
-            )
-        result = replace(result, ok=True, step="done")
+            pid = await starting.until_ready(wait_ready(host, replace(result, ok=True)))
+        result = replace(result, ok=True, step="done", pid=pid)
         session.emit("done", f"stage {shard.stage} running as pid {pid}")
     except ProvisionError as error:
         result = replace(result, ok=False, error=error.reason, step=error.step)

@@ -381,7 +381,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
     code = process.poll()
     if code is not None:
         return {"pid": process.pid, "exited": code, "log_tail": _tail(log, 2000, written)}
-    return {"pid": process.pid, "start": record["start"]}
+    return {"pid": process.pid, "start": record["start"], "log_start": written}
 
 
 def _record(pidfile: Path) -> dict[str, Any] | None:
@@ -471,7 +471,7 @@ def _tail(path: Path, size: int, start: int = 0) -> str:
 
 
 def tail(args: dict[str, Any]) -> dict[str, Any]:
-    return {"text": _tail(_path(args["path"]), int(args.get("bytes", 65536)))}
+    return {"text": _tail(_path(args["path"]), int(args.get("bytes", 65536)), int(args.get("start", 0)))}
 
 
 def prune(args: dict[str, Any]) -> dict[str, Any]:
