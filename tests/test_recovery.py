@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -220,7 +221,7 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
     """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
     from fleettui.planning.planner import plan_fleet
 
-    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0)
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=1.0)
     need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
     hosts = tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts)
     fleet = replace(fleet, hosts=hosts)
@@ -242,21 +243,22 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
             await controller.stop()
 
     outcomes = asyncio.run(scenario())
-    for outcome in outcomes:
+    for outcome in outcomes:  # each answer waited `hold_seconds` for the host, then ended in one line
         assert isinstance(outcome, LinkError), outcome
         assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
+        assert str(outcome).endswith("(waited 1 s for it to be whole again)")
 
 
 def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """Neither host holds the model alone: losing stage-0 for good ends the sessions `degraded`; once its host
-    can run it again (here: the interpreter is back) the stage is relaunched and new answers are exact."""
+    """Neither host holds the model alone: losing stage-0 for good ends the sessions `degraded` (no hold); once
+    its host can run it again (here: the interpreter is back) the stage is relaunched and new answers are exact."""
     import sys
 
     from fleettui.planning.planner import plan_fleet
 
-    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0)
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=0.0)
     need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
     fleet = replace(fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts))
 
@@ -288,6 +290,58 @@ def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
     assert isinstance(first[0], LinkError) and "degraded: needs" in str(first[0])
     assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
     assert again == recovery_reference[0]
+    assert store.load(fleet) is None
+
+
+def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
+    shard_cache: Path, recovery_reference: list[list[int]]
+) -> None:
+    """Neither host holds the model alone and stage-0 is lost for good mid-answer: the two answers in flight are
+    held (`hold_seconds`), not ended; once its host is back the stage is relaunched, both sessions replayed,
+    and each answer goes on from where it stopped, equal to the uninterrupted one."""
+    import sys
+
+    from fleettui.planning.planner import plan_fleet
+
+    fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=120.0)
+    need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
+    fleet = replace(fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts))
+    lines: list[str] = []
+
+    async def scenario() -> tuple[list[list[int]], list[RecoveryReport], float]:
+        controller = FleetController(fleet, on_event=lambda event: lines.append(str(event)))
+        try:
+            coordinator = await controller.start()
+            sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
+            on_tokens = stage_0_cannot_come_back(controller)
+            assert controller.recovery is not None
+            recovery = controller.recovery
+            params = GenerationParams(max_tokens=TOKENS)
+            calls = asyncio.gather(
+                coordinator.chat(sessions[0], PROMPTS[0], params, on_tokens),
+                coordinator.chat(sessions[1], PROMPTS[1], params),
+            )
+            for _ in range(600):  # the fleet is degraded, the answers wait
+                if recovery.down:
+                    break
+                await asyncio.sleep(0.05)
+            assert recovery.down == ["stage-0"] and not calls.done()
+            await asyncio.sleep(2.0)  # two rejoin tries find the host still away
+            assert not calls.done() and recovery.down == ["stage-0"]
+            back = time.monotonic()
+            recovery.python = sys.executable  # the host is back
+            generations = await calls
+            return [list(g.token_ids) for g in generations], list(recovery.reports), time.monotonic() - back
+        finally:
+            await controller.stop()
+
+    tokens, reports, waited = asyncio.run(scenario())
+    print_reports(reports)
+    assert tokens == recovery_reference[:2]
+    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
+    assert reports[1].sessions == 2 and reports[1].replayed_tokens > 0  # both held sessions were replayed
+    assert any("answers wait up to 120 s for stage-0 to be back" in line for line in lines)
+    print(f"answers resumed {waited:.1f} s after the host was back")
     assert store.load(fleet) is None
 
 

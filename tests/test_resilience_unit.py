@@ -357,6 +357,8 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
     assert load_fleet(_fleet(tmp_path, '[resilience]\ncalibrate = "off"')).resilience.calibrate == "off"
     assert fleet.resilience.rejoin_seconds == 10.0
     assert load_fleet(_fleet(tmp_path, "[resilience]\nrejoin_seconds = 0")).resilience.rejoin_seconds == 0.0
+    assert fleet.resilience.hold_seconds == 60.0
+    assert load_fleet(_fleet(tmp_path, "[resilience]\nhold_seconds = 0")).resilience.hold_seconds == 0.0
 
 
 @pytest.mark.parametrize(
@@ -368,6 +370,7 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
         ("[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3", "at least twice heartbeat_seconds"),
         ("[resilience]\nthrottle_ratio = 1.0", "resilience.throttle_ratio"),
         ("[resilience]\nrejoin_seconds = 0.5", "resilience.rejoin_seconds.*0 or 1..3600"),
+        ("[resilience]\nhold_seconds = -1", "resilience.hold_seconds.*0..3600"),
         ("[resilience]\nunresponsive_seconds = 30", "resilience.unresponsive_seconds: unknown key"),
         ('[resilience]\ngrace_seconds = "soon"', "expected a number"),
     ],

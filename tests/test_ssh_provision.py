@@ -369,7 +369,9 @@ async def test_a_stage_killed_while_it_loads_is_started_again_once(
     options = DeployOptions(install=False, argv=("{python}", "-c", STAGED, str(folder), runs))
     events: list[ProvisionEvent] = []
     host = fleet.hosts[0]
-    report = await deploy_host(host, ShardAssignment(shard, 0), "{}", "deploy-k", options, events.append, ready)
+    report = await deploy_host(
+        host, ShardAssignment(shard, 0), "{}", "deploy-k", options, events.append, ready
+    )
     try:
         pids = [int(path.read_text()) for path in sorted(folder.glob("run-*"))]
         said = [e.message for e in events if "starting it again" in e.message]

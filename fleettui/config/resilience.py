@@ -23,13 +23,14 @@ class ResilienceSettings:
     rejoin_seconds: float = (
         10.0  # a host planned around is tried this often; back, the model moves onto it (0: never)
     )
+    hold_seconds: float = 60.0  # answers of a degraded fleet wait this long for it to be whole again (0: end)
 
 
 def parse_resilience(section: Section) -> ResilienceSettings:
     section.reject_unknown(
         (
             "heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio", "calibrate",
-            "rejoin_seconds",
+            "rejoin_seconds", "hold_seconds",
         )
     )  # fmt: skip
     heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
@@ -50,4 +51,5 @@ def parse_resilience(section: Section) -> ResilienceSettings:
         rejoin_seconds=section.number(
             "rejoin_seconds", float, 10.0, lambda v: v == 0 or 1.0 <= v <= 3600.0, "0 or 1..3600"
         ),
+        hold_seconds=section.number("hold_seconds", float, 60.0, lambda v: 0.0 <= v <= 3600.0, "0..3600"),
     )

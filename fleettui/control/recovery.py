@@ -110,7 +110,20 @@ class Recovery:
     def _on_reply(self, name: str, reply: dict[str, Any]) -> None:
         self.replies[name] = reply
 
+    def _hold(self, action: str) -> None:
+        """A degraded fleet that may be whole again (its hosts are tried every `rejoin_seconds`): answers wait."""
+        coordinator, seconds = self.controller.coordinator, self.settings.hold_seconds
+        if action == "degraded" and self.settings.rejoin_seconds > 0 and seconds > 0:
+            coordinator.hold_seconds = seconds
+            coordinator.whole.clear()
+            self.controller._emit(
+                LogLine("recovery", f"answers wait up to {seconds:g} s for {', '.join(self.down)} to be back")
+            )
+
     async def stop(self) -> None:
+        coordinator = self.controller.coordinator
+        if coordinator is not None:
+            coordinator.whole.set()  # held answers end now, with the degraded line
         await self.watcher.stop()
         for task in (self._task, self._rejoining):
             if task is not None:
@@ -148,6 +161,7 @@ class Recovery:
                 self._publish(report)
                 if report.action in ("degraded", "failed"):
                     coordinator.fatal = report.message
+                    self._hold(report.action)
                     break
         except Exception as error:  # recovery itself broke: every session gets this one clear line
             log.exception("recovery failed")
@@ -357,6 +371,7 @@ class Recovery:
             await asyncio.gather(*(self._relaunch(name) for name in self.down))
             controller.connection.unblock()
             coordinator.fatal = None
+            coordinator.whole.set()  # held answers go on: each is replayed, then resumes where it stopped
             switched = time.monotonic()
             tokens = await coordinator.rebuild_all()
         names, self.down = tuple(self.down), []
