@@ -474,3 +474,23 @@ def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(monkeypatch: p
 
     stopped, task = asyncio.run(scenario())
     assert dropped and stopped and task.cancelled()
+
+
+def test_a_hold_waits_for_the_fleet_to_be_whole_and_says_how_long_it_waited_in_vain() -> None:
+    from fleettui.runtime.hold import Hold
+
+    async def scenario() -> None:
+        hold = Hold()
+        assert await hold.wait() is False and hold.note == ""  # nothing held: at once
+        hold.begin(0.05)
+        assert await hold.wait() is False
+        assert hold.note == " (waited 0.05 s for it to be whole again)"
+        hold.begin(30.0)
+        assert hold.note == ""
+        asyncio.get_running_loop().call_later(0.05, hold.end)
+        started = asyncio.get_running_loop().time()
+        assert await hold.wait() is True and asyncio.get_running_loop().time() - started < 5.0
+        hold.begin(0.0)  # hold_seconds = 0: degraded answers end at once
+        assert await hold.wait() is False and hold.note == ""
+
+    asyncio.run(scenario())

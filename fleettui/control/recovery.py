@@ -114,8 +114,7 @@ class Recovery:
         """A degraded fleet that may be whole again (its hosts are tried every `rejoin_seconds`): answers wait."""
         coordinator, seconds = self.controller.coordinator, self.settings.hold_seconds
         if action == "degraded" and self.settings.rejoin_seconds > 0 and seconds > 0:
-            coordinator.hold_seconds = seconds
-            coordinator.whole.clear()
+            coordinator.hold.begin(seconds)
             self.controller._emit(
                 LogLine("recovery", f"answers wait up to {seconds:g} s for {', '.join(self.down)} to be back")
             )
@@ -123,7 +122,7 @@ class Recovery:
     async def stop(self) -> None:
         coordinator = self.controller.coordinator
         if coordinator is not None:
-            coordinator.whole.set()  # held answers end now, with the degraded line
+            coordinator.hold.end()  # held answers end now, with the degraded line
         await self.watcher.stop()
         for task in (self._task, self._rejoining):
             if task is not None:
@@ -371,7 +370,7 @@ class Recovery:
             await asyncio.gather(*(self._relaunch(name) for name in self.down))
             controller.connection.unblock()
             coordinator.fatal = None
-            coordinator.whole.set()  # held answers go on: each is replayed, then resumes where it stopped
+            coordinator.hold.end()  # held answers go on: each is replayed, then resumes where it stopped
             switched = time.monotonic()
             tokens = await coordinator.rebuild_all()
         names, self.down = tuple(self.down), []

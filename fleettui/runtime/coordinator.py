@@ -32,6 +32,7 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
     penalties,
     verify_decode,
 )
+from fleettui.runtime.hold import Hold
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.measures import LOADED_UTILIZATION, StageLoad, round_costs
@@ -101,11 +102,7 @@ class Coordinator(RunRounds, AheadRounds):
         self.target_epoch = 0
         self.draft_epoch = 0
         self.fatal: str | None = None
-        # A degraded fleet (`fatal` set, `whole` clear) can become whole again when its lost hosts are back:
-        # until then each round waits up to `hold_seconds`, then resumes exactly (its session is replayed).
-        self.whole = asyncio.Event()
-        self.whole.set()
-        self.hold_seconds = 0.0
+        self.hold = Hold()  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
         self.replayed_tokens = 0
         # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that survived still
         # hold them (and count them against max_sessions), so they are closed before the next rebuild.
@@ -153,9 +150,9 @@ class Coordinator(RunRounds, AheadRounds):
         while spurious < MAX_RECOVERIES_PER_ROUND:
             await self.resume.wait()
             if self.fatal is not None:
-                if await self._held():
+                if await self.hold.wait() and self.fatal is None:
                     continue
-                raise LinkError(self.fatal)
+                raise LinkError(self.fatal + self.hold.note)
             rng_state = session.rng.bit_generator.state
             epochs = (self.target_epoch, self.draft_epoch)
             try:
@@ -169,18 +166,6 @@ class Coordinator(RunRounds, AheadRounds):
                     spurious += 1
                 await asyncio.sleep(0.05)  # let the recovery clear `resume` if it has not yet
         raise LinkError(f"session {session.id}: the pipeline kept failing during recovery")
-
-    async def _held(self) -> bool:
-        """Whether a degraded fleet became whole again within `hold_seconds` (the round then goes on)."""
-        if self.whole.is_set() or self.hold_seconds <= 0:
-            return False
-        try:
-            await asyncio.wait_for(self.whole.wait(), self.hold_seconds)
-        except TimeoutError:
-            if self.fatal is not None and "waited" not in self.fatal:
-                self.fatal += f" (waited {self.hold_seconds:g} s for it to be whole again)"
-            return False
-        return self.fatal is None
 
     async def _ensure_rebuilt(self, session: Session) -> None:
         """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
