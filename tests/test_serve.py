@@ -390,6 +390,17 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
     assert caught.value.param == "n"  # type: ignore[attr-defined]
+    # JSON mode and tool calls would be answered as if granted: refused, naming the field
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, response_format={"type": "json_object"}
+        )
+    assert caught.value.param == "response_format"  # type: ignore[attr-defined]
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[tool])
+    assert caught.value.param == "tools"  # type: ignore[attr-defined]
 
 
 def test_queue_full_is_429_with_retry_after(small_server: tuple[FleetServer, str]) -> None:

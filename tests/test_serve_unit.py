@@ -75,12 +75,53 @@ def test_valid_chat_request_maps_every_field() -> None:
             "stream_options",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema"},
+            },
+            "response_format",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+                "tool_choice": "auto",
+            },
+            "tools",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),
     ],
 )
 def test_bad_requests_name_their_field(body: object, param: str | None) -> None:
     with pytest.raises(RequestError) as caught:
         parse(body)
     assert caught.value.param == param and caught.value.status == 400
+
+
+def test_free_text_and_tools_left_unused_are_served() -> None:
+    """`response_format` text, and tools the request tells the model not to call, ask nothing it cannot do."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse({**body, "response_format": {"type": "text"}}).messages
+    assert parse({**body, "tools": [{"type": "function"}], "tool_choice": "none"}).messages
+    assert parse({**body, "tools": []}).messages
 
 
 def test_top_p_zero_is_greedy() -> None:

@@ -198,6 +198,24 @@ def _prompt(body: dict[str, Any]) -> str:
     return value
 
 
+def _unconstrained(body: dict[str, Any]) -> None:
+    """Refuse what asks for constrained output (JSON mode, tool calls): ignoring it would answer as if granted."""
+    kind = body.get("response_format")
+    if kind is not None:
+        kind = kind.get("type") if isinstance(kind, dict) else kind
+        if kind != "text":
+            raise RequestError(
+                f"'response_format' {kind!r} is not supported: this fleet answers in free text only ('text')",
+                "response_format",
+            )
+    for name in ("tools", "functions"):
+        if body.get(name) and body.get("tool_choice", body.get("function_call")) != "none":
+            raise RequestError(
+                f"'{name}' is not supported: this fleet does not call tools (leave it out, or 'tool_choice': 'none')",
+                name,
+            )
+
+
 def parse_request(
     body: Any, chat: bool, model: str, defaults: GenerationParams, context_length: int
 ) -> CompletionRequest:
@@ -218,6 +236,7 @@ def parse_request(
     if options is not None and (not isinstance(options, dict) or not stream):
         raise RequestError("'stream_options' must be an object and needs 'stream': true", "stream_options")
     include_usage = bool((options or {}).get("include_usage", False))
+    _unconstrained(body)
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)
     sampling = _sampling(body, defaults, context_length)
