@@ -39,8 +39,9 @@ class Decode:
     draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
     [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed (a
     run's Step holds 2 per token of the run, in order).
-    temperature == 0 means greedy. `top_logprobs` > 0 asks for that many (id, log-prob) pairs per scored
-    position of the untempered distribution.
+    temperature == 0 means greedy. `top_logprobs` = n > 0 asks for n (id, log-prob) pairs per emitted token,
+    of the untempered, unpenalised distribution at its position: the emitted token's own, then the n - 1
+    most probable (OpenAI's `logprobs` with `top_logprobs` = n - 1).
 
     Penalties are applied to the logits before greedy choice, sampling and acceptance. `penalty_ids` are the
     sorted unique token ids of the context before the scored window (prompt + reply so far) and

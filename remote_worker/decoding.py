@@ -178,19 +178,21 @@ def _uniforms(decode: Decode, count: int) -> np.ndarray:
     return np.random.default_rng().random(count)
 
 
-def _top(logits: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, log-probs) of the `count` most probable tokens per row of the untempered distribution."""
+def _top(logits: np.ndarray, tokens: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, log-probs) per row of the untempered distribution: the row's emitted token first, then the
+    `count - 1` most probable tokens."""
     rows = logits.shape[0]
     ids = np.empty((rows, count), np.int64)
     logprobs = np.empty((rows, count), np.float32)
     for row in range(rows):
         values = logits[row].astype(np.float64)
-        top = np.argpartition(-values, count - 1)[:count]
-        top = top[np.argsort(-values[top], kind="stable")]
         peak = values.max()
         log_total = peak + np.log(np.exp(values - peak).sum())
-        ids[row] = top
-        logprobs[row] = values[top] - log_total
+        ids[row, 0] = tokens[row]
+        if count > 1:
+            top = np.argpartition(-values, count - 2)[: count - 1]
+            ids[row, 1:] = top[np.argsort(-values[top], kind="stable")]
+        logprobs[row] = values[ids[row]] - log_total
     return ids, logprobs
 
 
@@ -245,7 +247,7 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     else:
         tokens, accepted = _speculative_sample(logits, decode, drafts)
     if decode.top_logprobs > 0:
-        top_ids, top_logprobs = _top(raw[: accepted + 1], min(decode.top_logprobs, vocab))
+        top_ids, top_logprobs = _top(raw[: accepted + 1], tokens, min(decode.top_logprobs, vocab + 1))
     else:
         top_ids, top_logprobs = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
     return tokens, accepted, top_ids, top_logprobs

@@ -42,13 +42,27 @@ def test_greedy_all_accepted_adds_bonus() -> None:
     assert accepted == 2 and tokens.tolist() == [3, 4, 8]
 
 
-def test_top_logprobs_are_untempered_and_sorted() -> None:
+def test_top_logprobs_are_untempered_and_sorted_after_the_emitted_token() -> None:
+    """Column 0 is the emitted token's own log-prob (sampled here, so not necessarily the likeliest), then
+    the most probable ones in order, all of the untempered distribution."""
     logits = np.log(np.array([[0.1, 0.6, 0.3]], np.float32))
-    _, _, top_ids, top_logprobs = score(
-        logits, Decode(temperature=2.0, top_logprobs=2, uniforms=np.full(2, 0.5))
+    for uniform, emitted in ((0.01, 0), (0.5, 1), (0.99, 2)):
+        tokens, _, top_ids, top_logprobs = score(
+            logits, Decode(temperature=2.0, top_logprobs=3, uniforms=np.full(2, uniform))
+        )
+        assert tokens.tolist() == [emitted] and top_ids.tolist() == [[emitted, 1, 2]]
+        np.testing.assert_allclose(np.exp(top_logprobs), [[[0.1, 0.6, 0.3][emitted], 0.6, 0.3]], rtol=1e-5)
+    tokens, _, top_ids, top_logprobs = score(logits, Decode(top_logprobs=1))  # the emitted token's only
+    assert top_ids.tolist() == [[1]] and np.exp(top_logprobs[0, 0]) == pytest.approx(0.6, rel=1e-5)
+
+
+def test_top_logprobs_have_one_row_per_emitted_token_of_a_verify() -> None:
+    logits = _logits_with_argmax([3, 5, 8])  # draft 3 accepted, draft 4 rejected: tokens 3, 5
+    tokens, accepted, top_ids, _ = score(
+        logits, Decode(draft_tokens=np.array([3, 4], np.int64), top_logprobs=2)
     )
-    assert top_ids.tolist() == [[1, 2]]
-    np.testing.assert_allclose(np.exp(top_logprobs), [[0.6, 0.3]], rtol=1e-5)
+    assert accepted == 1 and tokens.tolist() == [3, 5]
+    assert top_ids.tolist() == [[3, 3], [5, 5]]
 
 
 def test_score_rejects_wrong_row_count() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -242,6 +243,79 @@ def test_chat_streaming_with_usage(client: openai.OpenAI, references: dict[str, 
     assert finishes == ["length"]  # the haiku is longer than TOKENS
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == TOKENS and not chunks[-1].choices
+
+
+def test_a_stream_is_kept_alive_while_it_waits_and_clients_skip_the_keepalives(
+    client: openai.OpenAI,
+    main_server: tuple[FleetServer, str],
+    references: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a pace shorter than the wait for a token, SSE comments go between the chunks (a proxy sees the
+    stream alive through a recovery or a hold); the openai client and a raw reader get the same answer."""
+    from fleettui.serve import app
+
+    monkeypatch.setattr(app, "KEEPALIVE_SECONDS", 0.001)
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": TOKENS,
+        "temperature": 0, "stream": True,
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", main_server[1] + "/v1/chat/completions", json=body, headers=headers, timeout=600
+    ) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == references[PROMPTS[1]]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[1]}],
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == references[PROMPTS[1]]
+
+
+def test_logprobs_of_chat_stream_and_legacy_completions(
+    client: openai.OpenAI, references: dict[str, str]
+) -> None:
+    """Greedy with `logprobs`: one entry per reply token, its bytes spell the reply, the emitted token is the
+    likeliest alternative with the same log-prob, alternatives in order; a stream carries the same entries
+    spread over its chunks; /v1/completions gives the legacy arrays. The answer itself is unchanged."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
+    text, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
+    assert text == references[PROMPTS[1]] and reply.usage.completion_tokens == TOKENS == len(content)
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == text
+    for entry in content:
+        alternatives = entry.top_logprobs
+        assert len(alternatives) == 3 and alternatives[0].token == entry.token
+        assert alternatives[0].logprob == pytest.approx(entry.logprob, abs=1e-6) and entry.logprob <= 0.0
+        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+        assert sum(math.exp(a.logprob) for a in alternatives) <= 1.0 + 1e-5
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True,
+    )  # fmt: skip
+    streamed = [
+        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+    legacy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, logprobs=2)
+    choice = legacy.choices[0]
+    assert "".join(choice.logprobs.tokens) == choice.text and len(choice.logprobs.token_logprobs) == 8
+    assert (
+        choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+        and choice.logprobs.text_offset[0] == 0
+    )
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
 
 
 def test_completions_and_models(client: openai.OpenAI) -> None:

@@ -74,7 +74,17 @@ def test_valid_chat_request_maps_every_field() -> None:
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
             "stream_options",
         ),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            },
+            "top_logprobs",
+        ),
         (
             {
                 "model": "m",
@@ -122,6 +132,42 @@ def test_free_text_and_tools_left_unused_are_served() -> None:
     assert parse({**body, "response_format": {"type": "text"}}).messages
     assert parse({**body, "tools": [{"type": "function"}], "tool_choice": "none"}).messages
     assert parse({**body, "tools": []}).messages
+
+
+def test_logprobs_are_asked_for_as_openai_does() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse(body).sampling.logprobs is None
+    assert parse({**body, "logprobs": False}).sampling.logprobs is None
+    assert parse({**body, "logprobs": True}).sampling.logprobs == 0  # the tokens' own, no alternatives
+    params = parse({**body, "logprobs": True, "top_logprobs": 5}).sampling.params(10, 10)
+    assert params.logprobs == 5 and params.top_columns == 6
+    legacy = {"model": "m", "prompt": "once"}
+    assert parse({**legacy, "logprobs": 2}, chat=False).sampling.logprobs == 2
+    assert parse({**legacy, "logprobs": 0}, chat=False).sampling.logprobs == 0
+    with pytest.raises(RequestError) as caught:
+        parse({**legacy, "logprobs": 6}, chat=False)
+    assert caught.value.param == "logprobs"
+
+
+def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
+    from fleettui.runtime.coordinator import TokenLogprob
+    from fleettui.serve.responses import Logprobs
+
+    pieces = {1: b"Hi", 2: b" th", 3: b"\xe2\x80", 4: b"\x94"}  # 3 and 4: one character split in two tokens
+    entries = [TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))), TokenLogprob(3, -0.25, ((3, -0.25), (4, -2.0)))]
+    chat = Logprobs(True, pieces.__getitem__).of(entries)
+    assert chat["refusal"] is None and [e["token"] for e in chat["content"]] == ["Hi", "\ufffd"]
+    assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == b"Hi\xe2\x80"
+    assert chat["content"][0]["logprob"] == -0.5
+    assert chat["content"][0]["top_logprobs"] == [
+        {"token": "Hi", "logprob": -0.5, "bytes": list(b"Hi")},
+        {"token": " th", "logprob": -1.5, "bytes": list(b" th")},
+    ]
+    legacy = Logprobs(False, pieces.__getitem__)
+    first = legacy.of(entries[:1])
+    assert first == {"tokens": ["Hi"], "token_logprobs": [-0.5], "top_logprobs": [{"Hi": -0.5, " th": -1.5}],
+                     "text_offset": [0]}  # fmt: skip
+    assert legacy.of(entries[1:])["text_offset"] == [2]  # a stream's offsets go on from chunk to chunk
 
 
 def test_top_p_zero_is_greedy() -> None:
@@ -310,3 +356,18 @@ def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_sh
     assert request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]  # frozen
     assert not first.active and second.active
     assert live.snapshot(now=ended + live.linger + 0.1) == [second]  # then leaves
+
+
+async def test_a_stream_that_waits_is_kept_alive_between_its_deltas() -> None:
+    """`paced` passes every delta in order and puts a keep-alive (None) in each gap longer than its pace."""
+    from fleettui.serve.responses import paced
+
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    queue.put_nowait("a")
+    loop.call_later(0.25, queue.put_nowait, "b")  # a long wait: a recovery, a hold, a long prefill
+    loop.call_later(0.3, queue.put_nowait, "c")
+    loop.call_later(0.3, queue.put_nowait, None)
+    seen = [item async for item in paced(queue, 0.1)]
+    assert [item for item in seen if item is not None] == ["a", "b", "c"]
+    assert seen[0] == "a" and seen[1] is None and 1 <= seen.count(None) <= 3

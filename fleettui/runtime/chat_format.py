@@ -101,6 +101,22 @@ def render_template(
         raise ChatTemplateError(f"chat template: {error}") from None
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte, inverted."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(byte): byte for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
+
+
 class ChatFormat:
     """Encodes conversations with the shard's own chat template and tokenizer; decodes replies."""
 
@@ -137,6 +153,17 @@ class ChatFormat:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8 character)."""
+        piece = self.tokenizer.id_to_token(int(token_id)) or ""
+        if type(self.tokenizer.decoder).__name__ == "ByteLevel":
+            table = _byte_level_table()
+            if all(char in table for char in piece):
+                return bytes(table[char] for char in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def decode_stream(self) -> Any:
         """A fresh incremental decoder (tokenizers' DecodeStream) for one reply."""

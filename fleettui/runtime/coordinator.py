@@ -29,7 +29,9 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
     GenerationStats,
     Round,
     TokenCallback,
+    TokenLogprob,
     penalties,
+    token_logprobs,
     verify_decode,
 )
 from fleettui.runtime.hold import Hold
@@ -270,6 +272,7 @@ class Coordinator(RunRounds, AheadRounds):
         eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
         started = time.perf_counter()
         session.history = list(prompt)
+        session.logprobs = []
         generated: list[int] = []
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
         while len(session.history) - session.ledger.logical_len > PREFILL_CHUNK:
@@ -309,6 +312,8 @@ class Coordinator(RunRounds, AheadRounds):
             if not prefilled:  # after plain rounds, runs or prompt lookup the draft may have missed tokens
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
+            if params.logprobs is not None:
+                session.logprobs += token_logprobs(result, emitted)[: len(visible)]  # (EOS only ends)
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
                 finished = "stop"
@@ -331,7 +336,7 @@ class Coordinator(RunRounds, AheadRounds):
         stats.seconds = time.perf_counter() - started
         session.last_stats = stats
         text = stream.text if stream is not None else ""
-        return Generation(tuple(generated), text, stats)
+        return Generation(tuple(generated), text, stats, tuple(session.logprobs))
 
     async def _prefill_chunk(self, session: Session) -> None:
         """Feed the next PREFILL_CHUNK prompt tokens without scoring them (none left after a rebuild)."""

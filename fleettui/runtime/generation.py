@@ -33,6 +33,14 @@ class GenerationParams:
     frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
     presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
     repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+    logprobs: int | None = (
+        None  # n: each reply token's log-prob and its n likeliest alternatives (None: none)
+    )
+
+    @property
+    def top_columns(self) -> int:
+        """The Decode's `top_logprobs`: the emitted token's column, then the alternatives (0: none)."""
+        return 0 if self.logprobs is None else self.logprobs + 1
 
     @property
     def penalized(self) -> bool:
@@ -72,10 +80,36 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A reply token's log-probability under the model (no temperature, no penalties) and the likeliest
+    tokens at its position with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(result: protocol.Result, emitted: list[int]) -> list[TokenLogprob]:
+    """The log-probs of `emitted` (the first tokens of `result`) from the result's top arrays."""
+    ids, values = result.top_ids, result.top_logprobs
+    if ids.ndim != 2 or len(ids) < len(emitted) or ids.shape[1] < 1:
+        raise RuntimeError(f"the last stage sent log-probs for {len(ids)} of {len(emitted)} tokens")
+    return [
+        TokenLogprob(
+            token,
+            float(values[row, 0]),
+            tuple((int(i), float(v)) for i, v in zip(ids[row, 1:], values[row, 1:], strict=True)),
+        )
+        for row, token in enumerate(emitted)
+    ]
+
+
+@dataclass(frozen=True)
 class Generation:
     token_ids: tuple[int, ...]
     text: str
     stats: GenerationStats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per reply token shown (not EOS), when asked for
 
 
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]
@@ -110,6 +144,7 @@ def verify_decode(
         np.asarray(draft.ids, np.int64),  # no copy when already int64 / float32 (the usual case)
         np.asarray(draft.probs, np.float32),
         uniforms,
+        params.top_columns,
         **penalties(params, history, generated),
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 MAX_TEMPERATURE = 2.0
 PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]; 1 = off
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs); the wire carries up to MAX_TOP - 1
 
 
 class RequestError(ValueError):
@@ -55,6 +56,11 @@ def validate_params(params: Any) -> None:
     repetition = getattr(params, "repetition_penalty", 1.0)
     if not _number(repetition) or not 0.0 < repetition <= MAX_REPETITION_PENALTY:
         raise RequestError("repetition_penalty", f"{repetition!r} is outside (0, {MAX_REPETITION_PENALTY:g}]")
+    logprobs = getattr(params, "logprobs", None)
+    if logprobs is not None and (
+        not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS
+    ):
+        raise RequestError("logprobs", f"{logprobs!r} is outside [0, {MAX_LOGPROBS}] alternatives")
     spec_k = getattr(params, "spec_k", None)
     if spec_k is not None and (not isinstance(spec_k, int) or isinstance(spec_k, bool) or spec_k < 0):
         raise RequestError("spec_k", f"{spec_k!r} must be a whole number >= 0")

@@ -137,6 +137,7 @@ class RunRounds:
             sampling.top_p,
             sampling.top_k,
             uniforms=uniforms,
+            top_logprobs=params.top_columns,
             **penalties(params, session.history, generated),
         )
         step = feed.step(session.id, decode, run=length)

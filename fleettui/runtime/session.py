@@ -8,7 +8,7 @@ import numpy as np
 
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.generation import GenerationStats
+from fleettui.runtime.generation import GenerationStats, TokenLogprob
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.lookup_watch import Cut
 from fleettui.runtime.policy import KPolicy
@@ -26,6 +26,7 @@ class Session:
         self.rng = np.random.default_rng([seed, session_id])
         self.busy = False
         self.last_stats: GenerationStats | None = None
+        self.logprobs: list[TokenLogprob] = []  # the reply's so far, when asked for (read by streams)
         self.policies: dict[str, KPolicy] = {}  # per drafter: this session's acceptance (costs are shared)
         # Recovery: a round and a rebuild never overlap; an epoch behind the coordinator's means the
         # pipeline (or the draft) lost this session's cache and it must be replayed from `history`.

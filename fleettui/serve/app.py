@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.coordinator import Generation, GenerationParams, TokenLogprob
 from fleettui.runtime.limits import RequestError as LimitError
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.session_pool import SessionPool
@@ -25,12 +25,22 @@ from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.fleet import ServedFleet
 from fleettui.serve.live import LiveRequest, LiveRequests
 from fleettui.serve.metrics import ServerMetrics
-from fleettui.serve.responses import Envelope, error_body, finish_reason, model_card, sse
+from fleettui.serve.responses import (
+    KEEPALIVE,
+    Envelope,
+    Logprobs,
+    error_body,
+    finish_reason,
+    model_card,
+    paced,
+    sse,
+)
 from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
 from fleettui.serve.security import KeyChecker
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 2**20
+KEEPALIVE_SECONDS = 15.0  # a stream that waits this long for its next token sends an SSE comment
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -203,7 +213,7 @@ class FleetServer:
         prompt: list[int],
         params: GenerationParams,
         ticket: Ticket,
-        on_delta: Callable[[str], None],
+        on_delta: Callable[[str, list[TokenLogprob]], None],
         live: LiveRequest,
     ) -> asyncio.Task[Outcome]:
         job = asyncio.get_running_loop().create_task(self._generate(prompt, params, ticket, on_delta, live))
@@ -222,7 +232,7 @@ class FleetServer:
         prompt: list[int],
         params: GenerationParams,
         ticket: Ticket,
-        on_delta: Callable[[str], None],
+        on_delta: Callable[[str, list[TokenLogprob]], None],
         live: LiveRequest,
     ) -> Outcome:
         """Wait for a slot, lease a session, generate; the session goes back to the pool only if all went well."""
@@ -236,8 +246,10 @@ class FleetServer:
             self._update_gauges()
             lease = await self.pool.acquire(prompt, params.seed)
             last: list[float] = []
+            session, unsent = lease.session, 0  # log-probs of tokens whose text is not out yet wait for it
 
             def on_tokens(tokens: list[int], delta: str) -> None:
+                nonlocal unsent
                 now = time.perf_counter()
                 if tokens:
                     live.tokens += len(tokens)
@@ -249,7 +261,8 @@ class FleetServer:
                         self.metrics.ttft.observe(now - admitted)
                     last[:] = [now]
                 if delta:
-                    on_delta(delta)
+                    on_delta(delta, session.logprobs[unsent:])
+                    unsent = len(session.logprobs)
 
             started = time.perf_counter()
             generation = await self.fleet.generate(lease.session, prompt, params, on_tokens)
@@ -287,7 +300,7 @@ class FleetServer:
         chat: bool,
         live: LiveRequest,
     ) -> Response:
-        job = self._start_job(prompt, params, ticket, lambda delta: None, live)
+        job = self._start_job(prompt, params, ticket, lambda _delta, _logprobs: None, live)
         watcher = asyncio.get_running_loop().create_task(_disconnected(request))
         try:
             await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -302,9 +315,12 @@ class FleetServer:
         if error is not None:
             return _generation_error(error)
         outcome = job.result()
-        envelope = Envelope(chat, self.model.name)
+        envelope, generation = Envelope(chat, self.model.name), outcome.generation
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = Logprobs(chat, self.fleet.token_bytes).of(generation.logprobs)
         body = envelope.complete(
-            outcome.generation.text, outcome.generation.stats, outcome.prompt_tokens, outcome.reused_tokens
+            generation.text, generation.stats, outcome.prompt_tokens, outcome.reused_tokens, logprobs
         )
         return JSONResponse(body)
 
@@ -317,25 +333,34 @@ class FleetServer:
         chat: bool,
         live: LiveRequest,
     ) -> StreamingResponse:
-        deltas: asyncio.Queue[str | None] = asyncio.Queue()
-        job = self._start_job(prompt, params, ticket, deltas.put_nowait, live)
+        deltas: asyncio.Queue[tuple[str, list[TokenLogprob]] | None] = asyncio.Queue()
+        job = self._start_job(prompt, params, ticket, lambda *piece: deltas.put_nowait(piece), live)
         job.add_done_callback(lambda _: deltas.put_nowait(None))
         envelope = Envelope(chat, self.model.name)
         usage = parsed.include_usage
+        logprobs = Logprobs(chat, self.fleet.token_bytes) if params.logprobs is not None else None
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage))
-                while (delta := await deltas.get()) is not None:
-                    yield sse(envelope.chunk(delta, with_usage=usage))
+                sent = 0
+                async for piece in paced(deltas, KEEPALIVE_SECONDS):
+                    if piece is None:
+                        yield KEEPALIVE
+                        continue
+                    delta, entries = piece
+                    sent += len(entries)
+                    shown = logprobs.of(entries) if logprobs is not None else None
+                    yield sse(envelope.chunk(delta, with_usage=usage, logprobs=shown))
                 error = asyncio.CancelledError() if job.cancelled() else job.exception()
                 if error is not None:
                     failure = _generation_error(error)
                     yield sse(json.loads(bytes(failure.body)))
                 else:
                     outcome = job.result()
-                    stats = outcome.generation.stats
-                    yield sse(envelope.chunk(None, finish_reason(stats), with_usage=usage))
+                    stats, rest = outcome.generation.stats, outcome.generation.logprobs[sent:]
+                    shown = logprobs.of(rest) if logprobs is not None and rest else None  # text held back
+                    yield sse(envelope.chunk(None, finish_reason(stats), with_usage=usage, logprobs=shown))
                     if usage:
                         yield sse(envelope.usage_chunk(stats, outcome.prompt_tokens, outcome.reused_tokens))
                 yield sse("[DONE]")

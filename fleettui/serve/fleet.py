@@ -48,6 +48,10 @@ class ServedFleet(Protocol):
 
     def encode_text(self, text: str) -> list[int]: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token of the model's vocabulary stands for (for log-probs)."""
+        ...
+
     async def open_session(self, seed: int) -> Session: ...
 
     async def close_session(self, session: Session) -> None: ...
@@ -97,6 +101,9 @@ class ControllerFleet:
 
     def encode_text(self, text: str) -> list[int]:
         return self.chat_format.encode(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.chat_format.token_bytes(token_id)
 
     async def open_session(self, seed: int) -> Session:
         return await self.coordinator.open_session(seed)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
-from fleettui.runtime.coordinator import GenerationStats
+from fleettui.runtime.coordinator import GenerationStats, TokenLogprob
 from fleettui.serve.fleet import ModelInfo
 
+_T = TypeVar("_T")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -46,6 +49,42 @@ def finish_reason(stats: GenerationStats) -> str:
     return FINISH_REASONS.get(stats.finish_reason, "stop")
 
 
+class Logprobs:
+    """A choice's `logprobs` object: chat's `content` list, or the legacy completions arrays (whose
+    `text_offset` goes on across the chunks of one stream)."""
+
+    def __init__(self, chat: bool, token_bytes: Callable[[int], bytes]) -> None:
+        self.chat, self.token_bytes = chat, token_bytes
+        self.offset = 0
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        raw = self.token_bytes(token)
+        return raw.decode("utf-8", "replace"), raw
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text, raw = self._token(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = [
+                {**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(*alt) for alt in e.top]}
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for entry in entries:
+            tokens.append(self._token(entry.token)[0])
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(i)[0]: v for i, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+
 class Envelope:
     """The fields every object of one completion shares (id, created, model, object type)."""
 
@@ -59,9 +98,11 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}  # fmt: skip
 
-    def complete(self, text: str, stats: GenerationStats, prompt_tokens: int, reused: int) -> dict[str, Any]:
-        """The non-streaming answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(stats), "logprobs": None}
+    def complete(
+        self, text: str, stats: GenerationStats, prompt_tokens: int, reused: int, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """The non-streaming answer (`logprobs`: the choice's object, when asked for)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(stats), "logprobs": logprobs}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -70,10 +111,15 @@ class Envelope:
         return self._object(kind, [choice], usage=usage(prompt_tokens, stats, reused))
 
     def chunk(
-        self, text: str | None, finish: str | None = None, first: bool = False, with_usage: bool = False
+        self,
+        text: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        with_usage: bool = False,
+        logprobs: Any = None,
     ) -> dict[str, Any]:
         """One stream chunk; `with_usage` adds the `usage: null` field that include_usage asks for."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -94,6 +140,29 @@ def sse(document: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying a JSON document (or the literal `[DONE]`)."""
     data = document if isinstance(document, str) else json.dumps(document, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see the stream is alive
+
+
+async def paced(queue: asyncio.Queue[_T | None], seconds: float) -> AsyncIterator[_T | None]:
+    """The queue's items up to its None, with a None in between whenever `seconds` pass without one (then the
+    stream sends `KEEPALIVE`: a recovery, a degraded fleet's hold or a long prefill outlasts a proxy's 60 s)."""
+    getter: asyncio.Future[_T | None] | None = None
+    try:
+        while True:
+            getter = getter or asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=seconds)
+            if not done:
+                yield None
+                continue
+            item, getter = getter.result(), None
+            if item is None:
+                return
+            yield item
+    finally:
+        if getter is not None:
+            getter.cancel()
 
 
 def model_card(model: ModelInfo) -> dict[str, Any]:

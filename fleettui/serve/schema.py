@@ -11,6 +11,8 @@ from fleettui.runtime.coordinator import GenerationParams
 
 ROLES = ("system", "user", "assistant", "developer")
 MAX_STOP_SEQUENCES = 4
+MAX_LOGPROBS = 20  # chat's top_logprobs (OpenAI's range)
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's range)
 MAX_SEED = 2**63 - 1
 # Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are refused.
 PENALTIES = ("frequency_penalty", "presence_penalty")
@@ -38,6 +40,7 @@ class Sampling:
     seed: int
     stop: tuple[str, ...]
     penalties: dict[str, Any]  # further GenerationParams fields: penalties (and the default's top_k)
+    logprobs: int | None = None  # alternatives per token with its log-prob (None: no log-probs)
 
     def params(self, default_max_tokens: int, room: int) -> GenerationParams:
         """GenerationParams for a prompt that leaves `room` positions of the context."""
@@ -54,6 +57,7 @@ class Sampling:
             top_p=self.top_p,
             seed=self.seed,
             stop=self.stop,
+            logprobs=self.logprobs,
         )
         return replace(params, **self.penalties) if self.penalties else params
 
@@ -104,15 +108,26 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: int) -> Sampling:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat: `logprobs: true` with `top_logprobs` 0..20 alternatives; completions: `logprobs` 0..5 (legacy)."""
+    if not chat:
+        return _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError("'logprobs' must be a boolean", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: int, chat: bool) -> Sampling:
     n = _integer(body, "n", 1, 128)
     if n is not None and n != 1:
         raise RequestError("'n' must be 1: this server returns one choice per request", "n")
     best_of = _integer(body, "best_of", 1, 128)
     if best_of is not None and best_of != 1:
         raise RequestError("'best_of' must be 1", "best_of")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise RequestError("'logprobs' is not supported", "logprobs")
     max_tokens = _integer(body, "max_tokens", 1, context_length)
     completion = _integer(body, "max_completion_tokens", 1, context_length)
     if completion is not None:
@@ -142,6 +157,7 @@ def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: 
         seed=abs(defaults.seed if seed is None else seed),
         stop=_stop(body),
         penalties=penalties,
+        logprobs=_logprobs(body, chat),
     )
 
 
@@ -239,5 +255,5 @@ def parse_request(
     _unconstrained(body)
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)
-    sampling = _sampling(body, defaults, context_length)
+    sampling = _sampling(body, defaults, context_length, chat)
     return CompletionRequest(name, messages, prompt, sampling, stream, include_usage)
