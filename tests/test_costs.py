@@ -118,6 +118,43 @@ def test_a_replan_around_a_lost_host_uses_the_costs_measured_with_another_stage_
     assert fleet_costs(replace(left, hosts=(hosts[0], replace(hosts[2], address="10.0.0.9")))) is None
 
 
+def test_local_survivors_of_a_replan_plan_from_costs_measured_with_another_share_of_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three stages on this machine, one core each, calibrated; the two left after a loss share the cores
+    anew (two each), a setting never timed: they plan from the 3-stage profiles (all alike, so comparable),
+    not from bytes; a deploy of them still calibrates; a fleet with an SSH host does not mix them in."""
+    import json
+    from dataclasses import asdict
+
+    from fleettui.config.fleet import Host
+    from fleettui.control.calibration import wants_calibration
+    from fleettui.planning.profiles import _material
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    base = load_fleet(DEFAULT_FLEET)
+    three = replace(
+        base, hosts=tuple(Host(name=f"stage-{i}", threads=1, cores=(i,)) for i in range(3)), path=None
+    )
+    heavy_head = replace(SMOLLM, head_ms=SMOLLM.layer_ms * 20)  # the head as dear as 20 layers
+    for host in three.hosts:
+        path = profile_path(three, host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"settings": _material(three, host), "costs": asdict(heavy_head)}))
+    left = replace(three, hosts=tuple(Host(name=f"stage-{i}", threads=2, cores=(0, 1)) for i in (0, 2)))
+    assert fleet_costs(left) == [heavy_head, heavy_head]
+    measured, by_bytes = plan_fleet(left), plan_fleet(left, use_profile=False)
+    assert measured.costs is not None and by_bytes.costs is None
+    assert measured.stages[1].count < by_bytes.stages[1].count  # the head's stage gets fewer layers
+    assert wants_calibration(left)  # a fresh deploy of them measures their own setting
+    other_model = replace(left, model=replace(left.model, name="synthetic:llama-tiny"))
+    assert fleet_costs(other_model) is None  # another model's profiles are not taken
+    mixed = replace(
+        left, hosts=(left.hosts[0], Host(name="pc", transport="ssh", address="10.0.0.5", user="u"))
+    )
+    assert fleet_costs(mixed) is None
+
+
 @pytest.mark.slow
 def test_calibration_of_real_shards_gives_a_profile_the_planner_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

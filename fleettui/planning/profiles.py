@@ -89,11 +89,43 @@ def nearest_costs(fleet: Fleet, host: Host, root: Path | None = None) -> Measure
     return None
 
 
+def shared_differently(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
+    """A local HOST's profile measured with another share of this machine's cores (same machine, device,
+    model and precisions; the nearest stage count, then the nearest core count). Local survivors of a re-plan
+    share the cores anew, a setting no calibration timed, but what the head costs against a layer holds."""
+    from fleettui.config.paths import cache_dir
+
+    wanted = _material(fleet, host)
+    fixed = {key: value for key, value in wanted.items() if key not in ("threads", "cores", "pipeline")}
+    best: tuple[tuple[int, int, str], MeasuredCosts] | None = None
+    for path in sorted(((root or cache_dir()) / "profiles").glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            settings, costs = record["settings"], MeasuredCosts(**record["costs"])
+            if any(settings.get(key) != value for key, value in fixed.items()):
+                continue
+            rank = (
+                abs(int(settings["pipeline"]) - wanted["pipeline"]),
+                abs(len(settings["cores"]) - len(wanted["cores"])),
+                path.name,
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if best is None or rank < best[0]:
+            best = (rank, costs)
+    return None if best is None else best[1]
+
+
 def fleet_costs(fleet: Fleet, root: Path | None = None, nearest: bool = True) -> list[MeasuredCosts] | None:
-    """One cached profile per host (`nearest`: of the nearest stage count when none of this one), or None when
-    any host has none (then the byte-count estimate plans)."""
+    """One cached profile per host, or None when any host has none (then the byte-count estimate plans).
+
+    `nearest`: of the nearest stage count when none of this one; and a fleet all on this machine that has no
+    profile with its share of the cores (the survivors of a re-plan) takes the ones measured with another
+    share, all of them alike, so the hosts' costs stay comparable."""
     if nearest:
         found = [nearest_costs(fleet, host, root) for host in fleet.hosts]
+        if fleet.hosts and all(c is None for c in found) and all(h.is_local for h in fleet.hosts):
+            found = [shared_differently(fleet, host, root) for host in fleet.hosts]
     else:
         found = [load_costs(fleet, host, root) for host in fleet.hosts]
     return None if any(cost is None for cost in found) else found  # type: ignore[return-value]
