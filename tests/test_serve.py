@@ -477,6 +477,39 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     assert caught.value.param == "tools"  # type: ignore[attr-defined]
 
 
+def test_one_slot_is_shared_fairly_between_two_api_keys(served: Served) -> None:
+    """One generation slot, two keys: alice sends three requests at once, bob one once two of hers wait. A
+    first-come queue would answer bob last; the fair queue answers him next (second, or third when alice's
+    first ended before his arrived); every answer is complete."""
+    second_key = "sk-fleettui-test-bob-0123456789"
+    server, url = served.add_server(api_keys=(KEY, second_key), max_sessions=1, max_queued=4, max_idle=0)
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def ask(name: str, key: str, prompt: str) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48}
+        reply = httpx.post(
+            url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        with lock:
+            finished.append(name)
+
+    threads = [threading.Thread(target=ask, args=(f"alice-{i}", KEY, PROMPTS[i])) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: server.admission.active == 1 and server.admission.queued == 2)
+    bob = threading.Thread(target=ask, args=("bob", second_key, PROMPTS[3]))
+    bob.start()
+    for thread in [*threads, bob]:
+        thread.join(600)
+    assert sorted(finished) == ["alice-0", "alice-1", "alice-2", "bob"] and finished.index("bob") < 3, (
+        finished
+    )
+    print(f"answered in the order {finished}")
+
+
 def test_queue_full_is_429_with_retry_after(small_server: tuple[FleetServer, str]) -> None:
     server, url = small_server
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 200}

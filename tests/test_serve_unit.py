@@ -10,7 +10,7 @@ import pytest
 from fleettui.runtime.coordinator import GenerationParams, Session
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.session_pool import SessionPool, common_prefix
-from fleettui.serve.admission import Admission, QueueFull
+from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.schema import RequestError, parse_request
 from fleettui.serve.security import KeyChecker, SecurityError, check_bind, is_loopback, load_api_keys
 
@@ -232,6 +232,35 @@ async def test_admission_is_fifo_bounded_and_releases_cancelled_waiters() -> Non
     third.release()
     third.release()  # twice is harmless
     assert admission.active == 0
+
+
+async def test_admission_is_fair_between_clients_and_keeps_a_place_for_each() -> None:
+    """One slot: alice sends four, bob one after them; bob's goes next, then alice's in order. With alice's
+    requests filling the queue her next is refused, bob's first still gets a place."""
+    admission = Admission(max_active=1, max_queued=3)
+    alice = [admission.admit("alice") for _ in range(4)]  # 1 generating, 3 waiting: the queue is full
+    with pytest.raises(QueueFull):
+        admission.admit("alice")
+    bob = admission.admit("bob")  # nothing of bob's anywhere: his place is kept
+    assert admission.queued == 4
+    order: list[str] = []
+
+    async def run(name: str, ticket: Ticket) -> None:
+        await ticket.wait()
+        order.append(name)
+        await asyncio.sleep(0)
+        ticket.release()
+
+    await asyncio.wait_for(
+        asyncio.gather(*(run(f"alice-{i}", t) for i, t in enumerate(alice)), run("bob", bob)), 5
+    )
+    assert order == ["alice-0", "bob", "alice-1", "alice-2", "alice-3"]
+    assert admission.active == 0 and admission.queued == 0
+    with pytest.raises(QueueFull):  # bob's kept place is one, not a second queue
+        crowd = [admission.admit("alice") for _ in range(4)] + [admission.admit("bob")]
+        admission.admit("bob")
+    for ticket in crowd:
+        ticket.release()
 
 
 class FakeSessions:

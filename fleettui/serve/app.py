@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -89,6 +90,13 @@ class FleetServer:
         self.app = Starlette(routes=routes, exception_handlers=handlers)
 
     # -- plumbing -----------------------------------------------------------------------------------
+    def _client(self, request: Request) -> str:
+        """Who asks, for the fair queue: the API key (a digest of it) when keys are required, else the address."""
+        if self.keys.required:
+            token = request.headers.get("authorization", "").partition(" ")[2].strip()
+            return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        return "host:" + (request.client.host if request.client else "?")
+
     def _guard(self, endpoint: str, handler: Handler) -> Handler:
         """Key check, OpenAI-style errors for anything unexpected, and the per-status request counter."""
 
@@ -199,7 +207,9 @@ class FleetServer:
             validate_request(params, len(prompt), self.model.context_length)
         except LimitError as error:
             raise RequestError(str(error), error.field) from None
-        ticket = self.admission.admit()  # QueueFull -> 429 before any byte of the response
+        ticket = self.admission.admit(
+            self._client(request)
+        )  # QueueFull -> 429 before any byte of the response
         client = f"{request.client.host}:{request.client.port}" if request.client else "?"
         asked = parsed.messages[-1].content if parsed.messages else (parsed.prompt or "")
         live = self.live.begin(client, "chat" if chat else "completions", asked, len(prompt))
