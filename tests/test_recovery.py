@@ -293,12 +293,14 @@ def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
     assert store.load(fleet) is None
 
 
+@pytest.mark.parametrize("ending", ["host back", "fleet stopped"])
 def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
-    shard_cache: Path, recovery_reference: list[list[int]]
+    shard_cache: Path, recovery_reference: list[list[int]], ending: str
 ) -> None:
     """Neither host holds the model alone and stage-0 is lost for good mid-answer: the two answers in flight are
     held (`hold_seconds`), not ended; once its host is back the stage is relaunched, both sessions replayed,
-    and each answer goes on from where it stopped, equal to the uninterrupted one."""
+    and each answer goes on from where it stopped, equal to the uninterrupted one. Stopping the fleet
+    instead ends both at once with the degraded line (no wait for the rest of the hold)."""
     import sys
 
     from fleettui.planning.planner import plan_fleet
@@ -329,6 +331,11 @@ def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
             await asyncio.sleep(2.0)  # two rejoin tries find the host still away
             assert not calls.done() and recovery.down == ["stage-0"]
             back = time.monotonic()
+            if ending == "fleet stopped":
+                await controller.stop()
+                outcomes = await asyncio.wait_for(asyncio.gather(calls, return_exceptions=True), 30)
+                assert isinstance(outcomes[0], LinkError) and "degraded: needs" in str(outcomes[0]), outcomes
+                return [], list(recovery.reports), time.monotonic() - back
             recovery.python = sys.executable  # the host is back
             generations = await calls
             return [list(g.token_ids) for g in generations], list(recovery.reports), time.monotonic() - back
@@ -337,10 +344,14 @@ def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
 
     tokens, reports, waited = asyncio.run(scenario())
     print_reports(reports)
+    assert any("answers wait up to 120 s for stage-0 to be back" in line for line in lines)
+    if ending == "fleet stopped":
+        assert [r.action for r in reports] == ["degraded"] and waited < 30
+        assert store.load(fleet) is None
+        return
     assert tokens == recovery_reference[:2]
     assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
     assert reports[1].sessions == 2 and reports[1].replayed_tokens > 0  # both held sessions were replayed
-    assert any("answers wait up to 120 s for stage-0 to be back" in line for line in lines)
     print(f"answers resumed {waited:.1f} s after the host was back")
     assert store.load(fleet) is None
 
