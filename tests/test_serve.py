@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -694,6 +695,29 @@ def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> 
             timeout=60,
         )
         assert refused.stdout == "401"
+        # a worker killed while serving: relaunched, and the terminal says so in one line
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True)
+        reader.start()
+        victim = next(p for p in workers if "remote_worker" in " ".join(psutil.Process(p).cmdline()))
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(" recovery: relaunch " in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = [line for line in lines if " recovery: " in line]
+        assert said and " recovery: relaunch " in said[-1], lines
+        again = subprocess.run(
+            [*curl, "-H", f"Authorization: Bearer {KEY}", "-d", body],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert "Paris" in "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in again.stdout.splitlines()
+            if line.startswith("data: {")
+        )
+        workers = [c.pid for c in psutil.Process(process.pid).children(recursive=True)]
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)

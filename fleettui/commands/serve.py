@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from fleettui.commands import options
@@ -11,6 +12,7 @@ from fleettui.errors import FleetError
 
 NAME = "serve"
 HELP = "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts one)"
+SERVING_SOURCES = ("recovery", "rebalance")  # what a serving fleet tells its operator, one line each
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +39,19 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         from fleettui.commands.progress import ProgressReporter
         from fleettui.control.controller import ControllerError
+        from fleettui.control.states import LogLine
         from fleettui.serve.command import serve_fleet
 
         reporter = ProgressReporter()  # compile and worker start until the server listens
+
+        def on_event(event: object) -> None:
+            """The start's progress, then one line per recovery or rebalancing for whoever watches the server."""
+            if not reporter.closed:
+                reporter(event)
+            elif isinstance(event, LogLine) and event.source in SERVING_SOURCES:
+                print(
+                    f"{time.strftime('%H:%M:%S')} {event.source}: {event.text}", file=sys.stderr, flush=True
+                )
 
         def ready(url: str) -> None:
             reporter.close()
@@ -52,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             await serve_fleet(
                 fleet, settings, args.host, args.port, args.api_key_file, args.tls_cert, args.tls_key, ready,
-                max_queued=args.max_queued, on_event=reporter,
+                max_queued=args.max_queued, on_event=on_event,
             )  # fmt: skip
         except ControllerError as error:
             reporter.close()
