@@ -316,6 +316,38 @@ def test_logprobs_of_chat_stream_and_legacy_completions(
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
 
 
+def test_n_choices_generate_at_once_greedy_equal_and_sampled_apart(
+    client: openai.OpenAI, references: dict[str, str]
+) -> None:
+    """`n`: one session per choice, interleaved through the pipeline. Greedy choices all equal the answer,
+    streamed too (every choice by its index, each with its finish; usage counts all their tokens); sampled
+    choices draw with seeds seed, seed + 1, ... and so differ."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, n=3
+    )
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.message.content for c in greedy.choices] == [references[PROMPTS[1]]] * 3
+    assert greedy.usage.completion_tokens == 3 * TOKENS and greedy.usage.prompt_tokens > 10
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    streamed, finishes, usage = ["", ""], {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == [references[PROMPTS[1]]] * 2 and finishes == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 2 * TOKENS
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=1.0, seed=11, n=3
+    )
+    assert len({c.message.content for c in sampled.choices}) > 1
+
+
 def test_completions_and_models(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -416,7 +448,7 @@ def test_missing_or_wrong_key_is_401(main_server: tuple[FleetServer, str]) -> No
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, "max_tokens"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
@@ -460,7 +492,7 @@ def test_an_oversized_body_is_413_before_it_is_read_whole(main_server: tuple[Fle
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
     assert caught.value.param == "n"  # type: ignore[attr-defined]
     # JSON mode and tool calls would be answered as if granted: refused, naming the field
     messages = [{"role": "user", "content": "hi"}]

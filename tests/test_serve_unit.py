@@ -64,7 +64,7 @@ def test_valid_chat_request_maps_every_field() -> None:
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3},

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -43,6 +44,18 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 2**20
 KEEPALIVE_SECONDS = 15.0  # a stream that waits this long for its next token sends an SSE comment
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a request's `n` choices: its parameters (its own seed), its admission ticket, its live entry."""
+
+    params: GenerationParams
+    ticket: Ticket
+    live: LiveRequest
+
+
+Piece = tuple[int, str | None, list[TokenLogprob]]  # a choice's next text and its log-probs (None: it ended)
 
 
 @dataclass(frozen=True)
@@ -207,15 +220,27 @@ class FleetServer:
             validate_request(params, len(prompt), self.model.context_length)
         except LimitError as error:
             raise RequestError(str(error), error.field) from None
-        ticket = self.admission.admit(
-            self._client(request)
-        )  # QueueFull -> 429 before any byte of the response
-        client = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        client = self._client(request)
+        tickets: list[Ticket] = []
+        try:  # QueueFull -> 429 before any byte of the response, for every choice or none
+            tickets += [self.admission.admit(client) for _ in range(parsed.n)]
+        except QueueFull:
+            for ticket in tickets:
+                ticket.release()
+            raise
+        address = f"{request.client.host}:{request.client.port}" if request.client else "?"
         asked = parsed.messages[-1].content if parsed.messages else (parsed.prompt or "")
-        live = self.live.begin(client, "chat" if chat else "completions", asked, len(prompt))
+        choices = [
+            Choice(
+                replace(params, seed=params.seed + index),
+                ticket,
+                self.live.begin(address, "chat" if chat else "completions", asked, len(prompt)),
+            )
+            for index, ticket in enumerate(tickets)
+        ]
         if parsed.stream:
-            return self._stream(parsed, prompt, params, ticket, chat, live)
-        return await self._answer(request, parsed, prompt, params, ticket, chat, live)
+            return self._stream(parsed, prompt, choices, chat)
+        return await self._answer(request, prompt, choices, chat)
 
     # -- generation ---------------------------------------------------------------------------------
     def _start_job(
@@ -301,84 +326,101 @@ class FleetServer:
         self.metrics.mean_k.set(stats.mean_k)
 
     async def _answer(
-        self,
-        request: Request,
-        parsed: CompletionRequest,
-        prompt: list[int],
-        params: GenerationParams,
-        ticket: Ticket,
-        chat: bool,
-        live: LiveRequest,
+        self, request: Request, prompt: list[int], choices: list[Choice], chat: bool
     ) -> Response:
-        job = self._start_job(prompt, params, ticket, lambda _delta, _logprobs: None, live)
+        jobs = [
+            self._start_job(prompt, c.params, c.ticket, lambda _delta, _logprobs: None, c.live)
+            for c in choices
+        ]
+        everything = asyncio.ensure_future(asyncio.wait(jobs))
         watcher = asyncio.get_running_loop().create_task(_disconnected(request))
         try:
-            await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not job.done():  # the client left (or this handler was cancelled): stop generating
+            everything.cancel()
+            left = [job for job in jobs if not job.done()]  # the client left (or this handler was cancelled)
+            for job in left:
                 job.cancel()
+            if left:
                 self.metrics.disconnects.inc()
-        if job.cancelled():
+        if any(job.cancelled() for job in jobs):
             return error_response("the client closed the connection", 499)
-        error = job.exception()
-        if error is not None:
-            return _generation_error(error)
-        outcome = job.result()
-        envelope, generation = Envelope(chat, self.model.name), outcome.generation
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = Logprobs(chat, self.fleet.token_bytes).of(generation.logprobs)
-        body = envelope.complete(
-            generation.text, generation.stats, outcome.prompt_tokens, outcome.reused_tokens, logprobs
-        )
-        return JSONResponse(body)
+        for job in jobs:
+            error = job.exception()
+            if error is not None:
+                return _generation_error(error)
+        outcomes = [job.result() for job in jobs]
+        answers = []
+        for choice, outcome in zip(choices, outcomes, strict=True):
+            generation, logprobs = outcome.generation, None
+            if choice.params.logprobs is not None:
+                logprobs = Logprobs(chat, self.fleet.token_bytes).of(generation.logprobs)
+            answers.append((generation.text, generation.stats, logprobs))
+        envelope = Envelope(chat, self.model.name)
+        return JSONResponse(envelope.complete(answers, outcomes[0].prompt_tokens, outcomes[0].reused_tokens))
 
     def _stream(
-        self,
-        parsed: CompletionRequest,
-        prompt: list[int],
-        params: GenerationParams,
-        ticket: Ticket,
-        chat: bool,
-        live: LiveRequest,
+        self, parsed: CompletionRequest, prompt: list[int], choices: list[Choice], chat: bool
     ) -> StreamingResponse:
-        deltas: asyncio.Queue[tuple[str, list[TokenLogprob]] | None] = asyncio.Queue()
-        job = self._start_job(prompt, params, ticket, lambda *piece: deltas.put_nowait(piece), live)
-        job.add_done_callback(lambda _: deltas.put_nowait(None))
+        pieces: asyncio.Queue[Piece | None] = (
+            asyncio.Queue()
+        )  # (choice, text, log-probs); text None: it ended
+        jobs = []
+        for index, choice in enumerate(choices):
+            put = functools.partial(lambda i, text, entries: pieces.put_nowait((i, text, entries)), index)
+            jobs.append(self._start_job(prompt, choice.params, choice.ticket, put, choice.live))
+            jobs[-1].add_done_callback(
+                functools.partial(lambda i, _: pieces.put_nowait((i, None, [])), index)
+            )
         envelope = Envelope(chat, self.model.name)
         usage = parsed.include_usage
-        logprobs = Logprobs(chat, self.fleet.token_bytes) if params.logprobs is not None else None
+        wanted = choices[0].params.logprobs is not None
+        logprobs = [Logprobs(chat, self.fleet.token_bytes) if wanted else None for _ in choices]
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage))
-                sent = 0
-                async for piece in paced(deltas, KEEPALIVE_SECONDS):
+                for index in range(len(choices)):
+                    yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage, index=index))
+                sent, ended, failure = [0] * len(choices), 0, None
+                async for piece in paced(pieces, KEEPALIVE_SECONDS):
                     if piece is None:
                         yield KEEPALIVE
                         continue
-                    delta, entries = piece
-                    sent += len(entries)
-                    shown = logprobs.of(entries) if logprobs is not None else None
-                    yield sse(envelope.chunk(delta, with_usage=usage, logprobs=shown))
-                error = asyncio.CancelledError() if job.cancelled() else job.exception()
-                if error is not None:
-                    failure = _generation_error(error)
+                    index, delta, entries = piece
+                    shaper = logprobs[index]
+                    if delta is not None:
+                        sent[index] += len(entries)
+                        shown = shaper.of(entries) if shaper is not None else None
+                        yield sse(envelope.chunk(delta, with_usage=usage, logprobs=shown, index=index))
+                        continue
+                    job = jobs[index]
+                    error = asyncio.CancelledError() if job.cancelled() else job.exception()
+                    if error is not None:
+                        failure = _generation_error(error)
+                        break
+                    generation = job.result().generation
+                    rest = generation.logprobs[sent[index] :]
+                    shown = shaper.of(rest) if shaper is not None and rest else None  # text held back
+                    finish = finish_reason(generation.stats)
+                    yield sse(envelope.chunk(None, finish, with_usage=usage, logprobs=shown, index=index))
+                    ended += 1
+                    if ended == len(choices):
+                        break
+                if failure is not None:  # one choice failed: the stream ends with its error
                     yield sse(json.loads(bytes(failure.body)))
-                else:
-                    outcome = job.result()
-                    stats, rest = outcome.generation.stats, outcome.generation.logprobs[sent:]
-                    shown = logprobs.of(rest) if logprobs is not None and rest else None  # text held back
-                    yield sse(envelope.chunk(None, finish_reason(stats), with_usage=usage, logprobs=shown))
-                    if usage:
-                        yield sse(envelope.usage_chunk(stats, outcome.prompt_tokens, outcome.reused_tokens))
+                elif usage:
+                    outcome = jobs[0].result()
+                    completion = sum(job.result().generation.stats.tokens for job in jobs)
+                    yield sse(envelope.usage_chunk(completion, outcome.prompt_tokens, outcome.reused_tokens))
                 yield sse("[DONE]")
             finally:
                 # Runs when the client disconnects too (Starlette cancels this generator): no awaiting here,
-                # the job's own cleanup closes the session on every stage.
-                if not job.done():
+                # each job's own cleanup closes its session on every stage.
+                left = [job for job in jobs if not job.done()]
+                for job in left:
                     job.cancel()
+                if left:
                     self.metrics.disconnects.inc()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

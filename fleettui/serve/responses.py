@@ -36,11 +36,12 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, stats: GenerationStats, reused_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, reused_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": stats.tokens,
-        "total_tokens": prompt_tokens + stats.tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": reused_tokens},
     }
 
@@ -99,16 +100,24 @@ class Envelope:
                 "choices": choices, **extra}  # fmt: skip
 
     def complete(
-        self, text: str, stats: GenerationStats, prompt_tokens: int, reused: int, logprobs: Any = None
+        self, choices: Sequence[tuple[str, GenerationStats, Any]], prompt_tokens: int, reused: int
     ) -> dict[str, Any]:
-        """The non-streaming answer (`logprobs`: the choice's object, when asked for)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(stats), "logprobs": logprobs}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        """The non-streaming answer: per choice its text, stats and `logprobs` object (None unless asked for)."""
+        bodies = []
+        for index, (text, stats, logprobs) in enumerate(choices):
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": finish_reason(stats),
+                "logprobs": logprobs,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            bodies.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return self._object(kind, [choice], usage=usage(prompt_tokens, stats, reused))
+        completion = sum(stats.tokens for _, stats, _ in choices)
+        return self._object(kind, bodies, usage=usage(prompt_tokens, completion, reused))
 
     def chunk(
         self,
@@ -117,9 +126,10 @@ class Envelope:
         first: bool = False,
         with_usage: bool = False,
         logprobs: Any = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """One stream chunk; `with_usage` adds the `usage: null` field that include_usage asks for."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        """One stream chunk of choice `index`; `with_usage` adds the `usage: null` that include_usage asks for."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -131,9 +141,9 @@ class Envelope:
         extra = {"usage": None} if with_usage else {}
         return self._object(kind, [choice], **extra)
 
-    def usage_chunk(self, stats: GenerationStats, prompt_tokens: int, reused: int) -> dict[str, Any]:
+    def usage_chunk(self, completion_tokens: int, prompt_tokens: int, reused: int) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, [], usage=usage(prompt_tokens, stats, reused))
+        return self._object(kind, [], usage=usage(prompt_tokens, completion_tokens, reused))
 
 
 def sse(document: dict[str, Any] | str) -> bytes:

@@ -12,6 +12,7 @@ from fleettui.runtime.coordinator import GenerationParams
 ROLES = ("system", "user", "assistant", "developer")
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20  # chat's top_logprobs (OpenAI's range)
+MAX_CHOICES = 8  # `n`: each choice is a session of its own
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's range)
 MAX_SEED = 2**63 - 1
 # Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are refused.
@@ -72,6 +73,7 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -122,9 +124,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: int, chat: bool) -> Sampling:
-    n = _integer(body, "n", 1, 128)
-    if n is not None and n != 1:
-        raise RequestError("'n' must be 1: this server returns one choice per request", "n")
     best_of = _integer(body, "best_of", 1, 128)
     if best_of is not None and best_of != 1:
         raise RequestError("'best_of' must be 1", "best_of")
@@ -256,4 +255,5 @@ def parse_request(
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)
     sampling = _sampling(body, defaults, context_length, chat)
-    return CompletionRequest(name, messages, prompt, sampling, stream, include_usage)
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    return CompletionRequest(name, messages, prompt, sampling, stream, include_usage, n)
