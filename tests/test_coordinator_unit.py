@@ -769,3 +769,34 @@ async def test_on_loaded_stages_a_session_speculates_only_while_every_other_one_
     assert second.wants_speculation
     await coordinator.generate(second, [5, 6, 7, 9], GenerationParams(4, ignore_eos=True, spec_k=0))
     assert not second.wants_speculation
+
+
+async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
+    """A switch waits for the rounds of open sessions, not for a CLOSE in flight: when it closes the old
+    chain under that CLOSE, the session is gone all the same (the new workers never knew it). A closed link
+    that is still the target is an error."""
+    from fleettui.runtime.transport import LinkError
+
+    class ClosedUnderCloses(FakePipeline):
+        def __init__(self, coordinator_of: list[Coordinator]) -> None:
+            super().__init__()
+            self.coordinator_of = coordinator_of
+
+        async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+            if isinstance(message, protocol.Control) and message.kind == protocol.Kind.CLOSE:
+                self.coordinator_of[0].target = FakePipeline()  # the switch's retarget, then its close
+                raise LinkError("link closed")
+            return await super().request(message, timeout)
+
+    holder: list[Coordinator] = []
+    old = ClosedUnderCloses(holder)
+    coordinator = Coordinator(old, None, None)
+    holder.append(coordinator)
+    session = await coordinator.open_session()
+    await coordinator.close_session(session)  # no error
+    assert session.id not in coordinator.sessions and session.id not in coordinator.unclosed
+    elsewhere = [Coordinator(FakePipeline(), None, None)]  # the link closes, but this one's target stays
+    stuck = Coordinator(ClosedUnderCloses(elsewhere), None, None)
+    lone = await stuck.open_session()
+    with pytest.raises(LinkError, match="link closed"):
+        await stuck.close_session(lone)

@@ -150,7 +150,7 @@ def test_logprobs_are_asked_for_as_openai_does() -> None:
 
 
 def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
-    from fleettui.runtime.coordinator import TokenLogprob
+    from fleettui.runtime.generation import TokenLogprob
     from fleettui.serve.responses import Logprobs
 
     pieces = {1: b"Hi", 2: b" th", 3: b"\xe2\x80", 4: b"\x94"}  # 3 and 4: one character split in two tokens

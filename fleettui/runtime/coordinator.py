@@ -29,7 +29,6 @@ from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coord
     GenerationStats,
     Round,
     TokenCallback,
-    TokenLogprob,
     penalties,
     token_logprobs,
     verify_decode,
@@ -93,16 +92,13 @@ class Coordinator(RunRounds, AheadRounds):
         self.sessions: dict[int, Session] = {}
         self.no_chat_reason = "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
         self._ids = itertools.count(1)
-        # Observers of every verify/decode result (per-stage traces for telemetry and the bench).
-        self.result_observers: list[Callable[[protocol.Result, float], None]] = []
-        self.stage_load = StageLoad()
-        self.result_observers.append(self.stage_load.observe)
+        self.stage_load = StageLoad()  # observers of every verify/decode result (traces for telemetry, bench)
+        self.result_observers: list[Callable[[protocol.Result, float], None]] = [self.stage_load.observe]
         # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch for what
         # was lost, rebuilds every session and sets `resume` again; `fatal` ends every session clearly.
         self.resume = asyncio.Event()
         self.resume.set()
-        self.target_epoch = 0
-        self.draft_epoch = 0
+        self.target_epoch = self.draft_epoch = 0
         self.fatal: str | None = None
         self.hold = Hold()  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
         self.replayed_tokens = 0
@@ -132,10 +128,14 @@ class Coordinator(RunRounds, AheadRounds):
         self.sessions.pop(session.id, None)
         async with session.lock:  # a rebuild of it in flight (a recovery's, a rebalance's) ends first
             await self._drop_ahead(session, commit=True)
+            link = self.target
             try:
-                await self.target.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
+                await link.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
             except StageLost:  # a relaunched stage never knew it; the survivors are told before the rebuild
                 self.unclosed.add(session.id)
+            except LinkError:  # a split switch closed the old chain meanwhile: its new workers never knew it
+                if link is self.target:
+                    raise
             if self.drafter is not None:
                 with contextlib.suppress(StageLost):
                     await self.drafter.close(session.id)

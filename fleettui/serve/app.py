@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleettui.runtime.coordinator import Generation, GenerationParams, TokenLogprob
+from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.generation import TokenLogprob
 from fleettui.runtime.limits import RequestError as LimitError
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.session_pool import SessionPool

@@ -9,7 +9,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from fleettui.runtime.coordinator import GenerationStats, TokenLogprob
+from fleettui.runtime.coordinator import GenerationStats
+from fleettui.runtime.generation import TokenLogprob
 from fleettui.serve.fleet import ModelInfo
 
 _T = TypeVar("_T")
