@@ -89,18 +89,33 @@ def nearest_costs(fleet: Fleet, host: Host, root: Path | None = None) -> Measure
     return None
 
 
-def shared_differently(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
-    """A local HOST's profile measured with another share of this machine's cores (same machine, device,
-    model and precisions; the nearest stage count, then the nearest core count). Local survivors of a re-plan
-    share the cores anew, a setting no calibration timed, but what the head costs against a layer holds."""
+def _records(root: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Every cached profile record (its file and JSON object), in file-name order; unreadable ones left out."""
     from fleettui.config.paths import cache_dir
 
-    wanted = _material(fleet, host)
-    fixed = {key: value for key, value in wanted.items() if key not in ("threads", "cores", "pipeline")}
-    best: tuple[tuple[int, int, str], MeasuredCosts] | None = None
+    records = []
     for path in sorted(((root or cache_dir()) / "profiles").glob("*.json")):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            records.append((path, record))
+    return records
+
+
+def shared_differently(
+    fleet: Fleet, host: Host, records: list[tuple[Path, dict[str, Any]]]
+) -> MeasuredCosts | None:
+    """A local HOST's profile among RECORDS measured with another share of this machine's cores (same
+    machine, device, model and precisions; the nearest stage count, then the nearest core count). Local
+    survivors of a re-plan share the cores anew, a setting no calibration timed, but what the head costs
+    against a layer holds."""
+    wanted = _material(fleet, host)
+    fixed = {key: value for key, value in wanted.items() if key not in ("threads", "cores", "pipeline")}
+    best: tuple[tuple[int, int, str], MeasuredCosts] | None = None
+    for path, record in records:
+        try:
             settings, costs = record["settings"], MeasuredCosts(**record["costs"])
             if any(settings.get(key) != value for key, value in fixed.items()):
                 continue
@@ -109,7 +124,7 @@ def shared_differently(fleet: Fleet, host: Host, root: Path | None = None) -> Me
                 abs(len(settings["cores"]) - len(wanted["cores"])),
                 path.name,
             )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if best is None or rank < best[0]:
             best = (rank, costs)
@@ -125,7 +140,8 @@ def fleet_costs(fleet: Fleet, root: Path | None = None, nearest: bool = True) ->
     if nearest:
         found = [nearest_costs(fleet, host, root) for host in fleet.hosts]
         if fleet.hosts and all(c is None for c in found) and all(h.is_local for h in fleet.hosts):
-            found = [shared_differently(fleet, host, root) for host in fleet.hosts]
+            records = _records(root)  # read once for every host
+            found = [shared_differently(fleet, host, records) for host in fleet.hosts]
     else:
         found = [load_costs(fleet, host, root) for host in fleet.hosts]
     return None if any(cost is None for cost in found) else found  # type: ignore[return-value]
@@ -137,17 +153,14 @@ def replaced_profiles(
     """The cached profiles measured on the SSH host at ADDRESS by another PC than the one IDENTITY describes
     (the operator swapped it behind the same address), and what differs ("cpu: A -> B"). Profiles that
     recorded no identity (measured before identities were kept) cannot tell and stay."""
-    from fleettui.config.paths import cache_dir
-
     stale: list[Path] = []
     change = ""
-    for path in sorted(((root or cache_dir()) / "profiles").glob("*.json")):
+    for path, record in _records(root):
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
             measured_on = record.get("identity")
             if record["settings"]["machine"] != address or not isinstance(measured_on, dict):
                 continue
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             continue
         differs = [key for key in identity if measured_on.get(key) != identity[key]]
         if differs:

@@ -9,6 +9,7 @@ the whole reply.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -101,6 +102,7 @@ def render_template(
         raise ChatTemplateError(f"chat template: {error}") from None
 
 
+@functools.cache  # one table for every token of every reply
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the printable character that stands for each byte, inverted."""
     printable = [

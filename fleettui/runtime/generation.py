@@ -33,9 +33,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
     presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
     repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
-    logprobs: int | None = (
-        None  # n: each reply token's log-prob and its n likeliest alternatives (None: none)
-    )
+    logprobs: int | None = None  # n: each reply token's log-prob and its n likeliest alternatives
 
     @property
     def top_columns(self) -> int:

@@ -3,9 +3,8 @@
 Fair between clients (an API key, or an address when the server has no keys): a free slot goes to the waiting
 request whose client has the fewest requests generating, among equals to the client served least recently
 (round robin), and within a client to its oldest, so one user's batch of twenty requests does not hold a
-colleague's one question behind all of them. The queue's bound keeps one
-place for each client that has nothing generating or waiting: a flood fills the queue for its own client
-only.
+colleague's one question behind all of them. The queue's bound keeps one place for each client that has
+nothing generating or waiting: a flood fills the queue for its own client only.
 """
 
 from __future__ import annotations
@@ -108,9 +107,8 @@ class Admission:
         elif ticket in self._waiting:
             self._waiting.remove(ticket)
         while self._waiting and self.active < self.max_active:
-            turn = min(
-                self._waiting, key=self._priority
-            )  # the oldest of equals: the deque is in arrival order
+            # min keeps the first of equals, and the deque is in arrival order: the oldest of them
+            turn = min(self._waiting, key=self._priority)
             self._waiting.remove(turn)
             self._start(turn)
 

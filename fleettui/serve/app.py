@@ -106,9 +106,9 @@ class FleetServer:
     # -- plumbing -----------------------------------------------------------------------------------
     def _client(self, request: Request) -> str:
         """Who asks, for the fair queue: the API key (a digest of it) when keys are required, else the address."""
-        if self.keys.required:
-            token = request.headers.get("authorization", "").partition(" ")[2].strip()
-            return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        if self.keys.required:  # (only allowed keys get here)
+            token = self.keys.presented(request.headers.get("authorization"))
+            return "key:" + hashlib.sha256(token).hexdigest()[:16]
         return "host:" + (request.client.host if request.client else "?")
 
     def _guard(self, endpoint: str, handler: Handler) -> Handler:
@@ -364,9 +364,8 @@ class FleetServer:
     def _stream(
         self, parsed: CompletionRequest, prompt: list[int], choices: list[Choice], chat: bool
     ) -> StreamingResponse:
-        pieces: asyncio.Queue[Piece | None] = (
-            asyncio.Queue()
-        )  # (choice, text, log-probs); text None: it ended
+        # (choice, text, log-probs); text None: that choice ended. (`paced` ends a queue at None: never sent.)
+        pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
         jobs = []
         for index, choice in enumerate(choices):
             put = functools.partial(lambda i, text, entries: pieces.put_nowait((i, text, entries)), index)

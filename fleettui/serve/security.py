@@ -63,11 +63,16 @@ class KeyChecker:
     def required(self) -> bool:
         return bool(self._keys)
 
+    @staticmethod
+    def presented(authorization: str | None) -> bytes:
+        """The bearer token of an Authorization header (empty for none or another scheme)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        return token.strip().encode() if scheme.lower() == "bearer" else b""
+
     def allows(self, authorization: str | None) -> bool:
         if not self._keys:
             return True
-        scheme, _, token = (authorization or "").partition(" ")
-        candidate = token.strip().encode() if scheme.lower() == "bearer" else b""
+        candidate = self.presented(authorization)
         matched = False
         for key in self._keys:
             matched |= hmac.compare_digest(candidate, key)
