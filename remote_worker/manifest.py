@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Collection
 from dataclasses import MISSING, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
@@ -27,18 +28,30 @@ class ManifestError(Exception):
 
 @dataclass(frozen=True)
 class LayerRange:
-    """Half-open range of decoder layers [start, end)."""
+    """Half-open range of decoder layers [start, end): the layers whose KV cache the stage holds.
+
+    A boundary may cut a layer between its attention and its MLP (a *mid cut*, exact: the same ops, only the
+    graph is cut): then the stage before it ends mid layer (`ends_mid`: layer end-1 stops after its attention)
+    and the stage after it starts mid layer (`starts_mid`: it runs the MLP of layer start-1 first).
+    """
 
     start: int
     end: int
+    starts_mid: bool = False
+    ends_mid: bool = False
 
     def __post_init__(self) -> None:
         for name in ("start", "end"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ManifestError(f"layer range {name}: expected an integer, got {value!r}")
+        for name in ("starts_mid", "ends_mid"):
+            if not isinstance(getattr(self, name), bool):
+                raise ManifestError(f"layer range {name}: expected true or false")
         if self.start < 0 or self.end <= self.start:
             raise ManifestError(f"layer range [{self.start}, {self.end}): must satisfy 0 <= start < end")
+        if self.starts_mid and self.start == 0:
+            raise ManifestError("layer range starting at 0 cannot start mid layer")
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -54,7 +67,20 @@ class LayerRange:
         return self.end == num_layers
 
     def __str__(self) -> str:
-        return f"[{self.start}, {self.end})"
+        return f"[{format_boundary(self.start, self.starts_mid)}, {format_boundary(self.end, self.ends_mid)})"
+
+
+def format_boundary(layer: int, mid: bool) -> str:
+    """A stage boundary as written in a split: 13, or 12.5 for the cut inside layer 12 (before KV layer 13)."""
+    return f"{layer - 1}.5" if mid else str(layer)
+
+
+def parse_boundary(text: str) -> tuple[int, bool]:
+    """(KV boundary, mid) of a split boundary written as 13 or 12.5; ManifestError otherwise."""
+    whole, dot, fraction = text.strip().partition(".")
+    if not whole.isdigit() or (dot and fraction != "5"):
+        raise ManifestError(f"boundary {text!r}: expected a layer number, or N.5 to cut inside layer N")
+    return (int(whole) + 1, True) if dot else (int(whole), False)
 
 
 @dataclass(frozen=True)
@@ -141,7 +167,13 @@ class Manifest:
                 )
             if stage.num_layers != self.num_layers:
                 raise ManifestError(f"stages[{position}].num_layers: {stage.num_layers} != {self.num_layers}")
+            if stage.layers.starts_mid != (position > 0 and self.stages[position - 1].layers.ends_mid):
+                raise ManifestError(
+                    f"stages[{position}].layers: {stage.layers} does not meet the stage before it"
+                )
             expected_start = stage.layers.end
+        if self.stages[-1].layers.ends_mid:
+            raise ManifestError(f"stages[{len(self.stages) - 1}].layers: the last stage cannot end mid layer")
         if expected_start != self.num_layers:
             raise ManifestError(f"stages: layers end at {expected_start}, the model has {self.num_layers}")
 
@@ -149,6 +181,11 @@ class Manifest:
     def splits(self) -> tuple[int, ...]:
         """Stage boundaries, e.g. (0, 10, 20, 30)."""
         return (0, *(stage.layers.end for stage in self.stages))
+
+    @property
+    def mid_cuts(self) -> tuple[int, ...]:
+        """The boundaries that cut the layer before them between its attention and its MLP."""
+        return tuple(stage.layers.start for stage in self.stages if stage.layers.starts_mid)
 
     def to_dict(self) -> dict[str, Any]:
         plain: dict[str, Any] = _plain(self)
@@ -419,11 +456,20 @@ def even_split(num_layers: int, stages: int) -> tuple[LayerRange, ...]:
     return tuple(ranges)
 
 
-def ranges_from_splits(splits: list[int] | tuple[int, ...], num_layers: int) -> tuple[LayerRange, ...]:
-    """Turn boundaries like (0, 10, 20, 30) into layer ranges, checking they cover [0, num_layers)."""
+def ranges_from_splits(
+    splits: list[int] | tuple[int, ...], num_layers: int, mid_cuts: Collection[int] = ()
+) -> tuple[LayerRange, ...]:
+    """Turn boundaries like (0, 10, 20, 30) into layer ranges, checking they cover [0, num_layers).
+
+    A boundary in `mid_cuts` cuts the layer before it between its attention and its MLP."""
     points = list(splits)
     if len(points) < 2 or points[0] != 0 or points[-1] != num_layers:
         raise ManifestError(f"split {','.join(map(str, points))}: must start at 0 and end at {num_layers}")
     if any(later <= earlier for earlier, later in pairwise(points)):
         raise ManifestError(f"split {','.join(map(str, points))}: boundaries must strictly increase")
-    return tuple(LayerRange(start, end) for start, end in pairwise(points))
+    stray = sorted(set(mid_cuts) - set(points[1:-1]))
+    if stray:
+        raise ManifestError(f"mid cut {format_boundary(stray[0], True)}: not a boundary between two stages")
+    return tuple(
+        LayerRange(start, end, start in mid_cuts, end in mid_cuts) for start, end in pairwise(points)
+    )

@@ -10,15 +10,6 @@ from pathlib import Path
 from .compress import PRECISIONS
 
 
-def _split(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of layer boundaries"
-        ) from None
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shard_compiler",
@@ -29,7 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan = parser.add_mutually_exclusive_group()
     plan.add_argument("--stages", type=int, help="number of stages (even split, default 1)")
-    plan.add_argument("--split", type=_split, help="layer boundaries, e.g. 0,10,20,30")
+    plan.add_argument(
+        "--split",
+        help="layer boundaries, e.g. 0,10,20,30; N.5 cuts layer N between its attention and MLP",
+    )
     parser.add_argument("--precision", default="int4", help=f"one of {', '.join(PRECISIONS)} (default int4)")
     parser.add_argument("--out", type=Path, help="output directory (default: the cache, keyed by content)")
     parser.add_argument(
@@ -49,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if arguments.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from remote_worker.manifest import ManifestError
+    from remote_worker.manifest import ManifestError, parse_boundary
 
     from . import CompileError, Progress, compile_shards
     from .synthetic import SyntheticError
@@ -60,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{event.fraction * 100:5.1f}%] {where}{event.step}{detail}", file=sys.stderr, flush=True)
 
     try:
+        split = [parse_boundary(part) for part in arguments.split.split(",")] if arguments.split else []
         directory = compile_shards(
             arguments.model,
-            stages=arguments.split if arguments.split else (arguments.stages or 1),
+            stages=[layer for layer, _ in split] if split else (arguments.stages or 1),
             precision=arguments.precision,
             out=arguments.out,
             progress=show,
             force=arguments.force,
             cache_root=arguments.cache_root,
             inject_beam_idx=not arguments.no_beam_idx,
+            mid_cuts=[layer for layer, mid in split if mid],
         )
     except (CompileError, ManifestError, SyntheticError) as error:
         print(f"shard_compiler: error: {error}", file=sys.stderr)

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,17 +75,26 @@ def default_cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("fleettui", appauthor=False))
 
 
-def _ranges(stages: int | Sequence[int], num_layers: int) -> tuple[LayerRange, ...]:
+def _ranges(
+    stages: int | Sequence[int], num_layers: int, mid_cuts: Collection[int] = ()
+) -> tuple[LayerRange, ...]:
     try:
         if isinstance(stages, int):
-            return even_split(num_layers, stages)
-        return ranges_from_splits(list(stages), num_layers)
+            return ranges_from_splits(
+                [0, *(r.end for r in even_split(num_layers, stages))], num_layers, mid_cuts
+            )
+        return ranges_from_splits(list(stages), num_layers, mid_cuts)
     except ManifestError as error:
         raise CompileError(str(error)) from None
 
 
 def plan(
-    model: str, stages: int | Sequence[int], precision: str, cache_root: Path, inject_beam_idx: bool = True
+    model: str,
+    stages: int | Sequence[int],
+    precision: str,
+    cache_root: Path,
+    inject_beam_idx: bool = True,
+    mid_cuts: Collection[int] = (),
 ) -> Plan:
     """Resolve everything that determines the output (cheap: no weights are loaded)."""
     if precision not in PRECISIONS:
@@ -94,12 +103,13 @@ def plan(
     digest = sources.source_hash(source, cache_root)
     raw = sources.raw_config(source, cache_root, digest)
     config = sources.model_config(source, raw)
-    ranges = _ranges(stages, config.num_layers)
+    ranges = _ranges(stages, config.num_layers, mid_cuts)
     group = group_size(config, precision)
     splits = [0, *(item.end for item in ranges)]
-    key_material = json.dumps(
-        [digest, splits, precision, group, COMPILER_VERSION, inject_beam_idx], separators=(",", ":")
-    )
+    material: list[Any] = [digest, splits, precision, group, COMPILER_VERSION, inject_beam_idx]
+    if mid_cuts:  # only then: every whole-layer compile keeps the key it had
+        material.append(sorted(mid_cuts))
+    key_material = json.dumps(material, separators=(",", ":"))
     cache_key = hashlib.sha256(key_material.encode()).hexdigest()[:16]
     return Plan(source, digest, raw, config, ranges, precision, group, cache_key, inject_beam_idx)
 
@@ -253,16 +263,18 @@ def compile_shards(
     force: bool = False,
     cache_root: Path | str | None = None,
     inject_beam_idx: bool = True,
+    mid_cuts: Collection[int] = (),
 ) -> Path:
     """Compile MODEL into per-stage OpenVINO shards and return the shard directory.
 
-    STAGES is a stage count (even split) or the boundaries (0, 10, 20, 30). An unchanged request
+    STAGES is a stage count (even split) or the boundaries (0, 10, 20, 30); a boundary in MID_CUTS cuts the
+    layer before it between its attention and its MLP (13 in MID_CUTS: layer 12 is split). An unchanged request
     whose output verifies is a no-op. Raises CompileError with a one-line message on bad input.
     """
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
     notify = progress or (lambda event: None)
-    job = plan(model, stages, precision, root, inject_beam_idx)
+    job = plan(model, stages, precision, root, inject_beam_idx, mid_cuts)
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and _hit(target, job.cache_key, out is None, notify):
         return target

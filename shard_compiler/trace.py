@@ -115,28 +115,48 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
-class DecoderLayer(nn.Module):
+class FeedForward(nn.Module):
+    """The MLP half of a decoder layer with its norm and residual."""
+
     def __init__(self, config: ModelConfig, reader: WeightReader, index: int) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(reader.get(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = Attention(config, reader, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
             reader.get(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps
         )
         self.mlp = MLP(reader, f"{prefix}.mlp")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer; without `feed_forward` only its attention half (a stage that ends mid layer)."""
+
+    def __init__(
+        self, config: ModelConfig, reader: WeightReader, index: int, feed_forward: bool = True
+    ) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(reader.get(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
+        self.self_attn = Attention(config, reader, f"{prefix}.self_attn")
+        self.feed_forward = FeedForward(config, reader, index) if feed_forward else None
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         attended, key, value = self.self_attn(
             self.input_layernorm(hidden), mask, cos, sin, past_key, past_value
         )
         hidden = hidden + attended
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if self.feed_forward is not None:
+            hidden = self.feed_forward(hidden)
         return hidden, key, value
 
 
 class StageModule(nn.Module):
     """Layers [start, end) of the model, plus the embedding if first and final norm + lm_head if last.
+
+    A range that starts mid layer runs the MLP half of layer start-1 first; one that ends mid layer stops
+    layer end-1 after its attention (the hidden state between the halves is what the next stage receives).
 
     forward(main, attention_mask, position_ids, past_key_0, past_value_0, ...) returns the flat tuple
     (hidden_or_logits, present_key_0, present_value_0, ...). attention_mask covers the physical cache
@@ -151,8 +171,10 @@ class StageModule(nn.Module):
             self.embed_tokens = nn.Embedding.from_pretrained(
                 reader.get("model.embed_tokens.weight"), freeze=True
             )
+        self.lead = FeedForward(config, reader, layers.start - 1) if layers.starts_mid else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, reader, index) for index in range(layers.start, layers.end)
+            DecoderLayer(config, reader, index, not (layers.ends_mid and index == layers.end - 1))
+            for index in range(layers.start, layers.end)
         )
         if self.last:
             self.norm = RMSNorm(reader.get("model.norm.weight"), config.rms_norm_eps)
@@ -177,6 +199,8 @@ class StageModule(nn.Module):
         )  # (B, n, d/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
         cos, sin = angles.cos(), angles.sin()
+        if self.lead is not None:
+            hidden = self.lead(hidden)
         presents = []
         for offset, layer in enumerate(self.layers):
             hidden, key, value = layer(hidden, mask, cos, sin, past[2 * offset], past[2 * offset + 1])

@@ -15,6 +15,7 @@ from fleettui.errors import PlanError
 from fleettui.planning.costs import (
     MeasuredCosts,
     StageTiming,
+    balanced_cuts,
     balanced_split,
     fit_costs,
     imbalance,
@@ -64,6 +65,59 @@ def test_split_follows_host_speed_and_capacity() -> None:
     assert sum(three) == 30 and min(three) >= 1 and three[2] < three[0]
     with pytest.raises(PlanError):
         balanced_split(30, [SMOLLM, SMOLLM], [10, 10])
+
+
+# The synthetic Llama-3.2-1B shape on one core: ~3.9 ms a layer, its INT8 head worth ~8.7 INT4 layers
+ONE_B = MeasuredCosts(layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3)
+ONE_B_ATTENTION = 0.173  # of a layer's weights (q, k, v, o against gate, up, down)
+
+
+def _cut_times(ends: list[tuple[int, bool]], costs: list[MeasuredCosts], share: float) -> list[float]:
+    times, start = [], 0
+    for index, (end, mid) in enumerate(ends):
+        units = range(start, 2 * end - mid)
+        attention = sum(1 for unit in units if unit % 2 == 0)
+        layers = attention * share + (len(units) - attention) * (1 - share)
+        times.append(costs[index].stage_ms(layers, index == len(ends) - 1))
+        start = 2 * end - mid
+    return times
+
+
+def test_a_split_may_cut_a_layer_between_attention_and_mlp_when_whole_layers_balance_badly() -> None:
+    # 16 layers + a head of 8.7: whole layers give 12/4 (46.8 vs 49.2 ms); cutting layer 12 after its
+    # attention moves 17 % of a layer off the bottleneck
+    whole = balanced_split(16, [ONE_B, ONE_B], [16, 16])
+    assert whole == [12, 4]
+    ends = balanced_cuts(16, [ONE_B, ONE_B], [16, 16], ONE_B_ATTENTION)
+    assert ends == [(13, True), (16, False)]
+    cut, plain = _cut_times(ends, [ONE_B] * 2, ONE_B_ATTENTION), predicted_ms(whole, [ONE_B] * 2)
+    assert max(cut) < 0.99 * max(plain) and imbalance(cut) < imbalance(plain)
+    # optimal over every split into half layers (brute force), three stages too
+    for hosts in (2, 3):
+        best = min(
+            max(_cut_times([(-(-u // 2), u % 2 == 1) for u in cuts] + [(16, False)], [ONE_B] * hosts, 0.173))
+            for cuts in _increasing(hosts - 1, 32)
+        )
+        ends = balanced_cuts(16, [ONE_B] * hosts, [16] * hosts, ONE_B_ATTENTION)
+        assert max(_cut_times(ends, [ONE_B] * hosts, ONE_B_ATTENTION)) == pytest.approx(best)
+    # a gain under 1 % keeps whole layers (no shards to compile for nothing); so does no attention share
+    even = replace(SMOLLM, head_ms=2.4)  # a head of 8 layers: 19/11 is balanced to the microsecond
+    assert balanced_cuts(30, [even, even], [30, 30], 0.28) == [(19, False), (30, False)]
+    assert balanced_cuts(16, [ONE_B, ONE_B], [16, 16], 0.0) == [(12, False), (16, False)]
+    # a stage starting with the MLP of the layer before it needs room for one more layer's weights
+    assert balanced_cuts(16, [ONE_B, ONE_B], [16, 3], ONE_B_ATTENTION) == [(13, False), (16, False)]
+
+
+def _increasing(count: int, units: int) -> list[tuple[int, ...]]:
+    """Every strictly increasing tuple of COUNT cut points in (0, UNITS) leaving each stage an attention."""
+    from itertools import combinations
+
+    found = []
+    for cuts in combinations(range(1, units), count):
+        bounds = (0, *cuts, units)
+        if all((b + 1) // 2 - (a + 1) // 2 >= 1 for a, b in zip(bounds, bounds[1:], strict=False)):
+            found.append(cuts)
+    return found
 
 
 def test_planner_uses_a_cached_profile_for_every_host(

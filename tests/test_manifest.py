@@ -19,7 +19,9 @@ from remote_worker.manifest import (
     Manifest,
     ManifestError,
     even_split,
+    format_boundary,
     load_manifest,
+    parse_boundary,
     ranges_from_splits,
     verify_all,
     verify_stage,
@@ -115,10 +117,47 @@ def test_splits_must_cover_the_model() -> None:
             ranges_from_splits(splits, 30)
 
 
+def test_a_boundary_may_cut_a_layer_between_its_attention_and_its_mlp(tmp_path: Path) -> None:
+    ranges = ranges_from_splits([0, 13, 30], 30, mid_cuts=[13])
+    assert ranges == (LayerRange(0, 13, ends_mid=True), LayerRange(13, 30, starts_mid=True))
+    assert [str(item) for item in ranges] == ["[0, 12.5)", "[12.5, 30)"]
+    assert len(ranges[0]) == 13  # the KV cache of layer 12 stays with its attention
+    assert parse_boundary("12.5") == (13, True) and parse_boundary("13") == (13, False)
+    assert format_boundary(13, True) == "12.5" and format_boundary(13, False) == "13"
+    for text in ("12.25", "x", "-1", "3."):
+        with pytest.raises(ManifestError, match="N.5 to cut inside layer N"):
+            parse_boundary(text)
+    for cuts in ([0], [30], [12]):  # only a boundary between two stages can cut a layer
+        with pytest.raises(ManifestError, match="not a boundary between two stages"):
+            ranges_from_splits([0, 13, 30], 30, mid_cuts=cuts)
+    with pytest.raises(ManifestError, match="cannot start mid layer"):
+        LayerRange(0, 3, starts_mid=True)
+    with pytest.raises(ManifestError, match="expected true or false"):
+        LayerRange(1, 3, starts_mid=1)  # type: ignore[arg-type]
+    # the manifest keeps the cut (and old manifests without the keys still load as whole layers)
+    manifest = fake_manifest(tmp_path)
+    whole = json.loads(manifest.to_json())
+    for stage in whole["stages"]:
+        del stage["layers"]["starts_mid"], stage["layers"]["ends_mid"]
+    assert Manifest.from_dict(whole).stages == manifest.stages and manifest.mid_cuts == ()
+    data = json.loads(manifest.to_json())
+    data["stages"][0]["layers"]["ends_mid"] = True
+    with pytest.raises(
+        ManifestError, match=r"stages\[1\]\.layers: \[16, 30\) does not meet the stage before it"
+    ):
+        Manifest.from_dict(data)
+    data["stages"][1]["layers"]["starts_mid"] = True
+    assert Manifest.from_dict(data).mid_cuts == (16,)
+    assert str(Manifest.from_dict(data).stages[1].layers) == "[15.5, 30)"
+    data["stages"][1]["layers"]["ends_mid"] = True
+    with pytest.raises(ManifestError, match="the last stage cannot end mid layer"):
+        Manifest.from_dict(data)
+
+
 def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
     data = json.loads(fake_manifest(tmp_path).to_json())
     stage = data["stages"][1]
-    assert stage["layers"] == {"start": 16, "end": 30}
+    assert stage["layers"] == {"start": 16, "end": 30, "starts_mid": False, "ends_mid": False}
     assert stage["inputs"][0] == {
         "name": "hidden_states",
         "dtype": "f32",

@@ -63,6 +63,7 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
             generations = [await call for call in calls]
         pids = list(controller.worker_pids().values())
         info = {"pids": pids, "stats": [g.stats for g in generations], "texts": [g.text for g in generations]}
+        info["spans"] = [str(stage.layers) for stage in controller.target.manifest.stages]  # type: ignore[union-attr]
         return [list(g.token_ids) for g in generations], info
     finally:
         await controller.stop()
@@ -105,6 +106,39 @@ def test_exact_pipeline_matches_unsplit_model(
         assert 0 < sum(s.accepted for s in stats) <= sum(s.drafted for s in stats)
     for pid in info["pids"]:  # clean shutdown: every worker process is gone
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize(
+    ("stages", "draft", "k", "users", "spans"),
+    [
+        (2, "none", "auto", 3, ["[0, 18.5)", "[18.5, 30)"]),
+        (3, "self-int4", 3, 2, ["[0, 12.5)", "[12.5, 25)", "[25, 30)"]),
+    ],
+)
+def test_stages_cut_inside_a_layer_match_the_unsplit_model(
+    shard_cache: Path,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    stages: int,
+    draft: str,
+    k: int | str,
+    users: int,
+    spans: list[str],
+) -> None:
+    """Measured costs under which whole layers balance badly (a head worth 7 layers): the planner cuts a layer
+    between its attention and its MLP, and the deployed pipeline still gives the unsplit model's tokens."""
+    from fleettui.planning import profiles
+    from fleettui.planning.costs import MeasuredCosts
+
+    costs = MeasuredCosts(layer_ms=0.3, head_ms=2.1, call_ms=0.2)
+    monkeypatch.setattr(profiles, "fleet_costs", lambda fleet, **_: [costs] * len(fleet.hosts))
+    fleet = make_fleet(shard_cache, stages, draft, k)
+    fleet = replace(fleet, resilience=replace(fleet.resilience, calibrate="off"))
+    tokens, info = asyncio.run(run_prompts(fleet, PROMPTS[:users], interleaved=users > 1))
+    assert info["spans"] == spans
+    assert tokens == reference[:users]
+    if draft == "self-int4":
+        assert sum(s.accepted for s in info["stats"]) > 0
 
 
 def test_plaintext_links_work_and_match(shard_cache: Path, reference: list[list[int]]) -> None:

@@ -175,3 +175,33 @@ def test_fleet_refusals_point_at_the_fleet_file(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as big:
         plan_fleet(load_fleet(path))
     assert str(big.value).startswith(f"{path}:4: hosts: llama-3.1-70b at int4 needs ")
+
+
+def test_measured_costs_may_cut_a_layer_between_its_attention_and_its_mlp() -> None:
+    from fleettui.planning.costs import MeasuredCosts
+
+    shape = BUILTIN_SHAPES["llama-3.2-1b"]
+    hosts = [Host(name="a", memory_gb=8), Host(name="b", memory_gb=8)]
+    one_b = MeasuredCosts(layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3)  # the INT8 head ~ 8.7 INT4 layers
+    cut = plan(shape, hosts, "int4", 2048, 1, costs=[one_b, one_b])
+    assert [stage.span for stage in cut.stages] == ["[0, 12.5)", "[12.5, 16)"]
+    assert cut.ranges == ((0, 13), (13, 16)) and cut.mid_cuts == (13,) and cut.bounds == ("0", "12.5", "16")
+    first, last = cut.stages
+    assert first.ends_mid and not first.starts_mid and last.starts_mid and not last.ends_mid
+    share = shape.mlp_bytes("int4") / shape.layer_bytes("int4")
+    assert 0.8 < share < 0.86  # Llama-3.2-1B: gate, up and down against q, k, v and o
+    assert first.compute_layers == pytest.approx(13 - share) and last.compute_layers == pytest.approx(
+        3 + share
+    )
+    # the MLP's weights move with it; the KV cache of layer 12 stays with its attention
+    assert first.weight_bytes == pytest.approx(
+        shape.embedding_bytes("int4") + 13 * shape.layer_bytes("int4") - shape.mlp_bytes("int4")
+    )
+    assert last.weight_bytes == pytest.approx(
+        shape.head_bytes("int4") + 3 * shape.layer_bytes("int4") + shape.mlp_bytes("int4")
+    )
+    assert first.kv_bytes == pytest.approx(13 / 3 * last.kv_bytes)
+    table = format_plan(cut)
+    assert "[0, 12.5)" in table and "[12.5, 16)" in table
+    # parameter bytes alone (no profile) keep whole layers
+    assert plan(shape, hosts, "int4", 2048, 1).mid_cuts == ()

@@ -69,6 +69,15 @@ def test_bad_split() -> None:
     assert "0,10,31" in line and "30" in line
 
 
+def test_a_split_inside_a_layer_must_be_at_its_middle() -> None:
+    from shards import session_cache_root
+
+    line = one_line_error(
+        run_cli("--model", "smollm2-135m-instruct", "--split", "0,12.3,30", cache_root=session_cache_root())
+    )
+    assert "12.3" in line and "N.5 to cut inside layer N" in line
+
+
 # ------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def fp32_shards() -> dict[int, Path]:
@@ -119,6 +128,34 @@ def test_chained_fp32_shards_equal_the_unsplit_model(
     for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
         assert runner.greedy(chat_ids(fp32_shards[stages], prompt), EXACT_TOKENS) == expected, prompt
     assert all(len(tokens) == EXACT_TOKENS for tokens in reference_tokens)
+
+
+@pytest.mark.slow
+def test_stages_cut_between_a_layers_attention_and_its_mlp_equal_the_unsplit_model(
+    fp32_shards: dict[int, Path], reference_tokens: list[list[int]]
+) -> None:
+    """`--split 0,12.5,20.5,30`: layers 12 and 20 are cut after their attention (the KV cache stays with the
+    attention, the next stage starts with the MLP). The same ops, only the graph is cut: bit-identical logits."""
+    from shards import session_cache_root
+
+    result = run_cli(
+        "--model", "smollm2-135m-instruct", "--split", "0,12.5,20.5,30", "--precision", "fp32",
+        cache_root=session_cache_root(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    directory = Path(result.stdout.strip().splitlines()[-1])
+    manifest = load_manifest(directory)
+    assert [str(stage.layers) for stage in manifest.stages] == ["[0, 12.5)", "[12.5, 20.5)", "[20.5, 30)"]
+    assert manifest.mid_cuts == (13, 21) and manifest.splits == (0, 13, 21, 30)
+    assert [len(stage.state_names) for stage in manifest.stages] == [26, 16, 18]  # K and V per layer held
+    cut, whole = ChainRunner(directory, exact=True), ChainRunner(fp32_shards[1], exact=True)
+    for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
+        ids = chat_ids(directory, prompt)
+        assert np.array_equal(cut.step(ids), whole.step(ids)), prompt
+        cut.reset()
+        assert cut.greedy(ids, EXACT_TOKENS) == expected, prompt
+        cut.reset()
+        whole.reset()
 
 
 @pytest.mark.slow

@@ -86,6 +86,8 @@ def test_stage_row_shows_telemetry_temperature_or_na_and_failure_reason():
         view.record(sample("stage-a", 0, second, temp_c=None if second < 2 else 55.0))
     cells = view.cells(spark_width=4)
     assert cells["layers"] == "[0, 15)"
+    cut = StageView("b", layers=(12.5, 16))  # starts after layer 12's attention, with its MLP
+    assert cut.cells()["layers"] == "[12.5, 16)"
     assert cells["temperature"].startswith(" 55°C")
     assert cells["busy"].endswith("%") and cells["memory"] == "310 MB" and cells["hop"] == "0.4"
     view.state = Failed("connect: refused")

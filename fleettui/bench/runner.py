@@ -445,7 +445,7 @@ async def run_bench(
         if model not in singles:
             progress(f"compiling (or finding) the unsplit 1-stage shard of {model}")
             variant = bench_fleet(model_fleet(fleet, model), 1, False)
-            ranges = FleetController(variant).layer_ranges()
+            ranges = list(FleetController(variant).layer_plan().ranges)
             reporter = getattr(progress, "reporter", None)
             compiled = await compile_model(
                 model,

@@ -91,8 +91,10 @@ async def startup_bench(
     from fleettui.control.deployment import build_deployment
 
     say = on_line or (lambda line: None)
-    ranges = FleetController(fleet).layer_ranges()
-    compiled = await compile_model(fleet.model.name, ranges, fleet.model.precision, fleet.model.shards, say)
+    plan = FleetController(fleet).layer_plan()
+    ranges = list(plan.ranges)
+    model = fleet.model
+    compiled = await compile_model(model.name, ranges, model.precision, model.shards, say, plan.mid_cuts)
     report = StartupReport(fleet.model.name, ranges)
     deployed = build_deployment(fleet, ranges, lambda host: str(compiled.directory)).placements
     for stage in range(len(ranges)):

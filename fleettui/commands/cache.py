@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettui.errors import FleetError
+from remote_worker.manifest import format_boundary
 
 NAME = "cache"
 HELP = "list (ls) or prune the local cache of compiled shard folders"
@@ -32,7 +33,7 @@ class ShardFolder:
     path: Path
     model: str
     precision: str
-    split: tuple[int, ...]  # layer boundaries, e.g. (0, 23, 30)
+    split: tuple[str, ...]  # layer boundaries, e.g. (0, 23, 30); 12.5 cuts layer 12 between attention and MLP
     size: int
     used: float  # last use: written, or a cache hit (shards/.used/<name>), seconds since the epoch
     in_use: bool  # a recorded deployment points at it
@@ -115,12 +116,10 @@ def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:
         try:
             document = json.loads(manifest.read_text(encoding="utf-8"))
             stages = document.get("stages", [])
-            bounds = (
-                [stages[0]["layers"]["start"], *(stage["layers"]["end"] for stage in stages)]
-                if stages
-                else []
-            )
-            split = tuple(int(bound) for bound in bounds)
+            bounds = [(0, False)] + [
+                (int(s["layers"]["end"]), bool(s["layers"].get("ends_mid"))) for s in stages
+            ]
+            split = tuple(format_boundary(bound, mid) for bound, mid in bounds) if stages else ()
             model, precision, complete = (
                 str(document.get("model_name", "?")),
                 str(document.get("precision", "?")),

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                 "host": stage.host,
                 "cores": cores.get(stage.host, []),  # [] = every CPU of its host
                 "layers": list(stage.layers),
+                "span": stage.span,  # [0, 12.5): the boundary cuts layer 12 between attention and MLP
                 "weight_bytes": stage.weight_bytes,
                 "kv_bytes": stage.kv_bytes,
                 "total_bytes": stage.total_bytes,

@@ -48,7 +48,7 @@ class FleetControl(Protocol):
     def attached(self) -> bool:
         """True when serving a deployment another command launched."""
 
-    def layer_ranges(self) -> list[tuple[int, int]]: ...
+    def layer_ranges(self) -> list[tuple[float, float]]: ...
 
     async def start(self) -> object:
         """Attach to the fleet's live deployment or launch one; raises with a one-line reason."""

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleettui.config.fleet import Fleet
 from fleettui.errors import child_failure
-from remote_worker.manifest import Manifest, load_manifest
+from remote_worker.manifest import Manifest, format_boundary, load_manifest
+
+if TYPE_CHECKING:
+    from fleettui.planning.planner import Plan
 
 
 class CompileError(RuntimeError):
@@ -30,9 +34,13 @@ async def compile_model(
     precision: str,
     cache_root: Path,
     on_progress: Callable[[str], None] | None = None,
+    mid_cuts: Collection[int] = (),
 ) -> CompiledModel:
-    """Run the shard compiler in a child process (it needs torch; the operator side must not import it)."""
-    split = ",".join(str(bound) for bound in [ranges[0][0], *(end for _, end in ranges)])
+    """Run the shard compiler in a child process (it needs torch; the operator side must not import it).
+
+    A boundary in `mid_cuts` cuts the layer before it between its attention and its MLP."""
+    bounds = [ranges[0][0], *(end for _, end in ranges)]
+    split = ",".join(format_boundary(bound, bound in mid_cuts) for bound in bounds)
     command = [
         sys.executable,
         "-m",
@@ -79,11 +87,14 @@ async def compile_model(
 
 
 async def compile_fleet(
-    fleet: Fleet, ranges: list[tuple[int, int]], on_progress: Callable[[str], None] | None = None
+    fleet: Fleet, plan: Plan, on_progress: Callable[[str], None] | None = None
 ) -> tuple[CompiledModel, CompiledModel | None]:
-    """The target shards for `ranges` and the draft model the fleet speculates with (None without one)."""
+    """The target shards of the planned split and the draft model the fleet speculates with (None without one)."""
     model = fleet.model
-    target = await compile_model(model.name, ranges, model.precision, model.shards, on_progress)
+    ranges = list(plan.ranges)
+    target = await compile_model(
+        model.name, ranges, model.precision, model.shards, on_progress, plan.mid_cuts
+    )
     draft = fleet.speculation.draft
     if draft in ("none", "prompt-lookup"):
         return target, None

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleettui.config.fleet import Fleet
 from fleettui.control import store
@@ -59,6 +60,9 @@ from fleettui.runtime.coordinator import Coordinator, Generation, GenerationPara
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
 from remote_worker.replies import PingReply, TelemetrySample
+
+if TYPE_CHECKING:
+    from fleettui.planning.planner import Plan
 
 __all__ = ["ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides"]
 
@@ -162,10 +166,14 @@ class FleetController:
             exact=self.fleet.runtime.exact,
         )
 
-    def layer_ranges(self) -> list[tuple[int, int]]:
+    def layer_ranges(self) -> list[tuple[float, float]]:
+        """Each stage's layers as planned, for display: (0, 12.5) ends inside layer 12, after its attention."""
+        return [(s.start - 0.5 * s.starts_mid, s.end - 0.5 * s.ends_mid) for s in self.layer_plan().stages]
+
+    def layer_plan(self) -> Plan:
         from fleettui.planning.planner import plan_fleet
 
-        return list(plan_fleet(self.fleet).ranges)
+        return plan_fleet(self.fleet)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -179,7 +187,7 @@ class FleetController:
 
         await calibrate_on_deploy(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
         try:
-            self.target, self.draft = await compile_fleet(self.fleet, self.layer_ranges(), progress)
+            self.target, self.draft = await compile_fleet(self.fleet, self.layer_plan(), progress)
         except CompileError as error:
             for host in self.fleet.hosts:
                 self.fail(host.name, str(error))

@@ -395,12 +395,14 @@ class Recovery:
         ranges = [(stage.start, stage.end) for stage in plan.stages]
         model = fleet.model
         started = time.monotonic()
-        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards)
+        compiled = await self.compile_model(
+            model.name, ranges, model.precision, model.shards, None, plan.mid_cuts
+        )
         if controller.coordinator is not coordinator:
             return  # the fleet stopped meanwhile
         _, switched, tokens = await self._switch_between_rounds(lambda: bigger, ranges, compiled)
         self.away = [name for name in self.away if name not in back]
-        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        split = ", ".join(f"{s.host} {s.span}" for s in plan.stages)
         self._publish_switch(
             tuple(back), "back", "rejoin", started, switched, tokens, f"with {', '.join(back)}: {split}"
         )
@@ -439,10 +441,12 @@ class Recovery:
 
         model = fleet.model
         clock = time.monotonic()
-        compiled = await self.compile_model(model.name, ranges, model.precision, model.shards, progress)
+        compiled = await self.compile_model(
+            model.name, ranges, model.precision, model.shards, progress, plan.mid_cuts
+        )
         compile_seconds, clock = time.monotonic() - clock, time.monotonic()
         await self._switch(smaller, ranges, compiled)
-        split = ", ".join(f"{s.host} [{s.start}, {s.end})" for s in plan.stages)
+        split = ", ".join(f"{s.host} {s.span}" for s in plan.stages)
         split += " by measured costs" if plan.costs is not None else " by parameter bytes"
         launch_seconds = time.monotonic() - clock
         return "replan", (

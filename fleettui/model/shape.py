@@ -118,6 +118,14 @@ class ModelShape:
             + 2 * 4.0 * self.hidden
         )
 
+    def mlp_bytes(self, precision: str) -> float:
+        """Weights of one decoder layer's MLP half (gate, up, down and its norm)."""
+        return (
+            2 * self.matrix_bytes(self.intermediate, self.hidden, precision)
+            + self.matrix_bytes(self.hidden, self.intermediate, precision)
+            + 4.0 * self.hidden
+        )
+
     def embedding_bytes(self, precision: str) -> float:
         """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision does)."""
         return self.matrix_bytes(self.vocab, self.hidden, "int8" if precision == "int4" else precision)

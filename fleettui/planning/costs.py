@@ -36,7 +36,7 @@ class MeasuredCosts:
     prefill_layer_ms: float = 0.0
     prefill_head_ms: float = 0.0
 
-    def stage_ms(self, layers: int, last: bool) -> float:
+    def stage_ms(self, layers: float, last: bool) -> float:
         return self.call_ms + layers * self.layer_ms + (self.head_ms if last else 0.0)
 
 
@@ -109,8 +109,55 @@ def balanced_split(total: int, costs: Sequence[MeasuredCosts], capacity: Sequenc
     return list(best[count][total][2])
 
 
-def predicted_ms(counts: Sequence[int], costs: Sequence[MeasuredCosts]) -> list[float]:
-    """Each stage's predicted decode ms per token for a split."""
+MID_CUT_MIN_GAIN = 0.01  # a split that cuts inside layers must beat the best whole-layer one by this much
+
+
+def balanced_cuts(
+    total: int, costs: Sequence[MeasuredCosts], capacity: Sequence[int], attention_share: float
+) -> list[tuple[int, bool]]:
+    """Each stage's end as (layer boundary, mid), minimising the slowest stage's time when a boundary may
+    also cut a layer between its attention (`attention_share` of a layer's cost) and its MLP.
+
+    Whole-layer cuts (`balanced_split`) unless cutting inside layers makes the slowest stage at least
+    `MID_CUT_MIN_GAIN` faster: a mid cut is exact (the same ops, only the graph is cut) but new shards to
+    compile. Exact dynamic programming over half layers: unit 2i is layer i's attention, 2i + 1 its MLP;
+    each stage holds at least one attention (its KV cache), and a stage that starts with the MLP of the
+    layer before it needs room for one more layer's weights.
+    """
+    whole = balanced_split(total, costs, capacity)
+    ends, reach = [], 0
+    for taken in whole:
+        reach += taken
+        ends.append((reach, False))
+    if not 0.0 < attention_share < 1.0 or len(costs) < 2:
+        return ends
+    units, count = 2 * total, len(costs)
+    best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
+    for index in range(count):
+        last, left_after = index == count - 1, count - index - 1
+        options: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+        for used, (worst, squares, stops) in best[index].items():
+            for stop in range(used + 1, units + 1):
+                attention = (stop + 1) // 2 - (used + 1) // 2  # attention units (even) in [used, stop)
+                if attention + used % 2 > capacity[index] or total - (stop + 1) // 2 < left_after:
+                    break
+                if attention < 1 or (last and stop != units):
+                    continue
+                layers = attention * attention_share + (stop - used - attention) * (1.0 - attention_share)
+                stage = costs[index].stage_ms(layers, last)
+                candidate = (max(worst, stage), squares + stage * stage, (*stops, stop))
+                known = options.get(stop)
+                if known is None or candidate[:2] < known[:2]:
+                    options[stop] = candidate
+        best.append(options)
+    found = best[count].get(units)
+    if found is None or found[0] > (1.0 - MID_CUT_MIN_GAIN) * max(predicted_ms(whole, costs)):
+        return ends
+    return [((stop + 1) // 2, stop % 2 == 1) for stop in found[2]]
+
+
+def predicted_ms(counts: Sequence[float], costs: Sequence[MeasuredCosts]) -> list[float]:
+    """Each stage's predicted decode ms per token for a split (layer counts; a mid cut moves a fraction)."""
     return [
         cost.stage_ms(layers, index == len(counts) - 1)
         for index, (layers, cost) in enumerate(zip(counts, costs, strict=True))

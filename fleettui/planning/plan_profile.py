@@ -55,14 +55,14 @@ def run_plan_profile(
         return 0
     costs = list(planned.costs)
     names = [host.name for host in fleet.hosts]
-    counts = [stage.count for stage in planned.stages]
-    old = [stage.count for stage in by_bytes.stages]
+    counts = [stage.compute_layers for stage in planned.stages]  # a mid cut moves a layer's MLP
+    old = [stage.compute_layers for stage in by_bytes.stages]
     if old != counts:
         print(f"\nthe byte-count split {old} would take (predicted from the profile):", file=stream)
         print(format_comparison(names, old, costs, None), file=stream)
     measured: list[float] = []
     if timer is not None or all(host.is_local for host in fleet.hosts):
-        splits = [0, *[stage.end for stage in planned.stages]]
+        splits = planned.bounds
         say(f"compiling the planned split {splits} (cached) and timing its stages, each after the rest")
         shard_dir = compile_split(fleet, splits, children)
         predicted = predicted_ms(counts, costs)

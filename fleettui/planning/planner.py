@@ -16,7 +16,8 @@ from fleettui.model.shape import (
     ModelShape,
     check_manual_layers,
 )
-from fleettui.planning.costs import MeasuredCosts, balanced_split
+from fleettui.planning.costs import MeasuredCosts, balanced_cuts
+from remote_worker.manifest import format_boundary
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet, Host
@@ -45,10 +46,23 @@ class StagePlan:
     activation_bytes: float
     overhead_bytes: float
     usable_bytes: float
+    starts_mid: bool = False  # runs the MLP half of layer start-1 first (the boundary cuts that layer)
+    ends_mid: bool = False  # layer end-1 stops after its attention; the next stage runs its MLP
+    mlp_share: float = 0.0  # a layer's MLP share of its cost (what a mid cut moves)
 
     @property
     def layers(self) -> tuple[int, int]:
         return (self.start, self.end)
+
+    @property
+    def compute_layers(self) -> float:
+        """Layers of compute: the KV layers held, plus or minus the MLP a mid cut moves."""
+        return self.count + self.mlp_share * (self.starts_mid - self.ends_mid)
+
+    @property
+    def span(self) -> str:
+        """The layers as written in a split: [0, 12.5) ends inside layer 12 (after its attention)."""
+        return f"[{format_boundary(self.start, self.starts_mid)}, {format_boundary(self.end, self.ends_mid)})"
 
     @property
     def count(self) -> int:
@@ -78,7 +92,18 @@ class Plan:
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each stage's layers [start, end) whose KV cache it holds."""
         return tuple(stage.layers for stage in self.stages)
+
+    @property
+    def mid_cuts(self) -> tuple[int, ...]:
+        """The boundaries that cut the layer before them between its attention and its MLP."""
+        return tuple(stage.start for stage in self.stages if stage.starts_mid)
+
+    @property
+    def bounds(self) -> tuple[str, ...]:
+        """The split as the shard compiler takes it: 0,12.5,16 (12.5 cuts layer 12 after its attention)."""
+        return ("0", *(format_boundary(stage.end, stage.ends_mid) for stage in self.stages))
 
     @property
     def total_bytes(self) -> float:
@@ -98,6 +123,7 @@ class _Budget:
         self.kv_layer = shape.kv_bytes_per_token(kv) * context * sessions * ROLLBACK_SLACK
         self.embedding = shape.embedding_bytes(precision)
         self.head = shape.head_bytes(precision)
+        self.mlp = shape.mlp_bytes(precision)
         chunk = min(context, PREFILL_CHUNK)
         self.activations = (
             4.0 * chunk * (4 * shape.hidden + 3 * shape.intermediate + shape.heads * min(context, 4096))
@@ -111,12 +137,21 @@ class _Budget:
             weights -= self.embedding  # one IR shares the tied matrix
         return weights, self.activations + (self.logits if last else 0.0)
 
-    def stage(self, index: int, host: Host, start: int, end: int, last: bool) -> StagePlan:
+    def stage(
+        self,
+        index: int,
+        host: Host,
+        start: int,
+        end: int,
+        last: bool,
+        mids: tuple[bool, bool] = (False, False),
+    ) -> StagePlan:
         weights, activations = self.fixed(start == 0, last)
         count = end - start
+        weights += count * self.layer + self.mlp * (mids[0] - mids[1])
         return StagePlan(
-            index, host.name, start, end, last, weights + count * self.layer, count * self.kv_layer,
-            activations, float(RUNTIME_OVERHEAD), host.memory_gb * GIB,
+            index, host.name, start, end, last, weights, count * self.kv_layer, activations,
+            float(RUNTIME_OVERHEAD), host.memory_gb * GIB, *mids, self.mlp / self.layer,
         )  # fmt: skip
 
 
@@ -195,14 +230,15 @@ def plan(
     if balance_head:
         head_cost[-1] = budget.head / budget.layer  # in layer equivalents
     if costs is not None and len(costs) == count:
-        counts = balanced_split(shape.num_layers, costs, capacity)
+        ends = balanced_cuts(shape.num_layers, costs, capacity, 1.0 - budget.mlp / budget.layer)
     else:
         costs = None
         counts = _split(shape.num_layers, [host.speed for host in hosts], capacity, head_cost)
-    stages_list, start = [], 0
-    for i, (host, layers) in enumerate(zip(hosts, counts, strict=True)):
-        stages_list.append(budget.stage(i, host, start, start + layers, i == count - 1))
-        start += layers
+        ends = [(sum(counts[: i + 1]), False) for i in range(count)]
+    stages_list, start, starts_mid = [], 0, False
+    for i, (host, (end, ends_mid)) in enumerate(zip(hosts, ends, strict=True)):
+        stages_list.append(budget.stage(i, host, start, end, i == count - 1, (starts_mid, ends_mid)))
+        start, starts_mid = end, ends_mid
     return Plan(
         shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False,
         tuple(costs) if costs is not None else None,
@@ -351,7 +387,7 @@ def format_plan(plan: Plan) -> str:
     for stage in plan.stages:
         role = ("+emb" if stage.is_first else "") + ("+head" if stage.is_last else "")
         lines.append(
-            f"{stage.index:<6}{stage.host[:15]:<16}{f'[{stage.start}, {stage.end})':<12}{stage.count:>4}"
+            f"{stage.index:<6}{stage.host[:15]:<16}{stage.span:<12}{stage.count:>4}"
             f"{_gb(stage.weight_bytes):>11}{_gb(stage.kv_bytes):>11}"
             f"{_gb(stage.activation_bytes + stage.overhead_bytes):>10}{_gb(stage.total_bytes):>11}"
             f"{_gb(stage.usable_bytes):>11}{stage.total_bytes / stage.usable_bytes:>6.0%} {role}"
@@ -374,5 +410,5 @@ def rest_can_run(fleet: Fleet, failed: set[str]) -> str:
         plan = plan_fleet(replace(fleet, hosts=tuple(replace(host, layers=None) for host in rest), path=None))
     except PlanError as error:
         return f"without {', '.join(sorted(failed))} the model does not fit: {error}"
-    ranges = ", ".join(f"{stage.host} [{stage.start}, {stage.end})" for stage in plan.stages)
+    ranges = ", ".join(f"{stage.host} {stage.span}" for stage in plan.stages)
     return f"without {', '.join(sorted(failed))} the rest can run it: {ranges} (remove the failed hosts and deploy again)"

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -219,8 +219,9 @@ class Children:
             hook()
 
 
-def compile_split(fleet: Fleet, splits: list[int], children: Children | None = None) -> Path:
-    """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content)."""
+def compile_split(fleet: Fleet, splits: Sequence[int | str], children: Children | None = None) -> Path:
+    """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content;
+    a boundary 12.5 cuts layer 12 between its attention and its MLP)."""
     command = [
         sys.executable, "-m", "shard_compiler", "--model", fleet.model.name, "--split",
         ",".join(map(str, splits)), "--precision", fleet.model.precision, "--cache-root", str(fleet.model.shards),
@@ -442,7 +443,7 @@ def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:
 
 
 def format_comparison(
-    names: list[str], counts: list[int], costs: list[MeasuredCosts], measured: list[float] | None
+    names: list[str], counts: Sequence[float], costs: list[MeasuredCosts], measured: list[float] | None
 ) -> str:
     """Per stage: layers, predicted ms/token from the profile, measured ms/token, and the imbalance."""
     predicted = predicted_ms(counts, costs)
@@ -451,7 +452,7 @@ def format_comparison(
         real = measured[index] if measured else None
         error = f"{(guess - real) / real:+.0%}" if real else "-"
         shown = f"{real:.2f}" if real is not None else "-"
-        lines.append(f"{index:<6}{name[:15]:<16}{layers:>7}{guess:>14.2f}{shown:>13}{error:>8}")
+        lines.append(f"{index:<6}{name[:15]:<16}{layers:>7.3g}{guess:>14.2f}{shown:>13}{error:>8}")
     summary = f"imbalance (slowest - fastest) / slowest: predicted {imbalance(predicted):.0%}"
     if measured:
         summary += f", measured {imbalance(measured):.0%}"

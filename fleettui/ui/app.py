@@ -164,9 +164,9 @@ class FleetApp(App[int]):
     def on_unmount(self) -> None:
         logging.getLogger().removeHandler(self._log_handler)
 
-    def _layer_ranges(self) -> list[tuple[int, int]] | None:
+    def _layer_ranges(self) -> list[tuple[float, float]] | None:
         try:
-            return [(int(start), int(end)) for start, end in self.controller.layer_ranges()]
+            return self.controller.layer_ranges()
         except Exception as error:  # the plan is shown, not needed: a bad model file fails at deploy
             log.warning("no layer plan: %s", error)
             return None

@@ -121,8 +121,9 @@ def memory_text(megabytes_used: float | None) -> str:
     return f"{megabytes_used / 1024:.2f} GB" if megabytes_used >= 1024 else f"{megabytes_used:.0f} MB"
 
 
-def layers_text(layers: tuple[int, int] | None) -> str:
-    return "—" if layers is None else f"[{layers[0]}, {layers[1]})"
+def layers_text(layers: tuple[float, float] | None) -> str:
+    """[0, 12.5): a .5 boundary cuts that layer between its attention and its MLP."""
+    return "—" if layers is None else f"[{layers[0]:g}, {layers[1]:g})"
 
 
 def stats_text(tokens: int, tokens_per_second: float, acceptance: float | None, mean_k: float) -> str:

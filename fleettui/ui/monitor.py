@@ -36,7 +36,7 @@ class StageView:
     name: str
     address: str = "—"
     index: int | None = None
-    layers: tuple[int, int] | None = None
+    layers: tuple[float, float] | None = None
     device: str = "—"
     state: StageState = field(default_factory=Idle)
     sample: TelemetrySample | None = None
