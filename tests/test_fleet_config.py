@@ -119,6 +119,20 @@ def test_manual_layers_accepted(tmp_path: Path) -> None:
     assert fleet.manual_layers and [h.layers for h in fleet.hosts] == [(0, 10), (10, 30)]
 
 
+def test_manual_layers_may_cut_a_layer_between_its_attention_and_its_mlp(tmp_path: Path) -> None:
+    from fleettui.planning.planner import plan_fleet
+
+    path = write(
+        tmp_path,
+        HOST.format(name="a") + "layers = [0, 18.5]\n" + HOST.format(name="b") + "layers = [18.5, 30]\n",
+    )
+    fleet = load_fleet(path)
+    assert [h.layers for h in fleet.hosts] == [(0, 18.5), (18.5, 30)]
+    plan = plan_fleet(fleet)
+    assert plan.manual and plan.ranges == ((0, 19), (19, 30)) and plan.mid_cuts == (19,)
+    assert [stage.span for stage in plan.stages] == ["[0, 18.5)", "[18.5, 30)"]
+
+
 def test_draft_path_and_model_folder_resolved_relative_to_file(tmp_path: Path) -> None:
     (tmp_path / "draft").mkdir()
     (tmp_path / "model").mkdir()
@@ -173,7 +187,16 @@ ERRORS = [
     ),
     (HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b"), "[[hosts]]", 2, "hosts[b].layers", "all hosts or on none"),
     (HOST.format(name="a") + "layers = [5, 5]\n", "layers", 1, "hosts[a].layers", "start < end"),
-    (HOST.format(name="a") + "layers = [0, 1, 2]\n", "layers", 1, "hosts[a].layers", "two integers"),
+    (HOST.format(name="a") + "layers = [0, 1, 2]\n", "layers", 1, "hosts[a].layers", "two layer numbers"),
+    (HOST.format(name="a") + "layers = [0, 12.25]\n", "layers", 1, "hosts[a].layers", "N.5 cuts layer N"),
+    (
+        HOST.format(name="a") + "layers = [0, 12.5]\n" + HOST.format(name="b") + "layers = [12.5, 13]\n",
+        "[12.5, 13]", 1, "hosts[b].layers", "holds no layer's attention",
+    ),
+    (
+        HOST.format(name="a") + "layers = [0, 12.5]\n" + HOST.format(name="b") + "layers = [12.5, 29.5]\n",
+        "[12.5, 29.5]", 1, "hosts[b].layers", "has 30 layers",
+    ),
     (
         HOST.format(name="a") + "layers = [0, 10]\n" + HOST.format(name="b") + "layers = [11, 30]\n",
         "[11, 30]", 1, "hosts[b].layers", "contiguous",

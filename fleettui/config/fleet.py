@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -120,7 +121,9 @@ class Host:
     threads: int = 0  # 0 = device default
     cores: tuple[int, ...] = ()  # optional CPU pinning
     base_port: int = FIRST_BASE_PORT
-    layers: tuple[int, int] | None = None  # manual split override [start, end)
+    layers: tuple[float, float] | None = (
+        None  # manual split [start, end); N.5 cuts layer N after its attention
+    )
 
     @property
     def is_local(self) -> bool:
@@ -401,10 +404,19 @@ def _host(section: Section, base: Path) -> tuple[Host, bool]:
         raise section.error("cores", f"repeats a CPU number: {show(cores)}")
     layers = section.get("layers", list, None)
     if layers is not None:
-        if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
-            raise section.error("layers", f"expected [start, end] (two integers), got {show(layers)}")
+        if len(layers) != 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) * 2 == int(float(v) * 2)
+            for v in layers
+        ):
+            raise section.error(
+                "layers",
+                f"expected [start, end] (two layer numbers; N.5 cuts layer N between its attention and its MLP), "
+                f"got {show(layers)}",
+            )
         if not 0 <= layers[0] < layers[1]:
             raise section.error("layers", f"{show(layers)} is empty or negative: need 0 <= start < end")
+        if math.ceil(layers[0]) == math.ceil(layers[1]):
+            raise section.error("layers", f"{show(layers)} holds no layer's attention (and so no KV cache)")
     user = section.get("user", str, None)
     host = Host(
         name=name,
@@ -480,7 +492,7 @@ def _hosts(sections: list[Section], base: Path) -> tuple[Host, ...]:
         index = with_layers.index(False) if with_layers[0] else with_layers.index(True)
         raise sections[index].error("layers", "set layers on all hosts or on none")
     if all(with_layers):
-        expected = 0
+        expected: float = 0
         for index, host in enumerate(hosts):
             assert host.layers is not None
             if host.layers[0] != expected:

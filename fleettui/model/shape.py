@@ -23,7 +23,7 @@ class LayeredHost(Protocol):
     def name(self) -> str: ...
 
     @property
-    def layers(self) -> tuple[int, int] | None: ...
+    def layers(self) -> tuple[float, float] | None: ...
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def synthetic_shape(model: str) -> ModelShape:
 
 def check_manual_layers(shape: ModelShape, hosts: Sequence[LayeredHost]) -> None:
     """A manual split must be given on every host, contiguous from 0 and end at num_layers."""
-    expected = 0
+    expected: float = 0
     for host in hosts:
         if host.layers is None:
             raise PlanError("set layers on all hosts or on none", host=host.name, key="layers")

@@ -188,13 +188,13 @@ def plan(
     if manual:
         check_manual_layers(shape, hosts)
         stages = tuple(
-            budget.stage(i, host, host.layers[0], host.layers[1], i == count - 1)  # type: ignore[index]
+            budget.stage(i, host, *_kv_range(host.layers), i == count - 1, _mids(host.layers))  # type: ignore[arg-type]
             for i, host in enumerate(hosts)
         )
         for stage in stages:
             if stage.total_bytes > stage.usable_bytes:
                 raise PlanError(
-                    f"layers [{stage.start}, {stage.end}) need {_gb(stage.total_bytes)} "
+                    f"layers {stage.span} need {_gb(stage.total_bytes)} "
                     f"but the host offers {_gb(stage.usable_bytes)} usable",
                     host=stage.host,
                     key="layers",
@@ -243,6 +243,15 @@ def plan(
         shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False,
         tuple(costs) if costs is not None else None,
     )  # fmt: skip
+
+
+def _kv_range(layers: tuple[float, float]) -> tuple[int, int]:
+    """The layers whose KV cache a manual range [12.5, 16) holds: [13, 16) (layer 12's attention is before)."""
+    return math.ceil(layers[0]), math.ceil(layers[1])
+
+
+def _mids(layers: tuple[float, float]) -> tuple[bool, bool]:
+    return layers[0] != int(layers[0]), layers[1] != int(layers[1])
 
 
 def _check_total(
