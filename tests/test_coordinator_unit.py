@@ -800,3 +800,55 @@ async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
     lone = await stuck.open_session()
     with pytest.raises(LinkError, match="link closed"):
         await stuck.close_session(lone)
+
+
+async def test_a_long_prompt_is_prefilled_with_one_chunk_in_flight_per_stage() -> None:
+    """Pipelined prefill: up to one unscored chunk per stage in flight, committed in order; the steps and the
+    tokens are those of the serial prefill, and the next turn (its shared prefix cached) is exact too."""
+    prompt = list(range(1, 16)) * 40  # 600 tokens: four 128-token chunks unscored, the rest scored by round 1
+    results = {}
+    for stages in (1, 3):
+        pipeline = FakePipeline(delay=0.005)
+        coordinator = Coordinator(pipeline, None, None)  # type: ignore[arg-type]
+        session = await coordinator.open_session()
+        coordinator.stages = stages
+        first = await coordinator.generate(session, prompt, GenerationParams(max_tokens=6))
+        peak = pipeline.max_in_flight
+        second = await coordinator.generate(
+            session, [*prompt, *first.token_ids, *prompt[:300]], GenerationParams(max_tokens=6)
+        )
+        results[stages] = (list(first.token_ids), list(second.token_ids), pipeline.steps, peak)
+    assert results[1][:3] == results[3][:3]  # the same tokens from the same steps
+    assert results[1][3] == 1 and results[3][3] == 3
+    assert results[1][0] == _plain_greedy(prompt, 6)
+
+
+async def test_a_long_prompt_is_prefilled_in_small_chunks_while_another_session_generates() -> None:
+    """Each step of a generating session waits behind the chunk a stage computes: while one generates, the
+    prompt of another goes in chunks of SHARED_CHUNK tokens, and both answers stay exact."""
+    from fleettui.runtime.prefill import PREFILL_CHUNK, SHARED_CHUNK
+
+    class Recording(FakePipeline):
+        def __init__(self) -> None:
+            super().__init__(delay=0.002)
+            self.sizes: dict[int, list[int]] = {}
+
+        def _serve(self, message: protocol.Message) -> protocol.Message:
+            if isinstance(message, protocol.Step) and message.decode is None:
+                self.sizes.setdefault(message.session, []).append(message.n)
+            return super()._serve(message)
+
+    prompt, other = list(range(1, 16)) * 40, [3, 1, 4, 1, 5]
+    pipeline = Recording()
+    coordinator = Coordinator(pipeline, None, None)  # type: ignore[arg-type]
+    coordinator.stages = 2
+    alone, busy, talker = [await coordinator.open_session() for _ in range(3)]
+    await coordinator.generate(alone, prompt, GenerationParams(max_tokens=4))
+    talking = asyncio.ensure_future(coordinator.generate(talker, other, GenerationParams(max_tokens=400)))
+    await asyncio.sleep(0.05)
+    answer = await coordinator.generate(busy, prompt, GenerationParams(max_tokens=6))
+    talked = await talking
+    assert pipeline.sizes[alone.id] == [PREFILL_CHUNK] * 4  # 600 tokens: 4 unscored, the last 88 scored
+    assert set(pipeline.sizes[busy.id]) == {SHARED_CHUNK} and len(pipeline.sizes[busy.id]) >= 15
+    assert list(answer.token_ids) == _plain_greedy(prompt, 6)
+    assert list(talked.token_ids) == _plain_greedy(other, 400)

@@ -141,6 +141,28 @@ def test_stages_cut_inside_a_layer_match_the_unsplit_model(
         assert sum(s.accepted for s in info["stats"]) > 0
 
 
+def test_a_long_prompt_prefilled_with_chunks_in_flight_is_exact(shard_cache: Path) -> None:
+    """A ~900-token prompt goes down 3 stages as 7 unscored chunks, up to one per stage in flight, beside a
+    short one of another user: both answers are the unsplit model's greedy tokens."""
+    from shards import ChainRunner, chat_ids
+
+    from shard_compiler.compiler import compile_shards
+
+    facts = ". ".join(
+        f"Fact {index}: the {index}th lamp is {('red', 'green', 'blue')[index % 3]}" for index in range(90)
+    )
+    prompts = [f"{facts}. Which colour is the 40th lamp?", PROMPTS[0]]
+    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    runner = ChainRunner(unsplit, exact=True)
+    expected = []
+    for prompt in prompts:
+        runner.reset()
+        expected.append(runner.greedy(chat_ids(unsplit, prompt), TOKENS, stop_at_eos=True))
+    assert len(chat_ids(unsplit, prompts[0])) > 800
+    tokens, _ = asyncio.run(run_prompts(make_fleet(shard_cache, 3, "none"), prompts, interleaved=True))
+    assert tokens == expected
+
+
 def test_plaintext_links_work_and_match(shard_cache: Path, reference: list[list[int]]) -> None:
     fleet = make_fleet(shard_cache, 2, "none", encryption="plaintext")
     tokens, _ = asyncio.run(run_prompts(fleet, PROMPTS[:1], interleaved=False))

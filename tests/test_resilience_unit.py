@@ -78,7 +78,7 @@ class LosingPipeline(FakePipeline):
         self.losses = 0
 
     async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
-        if isinstance(message, protocol.Step) and self.steps + 1 == self.lose_at and not self.losses:
+        if isinstance(message, protocol.Step) and self.steps + 1 >= self.lose_at and not self.losses:
             self.losses += 1
             assert self.coordinator is not None
             self.coordinator.resume.clear()
@@ -155,9 +155,10 @@ class PositionalDrafter:
 
 
 async def _answers(
-    pipeline: FakePipeline, params: GenerationParams, drafter: object = None
+    pipeline: FakePipeline, params: GenerationParams, drafter: object = None, stages: int = 1
 ) -> list[list[int]]:
     coordinator = Coordinator(pipeline, None, drafter)  # type: ignore[arg-type]
+    coordinator.stages = stages  # prefill chunks in flight at once (the fake chain answers Hello with 1)
     if isinstance(pipeline, LosingPipeline):
         pipeline.coordinator = coordinator
     sessions = [await coordinator.open_session(seed=5) for _ in PROMPTS]
@@ -169,11 +170,16 @@ async def _answers(
 
 @pytest.mark.parametrize("lose_at", [1, 3, 9, 20])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_lost_round_is_replayed_and_the_output_does_not_change(lose_at: int, temperature: float) -> None:
+@pytest.mark.parametrize(
+    "stages", [1, 3]
+)  # 3: the 300-token prompt's two prefill chunks go in flight together
+def test_a_lost_round_is_replayed_and_the_output_does_not_change(
+    lose_at: int, temperature: float, stages: int
+) -> None:
     params = GenerationParams(max_tokens=24, temperature=temperature, spec_k=3)
     expected = asyncio.run(_answers(FakePipeline(), params, PositionalDrafter()))
     pipeline = LosingPipeline(lose_at)
-    assert asyncio.run(_answers(pipeline, params, PositionalDrafter())) == expected
+    assert asyncio.run(_answers(pipeline, params, PositionalDrafter(), stages)) == expected
     assert pipeline.losses == 1
 
 

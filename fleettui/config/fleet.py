@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 import re
 import sys
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ from fleettui.config import paths
 from fleettui.config.resilience import ResilienceSettings, parse_resilience
 from fleettui.config.toml_source import LineIndex, Section, show
 from fleettui.errors import FleetConfigError, PlanError
+from fleettui.model.shape import layer_range_problem
 from remote_worker import config as contract
 
 if sys.version_info >= (3, 11):
@@ -403,20 +403,8 @@ def _host(section: Section, base: Path) -> tuple[Host, bool]:
     if len(set(cores)) != len(cores):
         raise section.error("cores", f"repeats a CPU number: {show(cores)}")
     layers = section.get("layers", list, None)
-    if layers is not None:
-        if len(layers) != 2 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) * 2 == int(float(v) * 2)
-            for v in layers
-        ):
-            raise section.error(
-                "layers",
-                f"expected [start, end] (two layer numbers; N.5 cuts layer N between its attention and its MLP), "
-                f"got {show(layers)}",
-            )
-        if not 0 <= layers[0] < layers[1]:
-            raise section.error("layers", f"{show(layers)} is empty or negative: need 0 <= start < end")
-        if math.ceil(layers[0]) == math.ceil(layers[1]):
-            raise section.error("layers", f"{show(layers)} holds no layer's attention (and so no KV cache)")
+    if layers is not None and (problem := layer_range_problem(layers, show(layers))):
+        raise section.error("layers", problem)
     user = section.get("user", str, None)
     host = Host(
         name=name,

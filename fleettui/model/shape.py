@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,23 @@ def synthetic_shape(model: str) -> ModelShape:
     from dataclasses import replace
 
     return replace(base, name=model, num_layers=layers)
+
+
+def layer_range_problem(layers: list[Any], shown: str) -> str | None:
+    """Why a fleet file's `layers = [start, end]` is not a range (N.5 cuts layer N after its attention)."""
+    if len(layers) != 2 or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) * 2 == int(float(v) * 2)
+        for v in layers
+    ):
+        return (
+            f"expected [start, end] (two layer numbers; N.5 cuts layer N between its attention and its MLP), "
+            f"got {shown}"
+        )
+    if not 0 <= layers[0] < layers[1]:
+        return f"{shown} is empty or negative: need 0 <= start < end"
+    if math.ceil(layers[0]) == math.ceil(layers[1]):
+        return f"{shown} holds no layer's attention (and so no KV cache)"
+    return None
 
 
 def check_manual_layers(shape: ModelShape, hosts: Sequence[LayeredHost]) -> None:

@@ -39,6 +39,7 @@ from fleettui.runtime.limits import validate_request
 from fleettui.runtime.measures import LOADED_UTILIZATION, StageLoad, round_costs
 from fleettui.runtime.pipelined import AheadRounds
 from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter
+from fleettui.runtime.prefill import PrefillRounds
 from fleettui.runtime.runs import RunRounds, costly_run_tokens
 from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
@@ -46,7 +47,6 @@ from fleettui.runtime.transport import Link, LinkError, StageLost
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
-PREFILL_CHUNK = 128
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
 
 
@@ -57,7 +57,7 @@ async def _nothing() -> None:
     return None
 
 
-class Coordinator(RunRounds, AheadRounds):
+class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     """Drives a pipeline (`target` link) and an optional drafter for many concurrent sessions."""
 
     def __init__(
@@ -102,6 +102,7 @@ class Coordinator(RunRounds, AheadRounds):
         self.fatal: str | None = None
         self.hold = Hold()  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
         self.replayed_tokens = 0
+        self.stages = 1  # how many stages the last Hello crossed
         # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that survived still
         # hold them (and count them against max_sessions), so they are closed before the next rebuild.
         self.unclosed: set[int] = set()
@@ -111,6 +112,7 @@ class Coordinator(RunRounds, AheadRounds):
         reply = await self.target.request(protocol.Hello(0), timeout=timeout)
         if not isinstance(reply, protocol.Ack):
             raise TypeError(f"hello answered {type(reply).__name__}")
+        self.stages = reply.value  # a pipelined prefill keeps one chunk in flight per stage
         return reply.value
 
     async def open_session(self, seed: int = 0) -> Session:
@@ -179,9 +181,7 @@ class Coordinator(RunRounds, AheadRounds):
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
             prefix = session.history[:-1]  # the last token is fed by the next round, as in a normal run
-            while session.ledger.logical_len < len(prefix):
-                end = min(len(prefix), session.ledger.logical_len + PREFILL_CHUNK)
-                await self._step(session, session.ledger.plan(prefix[:end]), None)
+            await self._replay(session, prefix, target_epoch)
             self.replayed_tokens += len(prefix)
             session.target_epoch = target_epoch
         if session.draft_epoch != draft_epoch:
@@ -275,8 +275,7 @@ class Coordinator(RunRounds, AheadRounds):
         session.logprobs = []
         generated: list[int] = []
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
-        while len(session.history) - session.ledger.logical_len > PREFILL_CHUNK:
-            await self._guarded(session, functools.partial(self._prefill_chunk, session))
+        await self._guarded(session, functools.partial(self._prefill, session))
         while len(generated) < params.max_tokens:
             remaining = params.max_tokens - len(generated)
             round_ = await self._guarded(
@@ -337,16 +336,6 @@ class Coordinator(RunRounds, AheadRounds):
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats, tuple(session.logprobs))
-
-    async def _prefill_chunk(self, session: Session) -> None:
-        """Feed the next PREFILL_CHUNK prompt tokens without scoring them (none left after a rebuild)."""
-        if len(session.history) - session.ledger.logical_len <= PREFILL_CHUNK:
-            return
-        await self._maybe_compact(session)
-        end = session.ledger.logical_len + PREFILL_CHUNK
-        feed = session.ledger.plan(session.history[: end + 1])
-        feed = Feed(feed.cache_len, feed.pos0, feed.tokens[:PREFILL_CHUNK], feed.mask_ranges)
-        await self._step(session, feed, None)
 
     async def _round(
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
