@@ -328,6 +328,24 @@ def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_p
     assert set(Path(tempfile.gettempdir()).glob("fleettui-startup-*")) == before
 
 
+def test_prefill_bench_measures_both_arms_alone_and_beside_a_user_and_they_answer_alike() -> None:
+    """`bench --prefill`: the serial and the pipelined prefill in alternated rounds; under f32 both arms give
+    the same first tokens, and the generating user's tokens are counted during the prefill."""
+    from fleettui.bench.prefill_bench import ARMS, prefill_bench
+    from fleettui.control.running import run
+    from fleettui.control.settings import with_overrides
+
+    fleet = with_overrides(load_fleet(DEFAULT_FLEET), exact=True, draft="none")
+    report = run(lambda: prefill_bench(fleet, tokens=400, rounds=2))
+    assert report.stages == 2 and report.prompt_tokens > 400
+    for arm in ARMS:
+        assert len(report.ttft[arm]) == len(report.shared_ttft[arm]) == 2
+        assert min(report.ttft[arm]) > 0 and min(report.other_rate[arm]) > 0
+    assert report.same_tokens
+    summary = report.summary()
+    assert "first token alone: pipelined" in summary and "same tokens in both arms: yes" in summary
+
+
 # ------------------------------------------------------------------------ groups and paired ratios
 def test_only_keeps_one_group_and_its_partners() -> None:
     fleet = load_fleet(DEFAULT_FLEET)

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--startup", type=int, nargs="?", const=3, metavar="ROUNDS",
         help="each stage worker's start to ready, compile cache off / first start / restart, ROUNDS (3) rounds",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefill", type=int, nargs="?", const=2000, metavar="TOKENS",
+        help="a TOKENS-token prompt's first token, alone and beside a generating user, pipelined vs serial prefill",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         return run_rebalance_cli(options.load(args), args)
     if args.startup is not None:
         return run_startup_cli(options.load(args), args)
+    if args.prefill is not None:
+        return run_prefill_cli(options.load(args), args)
     return run_bench_cli(options.load(args), args)
 
 
@@ -111,6 +117,20 @@ def run_startup_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     report = run_loop(lambda: startup_bench(fleet, args.startup, on_line=say))
     print(report.summary())
     return 0 if all(start.from_cache for start in report.starts if start.mode == "again") else 1
+
+
+def run_prefill_cli(fleet: Fleet, args: argparse.Namespace) -> int:
+    """`fleettui bench FLEET --prefill [TOKENS]`: exit 1 when the arms' answers differ under --exact."""
+    from fleettui.bench.prefill_bench import prefill_bench
+    from fleettui.control.settings import with_overrides
+
+    if not 200 <= args.prefill <= 16_000:
+        raise FleetError(f"--prefill: {args.prefill} prompt tokens, 200..16000")
+    fleet = with_overrides(fleet, exact=args.exact, draft="none")
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = run_loop(lambda: prefill_bench(fleet, args.prefill, on_line=say))
+    print(report.summary())
+    return 1 if args.exact and not report.same_tokens else 0
 
 
 class Progress:

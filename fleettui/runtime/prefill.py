@@ -97,14 +97,19 @@ class PrefillRounds:
     _result: Callable[[protocol.Message], protocol.Result]
     _maybe_compact: Callable[[Session], Awaitable[None]]
     _several: Callable[[], bool]
+    prefill_serial = False  # the bench's baseline: one PREFILL_CHUNK chunk at a time, as before
 
     async def _prefill(self, session: Session) -> None:
         """Feed the reply's prompt but its last chunk, unscored (none left after a rebuild); in chunks of
         SHARED_CHUNK tokens while other sessions generate (each of their steps waits behind a chunk)."""
-        chunks = prompt_chunk(session.history, lambda: SHARED_CHUNK if self._several() else PREFILL_CHUNK)
+        serial = self.prefill_serial
+        chunks = prompt_chunk(
+            session.history, lambda: SHARED_CHUNK if self._several() and not serial else PREFILL_CHUNK
+        )
         if chunks(session.ledger) is not None:
             await self._maybe_compact(session)
-            await prefill(session.ledger, chunks, self._sender(session, self.target_epoch), self.stages)
+            depth = 1 if serial else self.stages
+            await prefill(session.ledger, chunks, self._sender(session, self.target_epoch), depth)
 
     async def _replay(self, session: Session, prefix: list[int], epoch: int) -> None:
         """Feed `prefix` into the pipeline of `epoch`, rebuilt without the session (its ledger reset)."""
