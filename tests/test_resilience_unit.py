@@ -204,6 +204,18 @@ def test_throttle_reasons() -> None:
     assert "clock at 50%" in throttle_reason(None, None, 1.5, freq_ratio=0.5)[1]  # type: ignore[index]
 
 
+def test_a_split_cut_inside_a_layer_is_costed_with_the_mlp_it_moved() -> None:
+    """[0, 12.5) / [12.5, 16): the KV ranges say 13 / 3 layers, the compute is 12.17 / 3.83 (+ the head)."""
+    share, layer, head = 0.83, 3.9, 9.3
+    seconds = [(13 - share) * layer, (3 + share + head) * layer]
+    moved = [-share, share]
+    assert stage_costs([(0, 13), (13, 16)], seconds, head, moved) == [pytest.approx(layer)] * 2
+    # the whole split 13 / 3 (the same KV ranges) is another split: 0.9 % faster here, not worth a switch
+    split, gain = propose_split([(0, 13), (13, 16)], seconds, head, min_gain=0.0, moved=moved)  # type: ignore[misc]
+    assert split == [(0, 13), (13, 16)] and gain == pytest.approx(1 - 13 / (3 + share + head))
+    assert propose_split([(0, 13), (13, 16)], seconds, head, moved=moved) is None  # under the 10 % bar
+
+
 def test_stage_costs_count_the_head_on_the_last_stage() -> None:
     assert stage_costs([(0, 10), (10, 20)], [1.0, 1.7], head_layers=7.0) == [0.1, pytest.approx(0.1)]
 

@@ -39,12 +39,18 @@ def throttle_reason(
 
 
 def stage_costs(
-    ranges: Sequence[tuple[int, int]], seconds: Sequence[float], head_layers: float = 0.0
+    ranges: Sequence[tuple[int, int]],
+    seconds: Sequence[float],
+    head_layers: float = 0.0,
+    moved: Sequence[float] = (),
 ) -> list[float]:
-    """Per-layer cost of each stage's host; the last stage's time also pays `head_layers` of lm_head."""
+    """Per-layer cost of each stage's host; the last stage's time also pays `head_layers` of lm_head, and a
+    stage of a split that cuts inside layers `moved[i]` layers more (+ the MLP it starts with, - the one after
+    its last attention)."""
     costs = []
     for index, ((start, end), spent) in enumerate(zip(ranges, seconds, strict=True)):
-        layers = (end - start) + (head_layers if index == len(ranges) - 1 else 0.0)
+        layers = (end - start) + (moved[index] if moved else 0.0)
+        layers += head_layers if index == len(ranges) - 1 else 0.0
         costs.append(spent / layers if layers > 0 else 0.0)
     return costs
 
@@ -83,10 +89,12 @@ def best_split(
     return ranges
 
 
-def bottleneck_time(ranges: Sequence[tuple[int, int]], costs: Sequence[float], head_layers: float) -> float:
+def bottleneck_time(
+    ranges: Sequence[tuple[int, int]], costs: Sequence[float], head_layers: float, moved: Sequence[float] = ()
+) -> float:
     last = len(ranges) - 1
     return max(
-        ((end - start) + (head_layers if i == last else 0.0)) * cost
+        ((end - start) + (moved[i] if moved else 0.0) + (head_layers if i == last else 0.0)) * cost
         for i, ((start, end), cost) in enumerate(zip(ranges, costs, strict=True))
     )
 
@@ -97,18 +105,20 @@ def propose_split(
     head_layers: float = 0.0,
     min_gain: float = 0.1,
     capacity: Sequence[int] | None = None,
+    moved: Sequence[float] = (),
 ) -> tuple[list[tuple[int, int]], float] | None:
-    """A better split and its expected gain (fraction of the bottleneck saved), or None if < min_gain."""
-    costs = stage_costs(ranges, seconds, head_layers)
+    """A better split of whole layers and its expected gain (fraction of the bottleneck saved), or None if
+    < min_gain. `moved`: what a running split that cuts inside layers moves per stage (`stage_costs`)."""
+    costs = stage_costs(ranges, seconds, head_layers, moved)
     if any(cost <= 0 for cost in costs):
         return None
     num_layers = ranges[-1][1] - ranges[0][0]
     candidate = best_split(num_layers, costs, head_layers, capacity)
     candidate = [(start + ranges[0][0], end + ranges[0][0]) for start, end in candidate]
-    now = bottleneck_time(ranges, costs, head_layers)
+    now = bottleneck_time(ranges, costs, head_layers, moved)
     then = bottleneck_time(candidate, costs, head_layers)
     gain = 1.0 - then / now if now > 0 else 0.0
-    if candidate == list(ranges) or gain < min_gain:
+    if (candidate == list(ranges) and not any(moved)) or gain < min_gain:
         return None
     return candidate, gain
 
@@ -150,8 +160,10 @@ class Balancer:
         window: int = 32,
         patience: int = 3,
         min_gain: float = 0.1,
+        moved: Sequence[float] = (),
     ) -> None:
         self.ranges = list(ranges)
+        self.moved = list(moved)  # layers of compute a split cut inside layers moves per stage
         self.head_layers = head_layers
         self.ratio_limit = ratio_limit
         self.window = window
@@ -215,7 +227,7 @@ class Balancer:
         self.streak = (slowest, run + 1 if stage == slowest else 1)
         if self.streak[1] < self.patience:
             return None
-        proposed = propose_split(self.ranges, seconds, self.head_layers, self.min_gain)
+        proposed = propose_split(self.ranges, seconds, self.head_layers, self.min_gain, moved=self.moved)
         if proposed is not None:
             self.streak = (-1, 0)
         return proposed

@@ -21,6 +21,7 @@ from remote_worker.replies import TelemetrySample
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet
+    from remote_worker.manifest import Manifest
 
 log = logging.getLogger(__name__)
 THROTTLE_CHECK_EVERY = 4  # results between two throttle verdicts (and proposal checks)
@@ -44,6 +45,23 @@ def head_layers(fleet: Fleet) -> float:
     if shape is None:
         return 0.0
     return shape.head_bytes("fp32") / shape.layer_bytes("fp32")
+
+
+def moved_layers(manifest: Manifest, fleet: Fleet) -> list[float]:
+    """Per stage of a split that cuts inside layers: the MLP share of a layer it starts with, minus the one
+    it leaves to the next stage (0 for whole layers). The share is the MLP's part of the layer's weights."""
+    from fleettui.errors import PlanError
+    from fleettui.model.builtin import shape_for_model
+
+    if not manifest.mid_cuts:
+        return []
+    try:
+        shape = shape_for_model(fleet.model.name)
+    except PlanError:
+        shape = None
+    precision = fleet.model.precision
+    share = shape.mlp_bytes(precision) / shape.layer_bytes(precision) if shape is not None else 0.8
+    return [share * (s.layers.starts_mid - s.layers.ends_mid) for s in manifest.stages]
 
 
 def local_clock_ratio() -> float | None:
@@ -73,6 +91,7 @@ class Rebalancer:
         apply: Callable[[list[tuple[int, int]]], Any],
         window: int = 64,
         patience: int = 3,
+        moved: Sequence[float] = (),
     ) -> None:
         self.mode = mode
         self.ratio_limit = ratio_limit
@@ -86,11 +105,16 @@ class Rebalancer:
         self.observed = 0
         self.proposals: list[RebalanceProposal] = []
         self.task: asyncio.Task[None] | None = None
-        self.balancer = Balancer(ranges, head, ratio_limit, window, patience)
+        self.balancer = Balancer(ranges, head, ratio_limit, window, patience, moved=moved)
 
-    def reset(self, ranges: Sequence[tuple[int, int]], names: Sequence[str] | None = None) -> None:
-        """A new split is running: measure it from scratch."""
-        self.balancer = Balancer(ranges, self.head, self.ratio_limit, self.window, self.patience)
+    def reset(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        names: Sequence[str] | None = None,
+        moved: Sequence[float] = (),
+    ) -> None:
+        """A new split is running: measure it from scratch (`moved`: see `moved_layers`)."""
+        self.balancer = Balancer(ranges, self.head, self.ratio_limit, self.window, self.patience, moved=moved)
         if names is not None:
             self.names = list(names)
         self.flagged.clear()

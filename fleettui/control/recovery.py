@@ -25,7 +25,7 @@ from fleettui.config.fleet import Fleet, ResilienceSettings
 from fleettui.config.local_cores import share_local_cores
 from fleettui.control import relaunch
 from fleettui.control.deployment import Deployment, Placement, build_deployment
-from fleettui.control.rebalance import Rebalancer, head_layers
+from fleettui.control.rebalance import Rebalancer, head_layers, moved_layers
 from fleettui.control.states import (
     Degraded,
     LogLine,
@@ -94,6 +94,7 @@ class Recovery:
             head_layers(controller.fleet),
             controller._emit,
             self.switch_split,
+            moved=moved_layers(controller.target.manifest, controller.fleet) if controller.target else (),
         )
         controller.coordinator.result_observers.append(self.rebalancer.observe)
 
@@ -471,7 +472,8 @@ class Recovery:
             controller._set_state(placement.config.name, Ready())
             self._watch(placement)
         if self.rebalancer is not None:
-            self.rebalancer.reset(ranges, [p.config.name for p in deployment.stages])
+            names = [p.config.name for p in deployment.stages]
+            self.rebalancer.reset(ranges, names, moved_layers(compiled.manifest, fleet))
 
 
 def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:
