@@ -48,7 +48,7 @@ class Row:
     acceptance_rate: float | None = None
     mean_k: float | None = None
     stage_breakdown: list[dict[str, float]] | None = None
-    layers: list[list[int]] | None = None
+    layers: list[list[float]] | None = None  # 12.5: a boundary inside layer 12 (after its attention)
     vs_mono: float | None = None
     vs_genai: float | None = None
     status: str = "ok"  # ok | skipped: reason | failed: reason

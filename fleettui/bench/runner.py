@@ -318,7 +318,10 @@ async def run_fleet_group(
         else:
             prompts = [chat.encode_chat([ChatMessage("user", text)]) for text in PROMPTS]
         precision = _precision_from(properties, manifest.precision, variant.runtime)
-        layers = [[s.layers.start, s.layers.end] for s in manifest.stages]
+        layers = [  # 12.5: the boundary cuts layer 12 between its attention and its MLP
+            [r.start - 0.5 if r.starts_mid else r.start, r.end - 0.5 if r.ends_mid else r.end]
+            for r in (stage.layers for stage in manifest.stages)
+        ]
         warm = [0] + ([2] if coordinator.drafter is not None else [])
         for k in warm:  # first inferences allocate; keep them out of the rows
             session = await coordinator.open_session()
