@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleettui.commands import options
 from fleettui.control.running import run as run_loop
@@ -108,29 +109,34 @@ def run_rebalance_cli(fleet: Fleet, args: argparse.Namespace) -> int:
 def run_startup_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     """`fleettui bench FLEET --startup [ROUNDS]`: exit 1 when a restart did not load its compiled model."""
     from fleettui.bench.startup import startup_bench
-    from fleettui.control.settings import with_overrides
 
     if not 1 <= args.startup <= 20:
         raise FleetError(f"--startup: {args.startup} rounds, 1..20")
-    fleet = with_overrides(fleet, exact=args.exact, draft="none")
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    report = run_loop(lambda: startup_bench(fleet, args.startup, on_line=say))
-    print(report.summary())
+    report = _headless(fleet, args, lambda plain, say: startup_bench(plain, args.startup, on_line=say))
     return 0 if all(start.from_cache for start in report.starts if start.mode == "again") else 1
 
 
 def run_prefill_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     """`fleettui bench FLEET --prefill [TOKENS]`: exit 1 when the arms' answers differ under --exact."""
     from fleettui.bench.prefill_bench import prefill_bench
-    from fleettui.control.settings import with_overrides
 
     if not 200 <= args.prefill <= 16_000:
         raise FleetError(f"--prefill: {args.prefill} prompt tokens, 200..16000")
-    fleet = with_overrides(fleet, exact=args.exact, draft="none")
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    report = run_loop(lambda: prefill_bench(fleet, args.prefill, on_line=say))
-    print(report.summary())
+    report = _headless(fleet, args, lambda plain, say: prefill_bench(plain, args.prefill, on_line=say))
     return 1 if args.exact and not report.same_tokens else 0
+
+
+def _headless(
+    fleet: Fleet, args: argparse.Namespace, measure: Callable[[Fleet, Callable[[str], None]], Any]
+) -> Any:
+    """Run one measurement on FLEET without speculation (`--exact` honoured), progress on stderr, and print
+    its report's summary; returns the report."""
+    from fleettui.control.settings import with_overrides
+
+    plain = with_overrides(fleet, exact=args.exact, draft="none")
+    report = run_loop(lambda: measure(plain, lambda line: print(line, file=sys.stderr, flush=True)))
+    print(report.summary())
+    return report
 
 
 class Progress:

@@ -9,7 +9,7 @@ SmolLM2 it costs about as much as seven decoder layers, which a byte count under
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,26 +87,38 @@ def balanced_split(total: int, costs: Sequence[MeasuredCosts], capacity: Sequenc
         raise PlanError("one cost profile and one capacity per host are needed")
     if count > total or sum(min(c, total) for c in capacity) < total or min(capacity) < 1:
         raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
-    # best[i][used] = (max time, sum of squares, counts) for the first i stages holding `used` layers
+
+    def options(index: int, used: int) -> Iterator[tuple[int, float]]:
+        last, left_after = index == count - 1, count - index - 1  # every later stage needs a layer
+        for take in range(1, capacity[index] + 1):
+            reach = used + take
+            if reach <= total - left_after and (not last or reach == total):
+                yield reach, costs[index].stage_ms(take, last)
+
+    found = _min_max_split(count, total, options)
+    if found is None:
+        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
+    return [stop - start for start, stop in zip((0, *found[:-1]), found, strict=True)]
+
+
+def _min_max_split(
+    count: int, total: int, options: Callable[[int, int], Iterable[tuple[int, float]]]
+) -> tuple[int, ...] | None:
+    """Where each of COUNT stages ends (units of work, the last at TOTAL) minimising the slowest stage; ties
+    go to the smaller sum of squared stage times. `options(i, used)` gives stage i's possible (end, ms) when it
+    starts at `used`. Exact dynamic programming over stages x units used."""
     best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
     for index in range(count):
-        last = index == count - 1
-        layer_options: dict[int, tuple[float, float, tuple[int, ...]]] = {}
-        left_after = count - index - 1  # every later stage needs at least one layer
-        for used, (worst, squares, counts) in best[index].items():
-            for take in range(1, capacity[index] + 1):
-                reach = used + take
-                if reach > total - left_after or (last and reach != total):
-                    continue
-                stage = costs[index].stage_ms(take, last)
-                candidate = (max(worst, stage), squares + stage * stage, (*counts, take))
-                known = layer_options.get(reach)
+        reached: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+        for used, (worst, squares, stops) in best[index].items():
+            for stop, stage in options(index, used):
+                candidate = (max(worst, stage), squares + stage * stage, (*stops, stop))
+                known = reached.get(stop)
                 if known is None or candidate[:2] < known[:2]:
-                    layer_options[reach] = candidate
-        best.append(layer_options)
-    if total not in best[count]:
-        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
-    return list(best[count][total][2])
+                    reached[stop] = candidate
+        best.append(reached)
+    found = best[count].get(total)
+    return found[2] if found is not None else None
 
 
 MID_CUT_MIN_GAIN = 0.01  # a split that cuts inside layers must beat the best whole-layer one by this much
@@ -132,28 +144,47 @@ def balanced_cuts(
     if not 0.0 < attention_share < 1.0 or len(costs) < 2:
         return ends
     units, count = 2 * total, len(costs)
-    best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
-    for index in range(count):
+
+    def options(index: int, used: int) -> Iterator[tuple[int, float]]:
         last, left_after = index == count - 1, count - index - 1
-        options: dict[int, tuple[float, float, tuple[int, ...]]] = {}
-        for used, (worst, squares, stops) in best[index].items():
-            for stop in range(used + 1, units + 1):
-                attention = (stop + 1) // 2 - (used + 1) // 2  # attention units (even) in [used, stop)
-                if attention + used % 2 > capacity[index] or total - (stop + 1) // 2 < left_after:
-                    break
-                if attention < 1 or (last and stop != units):
-                    continue
-                layers = attention * attention_share + (stop - used - attention) * (1.0 - attention_share)
-                stage = costs[index].stage_ms(layers, last)
-                candidate = (max(worst, stage), squares + stage * stage, (*stops, stop))
-                known = options.get(stop)
-                if known is None or candidate[:2] < known[:2]:
-                    options[stop] = candidate
-        best.append(options)
-    found = best[count].get(units)
-    if found is None or found[0] > (1.0 - MID_CUT_MIN_GAIN) * max(predicted_ms(whole, costs)):
+        for stop in range(used + 1, units + 1):
+            attention = _attention_units(used, stop)
+            if attention + used % 2 > capacity[index] or total - (stop + 1) // 2 < left_after:
+                return
+            if attention >= 1 and (not last or stop == units):
+                yield stop, costs[index].stage_ms(_compute_layers(used, stop, attention_share), last)
+
+    found = _min_max_split(count, units, options)
+    if found is None or max(predicted_cut_ms(found, costs, attention_share)) > (1.0 - MID_CUT_MIN_GAIN) * max(
+        predicted_ms(whole, costs)
+    ):
         return ends
-    return [((stop + 1) // 2, stop % 2 == 1) for stop in found[2]]
+    return [((stop + 1) // 2, stop % 2 == 1) for stop in found]
+
+
+def predicted_cut_ms(
+    stops: Sequence[int], costs: Sequence[MeasuredCosts], attention_share: float
+) -> list[float]:
+    """Each stage's predicted ms of a split whose stages end at STOPS, in half layers (2i + 1: after layer i's
+    attention)."""
+    times, used = [], 0
+    for index, stop in enumerate(stops):
+        times.append(
+            costs[index].stage_ms(_compute_layers(used, stop, attention_share), index == len(stops) - 1)
+        )
+        used = stop
+    return times
+
+
+def _attention_units(used: int, stop: int) -> int:
+    """Attentions (even half-layer units) in [used, stop)."""
+    return (stop + 1) // 2 - (used + 1) // 2
+
+
+def _compute_layers(used: int, stop: int, attention_share: float) -> float:
+    """Layers of compute in the half-layer units [used, stop)."""
+    attention = _attention_units(used, stop)
+    return attention * attention_share + (stop - used - attention) * (1.0 - attention_share)
 
 
 def predicted_ms(counts: Sequence[float], costs: Sequence[MeasuredCosts]) -> list[float]:
