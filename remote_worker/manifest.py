@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
@@ -73,6 +73,16 @@ class LayerRange:
 def format_boundary(layer: int, mid: bool) -> str:
     """A stage boundary as written in a split: 13, or 12.5 for the cut inside layer 12 (before KV layer 13)."""
     return f"{layer - 1}.5" if mid else str(layer)
+
+
+def boundary_value(layer: int, mid: bool) -> float:
+    """A stage boundary as a number for display: 13, or 12.5 for the cut inside layer 12."""
+    return layer - 0.5 if mid else layer
+
+
+def format_bounds(bounds: Iterable[int], mid_cuts: Collection[int]) -> list[str]:
+    """Boundaries as the shard compiler's `--split` takes them: those in MID_CUTS as N.5."""
+    return [format_boundary(bound, bound in mid_cuts) for bound in bounds]
 
 
 def parse_boundary(text: str) -> tuple[int, bool]:

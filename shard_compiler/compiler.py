@@ -79,11 +79,10 @@ def _ranges(
     stages: int | Sequence[int], num_layers: int, mid_cuts: Collection[int] = ()
 ) -> tuple[LayerRange, ...]:
     try:
-        if isinstance(stages, int):
-            return ranges_from_splits(
-                [0, *(r.end for r in even_split(num_layers, stages))], num_layers, mid_cuts
-            )
-        return ranges_from_splits(list(stages), num_layers, mid_cuts)
+        splits = (
+            [0, *(r.end for r in even_split(num_layers, stages))] if isinstance(stages, int) else list(stages)
+        )
+        return ranges_from_splits(splits, num_layers, mid_cuts)
     except ManifestError as error:
         raise CompileError(str(error)) from None
 

@@ -91,7 +91,7 @@ async def prefill_bench(
     try:
         coordinator = await controller.start()
         report.stages = coordinator.stages
-        answers: dict[int, list[int]] = {}
+        answers: dict[int, int] = {}  # the first token of each prompt, from whichever arm came first
 
         async def first_token(prompt: str, arm: str) -> tuple[float, int]:
             session = await coordinator.open_session()
@@ -116,7 +116,7 @@ async def prefill_bench(
                 report.shared_ttft[arm].append(shared)
                 report.other_rate[arm].append(rate)
                 for key, value in ((2 * round_, token), (2 * round_ + 1, other_token)):
-                    if answers.setdefault(key, [value]) != [value]:
+                    if answers.setdefault(key, value) != value:
                         report.same_tokens = False
                 say(f"round {round_ + 1} {arm}: TTFT {alone * 1000:.0f} ms alone, {shared * 1000:.0f} ms beside a "
                     f"user who got {rate:.1f} tok/s meanwhile")  # fmt: skip

@@ -34,6 +34,7 @@ from fleettui.bench.report import (
 from fleettui.bench.results import paired_rates
 from fleettui.bench.rows import GROUPS, RowSpec, group_repeats, new_row, plan_rows, schedule
 from fleettui.config.fleet import Fleet, Host
+from remote_worker.manifest import boundary_value
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ async def run_fleet_group(
             prompts = [chat.encode_chat([ChatMessage("user", text)]) for text in PROMPTS]
         precision = _precision_from(properties, manifest.precision, variant.runtime)
         layers = [  # 12.5: the boundary cuts layer 12 between its attention and its MLP
-            [r.start - 0.5 if r.starts_mid else r.start, r.end - 0.5 if r.ends_mid else r.end]
+            [boundary_value(r.start, r.starts_mid), boundary_value(r.end, r.ends_mid)]
             for r in (stage.layers for stage in manifest.stages)
         ]
         warm = [0] + ([2] if coordinator.drafter is not None else [])

@@ -121,9 +121,8 @@ class Host:
     threads: int = 0  # 0 = device default
     cores: tuple[int, ...] = ()  # optional CPU pinning
     base_port: int = FIRST_BASE_PORT
-    layers: tuple[float, float] | None = (
-        None  # manual split [start, end); N.5 cuts layer N after its attention
-    )
+    # manual split [start, end); N.5 cuts layer N after its attention
+    layers: tuple[float, float] | None = None
 
     @property
     def is_local(self) -> bool:

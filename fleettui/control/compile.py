@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from fleettui.config.fleet import Fleet
 from fleettui.errors import child_failure
-from remote_worker.manifest import Manifest, format_boundary, load_manifest
+from remote_worker.manifest import Manifest, format_bounds, load_manifest
 
 if TYPE_CHECKING:
     from fleettui.planning.planner import Plan
@@ -39,8 +39,7 @@ async def compile_model(
     """Run the shard compiler in a child process (it needs torch; the operator side must not import it).
 
     A boundary in `mid_cuts` cuts the layer before it between its attention and its MLP."""
-    bounds = [ranges[0][0], *(end for _, end in ranges)]
-    split = ",".join(format_boundary(bound, bound in mid_cuts) for bound in bounds)
+    split = ",".join(format_bounds([ranges[0][0], *(end for _, end in ranges)], mid_cuts))
     command = [
         sys.executable,
         "-m",

@@ -168,7 +168,7 @@ class FleetController:
 
     def layer_ranges(self) -> list[tuple[float, float]]:
         """Each stage's layers as planned, for display: (0, 12.5) ends inside layer 12, after its attention."""
-        return [(s.start - 0.5 * s.starts_mid, s.end - 0.5 * s.ends_mid) for s in self.layer_plan().stages]
+        return [stage.edges for stage in self.layer_plan().stages]
 
     def layer_plan(self) -> Plan:
         from fleettui.planning.planner import plan_fleet

@@ -59,8 +59,7 @@ def moved_layers(manifest: Manifest, fleet: Fleet) -> list[float]:
         shape = shape_for_model(fleet.model.name)
     except PlanError:
         shape = None
-    precision = fleet.model.precision
-    share = shape.mlp_bytes(precision) / shape.layer_bytes(precision) if shape is not None else 0.8
+    share = shape.mlp_share(fleet.model.precision) if shape is not None else 0.8  # Llama-like, unknown
     return [share * (s.layers.starts_mid - s.layers.ends_mid) for s in manifest.stages]
 
 

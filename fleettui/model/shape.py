@@ -127,6 +127,10 @@ class ModelShape:
             + 4.0 * self.hidden
         )
 
+    def mlp_share(self, precision: str) -> float:
+        """The MLP's part of a layer's weights: what a cut between attention and MLP moves."""
+        return self.mlp_bytes(precision) / self.layer_bytes(precision)
+
     def embedding_bytes(self, precision: str) -> float:
         """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision does)."""
         return self.matrix_bytes(self.vocab, self.hidden, "int8" if precision == "int4" else precision)

@@ -17,7 +17,7 @@ from fleettui.model.shape import (
     check_manual_layers,
 )
 from fleettui.planning.costs import MeasuredCosts, balanced_cuts
-from remote_worker.manifest import format_boundary
+from remote_worker.manifest import boundary_value, format_boundary, format_bounds
 
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet, Host
@@ -58,6 +58,11 @@ class StagePlan:
     def compute_layers(self) -> float:
         """Layers of compute: the KV layers held, plus or minus the MLP a mid cut moves."""
         return self.count + self.mlp_share * (self.starts_mid - self.ends_mid)
+
+    @property
+    def edges(self) -> tuple[float, float]:
+        """The layers as numbers, for display: (0, 12.5) ends inside layer 12 (after its attention)."""
+        return boundary_value(self.start, self.starts_mid), boundary_value(self.end, self.ends_mid)
 
     @property
     def span(self) -> str:
@@ -103,7 +108,7 @@ class Plan:
     @property
     def bounds(self) -> tuple[str, ...]:
         """The split as the shard compiler takes it: 0,12.5,16 (12.5 cuts layer 12 after its attention)."""
-        return ("0", *(format_boundary(stage.end, stage.ends_mid) for stage in self.stages))
+        return tuple(format_bounds((0, *(stage.end for stage in self.stages)), self.mid_cuts))
 
     @property
     def total_bytes(self) -> float:
@@ -124,6 +129,7 @@ class _Budget:
         self.embedding = shape.embedding_bytes(precision)
         self.head = shape.head_bytes(precision)
         self.mlp = shape.mlp_bytes(precision)
+        self.mlp_share = shape.mlp_share(precision)
         chunk = min(context, PREFILL_CHUNK)
         self.activations = (
             4.0 * chunk * (4 * shape.hidden + 3 * shape.intermediate + shape.heads * min(context, 4096))
@@ -151,7 +157,7 @@ class _Budget:
         weights += count * self.layer + self.mlp * (mids[0] - mids[1])
         return StagePlan(
             index, host.name, start, end, last, weights, count * self.kv_layer, activations,
-            float(RUNTIME_OVERHEAD), host.memory_gb * GIB, *mids, self.mlp / self.layer,
+            float(RUNTIME_OVERHEAD), host.memory_gb * GIB, *mids, self.mlp_share,
         )  # fmt: skip
 
 
@@ -230,7 +236,7 @@ def plan(
     if balance_head:
         head_cost[-1] = budget.head / budget.layer  # in layer equivalents
     if costs is not None and len(costs) == count:
-        ends = balanced_cuts(shape.num_layers, costs, capacity, 1.0 - budget.mlp / budget.layer)
+        ends = balanced_cuts(shape.num_layers, costs, capacity, 1.0 - budget.mlp_share)
     else:
         costs = None
         counts = _split(shape.num_layers, [host.speed for host in hosts], capacity, head_cost)

@@ -12,7 +12,6 @@ to the real ledger when its Result is back, in order: the steps are exactly thos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -22,9 +21,8 @@ from fleettui.runtime.transport import Link, StageLost
 from remote_worker import protocol
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill step
-SHARED_CHUNK = (
-    32  # ... while other sessions generate: each of their tokens waits for the chunk a stage computes
-)
+# ... while other sessions generate: each of their tokens waits for the chunk a stage computes
+SHARED_CHUNK = 32
 
 
 def prompt_chunk(
@@ -60,32 +58,28 @@ async def prefill(
     next_feed: Callable[[CacheLedger], Feed | None],
     send: Callable[[Feed], Awaitable[object]],
     depth: int,
-) -> int:
-    """Feed what `next_feed` plans, up to `depth` steps in flight; returns the tokens fed.
+) -> None:
+    """Feed what `next_feed` plans, up to `depth` steps in flight.
 
     A step that fails ends the prefill with its error; the steps behind it are cancelled (not committed: a
     lost stage's recovery resets the ledger and replays the history)."""
     ahead = ledger.copy()
     flight: deque[tuple[Feed, asyncio.Future[object]]] = deque()
-    fed = 0
     try:
         while True:
             while len(flight) < max(1, depth) and (feed := next_feed(ahead)) is not None:
                 ahead.commit(feed)
                 flight.append((feed, asyncio.ensure_future(send(feed))))  # sent in this order
             if not flight:
-                return fed
+                return
             feed, reply = flight[0]
             await reply
             flight.popleft()
             ledger.commit(feed)
-            fed += len(feed.tokens)
     finally:
         for _, reply in flight:
             reply.cancel()
-        for _, reply in flight:
-            with contextlib.suppress(BaseException):
-                await reply
+        await asyncio.gather(*(reply for _, reply in flight), return_exceptions=True)
 
 
 class PrefillRounds:
