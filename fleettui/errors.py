@@ -71,6 +71,14 @@ class Interrupted(Exception):
         self.code = 128 + number
 
 
+def signal_name(number: int) -> str:
+    """ "signal 9 (SIGKILL)"; just the number for one Python does not name."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
+
+
 def child_failure(stderr: str, returncode: int) -> str:
     """Why a child process failed, in one line: the last line it wrote to stderr, else its exit code."""
     lines = stderr.strip().splitlines()

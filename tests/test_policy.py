@@ -197,6 +197,31 @@ def test_a_draft_that_full_acceptance_could_not_make_pay_is_never_probed() -> No
             assert policy.rounds_until_probe(False) == 4
 
 
+def test_whether_a_draft_could_pay_is_judged_at_its_acceptance_against_the_rate_plain_runs_realize() -> None:
+    """Measured on 2 emulated PCs x 1 user: a 1-token verify's fitted latency 12.4 ms (+3.3 ms per token),
+    plain runs realizing 10.4 ms a token, the self-draft 7.7 ms + 7 ms per token at alpha 0.95. At perfect
+    acceptance K = 16 read as paying (17 tokens in 184 ms: 1.14x the verify's latency), so the draft was
+    probed for ~45 ms every other reply while it realized 72 tok/s against plain's 96. At its acceptance,
+    against what plain decoding realizes, no K pays. A draft 1 ms a token still could."""
+    for per_token, could in ((0.007, False), (0.001, True)):
+        policy = KPolicy(None, 16, drafter="model")
+        for size in (1, 2, 3, 5, 9):
+            for _ in range(4):
+                policy.costs.latency.add(size, 0.0124 + 0.0033 * (size - 1))
+        for k in (1, 2, 4, 8):
+            for _ in range(4):
+                policy.costs.draft("model").add(k, 0.0077 * (per_token / 0.007) + per_token * k)
+        for _ in range(40):
+            policy.costs.achieved("plain", False).add(1, 0.0104)
+        policy._accepted, policy._rejected = 19.0, 1.0  # alpha 0.95
+        assert policy.could_pay(False) is could
+    unmeasured = KPolicy(None, 16, drafter="model")  # no plain rate yet: the verify's latency stands for it
+    for size in (1, 2, 3):
+        unmeasured.costs.latency.add(size, 0.0124 + 0.0033 * (size - 1))
+    unmeasured.costs.draft("model").add(2, 0.004)
+    assert unmeasured.could_pay(False)
+
+
 def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
     """A probe of a costly draft makes it catch up on everything it missed (0.1-0.2 s on the stages' own
     cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time spent generating

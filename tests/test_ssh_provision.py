@@ -343,7 +343,7 @@ sys.exit(3)
     ("runs", "started_again"),
     [
         ("killed,ready", "died without a reason (killed?)"),
-        ("killed-at-once,ready", "killed by SIGKILL at once"),
+        ("killed-at-once,ready", "killed by signal 9 (SIGKILL) at once"),
         ("fails,ready", None),
         ("killed,killed", "died without a reason (killed?)"),
     ],

@@ -25,6 +25,7 @@ from fleettui.config import paths
 from fleettui.config.fleet import Fleet, Host
 from fleettui.control.deployment import Deployment, Placement, write_config
 from fleettui.control.store import ProcessId
+from fleettui.errors import signal_name
 from fleettui.provision.events import DeployReport, HostDeployment, ProvisionEvent, RemotePaths
 from fleettui.runtime.transport import ClientKeys, LinkError, control_request, wait_until_ready
 from remote_worker.replies import PingReply
@@ -68,14 +69,6 @@ async def handshake(
         return await wait_until_ready(placement.control_url, keys, placement.server_key, timeout, failure)
     except LinkError as error:
         raise LaunchError(f"{placement.config.name}: {error}") from None
-
-
-def signal_name(number: int) -> str:
-    """ "signal 9 (SIGKILL)"; just the number for one Python does not name."""
-    try:
-        return f"signal {number} ({signal.Signals(number).name})"
-    except ValueError:
-        return f"signal {number}"
 
 
 def port_holder(port: int) -> str | None:

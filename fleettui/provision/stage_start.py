@@ -11,12 +11,11 @@ start at once with the end of the log, and nothing is left running.
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
 from fleettui.config.fleet import Host
-from fleettui.errors import ProvisionError
+from fleettui.errors import ProvisionError, signal_name
 from fleettui.provision.events import RemotePaths, Step
 
 RESTARTS = 1  # times a worker killed before it is ready is started again
@@ -59,14 +58,6 @@ def said_why(log: str) -> bool:
     )
 
 
-def signal_word(status: int) -> str:
-    """ "SIGKILL" for a Popen status of -9; "status N" otherwise."""
-    try:
-        return signal.Signals(-status).name if status < 0 else f"status {status}"
-    except ValueError:
-        return f"signal {-status}"
-
-
 class StageStart:
     """One stage's start on one host: `launch` then `until_ready`, each starting it again once if killed."""
 
@@ -87,7 +78,7 @@ class StageStart:
                 self.pid = await self.session.launch(self.argv, self.paths, self.deployment, env)
                 return self.pid
             except StageExited as error:
-                if error.status >= 0 or not self._restart(f"killed by {signal_word(error.status)} at once"):
+                if error.status >= 0 or not self._restart(f"killed by {signal_name(-error.status)} at once"):
                     raise
 
     async def until_ready(self, ready: Awaitable[None]) -> int:

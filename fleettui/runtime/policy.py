@@ -9,14 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fleettui.runtime.cost_model import CostModel
+from fleettui.runtime.cost_model import MIN_REALIZED_ROUNDS, CostModel
 from fleettui.runtime.measures import Realized
 
 # OpenVINO's CPU plugin runs the first 1-token steps after a verify of several tokens slower (15-17.5 ms
 # against 9 after a 3-token verify, on loaded stages for the other sessions too): what this many plain
 # rounds after a verify take beyond plain's rate is charged to the verify's drafter, not to plain decoding.
 AFTER_VERIFY_ROUNDS = 3
-PROBE_CEILING = 1.05  # a drafter is probed only if perfect acceptance would beat plain by this (`could_pay`)
+PROBE_CEILING = 1.05  # a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
+PROBE_ACCEPTANCE = 0.9  # ... at its measured acceptance, or this if lower (`could_pay`)
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
 # Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
 # session's next token by its extra compute: under load a verify may cost the busiest stage at most this many
@@ -222,17 +223,32 @@ class KPolicy:
         shared[1] = shared[1] * decay + 1
 
     def could_pay(self, loaded: bool) -> bool:
-        """Whether some K would beat plain decoding by `PROBE_CEILING` were every draft accepted (True while
-        a cost is unknown). If not, no acceptance can make this drafter pay and probing it only costs: a
-        self-draft as large as the target on the stages' own cores (1 stage, 1 user: two probes per 128
-        tokens of ~50 ms each, with the draft catching up on the history, cost that row 4-9 %)."""
+        """Whether some K would beat plain decoding by `PROBE_CEILING` at a high acceptance (the session's
+        alpha, at least `PROBE_ACCEPTANCE`; True while a cost is unknown). If not, no acceptance this drafter
+        can be expected to reach makes it pay and probing it only costs: a self-draft as large as the target
+        on the stages' own cores (1 stage, 1 user: two probes per 128 tokens of ~50 ms each, with the draft
+        catching up on the history, cost that row 4-9 %).
+
+        Not at perfect acceptance: that counts K + 1 tokens for every verify, so a K of 8-16, whose verify
+        cost is extrapolated from the sizes measured, decided. On 2 emulated PCs x 1 user the self-draft
+        (alpha 0.95, realized 72 against plain's 96 tok/s) read as able to pay at K = 16 after one reply in
+        two (1.20x by the fit, 0.82x at its alpha) and was probed for ~45 ms a time.
+
+        Plain decoding is what it realizes once measured, if faster than a 1-token verify's fitted latency:
+        it runs (`Step.run`), without the round trip through the coordinator that a verify pays (10.4 against
+        12.4 ms a token there)."""
         plain = self.costs.verify(1, loaded)
         if plain is None:
             return True
+        realized = self.costs.achieved("plain", loaded)
+        if realized.rounds >= MIN_REALIZED_ROUNDS and realized.rate > 0:
+            plain = min(plain, 1.0 / realized.rate)
+        alpha = min(max(self.alpha, PROBE_ACCEPTANCE), 0.999)
         for k in range(1, self.fair_k(loaded) + 1):
             verify = self.costs.verify(k + 1, loaded)
             draft = 0.0 if self.free else self.costs.draft(self.drafter).predict(k)
-            if verify is None or draft is None or (k + 1) * plain > PROBE_CEILING * (draft + verify):
+            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+            if verify is None or draft is None or tokens * plain > PROBE_CEILING * (draft + verify):
                 return True
         return False
 
