@@ -231,8 +231,8 @@ class KPolicy:
 
         Not at perfect acceptance: that counts K + 1 tokens for every verify, so a K of 8-16, whose verify
         cost is extrapolated from the sizes measured, decided. On 2 emulated PCs x 1 user the self-draft
-        (alpha 0.95, realized 72 against plain's 96 tok/s) read as able to pay at K = 16 after one reply in
-        two (1.20x by the fit, 0.82x at its alpha) and was probed for ~45 ms a time.
+        (alpha 0.95, realized 72 against plain's 96 tok/s) read as able to pay at K = 16 after some replies
+        (1.20x by the fit, 0.82x at its alpha) and was probed for ~45 ms a time.
 
         Plain decoding is what it realizes once measured, if faster than a 1-token verify's fitted latency:
         it runs (`Step.run`), without the round trip through the coordinator that a verify pays (10.4 against
