@@ -222,6 +222,36 @@ def test_whether_a_draft_could_pay_is_judged_at_its_acceptance_against_the_rate_
     assert unmeasured.could_pay(False)
 
 
+def test_plain_decoding_is_judged_by_the_rate_its_runs_realize() -> None:
+    """Plain decoding runs without the round trip through the coordinator every verify pays: 10.4 against a
+    1-token verify's 12 ms on 2 emulated PCs x 1 user. Judged against the verify's latency, a prompt lookup
+    accepting 0.3 of its drafts "beat" plain at K = 1 (1.3 tokens for a 14.5 ms verify) and runs were cut for
+    it, 3-8 failed verifies a reply on text that did not repeat. Until plain's rate is measured, or when it
+    realizes less than the verify's latency, the latency stands for it."""
+    from fleettui.runtime.lookup_watch import cut_k
+
+    policy = KPolicy(None, 8, drafter="lookup", free=True)
+    for size in (1, 2, 3):
+        for _ in range(4):
+            policy.costs.latency.add(size, 0.012 + 0.0025 * (size - 1))
+    policy.costs.cut.add(1, 0.00005)  # a run's Cancel, as measured: its tokens meanwhile are the reply's
+    policy._accepted, policy._rejected = 3.0, 7.0  # alpha 0.3
+    assert policy.plain_seconds(False) == pytest.approx(0.012)
+    assert cut_k(policy, False) == (1, False)  # against the verify's latency: cut
+    for _ in range(40):
+        policy.costs.achieved("plain", False).add(1, 0.0104)
+    assert policy.plain_seconds(False) == pytest.approx(0.0104)
+    assert policy.expected_rate(0) == pytest.approx(1 / 0.0104)
+    assert cut_k(policy, False) == (0, False) and policy.choose(free_draft=True) == 0
+    policy._accepted, policy._rejected = 9.0, 1.0  # alpha 0.9: a repeat pays all the same
+    assert cut_k(policy, False)[0] > 0
+    slow = KPolicy(None, 8, drafter="lookup", free=True)  # plain realizing less than the latency
+    slow.costs.latency.add(1, 0.012)
+    for _ in range(40):
+        slow.costs.achieved("plain", False).add(1, 0.020)
+    assert slow.plain_seconds(False) == pytest.approx(0.012)
+
+
 def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
     """A probe of a costly draft makes it catch up on everything it missed (0.1-0.2 s on the stages' own
     cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time spent generating
