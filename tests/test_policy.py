@@ -252,6 +252,29 @@ def test_plain_decoding_is_judged_by_the_rate_its_runs_realize() -> None:
     assert slow.plain_seconds(False) == pytest.approx(0.012)
 
 
+def test_the_restart_after_a_cut_that_verified_nothing_is_the_lookups_not_plain_decodings() -> None:
+    """A run cut for a lookup whose drafts the run's own tokens contradicted verifies nothing and restarts:
+    its first token pays a round trip through the coordinator. Charged to plain decoding, such restarts
+    dragged plain's realized rate from 96 to 77-85 tok/s and the self-draft, judged against it, was chosen
+    at K = 6-16 (0.78x plain in the next reply). The Cancel and what the plain rounds after it take beyond
+    plain's rate go to the lookup's realized rate."""
+    from fleettui.runtime.lookup_watch import Cut
+
+    policy = KPolicy(None, 8, drafter="lookup", free=True)
+    for _ in range(40):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.0104, session=5))  # plain runs: 10.4 ms a token
+    policy.record_round(RoundFacts(2, 2, 0.0, 0.022, session=5))  # one verify the lookup won
+    for _ in range(3):
+        policy.record_round(RoundFacts(0, 0, 0.0, 0.0104, session=5))
+    plain, lookup = policy.costs.achieved("plain", False), policy.costs.achieved("lookup", False)
+    plain_rate, lookup_seconds = plain.rate, lookup.seconds
+    cut = Cut(policy, 2, seconds=0.001, session=5, contradicted=True)
+    assert cut.charge(False, policy, False) == 0.0  # nothing drafted after it: no drafting time
+    policy.record_round(RoundFacts(0, 0, 0.0, 0.025, session=5))  # the new run's first token
+    assert plain.rate == pytest.approx(plain_rate, rel=1e-3)
+    assert lookup.seconds == pytest.approx(lookup_seconds + 0.001 + (0.025 - 1 / plain_rate), rel=1e-3)
+
+
 def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
     """A probe of a costly draft makes it catch up on everything it missed (0.1-0.2 s on the stages' own
     cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time spent generating

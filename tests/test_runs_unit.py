@@ -282,3 +282,50 @@ async def test_a_lookup_that_is_seldom_right_is_measured_in_the_runs_shadow() ->
     policy = session.policies["lookup"]
     assert generation.stats.drafted <= 3  # the first round's exploration only
     assert len(stage.runs) == 1 and policy.alpha < 0.1
+
+
+class _FakeRunStageInFlight(FakeRunStage):
+    """A Cancel reaches the stage once one more token of the run is on its way, as over real links: the run's
+    tokens made until the Cancel's Ack are then never none."""
+
+    def __init__(self, delay: float = 0.0002) -> None:
+        super().__init__(delay)
+        self._delivered: dict[int, asyncio.Event] = {}
+
+    async def stream(self, step: protocol.Step) -> ReplyStream:
+        stream = await super().stream(step)
+        event = self._delivered[step.session] = asyncio.Event()
+        deliver = stream.deliver
+
+        def delivered(result: protocol.Result) -> None:
+            deliver(result)
+            event.set()
+
+        stream.deliver = delivered  # type: ignore[method-assign]
+        return stream
+
+    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        task = self._tasks.get(message.session) if isinstance(message, protocol.Control) else None
+        if task is not None:  # until the run delivered one more token (or ended)
+            event = self._delivered[message.session]
+            event.clear()
+            waiter = asyncio.ensure_future(event.wait())
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return await super().request(message, timeout)
+
+
+async def test_a_cut_whose_run_went_another_way_meanwhile_verifies_nothing() -> None:
+    """A run is cut where the lookup proposes; the token the run made until the Cancel's Ack differs from
+    the lookup's first draft: the repeat ended there, so the round after the cut verifies nothing (on 2
+    emulated PCs x 1 user 4-8 such cuts a reply were followed by a verify of fresh drafts that failed, 0 of
+    19 accepted) and a new run starts. The restart is charged to the lookup, not to plain decoding, whose
+    realized rate the policy compares every drafter with. Output identical to plain greedy decoding."""
+    stage = _FakeRunStageInFlight(delay=0.0005)
+    coordinator = _coordinator(stage, protocol.MAX_RUN, _LookupAlwaysWrong())  # type: ignore[arg-type]
+    coordinator.policy.costs.acceptance["lookup"] = [50.0, 1.0]  # the pipeline's lookup was right elsewhere
+    session = await coordinator.open_session()
+    generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=90))
+    assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 90)
+    assert coordinator.runs_cut >= 1
+    assert generation.stats.drafted <= 4  # a reply's first round may verify the lookup's guess, no cut did

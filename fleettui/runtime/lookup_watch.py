@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleettui.runtime.policy import KPolicy
+from fleettui.runtime.policy import AFTER_VERIFY_ROUNDS, KPolicy
 
 
 @dataclass
@@ -25,16 +25,25 @@ class Cut:
     policy: KPolicy
     k: int
     seconds: float = 0.0
+    session: int = 0
+    # a token the run made until the Cancel's Ack differed from the drafts it was cut for: the repeat ended,
+    # and the round after the cut verifies nothing (`contradicted`)
+    contradicted: bool = False
 
     def charge(self, drafted: bool, policy: KPolicy, loaded: bool) -> float:
         """What the round after the cut adds to its drafting time: the Cancel's time if the cut's drafter
-        drafts it (`drafted` by `policy`), else nothing, and the drafter's realized rate is charged that time
-        plus a plain step: the run's tokens made meanwhile already contradicted its drafts (the lookup finds
-        nothing now) and a new run starts, a round trip through the chain."""
+        drafts it (`drafted` by `policy`), else nothing: the run's tokens made meanwhile contradicted its
+        drafts (or the lookup finds nothing now) and a new run starts, a round trip through the chain. The
+        drafter's realized rate is then charged the Cancel's time, and the plain rounds right after it what
+        they take beyond plain's rate, as after a verify (`KPolicy._realize`).
+
+        Charged to plain decoding instead, those restarts dragged plain's realized rate down from 96 to
+        77-85 tok/s in replies where the lookup was cut for again and again (2 emulated PCs x 1 user), and
+        the self-draft, judged against that, was chosen at K = 6-16 and made the next reply 0.78x plain."""
         if drafted and policy is self.policy:
             return self.seconds
-        plain = self.policy.costs.achieved("plain", loaded).rate
-        self.policy.charge(self.policy.drafter, loaded, self.seconds + (1.0 / plain if plain > 0 else 0.0))
+        self.policy.charge(self.policy.drafter, loaded, self.seconds)
+        self.policy.costs.after_verify[loaded] = (self.policy.drafter, AFTER_VERIFY_ROUNDS, self.session)
         return 0.0
 
 

@@ -165,12 +165,15 @@ class RunRounds:
                 k, probe = cut_k(policy, run.loaded)
                 if k:
                     take_cut(policy, k, probe, run.loaded)
-                    await self._end_run_early(session, Cut(policy, k))
+                    await self._end_run_early(session, Cut(policy, k, session=session.id))
                     if session.run is None:
                         return None
         round_ = await self._run_next(session)
         if watch is not None and run.shadow is not None:  # (a run ended midway teaches nothing)
-            run.shadow = run.shadow.follow(int(round_.result.tokens[-1]), watch[0])
+            shadow = run.shadow
+            run.shadow = shadow.follow(int(round_.result.tokens[-1]), watch[0])
+            if session.cut is not None and run.shadow is None and shadow.matched < len(shadow.tokens):
+                session.cut.contradicted = True  # the text went another way while the Cancel was under way
         return round_
 
     def _watch(self, run: Run) -> tuple[KPolicy, PromptLookupDrafter] | None:
