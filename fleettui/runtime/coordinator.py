@@ -370,11 +370,11 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         else:
             shared = self._others_speculate(session)
             candidates = self._candidates(session)
-            # a run cut short where the free lookup proposes: it drafts now, unless the tokens the run made
-            # until the Cancel's Ack went another way (lookup_watch.Cut.contradicted)
+            # a run cut short where the free lookup proposes: it drafts now (lookup_watch; K = 0 when the tokens
+            # the run made until the Cancel's Ack went another way)
             watched = bool(self.max_run) and hasattr(self.target, "stream")  # runs, watched for the lookup
             name, k = (
-                ("lookup", 0 if session.cut.contradicted else session.cut.k)
+                ("lookup", session.cut.k)
                 if session.cut
                 else choose_drafter(candidates, loaded, shared, watched)
             )

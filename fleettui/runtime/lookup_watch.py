@@ -20,15 +20,13 @@ from fleettui.runtime.policy import AFTER_VERIFY_ROUNDS, KPolicy
 
 @dataclass
 class Cut:
-    """A run cut short for a free drafter: its policy, the K to verify, what the Cancel took."""
+    """A run cut short for a free drafter: its policy, the K to verify (0 once a token the run made until the
+    Cancel's Ack differed from the drafts it was cut for: the repeat ended there), what the Cancel took."""
 
     policy: KPolicy
     k: int
     seconds: float = 0.0
     session: int = 0
-    # a token the run made until the Cancel's Ack differed from the drafts it was cut for: the repeat ended,
-    # and the round after the cut verifies nothing (`contradicted`)
-    contradicted: bool = False
 
     def charge(self, drafted: bool, policy: KPolicy, loaded: bool) -> float:
         """What the round after the cut adds to its drafting time: the Cancel's time if the cut's drafter
@@ -49,10 +47,12 @@ class Cut:
 
 @dataclass
 class Shadow:
-    """A lookup's drafts the run is not cut for, compared with the tokens the run makes next."""
+    """A lookup's drafts the run is not cut for (or is cut for: until the Cancel's Ack), compared with the
+    tokens the run makes next; `differed` once one of them was not the draft at its place."""
 
     tokens: tuple[int, ...]
     matched: int = 0
+    differed: bool = False
 
     def follow(self, token: int, policy: KPolicy) -> Shadow | None:
         """Compare the run's next token; once a draft differs or all matched, teach `policy` the acceptance
@@ -61,6 +61,8 @@ class Shadow:
             self.matched += 1
             if self.matched < len(self.tokens):
                 return self
+        else:
+            self.differed = True
         policy.learn_acceptance(len(self.tokens), self.matched)
         return None
 

@@ -172,8 +172,8 @@ class RunRounds:
         if watch is not None and run.shadow is not None:  # (a run ended midway teaches nothing)
             shadow = run.shadow
             run.shadow = shadow.follow(int(round_.result.tokens[-1]), watch[0])
-            if session.cut is not None and run.shadow is None and shadow.matched < len(shadow.tokens):
-                session.cut.contradicted = True  # the text went another way while the Cancel was under way
+            if session.cut is not None and shadow.differed:  # the text went another way during the Cancel
+                session.cut.k = 0  # the repeat ended: nothing to verify, a new run starts
         return round_
 
     def _watch(self, run: Run) -> tuple[KPolicy, PromptLookupDrafter] | None:
