@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             verify_hashes=config.verify_hashes,
             trust_stamps=config.trust_stamps,
             cache_dir=Path(config.shard_dir) / COMPILED_FOLDER if config.compile_cache else None,
+            max_batch=config.max_sessions if config.batching else 1,
         )
     except ManifestError as error:
         return _fail(EXIT_SHARD, f"shard {config.shard_dir}: {error}")

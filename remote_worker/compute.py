@@ -20,6 +20,7 @@ from remote_worker import protocol
 from remote_worker.coalesce import Coalescer
 from remote_worker.config import StageConfig
 from remote_worker.decoding import next_run_step, propose_distribution, run_step, sample, score
+from remote_worker.engine import StepRequest
 from remote_worker.intake import Inbox, RunStep, RunStops
 from remote_worker.telemetry import StageStats
 
@@ -69,6 +70,24 @@ class StageCompute:
         if isinstance(message, protocol.Result):
             self.coalescer.sent(message.session, time.monotonic())
 
+    def _send_all(self, messages: list[protocol.Message]) -> None:
+        """Send several messages down the chain as one Batch (after the Results held back)."""
+        if not messages:
+            return
+        self.flush()
+        assert self.output is not None
+        try:
+            self.output.send_multipart(protocol.encode_batch(messages), copy=False)
+        except zmq.Again:
+            self.stats.unsent += len(messages)
+            logger.error(
+                "could not send %d messages downstream (%d unsent)", len(messages), self.stats.unsent
+            )
+        now = time.monotonic()
+        for message in messages:
+            if isinstance(message, protocol.Result):
+                self.coalescer.sent(message.session, now)
+
     def flush(self, block: bool = True) -> None:
         """Send the Results held back (coalesced runs' tokens), in order."""
         if len(self.coalescer):
@@ -93,8 +112,10 @@ class StageCompute:
         self._serving = kind
         try:
             if isinstance(message, protocol.Step):
-                self._step(received, started, message, run)
-            elif isinstance(message, protocol.Control):
+                self._serving = ""  # counted (and failures answered) per step by `_serve_steps`
+                self._serve_steps([(received, message, run)])
+                return
+            if isinstance(message, protocol.Control):
                 self._control(message)
             elif isinstance(message, protocol.Hello):
                 self._hello(received, started, message)
@@ -124,45 +145,86 @@ class StageCompute:
         finished = time.time() if finished is None else finished
         return protocol.append_trace(trace, self.config.stage_index, received, started, finished, time.time())
 
-    def _step(self, received: float, started: float, step: protocol.Step, run: RunStep | None) -> None:
-        data = step.tokens if step.tokens is not None else step.hidden
-        assert data is not None
-        clock = time.perf_counter()
-        decode = step.decode if step.decode is not None else _GREEDY
-        if step.run > 1:
-            decode = run_step(decode)
-        keep = decode.n_score if self.engine.is_last else 0
-        if decode.n_score > step.n:
-            raise ValueError(f"decode scores {decode.n_score} positions, the step has {step.n}")
-        output = self.engine.step(
-            step.session, step.pos0, step.cache_len, step.mask_ranges, data, keep_last=keep
-        )
-        self._check_finite(step.session, output)
+    def _serve_steps(self, work: list[tuple[float, protocol.Step, RunStep | None]]) -> None:
+        """Serve steps of distinct sessions as one batched inference where the engine can; each step that
+        fails gets its own Error, the others go on. `run`: a step of a run still going on."""
+        started, clock = time.time(), time.perf_counter()
+        requests: list[StepRequest] = []
+        decodes: list[protocol.Decode] = []
+        failures: dict[int, str] = {}
+        for index, (_, step, _) in enumerate(work):
+            decode = step.decode if step.decode is not None else _GREEDY
+            if step.run > 1:
+                decode = run_step(decode)
+            decodes.append(decode)
+            if decode.n_score > step.n:
+                failures[index] = f"decode scores {decode.n_score} positions, the step has {step.n}"
+            data = step.tokens if step.tokens is not None else step.hidden
+            assert data is not None
+            keep = decode.n_score if self.engine.is_last else 0
+            requests.append(
+                StepRequest(step.session, step.pos0, step.cache_len, step.mask_ranges, data, keep)
+            )
+        valid = [index for index in range(len(work)) if index not in failures]
+        try:
+            outputs = self.engine.step_many([requests[index] for index in valid])
+        except Exception as error:  # noqa: BLE001 - every step of the batch is answered
+            outputs = [error] * len(valid)
+        seconds = time.perf_counter() - clock
+        served = [
+            index for index, output in zip(valid, outputs, strict=True) if not isinstance(output, Exception)
+        ]
+        self.stats.record_step(sum(work[index][1].n for index in served), seconds, len(served))
+        outgoing: list[protocol.Message] = []
+        for index, output in zip(valid, outputs, strict=True):
+            received, step, run = work[index]
+            try:
+                if isinstance(output, Exception):
+                    raise output
+                self._check_finite(step.session, output)
+                message = self._onward(received, started, step, run, decodes[index], output)
+                if message is not None:
+                    outgoing.append(message)
+            except Exception as error:  # noqa: BLE001 - any failure must reach the coordinator as an Error
+                failures[index] = one_line(error)
+        for index, reason in sorted(failures.items()):
+            step = work[index][1]
+            self.stats.errors += 1
+            if rarely(self.stats.errors):
+                logger.error("Step session %d seq %d failed: %s", step.session, step.seq, reason)
+            outgoing.append(protocol.Error(step.session, step.seq, self.config.stage_index, reason))
+        self.stats.handled["Step"] += len(work) - len(failures)
+        self._send_all(outgoing)
+
+    def _onward(
+        self,
+        received: float,
+        started: float,
+        step: protocol.Step,
+        run: RunStep | None,
+        decode: protocol.Decode,
+        output: np.ndarray,
+    ) -> protocol.Message | None:
+        """What a served step sends on: hidden states to the next stage, or the scored Result (None when a
+        run's Result is held back to leave with the next ones)."""
         if not self.engine.is_last:
-            # astype copies: the engine's output buffer is reused by the session's next step
+            # astype copies: the engine's output buffer is reused by the next step
             with np.errstate(over="ignore"):  # an overflow is detected just below
                 hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
             if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
-                hidden = output.astype(
-                    np.float32
-                )  # an activation beyond float16's range: send this one as f32
-            self.stats.record_step(step.n, time.perf_counter() - clock)
-            self._send(
-                protocol.Step(
-                    step.session,
-                    step.seq,
-                    step.pos0,
-                    step.cache_len,
-                    step.mask_ranges,
-                    hidden=hidden,
-                    decode=step.decode,
-                    trace=self._trace(step.trace, received, started),
-                    run=step.run,
-                )
+                hidden = output.astype(np.float32)  # an activation beyond float16's range: send as f32
+            return protocol.Step(
+                step.session,
+                step.seq,
+                step.pos0,
+                step.cache_len,
+                step.mask_ranges,
+                hidden=hidden,
+                decode=step.decode,
+                trace=self._trace(step.trace, received, started),
+                run=step.run,
             )
-            return
         tokens, accepted, top_ids, top_logprobs = score(output, decode)
-        self.stats.record_step(step.n, time.perf_counter() - clock)
         finished = time.time()  # a run's next step leaves right after: traced as sent from here on
         result = protocol.Result(
             step.session,
@@ -176,8 +238,8 @@ class StageCompute:
         if step.run > 1 and (run is not None or self.loop is not None):  # before the Result goes:
             self._continue(step, int(tokens[-1]))  # the token is known, the next step may start
             if self.coalescer.hold(result, time.monotonic()):  # more of the run follows: it may wait
-                return
-        self._send(result)
+                return None
+        return result
 
     def _continue(self, step: protocol.Step, token: int) -> None:
         """A run's next step, `token` fed right after this one: queued behind whatever else is waiting (one

@@ -74,6 +74,7 @@ class StageConfig:
     trust_stamps: bool = True
     compile_cache: bool = True  # keep the compiled model in the shard folder's compiled/ for restarts
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
+    batching: bool = True  # steps of up to max_sessions sessions share one inference
     max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused
     result_batch_ms: float = 0.0  # last stage: a run's Results leave together at most this often (0 = each)
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)
@@ -117,6 +118,8 @@ class StageConfig:
         lease = self.lease_seconds
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease <= 86400:
             raise ConfigError(f"lease_seconds: {lease!r} must be a number of seconds in 0..86400")
+        if not isinstance(self.batching, bool):
+            raise ConfigError(f"batching: {self.batching!r} must be true or false")
         if not isinstance(self.compile_cache, bool):
             raise ConfigError(f"compile_cache: {self.compile_cache!r} must be true or false")
         if self.version != CONFIG_VERSION:

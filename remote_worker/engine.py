@@ -1,10 +1,11 @@
 """Provides the compute side of a stage: one compiled OpenVINO shard and its per-session KV caches (no sockets).
 
-Every session is an InferRequest of the same compiled model, so a further session costs only its KV cache.
-The cache is a ReadValue/Assign state that only appends: rejected speculative tokens stay in it and are
-hidden by a per-session attention mask over the physical slots (1 = attend), while positions stay logical.
-`compact` drops the masked slots with one copy per KV state when the waste grows. With a `cache_dir`
-a restarted worker loads its compiled model from there (remote_worker/compile_cache.py).
+Sessions are rows of InferRequests of the same compiled model (remote_worker/rows.py): steps of sessions
+that share a request run as one batched inference, so a further session costs its KV cache and little
+compute. The cache is a ReadValue/Assign state that only appends: rejected speculative tokens stay in it
+and are hidden by a per-session attention mask (1 = attend), while positions stay logical. `compact` drops
+the masked slots when the waste grows. With a `cache_dir` a restarted worker loads its compiled model from
+there (remote_worker/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -19,92 +20,44 @@ import numpy as np
 
 from remote_worker import compile_cache
 from remote_worker.manifest import ManifestError, load_manifest, verify_stage
+from remote_worker.plugin import (
+    LOGITS_KEEP,
+    REPORTED_PROPERTIES,
+    EngineError,
+    property_text,
+    requested_properties,
+    slice_logits,
+)
+from remote_worker.rows import (
+    Group,
+    Item,
+    Session,
+    batch_inputs,
+    gather_rows,
+    item_output,
+    record_step,
+    stack_rows,
+)
 
 logger = logging.getLogger(__name__)
 
 # Reported as the plugin's effective settings (whatever the device answers of these).
-REPORTED_PROPERTIES = (
-    "INFERENCE_PRECISION_HINT",
-    "KV_CACHE_PRECISION",
-    "KEY_CACHE_PRECISION",
-    "VALUE_CACHE_PRECISION",
-    "INFERENCE_NUM_THREADS",
-    "NUM_STREAMS",
-    "PERFORMANCE_HINT",
-    "EXECUTION_DEVICES",
-)
 SHRINK_OUTPUT_BYTES = 4 << 20  # an output buffer above this is released after the step
 _KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "u4": 0.5}
+BATCH_TOKENS = 16  # steps up to this many tokens share inferences; longer ones (prefill chunks) run alone
+IDLE_ROWS = 3  # a group whose inferences left rows idle this many times in a row splits (rows.py)
 
 
-LOGITS_KEEP = "logits_keep"  # the input slice_logits adds: how many of the step's last rows get logits
+@dataclass(frozen=True)
+class StepRequest:
+    """One session's step as the engine is asked for it (see `StageEngine.step_many`)."""
 
-
-class EngineError(RuntimeError):
-    """A request the engine cannot serve; the message says why in one line."""
-
-
-def slice_logits(model: Any) -> bool:
-    """Give the head only the last LOGITS_KEEP rows of its input: a Slice and an i64 [1] input are put before
-    the MatMul that makes the `logits` output. A prefill of n tokens then projects one row onto the vocabulary,
-    not n (its other rows were thrown away); the kept rows' values are those of the whole projection. False
-    (the model unchanged) when the output is not made that way."""
-    import openvino as ov
-    from openvino import opset8 as ops
-
-    result = model.outputs[0].get_node()
-    head = result.input(0).get_source_output().get_node()
-    if (
-        head.get_type_name() != "MatMul"
-        or head.get_attributes().get("transpose_a")
-        or head.input(0).get_partial_shape().rank.get_length() != 3
-    ):
-        return False
-    keep = ops.parameter([1], ov.Type.i64, name=LOGITS_KEEP)
-    keep.output(0).get_tensor().set_names({LOGITS_KEEP})
-    last_rows = ops.slice(
-        head.input(0).get_source_output(),
-        ops.negative(keep),
-        ops.constant(np.asarray([np.iinfo(np.int64).max], np.int64)),
-        ops.constant(np.asarray([1], np.int64)),
-        ops.constant(np.asarray([1], np.int64)),
-    )
-    head.input(0).replace_source_output(last_rows.output(0))
-    model.add_parameters([keep])
-    model.validate_nodes_and_infer_types()
-    return True
-
-
-@dataclass
-class Session:
-    request: Any  # openvino.InferRequest
-    cache_len: int = 0  # physical KV slots, masked ones included
-    mask: np.ndarray = None  # type: ignore[assignment]  # int64 over physical slots, with spare capacity
-    broken: str = ""  # why the state can no longer be trusted (a failed infer or compaction)
-    inputs: tuple[np.ndarray, ...] = ()  # the last step's input arrays, which its tensors share
-
-    def __post_init__(self) -> None:
-        if self.mask is None:
-            self.mask = np.ones(256, np.int64)
-
-    def reserve(self, length: int) -> None:
-        if length > len(self.mask):
-            grown = np.ones(max(length, 2 * len(self.mask)), np.int64)
-            grown[: self.cache_len] = self.mask[: self.cache_len]
-            self.mask = grown
-
-
-def _text(value: object) -> str:
-    """A property value as plain text: "f32" rather than "<Type: 'float32'>", "CPU" rather than "['CPU']"."""
-    if hasattr(value, "get_type_name"):
-        return str(value.get_type_name())
-    if isinstance(value, (list, tuple)):
-        return ",".join(_text(item) for item in value)
-    return (
-        str(getattr(value, "name", value))
-        if hasattr(value, "name") and not isinstance(value, str)
-        else str(value)
-    )
+    session: int
+    pos0: int
+    cache_len: int
+    mask_ranges: np.ndarray
+    data: np.ndarray
+    keep_last: int = 0
 
 
 def rss_bytes() -> int:
@@ -128,6 +81,7 @@ class StageEngine:
         verify_hashes: bool = True,
         cache_dir: Path | str | None = None,
         trust_stamps: bool = True,
+        max_batch: int = 1,
     ) -> None:
         import openvino as ov
 
@@ -155,7 +109,9 @@ class StageEngine:
         model = core.read_model(str(self.shard_dir / self.stage.ir))
         # the last stage's head projects only the rows asked for (a prefill's last), as GenAI's pipeline does
         self.slices_logits = self.stage.is_last and slice_logits(model)
-        self.requested = self._properties(core, device, threads, inference_precision, kv_cache_precision)
+        self.requested = requested_properties(
+            core, device, threads, inference_precision, kv_cache_precision, self.manifest.precision
+        )
         started = time.perf_counter()
         try:
             self.compiled, self.loaded_from_cache = compile_cache.compile_model(
@@ -190,7 +146,8 @@ class StageEngine:
                 raise ManifestError(f"{self.stage.ir}: input {port} is {found}, the worker feeds {kind}")
         self.sessions: dict[int, Session] = {}
         self._effective: dict[str, str] | None = None
-        self._beam_idx = np.zeros(1, np.int32)
+        # sessions batched per inference at most (1 = each alone); rows leave a batch through beam_idx
+        self.batch_max = max_batch if self.has_beam_idx else 1
         self.warm_up_seconds = 0.0  # set by `warm_up`
         logger.info(
             "stage %d layers %s compiled on %s in %.1f s%s: %s",
@@ -203,39 +160,6 @@ class StageEngine:
         )
 
     # ----------------------------------------------------------------------------------------- setup
-    def _properties(
-        self,
-        core: Any,
-        device: str,
-        threads: int,
-        inference_precision: str | None,
-        kv_cache_precision: str | None,
-    ) -> dict[str, object]:
-        supported = set(core.get_property(device, "SUPPORTED_PROPERTIES"))
-        wanted: dict[str, object] = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
-        if inference_precision:
-            wanted["INFERENCE_PRECISION_HINT"] = inference_precision
-        if kv_cache_precision:
-            wanted["KV_CACHE_PRECISION"] = kv_cache_precision
-        if threads > 0:
-            wanted["INFERENCE_NUM_THREADS"] = threads
-        properties = {}
-        for key, value in wanted.items():
-            if key in supported:
-                properties[key] = value
-            else:
-                logger.warning("%s does not support %s; using its default", device, key)
-        if device == "CPU" and threads == 1 and self.manifest.precision in ("fp32", "fp16"):
-            capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-            hint = inference_precision or ("bf16" if "BF16" in capabilities else "f32")
-            if hint == "bf16":
-                # The CPU plugin dies with SIGFPE in compile_model for this combination (field notes).
-                raise EngineError(
-                    "threads=1 with bf16 inference on fp32/fp16 weights crashes the CPU plugin; "
-                    "set inference_precision to f32 or f16"
-                )
-        return properties
-
     def effective_properties(self) -> dict[str, str]:
         """What the compiled model actually uses (as the plugin reports it; asked once, they never change)."""
         if self._effective is not None:
@@ -243,7 +167,7 @@ class StageEngine:
         found = {}
         for key in REPORTED_PROPERTIES:
             try:
-                found[key] = _text(self.compiled.get_property(key))
+                found[key] = property_text(self.compiled.get_property(key))
             except RuntimeError:
                 continue
         self._effective = found
@@ -265,26 +189,36 @@ class StageEngine:
     def has(self, session: int) -> bool:
         return session in self.sessions
 
+    def _group(self) -> Group:
+        return Group(self.compiled.create_infer_request())
+
     def open(self, session: int) -> None:
         """Create a session with an empty cache; opening an open session resets it."""
         if session in self.sessions:
             self.reset(session)
             return
-        request = self.compiled.create_infer_request()
-        if self._beam_port is not None:  # the same single beam for every step (its array lives in self)
-            request.set_input_tensor(self._beam_port, self._ov.Tensor(self._beam_idx, shared_memory=True))
-        self.sessions[session] = Session(request)
+        group = self._group()
+        group.add(session)
+        self.sessions[session] = Session(group)
 
     def close(self, session: int) -> None:
         """Forget a session and free its cache (closing an unknown session is a no-op)."""
-        self.sessions.pop(session, None)
+        state = self.sessions.pop(session, None)
+        if state is not None:
+            state.group.remove(session)
 
     def reset(self, session: int) -> None:
-        """Empty a session's cache (back to the zero-length state initializer)."""
+        """Empty a session's cache (back to the zero-length state initializer), in a group of its own."""
         state = self._session(session, allow_broken=True)
-        state.request.reset_state()
-        state.cache_len = 0
-        state.broken = ""
+        if len(state.group.members) == 1:
+            state.group.request.reset_state()
+            state.group.length = 0
+            state.group.settled()
+        else:
+            state.group.remove(session)
+            state.group = self._group()
+            state.group.add(session)
+        state.cache_len, state.broken = 0, ""
 
     def mark_broken(self, session: int, reason: str) -> None:
         """Distrust a session's cache (e.g. it now holds NaN): its next step fails until a reset."""
@@ -297,7 +231,11 @@ class StageEngine:
 
     def masked_slots(self, session: int) -> int:
         state = self._session(session, allow_broken=True)
-        return int(state.cache_len - state.mask[: state.cache_len].sum())
+        return int(state.cache_len - state.live())
+
+    def batch_rows(self, session: int) -> int:
+        """How many sessions share this session's batch (1 = it runs alone)."""
+        return len(self._session(session, allow_broken=True).group.members)
 
     def _session(self, session: int, allow_broken: bool = False) -> Session:
         state = self.sessions.get(session)
@@ -311,9 +249,8 @@ class StageEngine:
         """One 1-token step on a scratch session, discarded; returns its seconds.
 
         OpenVINO's CPU plugin does its one-time work for a compiled model (weights repacked for the kernels,
-        buffers) at its first inference: 270-370 ms for half of SmolLM2 on one core, against 8 ms for every
-        step after it, whatever the steps' shapes. The worker warms up before it reports ready, so the first
-        answer after a deploy does not pay it (a fresh local fleet's first token: 56-61 against 371-479 ms).
+        buffers) at its first inference, so the worker warms up before it reports ready and the first
+        answer after a deploy does not pay it.
         """
         started = time.perf_counter()
         scratch = min(self.sessions, default=0) - 1  # not a session the coordinator has opened
@@ -336,85 +273,192 @@ class StageEngine:
         data: np.ndarray,
         keep_last: int = 0,
     ) -> np.ndarray:
-        """Mask `mask_ranges`, feed n tokens (int64 [n]) or hidden states ([n, H]) and return the output.
+        """One session's step (see `step_many`); raises EngineError when it cannot be served."""
+        (output,) = self.step_many([StepRequest(session, pos0, cache_len, mask_ranges, data, keep_last)])
+        if isinstance(output, EngineError):
+            raise output
+        return output
 
-        The result is [n, H] hidden states or [n, V] logits (only the last `keep_last` rows when > 0). A small
-        result is a view of the request's output buffer, valid until this session's next step; a large one
-        is copied out and the buffer shrunk, so a long prefill does not leave every session holding
-        n x vocabulary floats (that buffer, not the KV cache, dominated the memory of an added session).
+    def step_many(self, requests: list[StepRequest]) -> list[np.ndarray | EngineError]:
+        """Serve steps of distinct sessions, batching those that can share an inference.
+
+        Each step masks its `mask_ranges`, feeds n tokens (int64 [n]) or hidden states ([n, H]) and returns
+        [n, H] hidden states or [n, V] logits (only the last `keep_last` rows when > 0), or the EngineError
+        that step alone failed with. A small result is a view of an output buffer, valid until the next
+        step; a large one is copied out and the buffer shrunk, so a long prefill does not leave its request
+        holding n x vocabulary floats.
         """
-        state = self._session(session)
+        results: list[np.ndarray | EngineError] = []
+        items: dict[int, Item] = {}
+        for request in requests:
+            try:
+                if request.session in items:
+                    raise EngineError(f"session {request.session}: two steps in one batch")
+                items[request.session] = self._item(request)
+                results.append(np.zeros(0))
+            except EngineError as error:
+                results.append(error)
+        for group, members in self._plan(items):
+            outputs = self._infer(group, {member: items[member] for member in members})
+            for index, request in enumerate(requests):
+                if request.session in outputs and not isinstance(results[index], EngineError):
+                    results[index] = outputs[request.session]
+        return results
+
+    def _item(self, request: StepRequest) -> Item:
+        """Validate a step and apply its mask ranges."""
+        state = self._session(request.session)
+        session, cache_len = request.session, request.cache_len
         if cache_len != state.cache_len:
             raise EngineError(
                 f"session {session}: step expects {cache_len} cached slots, "
                 f"stage {self.stage_index} has {state.cache_len}"
             )
-        ranges = np.asarray(mask_ranges, np.int64).reshape(-1, 2)
+        ranges = np.asarray(request.mask_ranges, np.int64).reshape(-1, 2)
         if len(ranges) and (
             int(ranges.min()) < 0
             or int(ranges[:, 1].max()) > cache_len
             or bool(np.any(ranges[:, 1] <= ranges[:, 0]))
         ):
             raise EngineError(f"session {session}: mask ranges outside [0, {cache_len})")
-        n = int(data.shape[0])
+        n = int(request.data.shape[0])
         if n == 0:
             raise EngineError(f"session {session}: empty step")
-        values = self._data(data, n)
-        if not values.flags.writeable:  # a frame's buffer: a shared tensor needs writeable memory
-            values = values.copy()
+        values = self._data(request.data)
         for start, end in ranges:
             state.mask[start:end] = 0
-        state.reserve(cache_len + n)
-        state.mask[cache_len : cache_len + n] = 1
-        mask = state.mask[: cache_len + n].reshape(1, -1)
-        positions = np.arange(pos0, pos0 + n, dtype=np.int64).reshape(1, n)
-        # The tensors share these arrays' memory and OpenVINO keeps no reference to them: the session does,
-        # until its next step.
-        keep = np.asarray([keep_last if 0 < keep_last < n else n], np.int64)
-        state.inputs = (values, mask, positions, keep)
-        request, tensor = state.request, self._ov.Tensor
+        keep = request.keep_last if 0 < request.keep_last < n else n
+        return Item(session, request.pos0, values, keep)
+
+    def _plan(self, items: dict[int, Item]) -> list[tuple[Group, list[int]]]:
+        """Which group runs which items (by group id); moves sessions between groups where that pays.
+
+        Small steps of sessions in different groups share one new group when it is larger than any of
+        theirs; a large step (a prefill chunk) or a session with an empty cache runs in a group of its own.
+        """
+        if self.batch_max > 1:
+            small = [s for s, item in items.items() if item.n <= BATCH_TOKENS and self.sessions[s].cache_len]
+            alone = [s for s in items if s not in small and len(self.sessions[s].group.members) > 1]
+            self._regroup([[s] for s in alone])
+            touched = {id(self.sessions[s].group): self.sessions[s].group for s in small}
+            largest = max((len(g.members) for g in touched.values()), default=0)
+            if len(touched) > 1 and min(len(small), self.batch_max) > largest:
+                self._regroup([small[: self.batch_max]])
+        plan: dict[int, tuple[Group, list[int]]] = {}
+        for session in items:
+            group = self.sessions[session].group
+            plan.setdefault(id(group), (group, []))[1].append(session)
+        return list(plan.values())
+
+    def _infer(self, group: Group, items: dict[int, Item]) -> dict[int, np.ndarray | EngineError]:
+        inputs = batch_inputs(group, self.sessions, items, self.hidden_size, self.is_first)
+        group.inputs = (inputs.data, inputs.mask, inputs.positions, inputs.keep, group.rows)
+        request, tensor = group.request, self._ov.Tensor
         try:
             if self._keep_port is not None:
-                request.set_input_tensor(self._keep_port, tensor(keep, shared_memory=True))
-            request.set_input_tensor(self._data_port, tensor(values, shared_memory=True))
-            request.set_input_tensor(self._mask_port, tensor(mask, shared_memory=True))
-            request.set_input_tensor(self._position_port, tensor(positions, shared_memory=True))
+                request.set_input_tensor(self._keep_port, tensor(inputs.keep, shared_memory=True))
+            if self._beam_port is not None:
+                request.set_input_tensor(self._beam_port, tensor(group.rows, shared_memory=True))
+            request.set_input_tensor(self._data_port, tensor(inputs.data, shared_memory=True))
+            request.set_input_tensor(self._mask_port, tensor(inputs.mask, shared_memory=True))
+            request.set_input_tensor(self._position_port, tensor(inputs.positions, shared_memory=True))
             request.infer()
-            logits = request.get_output_tensor(0).data
+            output = request.get_output_tensor(0).data
         except RuntimeError as error:
-            state.broken = (
-                f"inference failed: {str(error).strip().splitlines()[0] if str(error).strip() else error}"
-            )
-            raise EngineError(f"session {session}: {state.broken}") from None
-        state.cache_len = cache_len + n
-        output: np.ndarray = logits[0]
-        if 0 < keep_last < len(output):
-            output = output[len(output) - keep_last :]
-        if logits.nbytes > SHRINK_OUTPUT_BYTES:
-            output = output.copy()
+            text = str(error).strip()
+            reason = f"inference failed: {text.splitlines()[0] if text else error}"
+            for member in group.members:  # every row of a failed inference is suspect
+                self.sessions[member].broken = reason
+            return {member: EngineError(f"session {member}: {reason}") for member in items}
+        record_step(group, self.sessions, items, inputs.width)
+        outputs: dict[int, np.ndarray | EngineError] = {}
+        large = output.nbytes > SHRINK_OUTPUT_BYTES
+        for row, member in enumerate(group.members):
+            if member in items:
+                rows = item_output(output, row, items[member])
+                outputs[member] = rows.copy() if large else rows
+        if large:
             port = self.compiled.outputs[0]
-            request.set_output_tensor(0, tensor(port.get_element_type(), [1, 1, logits.shape[-1]]))
-        return output
+            request.set_output_tensor(0, tensor(port.get_element_type(), [1, 1, output.shape[-1]]))
+        self._split_idle(group, items)
+        return outputs
 
-    def _data(self, data: np.ndarray, n: int) -> np.ndarray:
+    def _data(self, data: np.ndarray) -> np.ndarray:
         if self.is_first:
             if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
                 raise EngineError(f"stage {self.stage_index} is the first stage and takes token ids")
             if int(data.max()) >= self.manifest.vocab_size or int(data.min()) < 0:
                 raise EngineError(f"token id outside the vocabulary of {self.manifest.vocab_size}")
-            return np.ascontiguousarray(data, np.int64).reshape(1, n)
+            return np.asarray(data, np.int64)
         if data.ndim != 2 or data.shape[1] != self.manifest.hidden_size:
             raise EngineError(
                 f"stage {self.stage_index} takes hidden states [n, {self.manifest.hidden_size}], "
                 f"got {list(data.shape)}"
             )
-        return np.ascontiguousarray(data, np.float32).reshape(1, n, -1)
+        return np.asarray(data, np.float32)
+
+    # ---------------------------------------------------------------------------------------- regroup
+    def _split_idle(self, group: Group, items: dict[int, Item]) -> None:
+        """A group whose inferences keep leaving rows idle splits into who ran and who did not: pads cost
+        as much compute as tokens, and two halves taking turns is exactly what a pipeline does."""
+        group.sparse = group.sparse + 1 if len(items) < len(group.members) else 0
+        if group.sparse >= IDLE_ROWS:
+            ran = [m for m in group.members if m in items]
+            self._regroup([ran, [m for m in group.members if m not in items]])
+
+    def _regroup(self, groups: list[list[int]]) -> None:
+        """Move each list of sessions into a new group of its own (their KV rows copied, local order kept)."""
+        groups = [members for members in groups if members]
+        if not groups:
+            return
+        moving = {member for members in groups for member in members}
+        sources = {id(self.sessions[m].group): self.sessions[m].group for m in moving}
+        kv: dict[int, list[np.ndarray]] = {}
+        try:
+            for source in sources.values():
+                states = [variable.state.data for variable in self._states(source)]
+                for row, member in zip(source.rows, source.members, strict=True):
+                    if member in moving:
+                        state = self.sessions[member]
+                        kv[member] = gather_rows(
+                            states, np.full(len(states), row), state.slots[: state.cache_len]
+                        )
+            for members in groups:
+                stacked, starts = stack_rows([kv[m] for m in members])
+                group = self._group()
+                for variable, values in zip(self._states(group), stacked, strict=True):
+                    variable.state = self._ov.Tensor(values, shared_memory=False)
+                group.length = stacked[0].shape[2] if stacked else 0
+                for member, start in zip(members, starts, strict=True):
+                    state = self.sessions[member]
+                    state.group.remove(member)
+                    group.add(member)
+                    state.group = group
+                    state.slots[: state.cache_len] = np.arange(start, start + state.cache_len)
+                group.settled()
+        except (RuntimeError, ValueError) as error:
+            for member in moving:
+                self.sessions[member].broken = f"regrouping failed: {error}"
+            logger.error("regrouping %s failed: %s", sorted(moving), error)
+
+    def set_batching(self, max_batch: int) -> int:
+        """Batch at most `max_batch` sessions per inference from now on (1 = each alone); returns it."""
+        self.batch_max = max(1, max_batch) if self.has_beam_idx else 1
+        if self.batch_max == 1:
+            shared = {id(s.group): s.group for s in self.sessions.values() if len(s.group.members) > 1}
+            self._regroup([[member] for group in shared.values() for member in group.members])
+        return self.batch_max
+
+    def _states(self, group: Group) -> list[Any]:
+        """A group's KV states in the shard's state order."""
+        found = {variable.name: variable for variable in group.request.query_state()}
+        return [found[name] for name in sorted(found)]
 
     def compact(self, session: int, cache_len: int) -> int:
-        """Drop the masked slots with one copy per KV state; returns the new physical length.
+        """Drop the masked local slots; returns the new local length.
 
-        Only ranges already sent with a step are masked: slots of a rejection whose ranges have not been
-        sent yet survive, shifted down by the number of masked slots before them.
+        A session alone in its group copies its live slots into a fresh state; in a shared group only its
+        slot map shrinks, and the group's state is rewritten once its rows are mostly waste.
         """
         state = self._session(session)
         if cache_len != state.cache_len:
@@ -425,21 +469,15 @@ class StageEngine:
         keep = np.flatnonzero(state.mask[:cache_len])
         if len(keep) == cache_len:
             return cache_len
-        ov = self._ov
-        try:
-            for variable in state.request.query_state():
-                current = variable.state.data  # [1, kv_heads, slots, head_dim]
-                if current.shape[2] != cache_len:
-                    raise EngineError(
-                        f"state {variable.name}: {current.shape[2]} slots, expected {cache_len}"
-                    )
-                # A fresh tensor, never an ROI view of the old state (an ROI trim corrupted output).
-                variable.state = ov.Tensor(np.ascontiguousarray(current[:, :, keep, :]), shared_memory=True)
-        except (RuntimeError, EngineError) as error:
-            state.broken = f"compaction failed: {error}"
-            raise EngineError(f"session {session}: {state.broken}") from None
+        group = state.group
+        state.slots[: len(keep)] = state.slots[keep]
         state.cache_len = len(keep)
         state.mask[: state.cache_len] = 1
+        longest = max(self.sessions[m].cache_len for m in group.members)
+        if len(group.members) == 1 or group.length > 2 * longest + BATCH_TOKENS:
+            self._regroup([list(group.members)])
+            if state.broken:
+                raise EngineError(f"session {session}: {state.broken}")
         return state.cache_len
 
     # ------------------------------------------------------------------------------------------ memory
@@ -460,3 +498,8 @@ class StageEngine:
 
     def cache_slots(self) -> int:
         return sum(state.cache_len for state in list(self.sessions.values()))  # read from the control thread
+
+    def physical_slots(self) -> int:
+        """Slots held by every group's state (pads and masked slots included): what the KV really costs."""
+        groups = {id(state.group): state.group for state in list(self.sessions.values())}
+        return sum(len(group.members) * group.length for group in groups.values())

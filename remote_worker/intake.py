@@ -6,6 +6,7 @@ import json
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,38 @@ class Inbox:
             received, item, size = self._items.popleft()
             self._bytes -= size
             return received, item
+
+    def together(self) -> threading.Condition:
+        """Hold the queue while several puts go in (a batch arrives whole: the compute thread sees all)."""
+        return self._condition
+
+    def take_steps(
+        self, exclude: set[int], limit: int, fits: Callable[[protocol.Step], bool]
+    ) -> list[tuple[float, protocol.Step | RunStep]]:
+        """Take up to `limit` queued steps that `fit`, of sessions not in `exclude` and each the first
+        queued message of its session (a session's messages are never reordered)."""
+        taken: list[tuple[float, protocol.Step | RunStep]] = []
+        with self._condition:
+            seen = set(exclude)
+            kept: deque[tuple[float, protocol.Message | RunStep, int]] = deque()
+            for entry in self._items:
+                received, item, size = entry
+                step = item.step if isinstance(item, RunStep) else item
+                session = getattr(step, "session", None)
+                if (
+                    len(taken) < limit
+                    and isinstance(step, protocol.Step)
+                    and session not in seen
+                    and fits(step)
+                ):
+                    taken.append((received, item))  # type: ignore[arg-type]
+                    self._bytes -= size
+                else:
+                    kept.append(entry)
+                if session is not None:
+                    seen.add(session)
+            self._items = kept
+        return taken
 
     def wake(self) -> None:
         with self._condition:

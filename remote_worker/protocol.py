@@ -10,6 +10,11 @@ Control messages (Hello, Open, Close, Reset, Compact, Cancel) travel the same ch
 the steps of their session; the last stage answers them with an Ack. A stage that cannot serve a message
 sends an Error down the chain instead, so the coordinator never waits forever.
 
+Batches: several messages of distinct sessions may travel as one multipart (`encode_batch`): a BATCH
+header whose count is the number of messages, a frame of each message's frame count, then each message's
+own frames. `split` undoes it; every message inside is then decoded and validated on its own, so one bad
+message is refused alone. A stage serves the steps of one batch as one batched inference.
+
 Attention-mask deltas: every stage keeps, per session, a mask over its physical KV slots. A Step carries
 only the physical slot ranges to mask from now on (`mask_ranges`, half-open) plus the logical position of
 its first token, never the full mask.
@@ -50,9 +55,7 @@ from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is
 )
 
 MAGIC = b"FLTW"
-VERSION = (
-    3  # 2: Decode carries penalties (three floats, unique context ids and their counts); 3: runs, Cancel
-)
+VERSION = 4  # 2: Decode carries penalties; 3: runs, Cancel; 4: Batch containers
 MAX_TOKENS_PER_STEP = 1 << 16
 MAX_MASK_RANGES = 1 << 14
 MAX_TRACE = 256
@@ -79,6 +82,7 @@ class Kind(IntEnum):
     RESULT = 17
     PROPOSAL = 18
     ERROR = 19
+    BATCH = 32
 
 
 class RequestError(ProtocolError):
@@ -323,6 +327,41 @@ def _ranges(frame: bytes | memoryview, count: int) -> np.ndarray:
     if count and (int(ranges.min()) < 0 or bool(np.any(ranges[:, 1] <= ranges[:, 0]))):
         raise ProtocolError("mask: ranges must be non-empty and non-negative")
     return ranges
+
+
+MAX_BATCH = 1024  # messages in one Batch container
+
+
+def encode_batch(messages: Sequence[Message]) -> list[bytes | memoryview]:
+    """Frames for several messages sent as one (a single message is sent as itself)."""
+    return batch_frames([encode(message) for message in messages])
+
+
+def batch_frames(parts: Sequence[list[bytes | memoryview]]) -> list[bytes | memoryview]:
+    """One multipart for several encoded messages (see `encode_batch`)."""
+    if len(parts) == 1:
+        return parts[0]
+    counts = np.asarray([len(part) for part in parts], np.uint32)
+    frames: list[bytes | memoryview] = [_header(Kind.BATCH, count_a=len(parts)), counts.tobytes()]
+    for part in parts:
+        frames.extend(part)
+    return frames
+
+
+def split(frames: Sequence[bytes | memoryview]) -> list[Sequence[bytes | memoryview]]:
+    """The messages in a multipart: those of a Batch container, else the multipart itself as the one."""
+    if not frames or len(frames[0]) != HEADER.size or bytes(frames[0][6:7]) != bytes([Kind.BATCH]):
+        return [frames]
+    magic, version, _, _, _, _, _, _, _, _, count, _ = HEADER.unpack(frames[0])
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError("batch: bad magic or protocol version")
+    if not 1 <= count <= MAX_BATCH or len(frames) < 2:
+        raise ProtocolError(f"batch: {count} messages, expected 1..{MAX_BATCH}")
+    counts = array_of(frames[1], np.uint32, count, "batch frame counts")
+    if int(counts.min()) < 1 or int(counts.sum()) != len(frames) - 2:
+        raise ProtocolError(f"batch: frame counts sum to {int(counts.sum())}, it has {len(frames) - 2}")
+    ends = np.cumsum(counts) + 2
+    return [frames[int(end - size) : int(end)] for end, size in zip(ends, counts, strict=True)]
 
 
 def decode(frames: Sequence[bytes | memoryview]) -> Message:

@@ -35,6 +35,7 @@ from remote_worker import protocol
 from remote_worker.coalesce import Coalescer
 from remote_worker.compute import SEND_TIMEOUT_MS, StageCompute, one_line, rarely
 from remote_worker.config import StageConfig
+from remote_worker.engine import BATCH_TOKENS
 from remote_worker.intake import (
     ControlRequestError,
     Inbox,
@@ -60,7 +61,7 @@ HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-CONTROL_OPS = ("ping", "stats", "lease", "shutdown")
+CONTROL_OPS = ("ping", "stats", "lease", "batching", "shutdown")
 
 
 class StageServer(StageCompute):
@@ -82,6 +83,7 @@ class StageServer(StageCompute):
         self.lease_seconds = float(config.lease_seconds)
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
+        self._wanted_batch = engine.batch_max  # set by the control thread, applied by the compute thread
         self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
         self._sockets: list[zmq.Socket[bytes]] = []
         self._monitors: dict[zmq.Socket[bytes], str] = {}
@@ -175,6 +177,8 @@ class StageServer(StageCompute):
         self._io.start()
         try:
             while self.running:
+                if self._wanted_batch != self.engine.batch_max:
+                    self._wanted_batch = self.engine.set_batching(self._wanted_batch)
                 wait = POLL_CEILING_MS / 1e3
                 due = self.coalescer.seconds_to_due(time.monotonic())
                 if due is not None and due <= 0:
@@ -197,7 +201,13 @@ class StageServer(StageCompute):
                     message = step  # a first step is answered, as one step if its run already ended
                 self._busy_since = time.monotonic()
                 try:
-                    self._serve(received, message, run)
+                    work = self._gather(message, run)
+                    if work:
+                        started = time.time()
+                        self._serve_steps([(received, message, run), *work])  # type: ignore[list-item]
+                        self.stats.busy_seconds += time.time() - started
+                    else:
+                        self._serve(received, message, run)
                 finally:
                     self._busy_since = None
         finally:
@@ -205,6 +215,27 @@ class StageServer(StageCompute):
             with contextlib.suppress(Exception):  # best effort, never waiting: tokens made are not kept back
                 self.flush(block=False)
             self._io.join(10)
+
+    def _gather(
+        self, first: protocol.Message, run: RunStep | None
+    ) -> list[tuple[float, protocol.Step, RunStep | None]]:
+        """Other sessions' small steps waiting in the inbox, to serve in one inference with `first`."""
+        if not isinstance(first, protocol.Step) or self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
+            return []
+        work: list[tuple[float, protocol.Step, RunStep | None]] = []
+        taken = self.inbox.take_steps(
+            {first.session}, self.engine.batch_max - 1, lambda step: step.n <= BATCH_TOKENS
+        )
+        for received, item in taken:
+            if isinstance(item, RunStep):
+                step = item.step
+                current = item if self.run_stops.current(step.session, step.seq) else None
+                if current is None and not item.first:
+                    continue  # a control message of its session ended the run
+                work.append((received, step, current))
+            else:
+                work.append((received, item, None))
+        return work
 
     # ----------------------------------------------------------------------------------------- I/O loop
     def _io_loop(self) -> None:
@@ -247,7 +278,15 @@ class StageServer(StageCompute):
         while int(data.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # (cheaper than ending on zmq.Again each time)
             frames = data.recv_multipart(zmq.NOBLOCK)
             self.stats.received += 1
-            self._admit(time.time(), frames)
+            try:
+                parts = protocol.split(frames)
+            except protocol.ProtocolError as error:
+                self._drop(f"malformed batch: {error}")
+                continue
+            received = time.time()
+            with self.inbox.together():  # the compute thread sees a batch whole
+                for part in parts:
+                    self._admit(received, list(part))  # type: ignore[arg-type]
 
     def _admit(self, received: float, frames: list[bytes]) -> None:
         """Validate one received message and queue it, refuse it with an Error, or drop it (no header)."""
@@ -447,6 +486,8 @@ class StageServer(StageCompute):
                 return self._statistics()
             if operation == "lease":
                 return {"lease": self.lease_seconds, "lease_left": self.lease_left()}
+            if operation == "batching":
+                return {"max_batch": self._batching(request)}
             logger.info("shutdown requested")
             self.stop("shutdown requested")
             return {"state": "stopping", "pid": os.getpid()}
@@ -457,6 +498,16 @@ class StageServer(StageCompute):
             self.stats.control_errors += 1
             logger.error("control request failed: %s", one_line(error))
             return {"error": one_line(error)}
+
+    def _batching(self, request: dict[str, Any]) -> int:
+        """Turn batching on (up to max_sessions per inference) or off; served between two compute steps."""
+        wanted = request.get("on")
+        if not isinstance(wanted, bool):
+            raise ControlRequestError("batching: 'on' must be true or false")
+        size = self.config.max_sessions if wanted else 1
+        self._wanted_batch = size
+        self.inbox.wake()
+        return size
 
     def _statistics(self) -> dict[str, Any]:
         sessions = {}

@@ -65,6 +65,7 @@ class StageStats:
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
     handled: Counter[str] = field(default_factory=Counter)  # message kinds served
+    batches: Counter[int] = field(default_factory=Counter)  # inferences by the number of sessions in them
     started: float = field(default_factory=time.time)
     _mark: tuple[float, int, int, float] = (0.0, 0, 0, 0.0)
     _next_sample: float = 0.0
@@ -74,10 +75,12 @@ class StageStats:
         self._mark = (now, 0, 0, 0.0)
         self._next_sample = now + INTERVAL
 
-    def record_step(self, tokens: int, seconds: float) -> None:
-        self.steps += 1
+    def record_step(self, tokens: int, seconds: float, sessions: int = 1) -> None:
+        """One inference of `tokens` token rows serving `sessions` sessions' steps."""
+        self.steps += sessions
         self.tokens += tokens
         self.last_step_ms = seconds * 1e3
+        self.batches[sessions] += 1
 
     def due(self) -> bool:
         return time.monotonic() >= self._next_sample
@@ -131,6 +134,7 @@ class StageStats:
             "busy_seconds": round(self.busy_seconds, 3),
             "last_step_ms": round(self.last_step_ms, 3),
             "handled": {kind: count for kind, count in sorted(self.handled.items())},
+            "batches": {str(size): count for size, count in sorted(self.batches.items())},
             "uptime_s": round(time.time() - self.started, 3),
         }
 

@@ -210,14 +210,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_modules_stay_under_500_lines() -> None:
-    long = [
-        f"{path.relative_to(ROOT)}: {count}"
-        for package in ("fleettui", "remote_worker", "shard_compiler")
-        for path in (ROOT / package).rglob("*.py")
-        if (count := len(path.read_text().splitlines())) > 520
-    ]
-    assert long == []
+def test_module_size_report_runs() -> None:
+    """Module size is a soft report (.ci/module-sizes, printed by the test command), not a failing limit."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "module-sizes"), "3"], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.count("\n") == 4, result.stdout + result.stderr
 
 
 def test_format_check_passes() -> None:

@@ -48,6 +48,7 @@ class ScriptedStage:
         tail = self.push.bind_to_random_port("tcp://127.0.0.1")
         self.head, self.tail = f"tcp://127.0.0.1:{head}", f"tcp://127.0.0.1:{tail}"
         self.script, self.batch = script, batch
+        self.received: list[int] = []  # messages in each multipart received (a Batch holds several)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -57,13 +58,16 @@ class ScriptedStage:
         while not self.stopping.is_set():
             if not self.pull.poll(50):
                 continue
-            message = protocol.decode(self.pull.recv_multipart())
-            assert isinstance(message, protocol.Step)
-            waiting.append(message)
-            if len(waiting) == self.batch:
-                for frames in self.script(waiting):
-                    self.push.send_multipart(frames)
-                waiting = []
+            received = protocol.split(self.pull.recv_multipart())
+            self.received.append(len(received))
+            for part in received:
+                message = protocol.decode(part)
+                assert isinstance(message, protocol.Step)
+                waiting.append(message)
+                if len(waiting) == self.batch:
+                    for frames in self.script(waiting):
+                        self.push.send_multipart(frames)
+                    waiting = []
 
     def close(self) -> None:
         self.stopping.set()
@@ -102,6 +106,7 @@ def test_replies_in_any_order_reach_their_requests(stage: Callable[..., Scripted
         return [int(r.tokens[0]) for r in replies]  # type: ignore[attr-defined]
 
     assert asyncio.run(scenario()) == [101, 102, 103]
+    assert fake.received == [3]  # asked for in one turn of the event loop: they left as one Batch
 
 
 def test_malformed_and_unexpected_replies_are_dropped_and_the_real_one_answers(

@@ -172,7 +172,8 @@ class Drain:
     def _run(self) -> None:
         while not self.stop.is_set():
             if self.client.pull.poll(100):
-                self.kinds[type(protocol.decode(self.client.pull.recv_multipart())).__name__] += 1
+                for part in protocol.split(self.client.pull.recv_multipart()):
+                    self.kinds[type(protocol.decode(part)).__name__] += 1
 
     def finish(self) -> Counter[str]:
         self.stop.set()

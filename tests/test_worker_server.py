@@ -123,6 +123,7 @@ class Client:
         self.pull = self._socket(zmq.PULL, last)
         assert last.config.result_port is not None
         self.pull.connect(last.url(last.config.result_port))
+        self.waiting: list[protocol.Message] = []
 
     def _socket(self, kind: int, server: Worker) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -166,9 +167,12 @@ class Client:
         self.push.send_multipart(frames)
 
     def receive(self, timeout: float = REPLY_TIMEOUT) -> protocol.Message:
-        if not self.pull.poll(int(timeout * 1000)):
-            raise AssertionError("no message from the last stage")
-        return protocol.decode(self.pull.recv_multipart())
+        """The next message from the last stage (those of a Batch one by one, in order)."""
+        if not self.waiting:
+            if not self.pull.poll(int(timeout * 1000)):
+                raise AssertionError("no message from the last stage")
+            self.waiting.extend(protocol.decode(part) for part in protocol.split(self.pull.recv_multipart()))
+        return self.waiting.pop(0)
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -593,6 +597,7 @@ class _FakeEngine:
     is_first, is_last = True, False
     hidden_size = 4
     compile_seconds, loaded_from_cache = 0.0, False
+    batch_max = 1  # each step alone: the fake's steps are served one by one through `step`
 
     def __init__(self, output: np.ndarray) -> None:
         from remote_worker.manifest import LayerRange
@@ -624,6 +629,18 @@ class _FakeEngine:
     ):  # noqa: ANN201
         self.sessions[session] += len(data)
         return self.output[: len(data)]
+
+    def step_many(self, requests: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        for r in requests:
+            try:
+                results.append(self.step(r.session, r.pos0, r.cache_len, r.mask_ranges, r.data, r.keep_last))
+            except Exception as error:  # noqa: BLE001 - the engine's contract: an error per step
+                results.append(error)
+        return results
+
+    def set_batching(self, max_batch: int) -> int:
+        return 1
 
     def cache_len(self, session: int) -> int:
         return self.sessions[session]

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -213,6 +213,10 @@ class ZmqLink:
         self.dropped = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        # steps asked for in one turn of the event loop leave together as one Batch (one inference per stage)
+        self._outbox: list[tuple[list[Any], protocol.Message]] = []
+        self._backlog: deque[tuple[list[Any], list[protocol.Message]]] | None = None
+        self.batches_sent = 0
 
     def _ensure_reader(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read replies from the event loop's readiness callback of the PULL socket's descriptor."""
@@ -237,6 +241,16 @@ class ZmqLink:
 
     def _dispatch(self, buffers: list[memoryview]) -> None:
         self.bytes_received += sum(len(b) for b in buffers)
+        try:
+            parts = protocol.split(buffers)
+        except protocol.ProtocolError as error:
+            self.dropped += 1
+            log.warning("dropped a malformed batch of replies: %s", error)
+            return
+        for part in parts:
+            self._deliver(part)
+
+    def _deliver(self, buffers: Sequence[bytes | memoryview]) -> None:
         try:
             message = protocol.decode(buffers)
         except protocol.ProtocolError as error:
@@ -323,6 +337,15 @@ class ZmqLink:
         has no pipe and would block forever), and stop waiting when the answer (`future`) is settled."""
         frames = protocol.encode(message)
         self.bytes_sent += sum(len(f) for f in frames)
+        if isinstance(message, protocol.Step):
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._outbox.append((frames, message))
+            return
+        self._flush()  # what was asked for before this message leaves before it
+        while self._backlog is not None and limit > 0:
+            await asyncio.sleep(0.005)
+            limit -= 0.005
         try:
             self._push_now.send_multipart(frames, self._noblock, copy=False)
             return
@@ -339,6 +362,53 @@ class ZmqLink:
                 self._expire(future, limit, message)
         elif sending.exception() is not None:
             raise LinkError(f"could not send to the pipeline: {sending.exception()}") from None
+
+    def _flush(self) -> None:
+        """Send the steps asked for since the last flush as one message (a Batch when several)."""
+        if not self._outbox:
+            return
+        parts, self._outbox = self._outbox, []
+        frames = protocol.batch_frames([part for part, _ in parts])
+        messages = [message for _, message in parts]
+        self.batches_sent += len(parts) > 1
+        if self._backlog is None:
+            try:
+                self._push_now.send_multipart(frames, self._noblock, copy=False)
+                return
+            except self._again:
+                self._backlog = deque()
+                asyncio.ensure_future(self._send_backlog())
+            except Exception as error:  # noqa: BLE001 - a closed socket: those requests fail
+                self._fail_sent(messages, LinkError(f"could not send to the pipeline: {error}"))
+                return
+        self._backlog.append((frames, messages))
+
+    async def _send_backlog(self) -> None:
+        """Send what ZeroMQ could not take at once, in order, each bounded by the link's timeout."""
+        backlog = self._backlog
+        assert backlog is not None
+        while backlog:
+            frames, messages = backlog[0]
+            try:
+                await asyncio.wait_for(self._push.send_multipart(frames, copy=False), self._timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self._fail_sent(
+                    messages, LinkError(f"could not send to the pipeline within {self._timeout:g} s")
+                )
+            except Exception as error:  # noqa: BLE001 - a closed socket: those requests fail
+                self._fail_sent(messages, LinkError(f"could not send to the pipeline: {error}"))
+            backlog.popleft()
+        self._backlog = None
+
+    def _fail_sent(self, messages: list[protocol.Message], error: LinkError) -> None:
+        for message in messages:
+            seq = getattr(message, "seq", -1)
+            future = self._pending.get(seq)
+            if future is not None and not future.done():
+                future.set_exception(error)
+            stream = self._streams.get(seq)
+            if stream is not None:
+                stream.fail(error)
 
     @staticmethod
     def _expire(future: asyncio.Future[protocol.Message], limit: float, message: protocol.Message) -> None:
