@@ -179,22 +179,23 @@ def _nice(value: float) -> float:
     return step * 10
 
 
+def plots(rows: Sequence[Row]) -> dict[str, str]:
+    """The SVG text of each plot, by the suffix of its file name."""
+    return {
+        "users": svg_plot("tok/s against users, LAN (no added hop delay)", "users", users_series(rows)),
+        "delay": svg_plot("tok/s against the delay added to each hop", "ms per hop", delay_series(rows)),
+    }
+
+
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 1:
         print("usage: render.py BENCH.json", file=sys.stderr)
         return 2
     source = Path(argv[0])
     doc = json.loads(source.read_text(encoding="utf-8"))
-    rows = doc["rows"]
     stem = source.with_suffix("")
-    stem.with_name(stem.name + "-users.svg").write_text(
-        svg_plot("tok/s against users, LAN (no added hop delay)", "users", users_series(rows)),
-        encoding="utf-8",
-    )
-    stem.with_name(stem.name + "-delay.svg").write_text(
-        svg_plot("tok/s against the delay added to each hop", "ms per hop", delay_series(rows)),
-        encoding="utf-8",
-    )
+    for suffix, svg in plots(doc["rows"]).items():
+        stem.with_name(f"{stem.name}-{suffix}.svg").write_text(svg, encoding="utf-8")
     print(table(doc))
     return 0
 

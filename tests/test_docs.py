@@ -1,8 +1,11 @@
-"""docs/fleet-file.md lists exactly the keys the fleet file loader accepts, table by table."""
+"""The reference docs match the code: docs/fleet-file.md lists exactly the keys the fleet file loader accepts,
+and docs/performance.md shows the bench run its JSON holds, as docs/bench/render.py renders it."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -19,7 +22,8 @@ from fleettui.config.fleet import (
 from fleettui.config.resilience import ResilienceSettings
 from fleettui.errors import FleetConfigError
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "fleet-file.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOC = DOCS / "fleet-file.md"
 SETTINGS = {
     "model": ModelSettings,
     "runtime": RuntimeSettings,
@@ -81,3 +85,24 @@ def test_the_loader_accepts_every_documented_key(tmp_path: Path, table: str, key
 def test_the_loader_refuses_a_key_the_doc_does_not_list(tmp_path: Path) -> None:
     for table in SETTINGS:
         assert "unknown key" in verdict(tmp_path, table, "not_documented")
+
+
+def test_the_performance_page_shows_its_bench_json_as_the_renderer_renders_it() -> None:
+    spec = importlib.util.spec_from_file_location("render", DOCS / "bench" / "render.py")
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    shown = re.search(
+        r"<!-- rendered from (bench/[\w.-]+\.json) -->\n(.*?)\n<!-- end of rendered table -->", page, re.S
+    )
+    assert shown is not None
+    doc = json.loads((DOCS / shown.group(1)).read_text(encoding="utf-8"))
+    assert shown.group(2) == render.table(doc)
+    ok = [row for row in doc["rows"] if row.get("status", "ok") == "ok"]
+    assert ok and all(f"| {row['name']} |" in shown.group(2) for row in doc["rows"])
+    assert render.users_series(doc["rows"]) and render.delay_series(doc["rows"])
+    for plot, svg in render.plots(doc["rows"]).items():
+        path = f"{shown.group(1)[: -len('.json')]}-{plot}.svg"
+        assert f"({path})" in page
+        assert (DOCS / path).read_text(encoding="utf-8") == svg
