@@ -58,8 +58,9 @@ class CostModel:
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
         enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly draft pays its catch-up on
-        all it missed, so counting rounds alone would let probes come too often. Idle time does not count: a
-        probe after a pause costs the next reply as much. A free drafter (prompt lookup) is always affordable."""
+        all it missed, so counting rounds alone would let probes come too often. Idle time does not count:
+        a probe after a pause costs the next reply as much. A free drafter (prompt lookup) is always
+        affordable."""
         last = self.last_drafted.get((drafter, loaded))
         return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from fleettui.runtime.cost_model import MIN_REALIZED_ROUNDS, CostModel
 from fleettui.runtime.measures import Realized
 
-# OpenVINO's CPU plugin runs the first 1-token steps after a multi-token verify slower: what this many plain
-# rounds after a verify take beyond plain's rate is charged to its drafter (docs/performance.md#tuning-constants).
+# OpenVINO's CPU plugin runs the first 1-token steps after a multi-token verify slower: what this many
+# plain rounds after a verify take beyond plain's rate is charged to its drafter
+# (docs/performance.md#tuning-constants).
 AFTER_VERIFY_ROUNDS = 3
 PROBE_CEILING = 1.05  # a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
 PROBE_ACCEPTANCE = 0.9  # ... at its measured acceptance, or this if lower (`could_pay`)
