@@ -130,7 +130,7 @@ class StageEngine:
         for needed in (self.data_input, "attention_mask", "position_ids"):
             if needed not in index:
                 raise ManifestError(f"{self.stage.ir}: input {needed!r} is missing")
-        # input indices, so a step sets its tensors directly (OpenVINO's dict dispatch cost ~2 % of a token)
+        # input indices, so a step sets its tensors directly (OpenVINO's dict dispatch costs per step)
         self._data_port, self._mask_port = index[self.data_input], index["attention_mask"]
         self._position_port, self._beam_port = index["position_ids"], index.get("beam_idx")
         self.has_beam_idx = self._beam_port is not None
@@ -249,8 +249,8 @@ class StageEngine:
         """One 1-token step on a scratch session, discarded; returns its seconds.
 
         OpenVINO's CPU plugin does its one-time work for a compiled model (weights repacked for the kernels,
-        buffers) at its first inference, so the worker warms up before it reports ready and the first
-        answer after a deploy does not pay it.
+        buffers) at its first inference, whatever the steps' shapes. The worker warms up before it reports
+        ready, so the first answer after a deploy does not pay it (docs/performance.md#startup).
         """
         started = time.perf_counter()
         scratch = min(self.sessions, default=0) - 1  # not a session the coordinator has opened

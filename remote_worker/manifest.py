@@ -375,8 +375,8 @@ def verify_files(
 
     With a `stamp` (a JSON file) a file whose SHA-256 was checked before and whose size, modification and
     inode-change times, inode and device are unchanged since is not read again: any write through the file
-    system changes its ctime, which no one can set back. Worth it for a restart of a large model (1.5 s for
-    a stage of a 1B shard, several seconds for an 8B one, on every relaunch). The stamp lives in the shard
+    system changes its ctime, which no one can set back. Worth it for a restart of a large model, whose
+    stage files would otherwise be hashed on every relaunch. The stamp lives in the shard
     folder, so whoever could forge it could as well edit the manifest there. A deploy from the operator
     reads and writes the same stamp on the host (`fleettui.provision.remote_ops`, `hashes` and `seal`), so
     the worker's first start after a push hashes nothing the push checked. Writing it is best effort.

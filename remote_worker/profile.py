@@ -49,23 +49,20 @@ def time_stages(
 ) -> list[dict[str, Any]]:
     """Per engine: 1-token decode ms after CONTEXT tokens and the ms of a CHUNK prefill, at their quietest.
 
-    A step costs more after a pause: on a shared Xeon a 28-layer stage timed right after its last step took
-    0.31 ms a layer and 0.40 after 8 ms idle, the head 1.7 against 3.2 ms (busy-waiting the pause instead of
-    sleeping changed nothing). A stage in a pipeline serving one user pauses while the rest of the pipeline
+    A step costs more after a pause (docs/performance.md#tuning-constants), and a stage in a pipeline
+    serving one user pauses while the rest of the pipeline
     computes its token, so each engine's steps are timed after the pause it will have live: PAUSES_MS[i]
     before each of engine i's steps when given (the rest of a planned split, predicted), else (PIPELINE-1)/
     PIPELINE of the whole model's token, measured on these engines, which must then make up the model (the
     calibration split; PIPELINE <= 1: back to back). Stepping the calibration stages round-robin instead
-    gave the 28-layer stage a 4 ms pause and the 1-layer stages 13 ms, and charged the head 9 layers where
-    the live 2-stage pipeline costs it 8.
+    would give each stage a pause unlike its live one and misjudge the head.
 
     Every engine is timed in the same windows, one block of steps each, so load from other programs slows
     them alike and does not skew one stage against another. The TOKENS steps are spread over WINDOWS
     windows GAP seconds apart, and a stage's cost is the lowest of its windows' low percentiles (20th), its
     prefill the fastest of one per window: other programs only ever make a step slower, and a host timed
     beside another (each on its own cores) must not come out slower for a half-second burst on its core
-    alone. One window of 48 steps once measured an emulated PC 1.7x slower than its twin and the planner
-    gave the other 22 of 30 layers (7.8 against 4.6 ms a token; the balanced split 17/13 ran 5.5 and 4.8).
+    alone, which would skew the split.
     """
     generator = np.random.default_rng(0)
     per_window = max(1, -(-tokens // windows))

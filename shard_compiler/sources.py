@@ -217,7 +217,7 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
     except (OSError, ValueError):  # not derived yet (or a damaged copy: derived again)
         data = None
     if isinstance(data, dict):  # the GGUF itself is not opened: its reader parses every field, the whole
-        # vocabulary included (2 s for SmolLM2, on every fleet start that finds its shards cached)
+        # vocabulary included, which would slow every fleet start that finds its shards cached
         _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path))
         return data
     architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from fleettui.bench.report import (
     targets,
 )
 from fleettui.bench.runner import RowSpec, plan_rows
+from fleettui.bench.targets import GOALS_FILE, load_goals
 from fleettui.config.fleet import DEFAULT_FLEET, load_fleet
 from remote_worker.config import Endpoint
 
@@ -238,6 +240,21 @@ def test_ratios_table_and_json() -> None:
 def test_targets_without_rows_say_so() -> None:
     found = targets([_rows()[0]])
     assert found[0]["ratio"] is None and found[0]["met"] is None
+
+
+def test_the_goals_come_from_the_bench_targets_file(tmp_path: Path) -> None:
+    goals = load_goals()
+    assert goals == load_goals(GOALS_FILE) and goals.adaptive_speculation_lan_vs_none == 0.98
+    stricter = dataclasses.replace(goals, adaptive_speculation_lan_vs_none=1.7)
+    found = [t for t in targets(_rows(), stricter) if t["target"].startswith("adaptive spec >=")]
+    assert found[0]["target"].startswith("adaptive spec >= 1.7x") and found[0]["goal"] == 1.7
+    assert found[0]["ratio"] == pytest.approx(1.6) and found[0]["met"] is False
+    wrong = tmp_path / "targets.toml"
+    wrong.write_text(GOALS_FILE.read_text().replace("stage_compute_balance", "stage_balance"))
+    with pytest.raises(
+        ValueError, match="unknown goals \\['stage_balance'\\], missing .*stage_compute_balance"
+    ):
+        load_goals(wrong)
 
 
 def test_short_precision_names() -> None:

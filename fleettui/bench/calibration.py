@@ -11,12 +11,10 @@ from fleettui.config.fleet import Fleet
 async def calibrate_hosts(fleet: Fleet, progress: Any, measured: set[Path]) -> None:
     """Measure the per-layer and head costs of the fleet's hosts before it is planned, so its split comes from
     measured costs (as `fleettui plan --profile`), not from byte counts. Measured afresh once per bench run
-    and host settings (`measured`): a profile cached hours ago under other load can misplace a layer (on this
-    VM the head's cost against a layer's moved by 30 % between two quiet hours).
+    and host settings (`measured`): a profile cached hours ago under other load can misplace a layer.
 
     The hosts are calibrated as they will run: local stages on their own cores (`share_local_cores`, as the
-    controller starts them); calibrated unshared, the profiles were not the ones the plan looked up, and on a
-    machine without older profiles the 2-stage fleet ran the byte-count split (23/7: 11.2 vs 8.5 ms/token)."""
+    controller starts them); calibrated unshared, the profiles would not be the ones the plan looks up."""
     from fleettui.control.calibration import calibrate_fleet
 
     await calibrate_fleet(fleet, progress, force=True, measured=measured)

@@ -149,9 +149,9 @@ def paired_rates(
 ) -> list[tuple[float, float]]:
     """(row rate, its pair's rate) per measurement of a row. Where every measurement has its time (the middle
     of its window), the pair's rate is taken at the row's own time, interpolated between the pair's measurements
-    before and after it (the nearest one outside them): this machine drifts by up to 20 % within a group
-    (a baseline measured 91, 82 and 73 tok/s in three rounds a minute apart), so a row measured half a minute
-    after its pair in every round would carry that drift as a ratio. Without times, measurement i goes with i."""
+    before and after it (the nearest one outside them): a shared machine drifts within a group, and a row
+    measured half a minute after its pair in every round would carry that drift as a ratio. Without times,
+    measurement i goes with i."""
     points = sorted((t, b) for t, b in zip(base_times, base_rates, strict=False) if t is not None and b > 0)
     if not points or len(times) != len(rates) or any(t is None for t in times):
         return [(a, b) for a, b in zip(rates, base_rates, strict=False) if a > 0 and b > 0]

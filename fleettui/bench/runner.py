@@ -154,8 +154,7 @@ async def _measure(
 ) -> dict[str, Any]:
     """One row's answers. An adaptive row keeps its policy across the group's rounds (learned costs, realized
     rates, probe schedule), as a serving fleet keeps it across requests: not a cold start each time. Each row
-    has its own: shared by the rows of one drafter, the 1-user row at 50 ms/hop learnt from the 4-user row
-    between its rounds and measured 3.0-3.3x no speculation, against 5.3-5.6x with only its own pair."""
+    has its own, so one row does not learn from another's load."""
     from fleettui.runtime.coordinator import GenerationParams
     from fleettui.runtime.speculation import KPolicy, PromptLookupDrafter
 
@@ -223,7 +222,7 @@ def round_prompts(prompts: list[list[int]], users: int, round_index: int) -> lis
     """The prompts of one round: user u of round r asks prompt r + u (the untimed round -1 the last one).
 
     Every row of a round asks the same ones, so a pair compares like with like, and a row's median spans
-    several prompts: a draft's acceptance differs a lot between prompts (fixed K = 8 on one stage: 0.78-1.00)."""
+    several prompts: a draft's acceptance differs a lot between prompts."""
     return [prompts[(round_index + user) % len(prompts)] for user in range(users)]
 
 

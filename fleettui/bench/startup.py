@@ -8,7 +8,7 @@ see `remote_worker.manifest.verify_files`). Each start is timed from the process
 the worker's ping says how it got its compiled model and how long its warm-up step took, so the report shows
 their shares too. Then, on a fleet of local hosts, each round starts the whole fleet and asks two questions:
 the first answer's time to first token against the next one's is what a user pays for a cold pipeline right
-after a deploy (before the workers warmed up before READY: 370 against 40 ms).
+after a deploy.
 """
 
 from __future__ import annotations

@@ -1,11 +1,50 @@
-"""Provides the bench's ratios: each row against its baseline, and the issue's targets met or not."""
+"""Provides the bench's ratios: each row against its baseline, and the goals of `targets.toml` met or not."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from fleettui.bench.results import Row
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+GOALS_FILE = Path(__file__).with_name("targets.toml")
+
+
+@dataclass(frozen=True)
+class Goals:
+    """The bench's goals, one ratio each (`targets.toml` says what each measures)."""
+
+    single_stage_vs_genai: float
+    emulated_pcs_two_users_vs_mono: float
+    scale_model_two_users_vs_mono: float
+    stage_compute_balance: float
+    adaptive_speculation_lan_vs_none: float
+    adaptive_speculation_slow_hops_vs_none: float
+    full_stack_slow_hops_vs_naive: float
+    slow_hop_delay_ms: float
+
+
+@functools.cache
+def load_goals(path: Path = GOALS_FILE) -> Goals:
+    """The goals of a targets file; a missing or unknown key is a ValueError naming it."""
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    values: dict[str, Any] = dict(data.get("goals", {}))
+    values["slow_hop_delay_ms"] = data.get("slow_hops", {}).get("hop_delay_ms")
+    names = {field.name for field in fields(Goals)}
+    unknown = sorted(set(values) - names)
+    missing = sorted(name for name in names if not isinstance(values.get(name), (int, float)))
+    if unknown or missing:
+        raise ValueError(f"{path}: unknown goals {unknown}, missing or not numbers {missing}")
+    return Goals(**{name: float(values[name]) for name in names})
 
 
 # ------------------------------------------------------------------------------------------- ratios
@@ -61,8 +100,11 @@ def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
     return None
 
 
-def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the measured ratio (None when the rows to compare are missing)."""
+def targets(rows: Sequence[Row], goals: Goals | None = None) -> list[dict[str, Any]]:
+    """The bench's targets, each with the measured ratio (None when the rows to compare are missing); the
+    goals are `targets.toml`'s unless given."""
+    goals = goals or load_goals()
+    slow = goals.slow_hop_delay_ms
     found: list[dict[str, Any]] = []
 
     def check(
@@ -83,16 +125,16 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         )
 
     check(
-        "1-stage fleet >= 0.95x GenAI",
-        0.95,
+        f"1-stage fleet >= {goals.single_stage_vs_genai:g}x GenAI",
+        goals.single_stage_vs_genai,
         _find(rows, kind="fleet", stages=1, users=1, spec_k=0, hop_delay_ms=0.0, pinned=False),
         baseline(rows, "genai", False),
     )
     pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
     if pcs >= 2:
         check(
-            f"{pcs} emulated PCs x 2 users >= 1.6x mono (1 core)",
-            1.6,
+            f"{pcs} emulated PCs x 2 users >= {goals.emulated_pcs_two_users_vs_mono:g}x mono (1 core)",
+            goals.emulated_pcs_two_users_vs_mono,
             _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
             baseline(rows, "mono", True),
             ceiling_ratio(rows, pcs),
@@ -101,7 +143,7 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         if row.kind == "fleet" and row.ok and row.model and row.pinned and row.spec_k == 0:
             check(
                 f"{row.stages} emulated PCs x {row.users} users, {row.model}, vs mono (1 core)",
-                1.85 if row.users == 2 else None,
+                goals.scale_model_two_users_vs_mono if row.users == 2 else None,
                 row,
                 baseline(rows, "mono", True, row.model),
                 ceiling_ratio(rows, row.stages, row.model),
@@ -111,13 +153,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     )
     if balanced is not None and balanced.stage_breakdown and len(balanced.stage_breakdown) > 1:
         computes = [part["compute_ms"] for part in balanced.stage_breakdown]
+        even = goals.stage_compute_balance
         found.append(
             {
-                "target": "stage compute per token within 10% (min/max >= 0.9)",
-                "goal": 0.9,
+                "target": f"stage compute per token within {1 - even:.0%} (min/max >= {even:g})",
+                "goal": even,
                 "ratio": min(computes) / max(computes) if max(computes) > 0 else None,
                 "ratio_spread": None,
-                "met": max(computes) > 0 and min(computes) / max(computes) >= 0.9,
+                "met": max(computes) > 0 and min(computes) / max(computes) >= even,
                 "rows": [balanced.name, None],
             }
         )
@@ -140,13 +183,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             )
             draft = ", prompt lookup" if "lookup" in row.name else ""
             where = ", emulated PCs" if row.pinned else ""
+            lan = goals.adaptive_speculation_lan_vs_none
             check(
-                f"adaptive spec >= 0.98x no spec ({row.stages} st, {row.users} users, LAN{where}{draft})",
-                0.98,
+                f"adaptive spec >= {lan:g}x no spec ({row.stages} st, {row.users} users, LAN{where}{draft})",
+                lan,
                 row,
                 plain,
             )
-    stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == 50 and r.ok), default=0)
+    stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == slow and r.ok), default=0)
     delays = sorted({r.hop_delay_ms for r in rows if r.kind == "fleet" and r.ok and not r.pinned})
     for delay in delays if stages else []:
         naive = _find(rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False)
@@ -178,9 +222,11 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             ),
         ):
             if candidate is not None:
-                check(  # issue 12: >= 4x at 50 ms/hop (the fleet's draft; prompt lookup has no target)
+                check(  # the goal is the fleet's draft's; prompt lookup is reported beside it
                     f"adaptive spec ({label}) vs no spec at {delay:g} ms/hop, 1 user",
-                    4.0 if delay == 50 and label == "fleet's draft" else None,
+                    goals.adaptive_speculation_slow_hops_vs_none
+                    if delay == slow and label == "fleet's draft"
+                    else None,
                     candidate,
                     naive,
                 )
@@ -200,7 +246,12 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
             key=lambda r: r.users,
             default=None,
         )
-        check(f"full stack vs naive at {delay:g} ms/hop", 4.0 if delay == 50 else None, full, naive)
+        check(
+            f"full stack vs naive at {delay:g} ms/hop",
+            goals.full_stack_slow_hops_vs_naive if delay == slow else None,
+            full,
+            naive,
+        )
     return found
 
 

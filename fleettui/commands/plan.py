@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     written = options.load(args)
     fleet = share_local_cores(written)  # as it runs: local stages on their own cores
     shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
-    if args.profile:  # measured costs (issue 12)
+    if args.profile:  # plan from measured costs
         from fleettui.control.calibration import remote_timer
         from fleettui.planning.plan_profile import run_plan_profile, say
 

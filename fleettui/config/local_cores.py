@@ -1,11 +1,10 @@
 """Provides the CPU share of each local stage: several stages on this machine get disjoint cores by default.
 
 Unpinned, two stages of one machine each start as many inference threads as it has cores; with two or more
-sessions both compute at once, their threads fight over every core, and the fleet served two users at 67.5
-tok/s where the same stages pinned one to a core served 123.6 (one user: 80.2 and 82.6; README,
-Performance). So when no local host says `cores` or `threads`, the local stages split this machine's usable
-CPUs into contiguous, disjoint slices (the first stages get the remainder), each with as many threads as
-cores: the stages then behave like the separate PCs they stand for. A host that sets either keeps the whole
+sessions both compute at once and their threads fight over every core (docs/performance.md#tuning-constants).
+So when no local host says `cores` or `threads`, the local stages split this machine's usable CPUs into
+contiguous, disjoint slices (the first stages get the remainder), each with as many threads as cores: the
+stages then behave like the separate PCs they stand for. A host that sets either keeps the whole
 fleet's local hosts as written (set `cores` to every CPU on each host to share them as before).
 """
 

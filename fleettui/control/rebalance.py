@@ -29,8 +29,8 @@ THROTTLE_CHECK_EVERY = 4  # results between two throttle verdicts (and proposal 
 
 def head_layers(fleet: Fleet) -> float:
     """The lm_head's cost in layer equivalents: measured on the last host when it has a cost profile (its
-    head after the pause it has live, against its layer: 8.2-9.2 layers for SmolLM2 on a shared Xeon), else
-    by weight size; 0 when neither is known offline."""
+    head after the pause it has live, against its layer), else by weight size; 0 when neither is known
+    offline."""
     from fleettui.errors import PlanError
     from fleettui.model.builtin import shape_for_model
     from fleettui.planning.profiles import nearest_costs

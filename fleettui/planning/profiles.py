@@ -389,9 +389,8 @@ def _write_atomically(path: Path, text: str) -> None:
 def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCosts]:
     """Per host, the mean costs of the hosts calibrated with it that differ only by which cores of this
     machine they use, when those cores are alike (`core_kind`: capacity, top clock, performance or efficient
-    core). Two such hosts differ only by noise: timed at once, two identical vCPUs of a shared Xeon came out
-    3.6 % apart per layer, enough to tip the plan from 19/11 (which ran 0.97) to 20/10 (0.88); their mean
-    halves that noise. Hosts on unlike cores (a hybrid CPU's P- and E-cores) keep their own costs."""
+    core). Two such hosts differ only by noise, which can be enough to tip the plan; their mean halves that
+    noise. Hosts on unlike cores (a hybrid CPU's P- and E-cores) keep their own costs."""
     from fleettui.config.local_cores import core_kind
 
     def key(host: Host) -> tuple[object, ...] | None:

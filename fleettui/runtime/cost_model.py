@@ -18,15 +18,12 @@ from fleettui.runtime.measures import LinearCost, Realized
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
 MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
-# While K = 0 wins, probing a drafter takes at most this share of the generating time: the issue's bar is
-# speculation >= 0.98x no speculation, so exploring may cost at most 2 % (it was 5 %, when a probe was charged
-# its drafting alone; charged what it really lost, a probe of the model draft on one stage came every ~2.4 s
-# of generating, two replies of 128 tokens, at 5 %, and comes every ~6 s at 2 %).
+# While K = 0 wins, probing a drafter takes at most this share of the generating time, so exploring stays
+# within the bench's bar of speculation >= 0.98x no speculation (docs/performance.md#tuning-constants).
 PROBE_SHARE = 0.02
-# A probe costs more than its drafting: measured on one stage (2 cores, the draft on the same cores), the stage
-# idled ~55 ms while the draft caught up, then its next n = 1 steps took 13, 12, 11 ms against a steady 9
-# (after an n = 3 verify the first took 15-17 ms). So a probe's cost is what it lost against plain decoding:
-# its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs.
+# A probe costs more than its drafting, since the steps after the stage idled run slower: its cost is its
+# round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs
+# (docs/performance.md#tuning-constants).
 AFTER_PROBE_ROUNDS = 8
 
 
@@ -61,10 +58,9 @@ class CostModel:
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
         enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly draft pays its catch-up on
-        all it missed (a 48-token prefill took 0.1-0.2 s, 15-20 tokens' worth, on the stages' own cores), and
-        counting rounds alone let such probes come every 16-64 tokens while K = 0 won (the bench's 1-stage
-        2-user row lost ~30 % of its first reply to them). Idle time does not count: a probe after a pause
-        costs the next reply as much. A free drafter (prompt lookup) is always affordable."""
+        all it missed, so counting rounds alone would let probes come too often. Idle time does not count:
+        a probe after a pause costs the next reply as much. A free drafter (prompt lookup) is always
+        affordable."""
         last = self.last_drafted.get((drafter, loaded))
         return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
 

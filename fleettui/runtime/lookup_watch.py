@@ -1,14 +1,13 @@
 """Provides the watch a run keeps for a free drafter (prompt lookup), asked at each token the run makes.
 
 A lookup proposes where the text repeats, which can be any token: asked only where runs happen to end it
-misses most repeats, and cutting runs at fixed lengths for its sake costs a restart each time (the bench's
-2-stage lookup row lost 6 % with runs cut every 16 tokens and 2 drafts in 128 tokens). So the run itself
-is watched. Where the lookup would propose, either
+misses most repeats, and cutting runs at fixed lengths for its sake costs a restart each time. So the run
+itself is watched. Where the lookup would propose, either
 - a verify of its drafts is expected to pay, the Cancel's time included (`cut_k`): the run is cut short
   there (`RunRounds._end_run_early`) and the round after it verifies the drafts; or
 - it is not: the run goes on, and its next tokens say how many of the drafts a verify would have accepted
   (`Shadow`). The lookup's acceptance is learnt at no cost, so a lookup that is seldom right never costs a
-  verify to find out (it cost 13 % of a reply of 128 tokens, 26 drafts of which 4 were right).
+  verify to find out.
 """
 
 from __future__ import annotations
@@ -33,11 +32,8 @@ class Cut:
         drafts it (`drafted` by `policy`), else nothing: the run's tokens made meanwhile contradicted its
         drafts (or the lookup finds nothing now) and a new run starts, a round trip through the chain. The
         drafter's realized rate is then charged the Cancel's time, and the plain rounds right after it what
-        they take beyond plain's rate, as after a verify (`KPolicy._realize`).
-
-        Charged to plain decoding instead, those restarts dragged plain's realized rate down from 96 to
-        77-85 tok/s in replies where the lookup was cut for again and again (2 emulated PCs x 1 user), and
-        the self-draft, judged against that, was chosen at K = 6-16 and made the next reply 0.78x plain."""
+        they take beyond plain's rate, as after a verify (`KPolicy._realize`). Charged to plain decoding,
+        those restarts would lower plain's realized rate and make every drafter look paying."""
         if drafted and policy is self.policy:
             return self.seconds
         self.policy.charge(self.policy.drafter, loaded, self.seconds)
@@ -74,8 +70,8 @@ def cut_k(policy: KPolicy, loaded: bool) -> tuple[int, bool]:
     plus the Cancel's, `RunRounds._end_run_early`) if that beats plain decoding. If it does but the realized
     rates say speculating has lost (`KPolicy.losing`: what the model does not see, like OpenVINO's slower steps after a verify), the
     run is cut only when a probe is due. Never on loaded stages: there a cut's verify and the restart after
-    it take the busiest stage from the other sessions (4 users on 2 stages measured 0.86-1.05x no
-    speculation with cuts); the lookup is still asked where runs end, and still measured in the shadow.
+    it take the busiest stage from the other sessions; the lookup is still asked where runs end, and still
+    measured in the shadow.
     """
     if policy.fixed_k is not None:
         return policy.fixed_k, False

@@ -22,9 +22,8 @@ class LinearCost:
     """Least-squares fit of seconds = a + b * size over the recent samples of each size.
 
     Each size keeps its own `PER_SIZE` latest samples: plain rounds far outnumber verifies, and one window
-    for all let a reply's plain steps push every verify out of it. The fit then lost its slope, a verify of
-    17 tokens looked as cheap as a plain step, and a prompt lookup on loaded stages chose K = 16 (its verify
-    took 52-60 ms against 8 ms per plain step, on emulated PCs).
+    for all would let a reply's plain steps push every verify out of it: the fit would lose its slope and a
+    long verify would look as cheap as a plain step.
     Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
     takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
     K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.

@@ -12,22 +12,18 @@ from dataclasses import dataclass
 from fleettui.runtime.cost_model import MIN_REALIZED_ROUNDS, CostModel
 from fleettui.runtime.measures import Realized
 
-# OpenVINO's CPU plugin runs the first 1-token steps after a verify of several tokens slower (15-17.5 ms
-# against 9 after a 3-token verify, on loaded stages for the other sessions too): what this many plain
-# rounds after a verify take beyond plain's rate is charged to the verify's drafter, not to plain decoding.
+# OpenVINO's CPU plugin runs the first 1-token steps after a multi-token verify slower: what this many
+# plain rounds after a verify take beyond plain's rate is charged to its drafter
+# (docs/performance.md#tuning-constants).
 AFTER_VERIFY_ROUNDS = 3
 PROBE_CEILING = 1.05  # a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
 PROBE_ACCEPTANCE = 0.9  # ... at its measured acceptance, or this if lower (`could_pay`)
 MEASURABLE_HIT_RATE = 0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
-# Loaded stages serve the sessions' steps in turn, so a session's verify of K + 1 tokens delays every other
-# session's next token by its extra compute: under load a verify may cost the busiest stage at most this many
-# plain steps (`KPolicy.fair_k`). Measured on 2 emulated PCs with 2 users, a prompt lookup accepting 9 of 9
-# made 23 ms verifies against 8 ms plain steps and the other user fell from 60 to 22 tok/s.
+# Under load a verify may cost the busiest stage at most this many plain steps, since every other session's
+# next token waits behind it (`KPolicy.fair_k`; docs/performance.md#tuning-constants).
 FAIR_VERIFY_COST = 1.5
-# On loaded stages a drafter's expected rate must beat plain decoding by this much: what its verifies do to the
-# other sessions' steps beyond the fitted compute (OpenVINO's slower steps after a verify, one user finishing
-# early and leaving the pipeline half idle) is outside the model. On 2 emulated PCs x 2 users, a lookup expected
-# to gain a few % on one user's replies (alpha ~0.5, K = 1) lost 3-6 % of both users' tokens per second.
+# On loaded stages a drafter's expected rate must beat plain decoding by this factor: what its verifies do to
+# the other sessions' steps is outside the fitted costs (docs/performance.md#tuning-constants).
 LOADED_MARGIN = 1.1
 EXPLORING_K = 3  # the K that measures a verify's slope (and a draft's cost) first
 
@@ -133,8 +129,8 @@ class KPolicy:
             self.asked(proposed=k > 0)
         if k > 0:
             self.learn_acceptance(k, accepted)
-            # a free drafter's probe costs its lookup: never held back (charged its misses, the 50 ms/hop prompt
-            # lookup row fell from 1.40x to 0.97x no speculation); so does any probe before plain is measured
+            # a free drafter's probe costs only its lookup, so it is never held back; nor is a probe before
+            # plain decoding has been measured
             if plain_seconds is None or self.free:
                 self.costs.last_drafted[(self.drafter, loaded)] = (
                     self.costs.generating[loaded],
@@ -167,8 +163,8 @@ class KPolicy:
         with room wait for each other at the draft and in the coordinator: their rates are not what a session
         alone gets, and a session alone would inherit them (its own record speaks once it has rounds). Such
         rounds go to each session's own record only. A probe under load is one session speculating among
-        plain ones: its rate is what it takes from them, not what all speculating would give (it kept 2
-        emulated PCs x 2 users speculating at 0.84-0.89x): it teaches costs and acceptance only.
+        plain ones: its rate is what it takes from them, not what all speculating would give, so it teaches
+        costs and acceptance only.
         """
         k, loaded = facts.k, facts.loaded
         seconds = facts.draft_seconds + facts.verify_seconds
@@ -225,16 +221,9 @@ class KPolicy:
     def could_pay(self, loaded: bool) -> bool:
         """Whether some K would beat plain decoding by `PROBE_CEILING` at a high acceptance (the session's
         alpha, at least `PROBE_ACCEPTANCE`; True while a cost is unknown). If not, no acceptance this drafter
-        can be expected to reach makes it pay and probing it only costs: a self-draft as large as the target
-        on the stages' own cores (1 stage, 1 user: two probes per 128 tokens of ~50 ms each, with the draft
-        catching up on the history, cost that row 4-9 %).
-
-        Not at perfect acceptance: that counts K + 1 tokens for every verify, so a K of 8-16, whose verify
-        cost is extrapolated from the sizes measured, decided. On 2 emulated PCs x 1 user the self-draft
-        (alpha 0.95, realized 72 against plain's 96 tok/s) read as able to pay at K = 16 after some replies
-        (1.20x by the fit, 0.82x at its alpha) and was probed for ~45 ms a time.
-
-        Plain decoding costs what it realizes (`plain_seconds`)."""
+        can be expected to reach makes it pay, and probing it only costs. Not judged at perfect acceptance:
+        that would let the extrapolated cost of a long verify decide. Plain decoding costs what it realizes
+        (`plain_seconds`)."""
         plain = self.plain_seconds(loaded)
         if plain is None:
             return True
@@ -276,11 +265,9 @@ class KPolicy:
 
     def plain_seconds(self, loaded: bool) -> float | None:
         """Seconds a token of plain decoding costs: what plain rounds realize once measured, if faster than a
-        1-token verify's fitted latency. Plain decoding runs (`Step.run`) without the round trip through the
-        coordinator that every verify pays: 10.4 against 12.4 ms a token on 2 emulated PCs x 1 user. Judged
-        against the verify's latency, a prompt lookup's run was cut for K = 1 at an acceptance of 0.21 (1.21
-        tokens for a 14.5 ms verify "beat" 12 ms a token), 3-8 failed verifies a reply on text that did not
-        repeat, 2-6 % of it. A miss or a reply's first round still pays the round trip (`expected_rate`)."""
+        1-token verify's fitted latency: plain decoding runs (`Step.run`) without the round trip through the
+        coordinator that every verify pays, and judged against that round trip a weak drafter would look
+        paying. A miss or a reply's first round still pays the round trip (`expected_rate`)."""
         plain = self.costs.verify(1, loaded)
         if plain is None:
             return None
@@ -324,9 +311,8 @@ class KPolicy:
 
     def measuring_soon(self, loaded: bool = False) -> bool:
         """Whether a run should end early so this drafter is measured: its costs are unknown and, asked, it
-        mostly proposes. A prompt lookup that keeps finding nothing is not measured by asking it more often,
-        and cutting every run at 2 tokens for its sake (2 drafts in 128 tokens in the bench's 2-stage lookup
-        row) costs a coordinator round trip every 2 tokens."""
+        mostly proposes: a prompt lookup that keeps finding nothing would otherwise cut every run short, at a
+        round trip through the coordinator each time."""
         return self.hit_rate >= MEASURABLE_HIT_RATE and self.exploring(loaded=loaded)
 
     def fair_k(self, loaded: bool) -> int:
@@ -334,8 +320,7 @@ class KPolicy:
         each step at the busiest stage) the largest K whose verify costs that stage at most
         `FAIR_VERIFY_COST` plain steps, so one user's well-drafted rounds do not starve the others. While
         verifies of one size only were measured in this regime their cost is taken flat in K, so no K beyond
-        an exploring one (`EXPLORING_K`): on one core a verify's cost grows with every token (12-15 ms for
-        2 tokens, 17-21 ms for 4, against 8 ms plain, on emulated PCs)."""
+        an exploring one (`EXPLORING_K`): on one core a verify's cost grows with every token."""
         verify = self.costs.compute if loaded and self.costs.compute.measured else self.costs.latency
         largest = self.max_k if verify.sloped else min(EXPLORING_K, self.max_k)
         if not loaded or not self.costs.compute.measured:
@@ -385,9 +370,8 @@ class KPolicy:
     ) -> int:
         """K for this round. Under load, `shared` says whether every other generating session wants to
         speculate too: if one does not, this session decodes plainly as well (probes apart), since its
-        longer verifies would lengthen that session's every turn at the busy stage and only it would gain
-        (2 emulated PCs, 2 users: 73-89 tok/s for the one whose lookup confirmed every draft, 41-46 for the
-        other, against 52 each plain). `wants` keeps what it would choose regardless, for the others."""
+        longer verifies would lengthen that session's every turn at the busy stage and only it would gain.
+        `wants` keeps what it would choose regardless, for the others."""
         self.probing = False
         self.wants = False
         if self.fixed_k is not None:
@@ -402,10 +386,9 @@ class KPolicy:
             choice = modelled = max(rates, key=lambda k: rates[k] or 0.0)
             if choice and self.losing(loaded):
                 choice = 0  # the model says it pays, the measured tokens per second say it does not
-            # it speculates for the all-or-none rule only if it mostly drafts when asked: a lookup that finds
-            # something in 1 round of 10 may still pay by the model, but its session decodes plainly, and
-            # another session's verifies then slow it down for nothing (2 emulated PCs x 2 users: 45 against
-            # 94 tok/s, 0.80x no speculation together, while it "wanted" on a hit rate of 0.1)
+            # it speculates for the all-or-none rule only if it mostly drafts when asked: a lookup that seldom
+            # finds anything may still pay by the model, but its session decodes plainly, and the other
+            # sessions' verifies would then slow it down for nothing
             self.wants = choice > 0 and self.hit_rate >= MEASURABLE_HIT_RATE
             if loaded and not shared:
                 choice = 0  # all or none on loaded stages: another session would not speculate
@@ -417,7 +400,7 @@ class KPolicy:
                 # count are the pipeline's: sessions take turns probing, none starts afresh.
                 # A drafter whose runs are watched (`shadowed`, prompt lookup) learns its acceptance in their
                 # shadow: it is probed only to measure again a loss the model disputes, never to keep alpha
-                # alive (a probe's cut run and failed verify cost ~1.5 plain steps, 1-3 of them per reply).
+                # alive (a probe's cut run and failed verify cost more than the shadow).
                 choice = min(2, self.max_k)
                 self.took(choice, probe=True, loaded=loaded)
             else:

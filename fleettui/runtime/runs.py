@@ -36,9 +36,7 @@ RUN_TOKENS_ADAPTIVE = 16  # with adaptive speculation the policy chooses again a
 RUN_TOKENS_EXPLORING = 2  # ... and after this many while it has not measured the draft yet
 # ... and after this many while no acceptance could make the costly draft pay (`KPolicy.could_pay`): neither a
 # choice nor a probe of it is due, and each restart leaves the stages idle for a round trip through the
-# coordinator (its next steps run slower too). Against runs cut every 16 tokens, on one running fleet, replies
-# of 128 tokens alternated over the bench's prompts: 2 stages 1 user median 1.020-1.027x plain decoding
-# against 0.982-0.994x (24 pairs each, two runs), 1 stage 1.006x against 0.990x (16 pairs).
+# coordinator (docs/performance.md#tuning-constants).
 RUN_TOKENS_UNPAYING = 128
 
 
