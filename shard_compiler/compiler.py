@@ -98,7 +98,7 @@ def plan(
     """Resolve everything that determines the output (cheap: no weights are loaded)."""
     if precision not in PRECISIONS:
         raise CompileError(f"precision {precision!r}: not one of {', '.join(PRECISIONS)}")
-    source = sources.resolve(model)
+    source = sources.resolve(model, cache_root)
     digest = sources.source_hash(source, cache_root)
     raw = sources.raw_config(source, cache_root, digest)
     config = sources.model_config(source, raw)

