@@ -3,8 +3,6 @@ and streamed text never shows a broken UTF-8 character (byte-fallback pieces are
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from gemma import PROMPTS, gguf_path, reference_tokenizer
 
