@@ -3,6 +3,8 @@ and streamed text never shows a broken UTF-8 character (byte-fallback pieces are
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from gemma import PROMPTS, gguf_path, reference_tokenizer
 
@@ -66,3 +68,32 @@ def test_a_character_split_over_byte_fallback_pieces_streams_only_when_whole(cha
     assert [chat.tokenizer.id_to_token(token) for token in ids] == ["<0xF0>", "<0x9D>", "<0x94>", "<0x98>"]
     stream = TextStream(chat)
     assert [stream.push([token]) for token in ids] == ["", "", "", "𝔘"]
+
+
+GEMMA_3 = (Path(__file__).parent / "data" / "chat_templates" / "gemma3.jinja").read_text()
+TURNS = [
+    ("system", "Answer briefly.  Ünïcode ☕"),
+    ("user", "What is  the capital of France?\n"),
+    ("assistant", " Paris. "),
+    ("user", "And of Japan? 🙂"),
+]
+
+
+@pytest.mark.parametrize("generation", [True, False])
+@pytest.mark.parametrize("turns", [TURNS, TURNS[1:]], ids=["system", "no system"])
+def test_the_gemma3_template_gives_transformers_ids(chat: ChatFormat, turns, generation) -> None:
+    from fleettui.runtime.chat_format import ChatMessage, compile_template
+
+    reference = reference_tokenizer()
+    reference.chat_template = GEMMA_3
+    messages = [{"role": role, "content": content} for role, content in turns]
+    expected = reference.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=generation, return_dict=True
+    )["input_ids"]
+    chat.template = compile_template(GEMMA_3)  # as a -it GGUF's tokenizer.chat_template would give it
+    try:
+        ids = chat.encode(chat.render([ChatMessage(role, text) for role, text in turns], generation))
+    finally:
+        chat.template = None
+    assert ids == list(expected)
+    assert ids[0] == BOS and 105 in ids  # <bos> once, <start_of_turn> as its own token

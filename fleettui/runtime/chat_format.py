@@ -145,7 +145,8 @@ class ChatFormat:
         """False for a base model: it continues text (completions) and has no conversation format."""
         return self.template is not None
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, **options: Any) -> str:
+        """The conversation in the model's own template; OPTIONS reach it as variables (enable_thinking=False)."""
         if self.template is None:  # never a made-up format: a base model's "chat" would be noise
             raise ChatTemplateError(
                 f"{self.model_name} has no chat template (a base model): {NO_TEMPLATE_HINT}"
@@ -156,10 +157,11 @@ class ChatFormat:
             add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **options,
         )
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.encode(self.render(messages))
+    def encode_chat(self, messages: list[ChatMessage], **options: Any) -> list[int]:
+        return self.encode(self.render(messages, **options))
 
     def encode(self, text: str) -> list[int]:
         """Ids of TEXT as it is (a rendered chat template already holds its special tokens)."""
