@@ -9,8 +9,10 @@ prints the list the README carries.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from .families import family_of
 
 VOCAB = 320  # the tiny byte-level tokenizer's 259 tokens, padded with unused ones
 _COMMON: dict[str, Any] = {
@@ -38,7 +40,11 @@ class Entry:
     formats: tuple[str, ...] = ("hf", "gguf")
     notes: str = ""
     pipeline: bool = False  # also run through real stage processes (speculation, sessions, rollbacks)
-    extra: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # the harness's id when one model_type has several entries (default: the model_type)
+
+    @property
+    def key(self) -> str:
+        return self.name or self.model_type
 
 
 REGISTRY: tuple[Entry, ...] = (
@@ -60,17 +66,21 @@ REGISTRY: tuple[Entry, ...] = (
           splits=((0, 6), (0, 4, 6), (0, 2, 4, 6)), pipeline=True),
     Entry("qwen3_moe", "Qwen3-MoE (router softmax, top-k experts, norm_topk_prob)", {**_COMMON,
           "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-          "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}, pipeline=True),
+          "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}, pipeline=True),
+    Entry("qwen3_moe", "Qwen3-MoE with dense layers (mlp_only_layers)", {**_COMMON, "num_hidden_layers": 3,
+          "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
+          "mlp_only_layers": [1]}, formats=("hf",), name="qwen3_moe-dense",
+          notes="GGUF: llama.cpp's qwen3moe has no dense layers"),
 )  # fmt: skip
 
 
 def entries() -> dict[str, Entry]:
-    return {entry.model_type: entry for entry in REGISTRY}
+    return {entry.key: entry for entry in REGISTRY}
 
 
 def covered_architectures() -> list[str]:
     """The model_types the conformance harness covers (a README's supported list)."""
-    return [entry.model_type for entry in REGISTRY]
+    return list(dict.fromkeys(entry.model_type for entry in REGISTRY))
 
 
 def markdown() -> str:
@@ -79,6 +89,10 @@ def markdown() -> str:
         stages = ", ".join(str(len(split) - 1) for split in entry.splits)
         formats = " + ".join({"hf": "safetensors", "gguf": "GGUF"}[kind] for kind in entry.formats)
         lines.append(f"| `{entry.model_type}` | {entry.label} | {formats} | {stages} |")
+    lines.append("")
+    lines.append("GGUF metadata and tensor names follow llama.cpp (`general.architecture`: " + ", ".join(
+        sorted({family_of(entry.model_type).gguf for entry in REGISTRY if "gguf" in entry.formats})  # type: ignore[union-attr]
+    ) + ").")
     return "\n".join(lines)
 
 

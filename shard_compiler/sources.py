@@ -27,6 +27,12 @@ SUPPORTED_ARCHITECTURES = {name: family.architectures[0] for name, family in FAM
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the three original families' own RoPE tables
 # RoPE types taken from transformers' own tables for the other families (dynamic NTK depends on the call)
 TRANSFORMERS_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# GGUF metadata transformers' GGUF config reader drops for some families (Qwen3's head_dim is not
+# hidden / heads; Qwen3-MoE's expert width), by key after "<architecture>."
+GGUF_KEYS_TRANSFORMERS_MISSES = {
+    "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
 # GGUF tensor types gguf-py dequantises (the F-types are plain arrays)
 READABLE_GGUF_TYPES = frozenset(
     {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
@@ -265,6 +271,10 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
         raise CompileError(f"{source.path}: cannot read the GGUF config ({type(error).__name__}: {error})") from None
     data = config.to_dict()
     family = GGUF_FAMILIES[architecture]
+    keys = {f"{architecture}.{key}": name for key, name in GGUF_KEYS_TRANSFORMERS_MISSES.items()}
+    for key, value in gguf_metadata(source.path, keys).items():
+        if value is not None:
+            data[keys[key]] = int(value)
     data["model_type"] = family.model_type
     data["architectures"] = [family.architectures[0]]
     if family.model_type == "gemma3_text":
@@ -356,9 +366,19 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
     from transformers import AutoModelForCausalLM
 
     logger.info("dequantising %s once into %s", source.path, target)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-    )
+    options: dict[str, Any] = {}
+    derived = directory / "config.json"  # raw_config's, with what transformers' GGUF reader leaves out
+    if derived.is_file():
+        from transformers import AutoConfig
+
+        data = json.loads(derived.read_text())
+        options["config"] = AutoConfig.for_model(**data)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32, **options
+        )
+    except Exception as error:  # transformers raises many types; one line naming the file
+        raise CompileError(f"{source.path}: cannot read the GGUF weights ({type(error).__name__}: {error})") from None
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
