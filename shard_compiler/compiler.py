@@ -33,6 +33,7 @@ from remote_worker.manifest import (
 )
 
 from . import sources
+from .cache_root import default_cache_root
 from .compress import PRECISIONS, group_size
 from .sources import CompileError, ModelConfig
 
@@ -63,16 +64,6 @@ class Plan:
     group_size: int | None
     cache_key: str
     inject_beam_idx: bool
-
-
-def default_cache_root() -> Path:
-    """The user cache folder by the platform's convention (XDG_CACHE_HOME/fleettui on Linux).
-
-    The same folder as fleettui.config.paths.cache_dir() (same app name); shard_compiler does not import fleettui.
-    """
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fleettui", appauthor=False))
 
 
 def _ranges(
