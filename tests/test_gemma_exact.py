@@ -1,0 +1,82 @@
+"""Gemma-3-270M end to end through the CLI: `fleettui ask --raw --exact` on two stages (cut inside the
+local/global pattern) gives the tokens of transformers' fp32 greedy decoding of the dequantised GGUF."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gemma import gguf_path
+from shards import session_cache_root
+
+from fleettui.control.deployment import free_port_block
+
+pytestmark = pytest.mark.slow
+TOKENS = 64
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Zürich, Kraków and São Paulo are cities where",
+)
+
+
+def fleettui(*arguments: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "fleettui", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """transformers' fp32 greedy continuation of each prompt, bos first as the GGUF asks (its own EOS stops it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    answers = []
+    for prompt in PROMPTS:
+        ids = [2, *tokenizer(prompt, add_special_tokens=False).input_ids]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
+        answers.append([int(t) for t in out[0][len(ids) :] if int(t) != 1])  # without the final <eos>
+    return answers
+
+
+def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path, reference: list[list[int]]) -> None:
+    fleet = tmp_path / "gemma.toml"
+    hosts = "".join(
+        f'[[hosts]]\nname = "stage-{i}"\nbase_port = {free_port_block()}\nlayers = [{start}, {end}]\n'
+        for i, (start, end) in enumerate(((0, 9), (9, 18)))
+    )
+    fleet.write_text(
+        f'[model]\nname = "gemma-3-270m"\nshards = "{session_cache_root()}"\n'
+        '[speculation]\ndraft = "prompt-lookup"\n[resilience]\ncalibrate = "off"\n' + hosts
+    )
+    deployed = fleettui("deploy", str(fleet), "--exact")
+    assert deployed.returncode == 0, deployed.stderr[-2000:]
+    try:
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            asked = fleettui(
+                "ask", str(fleet), "--raw", "--exact", "--max-tokens", str(TOKENS), "--json", "-", prompt
+            )
+            assert asked.returncode == 0, asked.stderr[-2000:]
+            answer = json.loads(asked.stdout)
+            assert answer["fleet"]["stages"] == [[0, 9], [9, 18]] and answer["fleet"]["attached"]
+            assert [t for t in answer["token_ids"] if t != 1] == expected, prompt
+        refused = fleettui("ask", str(fleet), "--exact", "What is the capital of France?")
+        assert refused.returncode == 2
+        assert (
+            refused.stderr.strip()
+            .splitlines()[-1]
+            .endswith(
+                "gemma-3-270m has no chat template (a base model): send a raw prompt (/v1/completions, "
+                "`fleettui ask --raw`)"
+            )
+        )
+    finally:
+        stopped = fleettui("stop", str(fleet))
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
