@@ -4,12 +4,13 @@ local/global pattern) gives the tokens of transformers' fp32 greedy decoding of 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gemma import gguf_path
+from gemma import gguf_path, reference_tokenizer
 from shards import session_cache_root
 
 from fleettui.control.deployment import free_port_block
@@ -67,6 +68,7 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path, referen
             answer = json.loads(asked.stdout)
             assert answer["fleet"]["stages"] == [[0, 9], [9, 18]] and answer["fleet"]["attached"]
             assert [t for t in answer["token_ids"] if t != 1] == expected, prompt
+        served(fleet, reference[0])
         refused = fleettui("ask", str(fleet), "--exact", "What is the capital of France?")
         assert refused.returncode == 2
         assert (
@@ -80,3 +82,33 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path, referen
     finally:
         stopped = fleettui("stop", str(fleet))
         assert stopped.returncode == 0, stopped.stderr[-2000:]
+
+
+def served(fleet: Path, expected: list[int]) -> None:
+    """`fleettui serve` on the deployment: /v1/completions continues the prompt; a chat request is a 400."""
+    import httpx
+
+    command = [sys.executable, "-m", "fleettui", "serve", str(fleet), "--exact", "--port", "0"]
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        assert process.stderr is not None
+        lines: list[str] = []
+        while not (lines and lines[-1].startswith("fleettui serve: ")) and len(lines) < 50:
+            lines.append(process.stderr.readline())
+            assert lines[-1], "".join(lines)  # the command died before it was ready
+        base = lines[-1].split()[2]  # http://127.0.0.1:PORT/v1
+        body = {"model": "gemma-3-270m", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        completion = httpx.post(f"{base}/completions", json=body, timeout=300)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["usage"]["completion_tokens"] == 16
+        assert completion.json()["choices"][0]["text"] == reference_tokenizer().decode(expected[:16])
+        chat = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        refused = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "messages" and "has no chat template (a base model)" in error["message"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
