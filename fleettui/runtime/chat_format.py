@@ -163,6 +163,10 @@ class ChatFormat:
     def encode_chat(self, messages: list[ChatMessage], **options: Any) -> list[int]:
         return self.encode(self.render(messages, **options))
 
+    def encode_question(self, text: str) -> list[int]:
+        """One user prompt as the model takes it (the bench's): in its chat template, or raw for a base model."""
+        return self.encode_chat([ChatMessage("user", text)]) if self.template else self.encode_text(text)
+
     def encode(self, text: str) -> list[int]:
         """Ids of TEXT as it is (a rendered chat template already holds its special tokens)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
