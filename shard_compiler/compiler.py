@@ -33,6 +33,7 @@ from remote_worker.manifest import (
 )
 
 from . import sources
+from .cache_root import default_cache_root
 from .compress import PRECISIONS, group_size
 from .sources import CompileError, ModelConfig
 
@@ -65,16 +66,6 @@ class Plan:
     inject_beam_idx: bool
 
 
-def default_cache_root() -> Path:
-    """The user cache folder by the platform's convention (XDG_CACHE_HOME/fleettui on Linux).
-
-    The same folder as fleettui.config.paths.cache_dir() (same app name); shard_compiler does not import fleettui.
-    """
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fleettui", appauthor=False))
-
-
 def _ranges(
     stages: int | Sequence[int], num_layers: int, mid_cuts: Collection[int] = ()
 ) -> tuple[LayerRange, ...]:
@@ -98,7 +89,7 @@ def plan(
     """Resolve everything that determines the output (cheap: no weights are loaded)."""
     if precision not in PRECISIONS:
         raise CompileError(f"precision {precision!r}: not one of {', '.join(PRECISIONS)}")
-    source = sources.resolve(model)
+    source = sources.resolve(model, cache_root)
     digest = sources.source_hash(source, cache_root)
     raw = sources.raw_config(source, cache_root, digest)
     config = sources.model_config(source, raw)

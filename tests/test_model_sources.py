@@ -58,13 +58,13 @@ def test_every_compiled_architecture_reads_from_a_gguf_header(tmp_path: Path, ar
 
 
 def test_the_reader_covers_what_the_compiler_compiles(tmp_path: Path) -> None:
-    from shard_compiler.sources import SUPPORTED_ARCHITECTURES
+    from shard_compiler.families import GGUF_FAMILIES
 
-    assert set(GGUF_ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(GGUF_ARCHITECTURES) == set(GGUF_FAMILIES)
     with pytest.raises(
-        PlanError, match=r"unsupported architecture 'phi3' \(supported: llama, mistral, qwen2\)"
+        PlanError, match=r"unsupported architecture 'mamba' \(supported: llama, mistral, qwen2, "
     ):
-        gguf_shape(write_gguf(tmp_path / "p.gguf", {"general.architecture": "phi3"}, []))
+        gguf_shape(write_gguf(tmp_path / "p.gguf", {"general.architecture": "mamba"}, []))
 
 
 def test_the_real_model_gguf_matches_the_builtin_shape() -> None:
@@ -77,6 +77,27 @@ def test_the_real_model_gguf_matches_the_builtin_shape() -> None:
     assert (shape.num_layers, shape.hidden, shape.kv_heads, shape.vocab) == (
         builtin.num_layers, builtin.hidden, builtin.kv_heads, builtin.vocab,
     )  # fmt: skip
+
+
+def test_the_gemma_gguf_header_is_the_builtin_shape() -> None:
+    """The packaged Gemma-3-270M: 18 layers, 15 of them local (window 512), one KV head of 256, 262144 tokens."""
+    from dataclasses import replace
+
+    from gemma import gguf_path
+
+    shape = gguf_shape(gguf_path())
+    assert replace(shape, name="gemma-3-270m") == BUILTIN_SHAPES["gemma-3-270m"]
+    assert shape.global_layers == (5, 11, 17) and shape.sliding_window == 512
+
+
+def test_fleettui_and_the_compiler_know_the_same_packaged_models() -> None:
+    from fleettui.control.model_package import MODEL_PACKAGES
+    from shard_compiler.packaged import PACKAGED_MODELS
+
+    for name, (module, requirement) in MODEL_PACKAGES.items():
+        assert PACKAGED_MODELS[name].package == module
+        assert requirement.startswith(PACKAGED_MODELS[name].distribution + "==")
+        assert name in BUILTIN_SHAPES
 
 
 QWEN_CONFIG = {

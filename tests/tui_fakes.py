@@ -99,9 +99,12 @@ class FakeCoordinator:
         user_text: str,
         params: GenerationParams,
         on_tokens: Callable[[list[int], str], Awaitable[None] | None] | None = None,
+        raw: bool = False,
     ) -> FakeGeneration:
         session.messages.append(user_text)
         reply = f"You said **{user_text}** in session {session.id}."
+        if raw:  # completion mode: the text so far, continued
+            reply = f"and so on after {' '.join(session.messages)!r}"
         words = reply.split(" ")
         self.active += 1
         self.most_active = max(self.most_active, self.active)
@@ -144,6 +147,7 @@ class FakeController:
         self.started = 0
         self.stopped = 0
         self.fail_start: str | None = None
+        self.chat_template = True  # False: a base model (the TUI chats in completion mode)
 
     def _set(self, name: str, state: StageState) -> None:
         self.states[name] = state
@@ -216,8 +220,9 @@ class FakeController:
         text: str,
         params: GenerationParams,
         on_tokens: Callable[[list[int], str], Awaitable[None] | None] | None = None,
+        raw: bool = False,
     ) -> FakeGeneration:
-        return await self.coordinator.chat(session, text, params, on_tokens)
+        return await self.coordinator.chat(session, text, params, on_tokens, raw)
 
     async def close_session(self, session: Any) -> None:
         await self.coordinator.close_session(session)
@@ -226,7 +231,9 @@ class FakeController:
         return self.samples
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo("fake", 8192, tuple(self.layer_ranges()), "fp16", "self-int4", False)
+        return ModelInfo(
+            "fake", 8192, tuple(self.layer_ranges()), "fp16", "self-int4", False, self.chat_template
+        )
 
     def worker_pids(self) -> dict[str, int]:
         return {}

@@ -278,7 +278,6 @@ async def run_fleet_group(
     """
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.coordinator import GenerationParams
 
     first = specs[0]
@@ -316,7 +315,7 @@ async def run_fleet_group(
         if chat is None:  # synthetic: random ids stand in for prompts
             prompts = synthetic_prompts(manifest.vocab_size)
         else:
-            prompts = [chat.encode_chat([ChatMessage("user", text)]) for text in PROMPTS]
+            prompts = [chat.encode_question(text) for text in PROMPTS]
         precision = _precision_from(properties, manifest.precision, variant.runtime)
         layers = [  # 12.5: the boundary cuts layer 12 between its attention and its MLP
             [boundary_value(r.start, r.starts_mid), boundary_value(r.end, r.ends_mid)]
@@ -436,7 +435,7 @@ async def run_bench(
     """Every row of SPECS: fleet rows grouped per running fleet, each group in interleaved rounds with the
     baselines its rows are paired with; baselines nobody is paired with are measured on their own."""
     from fleettui.control.controller import FleetController, compile_model
-    from fleettui.runtime.chat_format import ChatFormat, ChatMessage
+    from fleettui.runtime.chat_format import ChatFormat
 
     machine = await asyncio.to_thread(machine_info)
     results: dict[RowSpec, Row] = {}
@@ -460,9 +459,7 @@ async def run_bench(
             if compiled.manifest.synthetic:
                 prompt = synthetic_prompts(compiled.manifest.vocab_size)[0]
             else:
-                prompt = ChatFormat(compiled.directory, compiled.manifest).encode_chat(
-                    [ChatMessage("user", PROMPTS[0])]
-                )
+                prompt = ChatFormat(compiled.directory, compiled.manifest).encode_question(PROMPTS[0])
             singles[model] = (compiled.directory, prompt)
         return singles[model]
 

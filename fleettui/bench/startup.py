@@ -134,7 +134,6 @@ async def _first_answers(fleet: Fleet) -> tuple[float, float]:
     from fleettui.bench.runner import synthetic_prompts
     from fleettui.control.controller import FleetController
     from fleettui.control.deployment import free_port_block
-    from fleettui.runtime.chat_format import ChatMessage
     from fleettui.runtime.generation import GenerationParams
 
     hosts = tuple(replace(host, base_port=free_port_block()) for host in fleet.hosts)
@@ -147,7 +146,7 @@ async def _first_answers(fleet: Fleet) -> tuple[float, float]:
         assert controller.target is not None
         manifest = controller.target.manifest
         prompt = (
-            chat.encode_chat([ChatMessage("user", FIRST_QUESTION)])
+            chat.encode_question(FIRST_QUESTION)
             if chat is not None
             else synthetic_prompts(manifest.vocab_size, count=1)[0]
         )

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser, required=True)
     parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    parser.add_argument(
+        "--raw", action="store_true", help="continue PROMPT as plain text, no chat template (base models)"
+    )
     options.add_settings(parser)
     options.add_sampling(parser)
     parser.add_argument(
@@ -37,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise FleetError("the prompt is empty")
+    if args.raw and args.system:
+        raise FleetError("--system needs a chat template: it does not go with --raw")
     fleet = options.load_for_chat(args)
     settings = options.settings(args)
     options.sampling(fleet, args)  # refuse bad sampling settings before anything starts
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace) -> int:
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
+    from fleettui.runtime.chat_format import ChatTemplateError
     from fleettui.runtime.limits import RequestError
 
     reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
@@ -66,11 +72,14 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
             await controller.start()
         attached = controller.attached
         params = options.sampling(controller.fleet, args)
-        generation = await controller.ask(prompt, params, show, system=args.system)
+        generation = await controller.ask(prompt, params, show, system=args.system, raw=args.raw)
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)
         return 1
-    except RequestError as error:  # the prompt does not fit the model's context
+    except (
+        RequestError,
+        ChatTemplateError,
+    ) as error:  # too long for the context; no (or a refusing) template
         print(f"fleettui: {error}", file=sys.stderr)
         return 2
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from fleettui.commands import options
@@ -15,7 +16,11 @@ HELP = "show the stage plan (layer ranges, memory) and exit"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--model-config", type=Path, help="a Hugging Face config.json to plan for")
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="a Hugging Face config.json to plan for, or a published one by name (qwen3-8b, gemma-3-27b, ...)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -30,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
 
     written = options.load(args)
     fleet = share_local_cores(written)  # as it runs: local stages on their own cores
-    shape = ModelShape.from_config_file(args.model_config) if args.model_config else None
+    shape = None
+    if args.model_config:
+        path = _config_path(args.model_config)
+        shape = ModelShape.from_config_file(path)
+        if path.name != "config.json":  # a published one: named by its file
+            shape = replace(shape, name=path.stem)
     if args.profile:  # plan from measured costs
         from fleettui.control.calibration import remote_timer
         from fleettui.planning.plan_profile import run_plan_profile, say
@@ -71,3 +81,18 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(document, indent=2))
     return 0
+
+
+def _config_path(given: Path) -> Path:
+    """GIVEN as a file, else the published config of that name (one line naming both when neither)."""
+    from fleettui.errors import FleetError
+    from fleettui.model.builtin import published_config, published_names
+
+    if given.exists():
+        return given
+    found = published_config(str(given))
+    if found is None:
+        raise FleetError(
+            f"--model-config {given}: no such file, and not a published config ({', '.join(published_names())})"
+        )
+    return found

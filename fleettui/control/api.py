@@ -67,6 +67,7 @@ class FleetControl(Protocol):
         text: str,
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
+        raw: bool = False,  # completion mode: continue the session's text (a base model has no template)
     ) -> Answer: ...
 
     async def close_session(self, session: SessionHandle) -> None: ...

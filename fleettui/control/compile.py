@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleettui.config.fleet import Fleet
-from fleettui.errors import child_failure
+from fleettui.errors import FleetError, child_failure
 from remote_worker.manifest import Manifest, format_bounds, load_manifest
 
 if TYPE_CHECKING:
@@ -89,8 +89,14 @@ async def compile_fleet(
     fleet: Fleet, plan: Plan, on_progress: Callable[[str], None] | None = None
 ) -> tuple[CompiledModel, CompiledModel | None]:
     """The target shards of the planned split and the draft model the fleet speculates with (None without one)."""
+    from fleettui.control.model_package import ensure_model_package
+
     model = fleet.model
     ranges = list(plan.ranges)
+    try:
+        await ensure_model_package(model.name, on_progress)
+    except FleetError as error:
+        raise CompileError(str(error)) from None
     target = await compile_model(
         model.name, ranges, model.precision, model.shards, on_progress, plan.mid_cuts
     )

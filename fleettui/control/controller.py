@@ -154,17 +154,7 @@ class FleetController:
         return self.lease if self._lease is not None else 0.0
 
     def model_info(self) -> ModelInfo | None:
-        if self.target is None:
-            return None
-        manifest = self.target.manifest
-        return ModelInfo(
-            name=self.fleet.model.name,
-            context_length=manifest.max_position_embeddings,
-            stages=tuple((s.layers.start, s.layers.end) for s in manifest.stages),
-            precision=manifest.precision,
-            draft=self.fleet.speculation.draft,
-            exact=self.fleet.runtime.exact,
-        )
+        return None if self.target is None else ModelInfo.of(self.fleet, self.target.manifest)
 
     def layer_ranges(self) -> list[tuple[float, float]]:
         """Each stage's layers as planned, for display: (0, 12.5) ends inside layer 12, after its attention."""
@@ -449,9 +439,7 @@ class FleetController:
         await self.start(ready_timeout)
         was_attached = self.attached
         lines = await self.detach()
-        if was_attached:
-            lines.insert(0, "already deployed")
-        return lines
+        return ["already deployed", *lines] if was_attached else lines
 
     def kill(self) -> None:
         """Synchronous last resort (a crash, a second signal): kill every local worker this controller started."""
@@ -481,9 +469,10 @@ class FleetController:
         text: str,
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
+        raw: bool = False,
     ) -> Generation:
-        assert isinstance(session, Session)
-        return await self._coordinator().chat(session, text, params, on_tokens)
+        assert isinstance(session, Session)  # RAW: continue the session's text (a base model), no template
+        return await self._coordinator().chat(session, text, params, on_tokens, raw)
 
     async def generate(
         self,
@@ -501,15 +490,16 @@ class FleetController:
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
         system: str | None = None,
+        raw: bool = False,
     ) -> Generation:
-        """One prompt through the whole fleet in a fresh session (after a system message when given)."""
+        """One prompt through the whole fleet in a fresh session (after a system message; RAW: no template)."""
         if self.coordinator is None:
             await self.start()
         session = await self.open_session(params.seed)
         if system:
             session.messages.append(ChatMessage("system", system))
         try:
-            return await self.chat(session, question, params, on_tokens)
+            return await self.chat(session, question, params, on_tokens, raw)
         finally:
             await self.close_session(session)
 

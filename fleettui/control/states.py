@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 from fleettui.provision.events import ProvisionEvent, Step
 from remote_worker.replies import TelemetrySample
+
+if TYPE_CHECKING:
+    from fleettui.config.fleet import Fleet
+    from remote_worker.manifest import Manifest
 
 __all__ = ["TelemetrySample"]  # re-exported: the UI reads samples through the control layer
 
@@ -154,6 +158,22 @@ class ModelInfo:
     precision: str
     draft: str
     exact: bool
+    chat_template: bool = (
+        True  # False: a base model, served for completions (chat refused, the TUI continues text)
+    )
+
+    @classmethod
+    def of(cls, fleet: Fleet, manifest: Manifest) -> ModelInfo:
+        """What FLEET serves with the compiled target MANIFEST."""
+        return cls(
+            name=fleet.model.name,
+            context_length=manifest.max_position_embeddings,
+            stages=tuple((s.layers.start, s.layers.end) for s in manifest.stages),
+            precision=manifest.precision,
+            draft=fleet.speculation.draft,
+            exact=fleet.runtime.exact,
+            chat_template=bool(manifest.chat_template),
+        )
 
 
 NextStep = Literal["launch", "wait", "serve", "recover"]

@@ -35,3 +35,18 @@ def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
     if online and is_hub_id(model):
         return replace(ModelShape.from_config_file(hub_config(model)), name=model)
     return None
+
+
+PUBLISHED_DIR = (
+    Path(__file__).parent / "published"
+)  # publishers' config.json files, kept as data (README there)
+
+
+def published_config(name: str) -> Path | None:
+    """The stored config.json of a published model by NAME (`qwen3-8b`, `gemma-3-27b` ...), or None."""
+    path = PUBLISHED_DIR / f"{name}.json"
+    return path if path.is_file() else None
+
+
+def published_names() -> list[str]:
+    return sorted(path.stem for path in PUBLISHED_DIR.glob("*.json"))

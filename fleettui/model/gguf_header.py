@@ -9,9 +9,10 @@ from typing import Any, BinaryIO
 from fleettui.errors import PlanError
 from fleettui.model.shape import ModelShape
 
-# The architectures shard_compiler compiles (shard_compiler.sources.SUPPORTED_ARCHITECTURES; a test keeps the
-# two in step): their GGUF metadata keys all follow "<architecture>.<key>".
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The GGUF architectures shard_compiler compiles (shard_compiler.families.GGUF_FAMILIES; a test keeps the two
+# in step): their GGUF metadata keys all follow "<architecture>.<key>".
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+GEMMA3_PATTERN = 6  # every sixth Gemma 3 layer is global; llama.cpp fixes it too (the GGUF does not store it)
 
 _GGUF_SCALARS = {
     0: "<B",
@@ -74,9 +75,12 @@ def gguf_shape(path: Path) -> ModelShape:
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
+        layers = int(meta[f"{arch}.block_count"])
+        window = int(meta.get(f"{arch}.attention.sliding_window") or 0) if arch == "gemma3" else 0
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
         return ModelShape(
             name=str(meta.get("general.name") or path.stem),
-            num_layers=int(meta[f"{arch}.block_count"]),
+            num_layers=layers,
             hidden=hidden,
             intermediate=int(meta[f"{arch}.feed_forward_length"]),
             heads=heads,
@@ -84,6 +88,11 @@ def gguf_shape(path: Path) -> ModelShape:
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
             vocab=int(meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"]),
             tied_embeddings="output.weight" not in names,
+            sliding_window=window,
+            local_layers=tuple(i for i in range(layers) if (i + 1) % GEMMA3_PATTERN) if window else (),
+            experts=experts,
+            experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0) if experts else 0,
+            expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length") or 0) if experts else 0,
         )
     except KeyError as error:
         raise PlanError(f"{path}: GGUF metadata lacks {error.args[0]}") from None

@@ -1,4 +1,4 @@
-"""Provides the shape of a Llama-style decoder (what the planner needs) and the builtin model shapes."""
+"""Provides the shape of a decoder (what the planner needs: dense or mixture-of-experts, local/global) and builtins."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
+    sliding_window: int = 0  # local layers attend to this many positions (their KV cache still keeps all)
+    local_layers: tuple[int, ...] = ()  # the sliding-window layers (Gemma 3: five of every six)
+    experts: int = 0  # mixture of experts: routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
@@ -62,6 +67,7 @@ class ModelShape:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         architectures = config.get("architectures") or [config.get("model_type", "model")]
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
         return cls(
             name=name or str(config.get("_name_or_path") or architectures[0]),
             num_layers=config["num_hidden_layers"],
@@ -72,6 +78,13 @@ class ModelShape:
             head_dim=config.get("head_dim") or hidden // heads,
             vocab=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            sliding_window=int(config.get("sliding_window") or 0) if _local_layers(config) else 0,
+            local_layers=_local_layers(config),
+            experts=experts,
+            experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_intermediate=int(config.get("moe_intermediate_size") or config["intermediate_size"])
+            if experts
+            else 0,
         )
 
     @classmethod
@@ -106,26 +119,37 @@ class ModelShape:
             return count / 2 + (2.0 * count / group if group else 2.0 * rows)  # + f16 scale per group
         raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
 
-    def layer_bytes(self, precision: str) -> float:
-        """Weights of one decoder layer (attention, MLP, two f32 norms)."""
+    def attention_bytes(self, precision: str) -> float:
+        """Weights of one decoder layer's attention half (q, k, v, o and its norm)."""
         attention = self.heads * self.head_dim
         kv = self.kv_heads * self.head_dim
         return (
             self.matrix_bytes(attention, self.hidden, precision)
             + 2 * self.matrix_bytes(kv, self.hidden, precision)
             + self.matrix_bytes(self.hidden, attention, precision)
-            + 2 * self.matrix_bytes(self.intermediate, self.hidden, precision)
-            + self.matrix_bytes(self.hidden, self.intermediate, precision)
-            + 2 * 4.0 * self.hidden
-        )
-
-    def mlp_bytes(self, precision: str) -> float:
-        """Weights of one decoder layer's MLP half (gate, up, down and its norm)."""
-        return (
-            2 * self.matrix_bytes(self.intermediate, self.hidden, precision)
-            + self.matrix_bytes(self.hidden, self.intermediate, precision)
             + 4.0 * self.hidden
         )
+
+    def layer_bytes(self, precision: str) -> float:
+        """Weights of one decoder layer (attention, MLP with every expert, f32 norms): what its stage holds."""
+        return self.attention_bytes(precision) + self.mlp_bytes(precision)
+
+    def active_layer_bytes(self, precision: str) -> float:
+        """Weights one token reads in one layer (a MoE layer: the router and its top-k experts only)."""
+        return self.attention_bytes(precision) + self.mlp_bytes(precision, active=True)
+
+    def _gated_mlp(self, width: int, precision: str) -> float:
+        return 2 * self.matrix_bytes(width, self.hidden, precision) + self.matrix_bytes(
+            self.hidden, width, precision
+        )
+
+    def mlp_bytes(self, precision: str, active: bool = False) -> float:
+        """Weights of one decoder layer's MLP half (gate, up, down and its norm; a MoE layer: router + experts)."""
+        if not self.experts:
+            return self._gated_mlp(self.intermediate, precision) + 4.0 * self.hidden
+        count = self.experts_per_token if active else self.experts
+        router = 4.0 * self.experts * self.hidden  # kept f32: routing decides which experts run
+        return count * self._gated_mlp(self.expert_intermediate, precision) + router + 4.0 * self.hidden
 
     def mlp_share(self, precision: str) -> float:
         """The MLP's part of a layer's weights: what a cut between attention and MLP moves."""
@@ -145,16 +169,48 @@ class ModelShape:
             raise PlanError(f"unknown KV-cache precision {kv_cache_precision!r}")
         return 2.0 * self.kv_heads * self.head_dim * KV_BYTES[kv_cache_precision]
 
-    def parameter_count(self) -> int:
+    def parameter_count(self, active: bool = False) -> int:
+        """Every parameter (ACTIVE: those one token uses, a MoE layer's top-k experts only)."""
         attention = self.heads * self.head_dim
         kv = self.kv_heads * self.head_dim
-        layer = 2 * attention * self.hidden + 2 * kv * self.hidden + 3 * self.hidden * self.intermediate
+        if self.experts:
+            count = self.experts_per_token if active else self.experts
+            mlp = count * 3 * self.hidden * self.expert_intermediate + self.experts * self.hidden
+        else:
+            mlp = 3 * self.hidden * self.intermediate
+        layer = 2 * attention * self.hidden + 2 * kv * self.hidden + mlp
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.num_layers * layer + embeddings
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers that attend to the whole context (all of them unless some are local)."""
+        return tuple(layer for layer in range(self.num_layers) if layer not in self.local_layers)
+
+
+def _local_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The sliding-window layers of a config: `layer_types`, else Gemma 3's `sliding_window_pattern`."""
+    if not config.get("sliding_window") or config.get("use_sliding_window") is False:
+        return ()
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
+    return ()  # a window on every layer (Mistral): the compiler ignores it, so the plan does too
+
+
+def _gemma3_local(layers: int) -> tuple[int, ...]:
+    return tuple(i for i in range(layers) if (i + 1) % 6)
 
 
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True),
+    "gemma-3-270m": ModelShape(
+        "gemma-3-270m", 18, 640, 2048, 4, 1, 256, 262144, True, 512, _gemma3_local(18)
+    ),
     "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 8192, 32, 8, 64, 128256, True),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 14336, 32, 8, 128, 128256, False),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256, False),

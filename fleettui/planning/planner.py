@@ -125,6 +125,7 @@ class _Budget:
     def __init__(self, shape: ModelShape, precision: str, kv: str, context: int, sessions: int) -> None:
         self.shape = shape
         self.layer = shape.layer_bytes(precision)
+        self.active_layer = shape.active_layer_bytes(precision)  # what a token reads: decode cost
         self.kv_layer = shape.kv_bytes_per_token(kv) * context * sessions * ROLLBACK_SLACK
         self.embedding = shape.embedding_bytes(precision)
         self.head = shape.head_bytes(precision)
@@ -234,7 +235,7 @@ def plan(
         )
     head_cost = [0.0] * count
     if balance_head:
-        head_cost[-1] = budget.head / budget.layer  # in layer equivalents
+        head_cost[-1] = budget.head / budget.active_layer  # in layer equivalents of compute
     if costs is not None and len(costs) == count:
         ends = balanced_cuts(shape.num_layers, costs, capacity, 1.0 - budget.mlp_share)
     else:
@@ -399,8 +400,12 @@ def format_plan(plan: Plan) -> str:
         f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}{'KV cache':>11}{'other':>10}"
         f"{'total':>11}{'usable':>11}{'use':>6}",
     ]
+    local = set(shape.local_layers)
     for stage in plan.stages:
         role = ("+emb" if stage.is_first else "") + ("+head" if stage.is_last else "")
+        if local:
+            kinds = [layer in local for layer in range(*stage.layers)]
+            role += f" {sum(kinds)} local/{len(kinds) - sum(kinds)} global"
         lines.append(
             f"{stage.index:<6}{stage.host[:15]:<16}{stage.span:<12}{stage.count:>4}"
             f"{_gb(stage.weight_bytes):>11}{_gb(stage.kv_bytes):>11}"
@@ -413,7 +418,33 @@ def format_plan(plan: Plan) -> str:
         f"{_gb(sum(s.activation_bytes + s.overhead_bytes for s in plan.stages)):>10}"
         f"{_gb(plan.total_bytes):>11}{_gb(plan.usable_bytes):>11}{plan.total_bytes / plan.usable_bytes:>6.0%}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + shape_notes(plan))
+
+
+def shape_notes(plan: Plan) -> list[str]:
+    """What the table does not show: experts (total vs active), local/global layers, a tied embedding's copies."""
+    shape, notes = plan.shape, []
+    if shape.experts:
+        notes.append(
+            f"mixture of experts: {shape.experts} experts per layer, {shape.experts_per_token} active per token; "
+            f"{shape.parameter_count() / 1e9:.2f} B parameters in total (every expert of a stage's layers lives on "
+            f"its host: memory above), {shape.parameter_count(active=True) / 1e9:.2f} B active per token "
+            f"(what a stage computes: the split's cost)"
+        )
+    if shape.local_layers:
+        notes.append(
+            f"attention: {len(shape.local_layers)} local layers (sliding window {shape.sliding_window}) and "
+            f"{len(shape.global_layers)} global ({', '.join(map(str, shape.global_layers))}); the KV cache of a "
+            "local layer still keeps every position (rollback masks, never trims), so KV is sized by the context"
+        )
+    if shape.tied_embeddings and len(plan.stages) > 1:
+        matrix = shape.embedding_bytes(plan.precision)
+        notes.append(
+            f"tied embeddings: the first stage (embedding) and the last (lm_head) each hold the "
+            f"{shape.vocab} x {shape.hidden} matrix, {_gb(matrix)} at "
+            f"{'int8' if plan.precision == 'int4' else plan.precision}: {_gb(matrix)} more than one copy"
+        )
+    return [""] + notes if notes else []
 
 
 def rest_can_run(fleet: Fleet, failed: set[str]) -> str:

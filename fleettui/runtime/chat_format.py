@@ -25,6 +25,9 @@ class ChatMessage:
     content: str
 
 
+NO_TEMPLATE_HINT = "send a raw prompt (/v1/completions, `fleettui ask --raw`)"
+
+
 class ChatTemplateError(ValueError):
     """A chat template refused the conversation (its own `raise_exception`) or failed to render."""
 
@@ -127,6 +130,7 @@ class ChatFormat:
 
         self.tokenizer = Tokenizer.from_file(str(Path(shard_dir) / manifest.tokenizer / "tokenizer.json"))
         self.template = compile_template(manifest.chat_template) if manifest.chat_template else None
+        self.model_name = manifest.model_name
         self.eos_token_ids = frozenset(manifest.eos_token_ids)
         self.bos_token = self._token_text(manifest.bos_token_id)
         self.eos_token = self._token_text(manifest.eos_token_ids[0] if manifest.eos_token_ids else None)
@@ -136,22 +140,40 @@ class ChatFormat:
             return ""
         return self.tokenizer.id_to_token(int(token_id)) or ""
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        if self.template is None:
-            return "".join(message.content for message in messages)
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a base model: it continues text (completions) and has no conversation format."""
+        return self.template is not None
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, **options: Any) -> str:
+        """The conversation in the model's own template; OPTIONS reach it as variables (enable_thinking=False)."""
+        if self.template is None:  # never a made-up format: a base model's "chat" would be noise
+            raise ChatTemplateError(
+                f"{self.model_name} has no chat template (a base model): {NO_TEMPLATE_HINT}"
+            )
         return render_template(
             self.template,
             [{"role": m.role, "content": m.content} for m in messages],
             add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **options,
         )
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.encode(self.render(messages))
+    def encode_chat(self, messages: list[ChatMessage], **options: Any) -> list[int]:
+        return self.encode(self.render(messages, **options))
+
+    def encode_question(self, text: str) -> list[int]:
+        """One user prompt as the model takes it (the bench's): in its chat template, or raw for a base model."""
+        return self.encode_chat([ChatMessage("user", text)]) if self.template else self.encode_text(text)
 
     def encode(self, text: str) -> list[int]:
+        """Ids of TEXT as it is (a rendered chat template already holds its special tokens)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of a raw prompt, with what the tokenizer adds to one (bos for Llama 3 and Gemma, none for SmolLM2)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))

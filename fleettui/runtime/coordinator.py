@@ -219,12 +219,19 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         user_text: str,
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
+        raw: bool = False,
     ) -> Generation:
-        """Add a user turn, generate the assistant's reply with the chat template, remember both."""
+        """Add a user turn, generate the assistant's reply with the chat template, remember both.
+
+        RAW: completion mode (a base model): the session is one document, USER_TEXT appended and continued."""
         if self.chat_format is None:
             raise RuntimeError(self.no_chat_reason)
-        session.messages.append(ChatMessage("user", user_text))
-        prompt = self.chat_format.encode_chat(session.messages)
+        turn = ChatMessage("user", user_text)
+        if raw:
+            prompt = self.chat_format.encode_text("".join(m.content for m in [*session.messages, turn]))
+        else:  # a turn the template refuses is not remembered
+            prompt = self.chat_format.encode_chat([*session.messages, turn])
+        session.messages.append(turn)
         generation = await self.generate(session, prompt, params, on_tokens)
         session.messages.append(ChatMessage("assistant", generation.text))
         return generation

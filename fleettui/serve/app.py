@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleettui.runtime.chat_format import ChatTemplateError
 from fleettui.runtime.coordinator import Generation, GenerationParams
 from fleettui.runtime.generation import TokenLogprob
 from fleettui.runtime.limits import RequestError as LimitError
@@ -203,7 +204,10 @@ class FleetServer:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.model.name, self.defaults, self.model.context_length)
         if parsed.messages is not None:
-            prompt = self.fleet.encode_chat(list(parsed.messages))
+            try:  # a base model (no template) or a template's own raise_exception: 400, never a made-up prompt
+                prompt = self.fleet.encode_chat(list(parsed.messages))
+            except ChatTemplateError as error:
+                raise RequestError(str(error), "messages", code="chat_template") from None
             field = "messages"
         else:
             assert parsed.prompt is not None

@@ -100,7 +100,7 @@ class ControllerFleet:
         return self.chat_format.encode_chat(messages)
 
     def encode_text(self, text: str) -> list[int]:
-        return self.chat_format.encode(text)
+        return self.chat_format.encode_text(text)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.chat_format.token_bytes(token_id)

@@ -222,6 +222,9 @@ class FleetApp(App[int]):
             panel.forget(DEPLOY_ROW)
         await self.controller.start()
         self.ready = True
+        info = self.controller.model_info()
+        for pane in self.query(ChatPane):  # a base model (no chat template) continues text instead
+            pane.set_completion_mode(info is not None and not info.chat_template)
         self.sub_title = "attached" if self.controller.attached else "ready"
         log.info(
             "fleet %s: %d stages", "attached" if self.controller.attached else "ready", len(self.fleet.hosts)
@@ -281,7 +284,8 @@ class FleetApp(App[int]):
             async def on_tokens(_tokens: list[int], delta: str) -> None:
                 await reply.write(delta)
 
-            generation = await self.controller.chat(session.handle, text, self.params, on_tokens)
+            raw = any(pane.completion_mode for pane in self.query(ChatPane))
+            generation = await self.controller.chat(session.handle, text, self.params, on_tokens, raw)
             stats = generation.stats
             await reply.finish(
                 stats_text(stats.tokens, stats.tokens_per_second, stats.acceptance_rate, stats.mean_k)

@@ -80,6 +80,16 @@ class ChatPane(Vertical):
         super().__init__(id=id)
         self.sessions: list[ChatSession] = [ChatSession(1)]
         self.border_title = "chat"
+        self.completion_mode = False  # a base model: each session is one text that the model continues
+
+    def set_completion_mode(self, on: bool) -> None:
+        """Say in the pane whether prompts are chat turns or text for a base model to continue."""
+        self.completion_mode = on
+        self.border_title = (
+            "completion mode — base model, no chat template: your text is continued" if on else "chat"
+        )
+        prompt = self.query_one("#prompt", Input)
+        prompt.placeholder = "Text to continue… (enter sends)" if on else "Ask the fleet… (enter sends)"
 
     def compose(self) -> ComposeResult:
         yield Label("", id="session-bar")

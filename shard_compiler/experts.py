@@ -1,0 +1,64 @@
+"""Provides the sparse mixture-of-experts MLP (Qwen3-MoE): router softmax, top-k experts, optional renormalisation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sources import CompileError, ModelConfig
+
+
+def expert_weights(weights: Any, prefix: str, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) from per-expert checkpoint tensors or transformers'
+    fused ones (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.get(fused)
+        gate, up = gate_up.chunk(2, dim=1)
+        return gate.contiguous(), up.contiguous(), weights.get(f"{prefix}.experts.down_proj")
+    if f"{prefix}.experts.0.gate_proj.weight" not in weights:
+        raise CompileError(f"weights: no experts under {prefix!r}")
+    stacks = [
+        torch.stack([weights.get(f"{prefix}.experts.{expert}.{name}.weight") for expert in range(experts)])
+        for name in ("gate_proj", "up_proj", "down_proj")
+    ]
+    return stacks[0], stacks[1], stacks[2]
+
+
+class SparseExperts(nn.Module):
+    """Every token's top-k experts by router softmax, their outputs summed with the (renormalised) weights.
+
+    All experts are evaluated and weighted by a dense routing matrix that is zero off the top k: the same sum as
+    transformers' per-expert loop (exact), in a graph of fixed shape that OpenVINO traces; the cost is every
+    expert's compute, not only the active ones'.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Any, prefix: str) -> None:
+        super().__init__()
+        self.experts = config.num_experts
+        self.top_k = config.experts_per_token
+        self.normalise = config.norm_topk_prob
+        self.activation = config.family.activation
+        self.router = nn.Parameter(weights.get(f"{prefix}.gate.weight"), requires_grad=False)  # (E, H)
+        gate, up, down = expert_weights(weights, prefix, self.experts)
+        self.gate = nn.Parameter(gate.transpose(1, 2).contiguous(), requires_grad=False)  # (E, H, I)
+        self.up = nn.Parameter(up.transpose(1, 2).contiguous(), requires_grad=False)  # (E, H, I)
+        self.down = nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)  # (E, I, H)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from .trace import activation
+
+        batch, length, width = hidden.shape
+        tokens = hidden.reshape(-1, width)  # (T, H)
+        probabilities = torch.softmax(nn.functional.linear(tokens, self.router), dim=-1)  # (T, E)
+        top_values, top_indices = torch.topk(probabilities, self.top_k, dim=-1)  # (T, k)
+        if self.normalise:
+            top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+        routing = torch.zeros_like(probabilities).scatter(1, top_indices, top_values)  # (T, E)
+        each = tokens[None].expand(self.experts, -1, -1)  # (E, T, H): a batch per expert
+        inner = activation(self.activation, torch.bmm(each, self.gate)) * torch.bmm(each, self.up)  # (E, T, I)
+        outputs = torch.bmm(inner, self.down)  # (E, T, H)
+        mixed = (outputs * routing.transpose(0, 1)[:, :, None]).sum(dim=0)  # (T, H)
+        return mixed.reshape(batch, length, width)
