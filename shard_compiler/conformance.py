@@ -100,16 +100,20 @@ def markdown() -> str:
         formats = " + ".join({"hf": "safetensors", "gguf": "GGUF"}[kind] for kind in entry.formats)
         lines.append(f"| `{entry.model_type}` | {entry.label} | {formats} | {stages} |")
     lines.append("")
-    lines.append("GGUF metadata and tensor names follow llama.cpp (`general.architecture`: " + ", ".join(
-        sorted({family_of(entry.model_type).gguf for entry in REGISTRY if "gguf" in entry.formats})  # type: ignore[union-attr]
-    ) + ").")
+    lines.append(
+        "GGUF metadata and tensor names follow llama.cpp (`general.architecture`: "
+        + ", ".join(
+            sorted({family_of(entry.model_type).gguf for entry in REGISTRY if "gguf" in entry.formats})  # type: ignore[union-attr]
+        )
+        + ")."
+    )
     return "\n".join(lines)
 
 
 def tiny_model(entry: Entry, seed: int = 0) -> Any:
     """transformers' own model of ENTRY in f32 with seeded random weights (norm weights random too)."""
     import torch
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     values = dict(entry.config)
     config = CONFIG_MAPPING[entry.model_type](**values)

@@ -7,10 +7,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sources import CompileError, ModelConfig
+from .decoder_config import CompileError, ModelConfig
 
 
-def expert_weights(weights: Any, prefix: str, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The MLP gate's activation: SiLU, or Gemma's tanh-approximated GELU."""
+    if name == "gelu_tanh":
+        return nn.functional.gelu(tensor, approximate="tanh")
+    return nn.functional.silu(tensor)
+
+
+def expert_weights(
+    weights: Any, prefix: str, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate [E, I, H], up [E, I, H], down [E, H, I]) from per-expert checkpoint tensors or transformers'
     fused ones (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
     fused = f"{prefix}.experts.gate_up_proj"
@@ -48,8 +57,6 @@ class SparseExperts(nn.Module):
         self.down = nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)  # (E, I, H)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from .trace import activation
-
         batch, length, width = hidden.shape
         tokens = hidden.reshape(-1, width)  # (T, H)
         probabilities = torch.softmax(nn.functional.linear(tokens, self.router), dim=-1)  # (T, E)
@@ -58,7 +65,9 @@ class SparseExperts(nn.Module):
             top_values = top_values / top_values.sum(dim=-1, keepdim=True)
         routing = torch.zeros_like(probabilities).scatter(1, top_indices, top_values)  # (T, E)
         each = tokens[None].expand(self.experts, -1, -1)  # (E, T, H): a batch per expert
-        inner = activation(self.activation, torch.bmm(each, self.gate)) * torch.bmm(each, self.up)  # (E, T, I)
+        inner = activation(self.activation, torch.bmm(each, self.gate)) * torch.bmm(
+            each, self.up
+        )  # (E, T, I)
         outputs = torch.bmm(inner, self.down)  # (E, T, H)
         mixed = (outputs * routing.transpose(0, 1)[:, :, None]).sum(dim=0)  # (T, H)
         return mixed.reshape(batch, length, width)

@@ -23,7 +23,9 @@ class Family:
     fused_qkv: bool = False  # one qkv_proj [q; k; v] instead of q/k/v_proj
     fused_gate_up: bool = False  # one gate_up_proj [gate; up] instead of gate/up_proj
     activation: str = "silu"  # "silu" or "gelu_tanh" (the MLP's gate activation)
-    native_rope: bool = False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
+    native_rope: bool = (
+        False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
+    )
     experts: bool = False  # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
 
 

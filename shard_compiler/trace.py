@@ -11,6 +11,7 @@ from torch import nn
 
 from remote_worker.manifest import LayerRange
 
+from .experts import SparseExperts, activation
 from .sources import CompileError, ModelConfig, WeightReader
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ class Weights:
         weight = self.get(f"{prefix}.weight")
         bias = self.get(f"{prefix}.bias") if f"{prefix}.bias" in self.reader else None
         layers = []
-        for part, rows in zip(torch.split(weight, sizes), torch.split(bias, sizes) if bias is not None else [None] * len(sizes), strict=True):  # noqa: E501
+        for part, rows in zip(
+            torch.split(weight, sizes),
+            torch.split(bias, sizes) if bias is not None else [None] * len(sizes),
+            strict=True,
+        ):  # noqa: E501
             layer = nn.Linear(part.shape[1], part.shape[0], bias=rows is not None)
             layer.weight = nn.Parameter(part.contiguous(), requires_grad=False)
             if rows is not None:
@@ -123,7 +128,9 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
 
 
-def apply_rope(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None) -> torch.Tensor:
+def apply_rope(
+    tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None
+) -> torch.Tensor:
     """RoPE on the first ROTARY channels of each head (cos/sin are that wide); None: on all of them."""
     if rotary is None:
         return tensor * cos + rotate_half(tensor) * sin
@@ -180,12 +187,6 @@ class Attention(nn.Module):
         return self.o_proj(attended), key, value
 
 
-def activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if name == "gelu_tanh":
-        return nn.functional.gelu(tensor, approximate="tanh")
-    return nn.functional.silu(tensor)
-
-
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, weights: Weights, prefix: str) -> None:
         super().__init__()
@@ -213,8 +214,6 @@ class FeedForward(nn.Module):
         self.pre_norm = weights.norm(f"{prefix}.{before}.weight")
         self.post_norm = weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
         if index in config.expert_layers:
-            from .experts import SparseExperts
-
             self.mlp: nn.Module = SparseExperts(config, weights, f"{prefix}.mlp")
         else:
             self.mlp = MLP(config, weights, f"{prefix}.mlp")
@@ -235,10 +234,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = weights.norm(f"{prefix}.input_layernorm.weight")
         self.self_attn = Attention(config, weights, f"{prefix}.self_attn")
         self.post_attention_norm = (
-            weights.norm(f"{prefix}.post_attention_layernorm.weight") if config.family.sandwich_norms else None
+            weights.norm(f"{prefix}.post_attention_layernorm.weight")
+            if config.family.sandwich_norms
+            else None
         )
         self.feed_forward = FeedForward(config, weights, index) if feed_forward else None
-        self.kind = "sliding_attention" if config.is_sliding(index) else "full_attention"
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         attended, key, value = self.self_attn(
@@ -306,14 +306,18 @@ class StageModule(nn.Module):
                 head_key = embedding_key
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight = nn.Parameter(weights.get(head_key), requires_grad=False)
-        self.kinds = sorted({layer.kind for layer in self.layers})
+        self.layer_kinds = [
+            "sliding_attention" if config.is_sliding(index) else "full_attention"
+            for index in range(layers.start, layers.end)
+        ]
+        self.kinds = sorted(set(self.layer_kinds))
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         if config.family.native_rope:
             self.register_buffer("inverse_frequencies", inverse_frequencies(config), persistent=False)
         else:
             from .family_config import rope_table
 
-            self.tables = {}
+            self.tables: dict[str, tuple[float, int]] = {}
             for kind in self.kinds:
                 table = rope_table(config, kind if config.layer_types else None)
                 self.register_buffer(f"short_{kind}", table.short, persistent=False)
@@ -323,11 +327,14 @@ class StageModule(nn.Module):
 
     def _frequencies(self, kind: str, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.config.family.native_rope:
-            return self.inverse_frequencies, 1.0
+            inverse: torch.Tensor = self.get_buffer("inverse_frequencies")
+            return inverse, 1.0
         scaling, threshold = self.tables[kind]
         short = getattr(self, f"short_{kind}")
         if threshold:  # LongRoPE: the long table for a call whose positions pass the original context
-            return torch.where(position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short), scaling
+            return torch.where(
+                position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short
+            ), scaling
         return short, scaling
 
     def forward(self, main, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
@@ -353,11 +360,9 @@ class StageModule(nn.Module):
         if self.lead is not None:
             hidden = self.lead(hidden)
         presents = []
-        for offset, layer in enumerate(self.layers):
-            cos, sin = rotations[layer.kind]
-            hidden, key, value = layer(
-                hidden, masks[layer.kind], cos, sin, past[2 * offset], past[2 * offset + 1]
-            )
+        for offset, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds, strict=True)):
+            cos, sin = rotations[kind]
+            hidden, key, value = layer(hidden, masks[kind], cos, sin, past[2 * offset], past[2 * offset + 1])
             presents += [key, value]
         if self.last:
             hidden = self.lm_head(self.norm(hidden))

@@ -110,7 +110,10 @@ def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ..
     from shard_compiler.compiler import compile_shards
 
     shard_dir = compile_shards(
-        str(source(entry, kind, workspace)), stages=list(split), precision="fp32", cache_root=workspace / "cache"
+        str(source(entry, kind, workspace)),
+        stages=list(split),
+        precision="fp32",
+        cache_root=workspace / "cache",
     )
     assert [str(stage.layers) for stage in load_manifest(shard_dir).stages] == [
         f"[{start}, {end})" for start, end in zip(split, split[1:], strict=False)
@@ -124,3 +127,43 @@ def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ..
     assert difference <= TOLERANCE
     generated = sequence[len(PROMPT) :]
     assert generated == [int(np.argmax(row)) for row in reference[len(PROMPT) - 1 : -1]]
+
+
+def test_an_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
+    import json
+
+    from shard_compiler.compiler import compile_shards
+    from shard_compiler.sources import CompileError
+
+    folder = tmp_path / "gpt-oss"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]})
+    )
+    with pytest.raises(CompileError, match=r"config.json: unsupported architecture 'GptOssForCausalLM'"):
+        compile_shards(str(folder), precision="fp32", cache_root=tmp_path / "cache")
+    entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
+    path = tiny_models.write_gguf(entry, tmp_path / "falcon.gguf", arch_name="falcon")
+    with pytest.raises(CompileError) as caught:
+        compile_shards(str(path), precision="fp32", cache_root=tmp_path / "cache")
+    assert str(caught.value).startswith(f"{path}: unsupported architecture 'falcon' (supported: ")
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unreadable_quant_type_is_one_line_and_leaves_no_shards(tmp_path: Path) -> None:
+    import gguf
+
+    from shard_compiler.compiler import compile_shards
+    from shard_compiler.sources import CompileError
+
+    entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
+    path = tiny_models.write_gguf(
+        entry, tmp_path / "q81.gguf", raw={"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q8_1}
+    )
+    with pytest.raises(CompileError) as caught:
+        compile_shards(str(path), stages=2, precision="fp32", cache_root=tmp_path / "cache")
+    assert str(caught.value) == (
+        f"{path}: tensor 'blk.0.attn_q.weight' is stored as Q8_1, a quantisation type the compiler cannot read"
+    )
+    shards = tmp_path / "cache" / "shards"
+    assert not shards.exists() or not any(shards.iterdir())

@@ -24,7 +24,11 @@ def byte_characters() -> list[str]:
 
 
 def _byte_of(character: str) -> int:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {chr(value): value for value in printable}
     extra = 0
     for value in range(256):
@@ -37,7 +41,12 @@ def _byte_of(character: str) -> int:
 def tokens() -> list[str]:
     """The tiny vocabulary: 256 byte tokens, three specials, unused tokens up to the models' vocabulary."""
     unused = VOCAB - 256 - len(SPECIALS) - len(MERGES)
-    return [*byte_characters(), *SPECIALS, *("".join(pair) for pair in MERGES), *(f"<unused{i}>" for i in range(unused))]
+    return [
+        *byte_characters(),
+        *SPECIALS,
+        *("".join(pair) for pair in MERGES),
+        *(f"<unused{i}>" for i in range(unused)),
+    ]
 
 
 def write_tokenizer(folder: Path) -> None:
@@ -121,16 +130,19 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
     return out
 
 
-def write_gguf(entry: Entry, path: Path) -> Path:
-    """ENTRY's model as an f32 GGUF with llama.cpp's metadata keys and a byte-level tokenizer."""
+def write_gguf(entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch_name: str = "") -> Path:
+    """ENTRY's model as an f32 GGUF with llama.cpp's metadata keys and a byte-level tokenizer.
+
+    RAW maps tensor names to a GGML type whose bytes are written as zeros instead (an unreadable quant type);
+    ARCH_NAME overrides general.architecture."""
     import gguf
 
     from shard_compiler.families import family_of
 
     family = family_of(entry.model_type)
     assert family is not None
-    arch_name = family.gguf
-    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
+    arch_name = arch_name or family.gguf
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.gguf)
     config = model(entry).config
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch_name)
@@ -171,7 +183,12 @@ def write_gguf(entry: Entry, path: Path) -> Path:
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, data in _gguf_tensors(entry, state, arch).items():
-        writer.add_tensor(name, data.astype(np.float32))
+        if raw and name in raw:
+            block, size = gguf.GGML_QUANT_SIZES[raw[name]]
+            zeros = np.zeros((*data.shape[:-1], data.shape[-1] // block * size), dtype=np.uint8)
+            writer.add_tensor(name, zeros, raw_dtype=raw[name])
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

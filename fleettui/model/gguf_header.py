@@ -9,9 +9,9 @@ from typing import Any, BinaryIO
 from fleettui.errors import PlanError
 from fleettui.model.shape import ModelShape
 
-# The architectures shard_compiler compiles (shard_compiler.sources.SUPPORTED_ARCHITECTURES; a test keeps the
+# The GGUF architectures shard_compiler compiles (shard_compiler.families.GGUF_FAMILIES; a test keeps the
 # two in step): their GGUF metadata keys all follow "<architecture>.<key>".
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
 
 _GGUF_SCALARS = {
     0: "<B",
