@@ -239,6 +239,8 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
             data[keys[key]] = int(value)
     data["model_type"] = family.model_type
     data["architectures"] = [family.architectures[0]]
+    if family.model_type == "phi3":
+        data.update(_phi3_rope(source.path, data))
     if family.model_type == "gemma3_text":
         # llama.cpp scales Gemma 3 queries by 1/sqrt(hidden / heads) for the 62-layer 27B and 1/sqrt(head_dim)
         # otherwise (what query_pre_attn_scalar says in each published config); the GGUF does not store it.
@@ -247,6 +249,36 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
         data["query_pre_attn_scalar"] = hidden // heads if int(data["num_hidden_layers"]) == 62 else head_dim
     _write_atomic(cached, json.dumps(data, indent=1, default=str))
     return data
+
+
+def _phi3_rope(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """What a Phi-3 GGUF says of its RoPE and transformers' GGUF reader drops: the rotated share of a head
+    (rope.dimension_count, Phi-4-mini 3/4) and LongRoPE's factors (llama.cpp's rope_factors_* tensors)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {key: _gguf_field(reader, key) for key in ("phi3.rope.dimension_count",)}
+    original = _gguf_field(reader, "phi3.rope.scaling.original_context_length")
+    update: dict[str, Any] = {}
+    heads = int(data["num_attention_heads"])
+    head_dim = int(data.get("head_dim") or int(data["hidden_size"]) // heads)
+    rotary = fields["phi3.rope.dimension_count"]
+    if rotary and int(rotary) != head_dim:
+        update["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {
+        tensor.name: tensor.data.tolist()
+        for tensor in reader.tensors
+        if tensor.name.startswith("rope_factors_")
+    }
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        update["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+        }
+        if original:
+            update["original_max_position_embeddings"] = int(original)
+    return update
 
 
 def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | None]:

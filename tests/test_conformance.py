@@ -20,7 +20,6 @@ import tiny_models
 from remote_worker.manifest import load_manifest
 from shard_compiler.conformance import REGISTRY, Entry
 
-pytestmark = pytest.mark.slow
 GENERATED = 40
 TOLERANCE = 1e-4
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43]
@@ -103,6 +102,7 @@ def source(entry: Entry, kind: str, workspace: Path) -> Path:
     return _sources[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("entry", "kind", "split"), CASES)
 def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ...], workspace: Path) -> None:
     import torch
@@ -167,3 +167,12 @@ def test_an_unreadable_quant_type_is_one_line_and_leaves_no_shards(tmp_path: Pat
     )
     shards = tmp_path / "cache" / "shards"
     assert not shards.exists() or not any(shards.iterdir())
+
+
+def test_the_readme_lists_what_the_harness_covers() -> None:
+    from shard_compiler.conformance import covered_architectures, markdown
+    from shard_compiler.families import FAMILIES
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert markdown() in readme  # regenerate with: python -m shard_compiler.conformance
+    assert covered_architectures() == list(FAMILIES)  # no family without a harness entry

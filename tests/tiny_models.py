@@ -155,10 +155,16 @@ def write_gguf(entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     parameters = config.rope_parameters
     full = parameters.get("full_attention", parameters) if isinstance(parameters, dict) else {}
+    writer.add_rope_dimension_count(int(config.head_dim * float(full.get("partial_rotary_factor", 1.0))))
+    if full.get("rope_type") == "longrope":  # llama.cpp's Phi-3: the factors as tensors
+        writer.add_rope_scaling_orig_ctx_len(int(full["original_max_position_embeddings"]))
+        for kind in ("long", "short"):
+            writer.add_tensor(
+                f"rope_factors_{kind}.weight", np.array(full[f"{kind}_factor"], dtype=np.float32)
+            )
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(full["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
     if entry.model_type == "gemma3_text":
