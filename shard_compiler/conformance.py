@@ -80,6 +80,12 @@ REGISTRY: tuple[Entry, ...] = (
           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
           "mlp_only_layers": [1]}, formats=("hf",), name="qwen3_moe-dense",
           notes="GGUF: llama.cpp's qwen3moe has no dense layers"),
+    Entry("gpt_oss", "gpt-oss (attention sinks, sliding/full layers, YaRN, clamped SwiGLU experts with biases)",
+          {**_COMMON, "num_hidden_layers": 3, "intermediate_size": 32, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "sliding_window": 4, "rope_theta": 150000.0, "max_position_embeddings": 2048,
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+           "original_max_position_embeddings": 64}}, formats=("hf",),
+          notes="GGUF: its MXFP4 experts are not read"),
 )  # fmt: skip
 
 

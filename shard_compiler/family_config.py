@@ -57,7 +57,8 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
     hidden = int(decoder.hidden_size)
     head_dim = int(getattr(decoder, "head_dim", None) or hidden // heads)
     scalar = getattr(decoder, "query_pre_attn_scalar", None)
-    experts = int(getattr(decoder, "num_experts", 0) or 0) if family.experts else 0
+    experts = int(getattr(decoder, "num_experts", None) or getattr(decoder, "num_local_experts", 0) or 0)
+    experts = experts if family.experts else 0
     expert_layers: tuple[int, ...] = ()
     if experts:
         step = int(getattr(decoder, "decoder_sparse_step", 1) or 1)
@@ -95,7 +96,11 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
         final_logit_softcapping=getattr(decoder, "final_logit_softcapping", None),
         num_experts=experts,
         experts_per_token=int(getattr(decoder, "num_experts_per_tok", 0) or 0) if experts else 0,
-        moe_intermediate_size=int(getattr(decoder, "moe_intermediate_size", 0) or 0) if experts else 0,
+        moe_intermediate_size=int(
+            getattr(decoder, "moe_intermediate_size", None) or decoder.intermediate_size
+        )
+        if experts
+        else 0,
         norm_topk_prob=bool(getattr(decoder, "norm_topk_prob", False)),
         expert_layers=expert_layers,
         decoder=decoder,

@@ -11,7 +11,7 @@ from torch import nn
 
 from remote_worker.manifest import LayerRange
 
-from .experts import SparseExperts, activation
+from .experts import ClampedExperts, SparseExperts, activation
 from .sources import CompileError, ModelConfig, WeightReader
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,11 @@ class Attention(nn.Module):
             self.k_proj = weights.linear(f"{prefix}.k_proj")
             self.v_proj = weights.linear(f"{prefix}.v_proj")
         self.o_proj = weights.linear(f"{prefix}.o_proj")
+        self.sinks = (
+            nn.Parameter(weights.get(f"{prefix}.sinks"), requires_grad=False)
+            if family.attention_sinks
+            else None
+        )
         self.q_norm = weights.norm(f"{prefix}.q_norm.weight") if family.qk_norm else None
         self.k_norm = weights.norm(f"{prefix}.k_norm.weight") if family.qk_norm else None
 
@@ -180,8 +185,16 @@ class Attention(nn.Module):
         key = apply_rope(key, cos, sin, self.rotary)
         key = torch.cat((past_key, key), dim=2)  # (B, kv, cache + n, d)
         value = torch.cat((past_value, value), dim=2)
+        keys, values = self._repeat(key), self._repeat(value)
+        if (
+            self.sinks is not None
+        ):  # the sink: one more key of logit `sinks` (a bias on a zero key), value zero
+            keys = torch.cat((keys, torch.zeros_like(keys[:, :, :1])), dim=2)
+            values = torch.cat((values, torch.zeros_like(values[:, :, :1])), dim=2)
+            sink = self.sinks[None, :, None, None].expand(batch, -1, mask.shape[2], 1)  # (B, h, n, 1)
+            mask = torch.cat((mask.expand(batch, self.heads, -1, -1), sink), dim=-1)
         attended = nn.functional.scaled_dot_product_attention(
-            query, self._repeat(key), self._repeat(value), attn_mask=mask, scale=self.scale
+            query, keys, values, attn_mask=mask, scale=self.scale
         )  # (B, h, n, d)
         attended = attended.transpose(1, 2).reshape(batch, -1, self.heads * self.head_dim)
         return self.o_proj(attended), key, value
@@ -214,7 +227,8 @@ class FeedForward(nn.Module):
         self.pre_norm = weights.norm(f"{prefix}.{before}.weight")
         self.post_norm = weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
         if index in config.expert_layers:
-            self.mlp: nn.Module = SparseExperts(config, weights, f"{prefix}.mlp")
+            kind = ClampedExperts if config.family.clamped_experts else SparseExperts
+            self.mlp: nn.Module = kind(config, weights, f"{prefix}.mlp")
         else:
             self.mlp = MLP(config, weights, f"{prefix}.mlp")
 
