@@ -17,6 +17,8 @@ def group_size(config: ModelConfig, precision: str) -> int | None:
     if precision != "int4":
         return None
     channels = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+    if config.num_experts:  # the experts' own width (Qwen3-MoE: 768 beside a dense 6144)
+        channels += (config.moe_intermediate_size,)
     for size in (128, 64, 32):
         if all(channel % size == 0 for channel in channels):
             return size

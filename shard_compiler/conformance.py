@@ -40,6 +40,7 @@ class Entry:
     formats: tuple[str, ...] = ("hf", "gguf")
     notes: str = ""
     pipeline: bool = False  # also run through real stage processes (speculation, sessions, rollbacks)
+    embed_std: float = 0.5  # the embedding's random scale (Gemma's sqrt(hidden) needs a smaller one)
     name: str = ""  # the harness's id when one model_type has several entries (default: the model_type)
 
     @property
@@ -65,13 +66,13 @@ REGISTRY: tuple[Entry, ...] = (
           {**_COMMON, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
            "hidden_activation": "gelu_pytorch_tanh"},
-          splits=((0, 6), (0, 4, 6), (0, 2, 4, 6)), pipeline=True),
+          splits=((0, 6), (0, 4, 6), (0, 2, 4, 6)), pipeline=True, embed_std=0.03),
     Entry("gemma3_text", "Gemma 3 with logit soft-capping, linear RoPE scaling and global layers 2 and 5",
           {**_COMMON, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 3,
            "sliding_window_pattern": 3, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "final_logit_softcapping": 30.0,
            "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
-          splits=((0, 6), (0, 3, 6), (0, 2, 4, 6)), formats=("hf",), name="gemma3_text-softcap",
+          splits=((0, 6), (0, 3, 6), (0, 2, 4, 6)), formats=("hf",), name="gemma3_text-softcap", embed_std=0.03,
           notes="GGUF carries neither soft-capping nor the layer pattern"),
     Entry("qwen3_moe", "Qwen3-MoE (router softmax, top-k experts, norm_topk_prob)", {**_COMMON,
           "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -128,7 +129,7 @@ def tiny_model(entry: Entry, seed: int = 0) -> Any:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            scale = 0.2 if "norm" in name else (0.5 if "embed" in name else 0.08)
+            scale = 0.2 if "norm" in name else (entry.embed_std if "embed" in name else 0.08)
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
     return model
 
