@@ -135,12 +135,12 @@ def test_an_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     from shard_compiler.compiler import compile_shards
     from shard_compiler.sources import CompileError
 
-    folder = tmp_path / "gpt-oss"
+    folder = tmp_path / "olmo2"
     folder.mkdir()
     (folder / "config.json").write_text(
-        json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]})
+        json.dumps({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
     )
-    with pytest.raises(CompileError, match=r"config.json: unsupported architecture 'GptOssForCausalLM'"):
+    with pytest.raises(CompileError, match=r"config.json: unsupported architecture 'Olmo2ForCausalLM'"):
         compile_shards(str(folder), precision="fp32", cache_root=tmp_path / "cache")
     entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
     path = tiny_models.write_gguf(entry, tmp_path / "falcon.gguf", arch_name="falcon")
