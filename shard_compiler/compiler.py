@@ -325,6 +325,11 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
     from .tokenizer import TokenizerInfo, export_tokenizer_cached
 
     count = len(job.ranges)
+    fresh = (
+        job.source.kind == "gguf" and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
+    )
+    if fresh:  # a tensor type nothing can read fails the compile before anything is written
+        sources.check_gguf_tensors(job.source.path)
     if job.source.synthetic:  # random weights: no tokenizer, no chat template (chat refuses it)
         config = job.config
         info = TokenizerInfo("", config.bos_token_id, config.eos_token_ids, config.pad_token_id, None)
@@ -336,9 +341,6 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         )
         if info.genai_error:
             logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
-    fresh = (
-        job.source.kind == "gguf" and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
-    )
     notify(Progress(None, "weights", 0.02, "dequantising the GGUF once into the cache" if fresh else ""))
     if not job.source.synthetic:
         sources.weights_directory(job.source, root, job.source_hash)  # once, before the stages

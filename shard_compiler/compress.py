@@ -16,7 +16,13 @@ def group_size(config: ModelConfig, precision: str) -> int | None:
     """The int4 group size: 128 when every input-channel size divides by it, else 64 (SmolLM2's 576)."""
     if precision != "int4":
         return None
-    channels = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+    channels: tuple[int, ...] = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads * config.head_dim,
+    )
+    if config.num_experts:  # the experts' own width (Qwen3-MoE: 768 beside a dense 6144)
+        channels += (config.moe_intermediate_size,)
     for size in (128, 64, 32):
         if all(channel % size == 0 for channel in channels):
             return size

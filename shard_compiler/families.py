@@ -15,7 +15,7 @@ class Family:
 
     model_type: str  # the config.json model_type the decoder is read from
     architectures: tuple[str, ...]  # Hugging Face class names accepted in config.json "architectures"
-    gguf: str  # general.architecture of a GGUF of this family
+    gguf: str  # general.architecture of a GGUF of this family ("": not read from GGUF)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
@@ -23,8 +23,14 @@ class Family:
     fused_qkv: bool = False  # one qkv_proj [q; k; v] instead of q/k/v_proj
     fused_gate_up: bool = False  # one gate_up_proj [gate; up] instead of gate/up_proj
     activation: str = "silu"  # "silu" or "gelu_tanh" (the MLP's gate activation)
-    native_rope: bool = False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
+    native_rope: bool = (
+        False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
+    )
     experts: bool = False  # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
+    attention_sinks: bool = (
+        False  # a learned per-head logit in every softmax that attends to nothing (gpt-oss)
+    )
+    clamped_experts: bool = False  # gpt-oss experts: router top-k then softmax, clamped SwiGLU with biases
 
 
 FAMILIES: dict[str, Family] = {
@@ -46,12 +52,20 @@ FAMILIES: dict[str, Family] = {
             activation="gelu_tanh",
         ),
         Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, experts=True),
+        Family(
+            "gpt_oss",
+            ("GptOssForCausalLM",),
+            "",  # its GGUFs hold MXFP4 experts, which transformers' GGUF reader does not dequantise
+            experts=True,
+            attention_sinks=True,
+            clamped_experts=True,
+        ),
     )
 }
 # config.json model_types that name a family by another name: Gemma 3's multimodal checkpoints keep the text
 # decoder's config under "text_config".
 ALIASES = {"gemma3": "gemma3_text"}
-GGUF_FAMILIES = {family.gguf: family for family in FAMILIES.values()}
+GGUF_FAMILIES = {family.gguf: family for family in FAMILIES.values() if family.gguf}
 
 
 def family_of(model_type: str | None) -> Family | None:

