@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser, required=True)
     parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    parser.add_argument(
+        "--encoding", metavar="CODEC", help="decode a prompt read from stdin with CODEC (default: strict UTF-8)"
+    )
     options.add_settings(parser)
     options.add_sampling(parser)
     parser.add_argument(
@@ -33,8 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleettui.commands.prompt import read_prompt
     from fleettui.control.running import run as run_loop
+    from fleettui.text_input import check_text
 
-    prompt = read_prompt(args.prompt)
+    prompt = read_prompt(args.prompt, encoding=args.encoding)
+    if args.system is not None:
+        check_text(args.system, "--system")
     if not prompt.strip():
         raise FleetError("the prompt is empty")
     fleet = options.load_for_chat(args)

@@ -8,10 +8,20 @@ from pathlib import Path
 from typing import Any
 
 from fleettui.errors import FleetConfigError
+from fleettui.text_input import TextError, check_text, decode
 
 _HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\s\"']+?)\s*\]\]?\s*(#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')\s*[=.]")
 _STRING = re.compile(r"\"\"\".*?\"\"\"|'''.*?'''|\"(?:\\.|[^\"\\])*\"|'[^']*'", re.S)
+
+
+def decoded(path: Path, data: bytes) -> str:
+    """A fleet file's text by the one text rule (strict UTF-8, BOM dropped, CRLF read as LF), or a
+    FleetConfigError at the line of its first undecodable byte."""
+    try:
+        return decode(data, str(path), hint="a TOML file is UTF-8")
+    except TextError as error:
+        raise FleetConfigError(path, data[: error.offset].count(b"\n") + 1, "fleet", error.reason) from None
 
 
 class LineIndex:
@@ -79,6 +89,12 @@ class Section:
             raise self.error(key, f"expected {_kind_name(kinds)}, got {show(value)}")
         if not isinstance(value, kinds):
             raise self.error(key, f"expected {_kind_name(kinds)}, got {show(value)}")
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):  # names, paths, hosts and commands: a NUL would reach the OS
+                try:
+                    check_text(text, key, allow_nul=False)
+                except TextError as error:
+                    raise self.error(key, error.reason) from None
         return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False) -> str:
