@@ -219,6 +219,35 @@ def _completion(chat: bool) -> dict[str, Any]:
     }
 
 
+def _event(chat: bool) -> dict[str, Any]:
+    """One server-sent event of a stream: a chunk, the usage chunk, an error that ends it, or `[DONE]`."""
+    choice = {
+        "type": "object",
+        "required": ["index", "finish_reason", "delta" if chat else "text"],
+        "properties": {
+            "index": {"type": "integer"},
+            "finish_reason": {**FINISH, "nullable": True},
+            "logprobs": {"type": "object", "nullable": True},
+            **({"delta": {"type": "object"}} if chat else {"text": {"type": "string"}}),
+        },
+    }
+    chunk = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "object": {"type": "string", "enum": ["chat.completion.chunk" if chat else "text_completion"]},
+            "choices": {"type": "array", "items": choice},
+            "usage": {**USAGE, "nullable": True},
+        },
+    }
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, ERROR]}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"type": "string", "enum": ["[DONE]"]}, data]}},
+    }
+
+
 def _errors(*statuses: int) -> dict[str, Any]:
     reasons = {400: "a bad request, naming its field in error.param", 401: "a missing or wrong API key",
                404: "no such model", 405: "method not allowed", 413: "a body over 4 MiB",
@@ -240,7 +269,7 @@ def _generate(summary: str, request: dict[str, Any], chat: bool) -> dict[str, An
                     "description": "the answer (JSON), or server-sent events when 'stream' is true",
                     "content": {
                         "application/json": {"schema": _completion(chat)},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _event(chat)},
                     },
                 },
                 **_errors(400, 401, 405, 413, 429, 499, 503),
