@@ -42,7 +42,9 @@ def report_crash(error: BaseException, argv: list[str], debug: bool) -> int:
         print(f"fleettui: internal error: {summary}{note}", file=sys.stderr)
         return EXIT_BUG
     where = _keep(details, argv)
-    print(f"fleettui: internal error: {summary}{note} (traceback in {where}; --debug shows it)", file=sys.stderr)
+    print(
+        f"fleettui: internal error: {summary}{note} (traceback in {where}; --debug shows it)", file=sys.stderr
+    )
     return EXIT_BUG
 
 

@@ -72,9 +72,7 @@ def check_text(text: str, source: str, *, allow_nul: bool = True, escapes: bool 
                     f"not valid UTF-8: byte 0x{point - 0xDC00:02x} at byte offset {offset}",
                     offset,
                 )
-            raise TextError(
-                source, f"a lone surrogate U+{point:04X} at character {index} is not text", index
-            )
+            raise TextError(source, f"a lone surrogate U+{point:04X} at character {index} is not text", index)
         if point == 0 and not allow_nul:
             raise TextError(source, f"a NUL character at character {index} is not allowed here", index)
     return text

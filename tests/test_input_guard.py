@@ -46,7 +46,9 @@ def test_undecodable_argv_bytes_name_the_flag_and_an_unknown_encoding_is_refused
         capture_output=True, cwd=ROOT, env=environment(tmp_path), timeout=60,
     )  # fmt: skip
     assert system.returncode == 2
-    assert system.stderr.decode().splitlines() == ["fleettui: --system: not valid UTF-8: byte 0xe9 at byte offset 3"]
+    assert system.stderr.decode().splitlines() == [
+        "fleettui: --system: not valid UTF-8: byte 0xe9 at byte offset 3"
+    ]
     codec = subprocess.run(
         [str(FLEETTUI), "ask", "fleets/local.toml", "-", "--encoding", "klingon"],
         input=b"hi", capture_output=True, cwd=ROOT, env=environment(tmp_path), timeout=60,
@@ -91,7 +93,9 @@ def test_an_unexpected_exception_is_one_line_with_the_log_file_stops_its_process
         f"(traceback in {log}; --debug shows it)"
     ]
     kept = log.read_text()
-    assert "fleettui plan fleets/local.toml" in kept and 'raise ZeroDivisionError("a bug in a command")' in kept
+    assert (
+        "fleettui plan fleets/local.toml" in kept and 'raise ZeroDivisionError("a bug in a command")' in kept
+    )
     assert "Traceback (most recent call last)" in kept
     debug = subprocess.run(
         [sys.executable, str(script), "plan", "fleets/local.toml", "--debug"],
@@ -99,4 +103,6 @@ def test_an_unexpected_exception_is_one_line_with_the_log_file_stops_its_process
     )  # fmt: skip
     assert debug.returncode == 1
     assert debug.stderr.startswith("Traceback (most recent call last)")
-    assert debug.stderr.splitlines()[-1].startswith("fleettui: internal error: ZeroDivisionError: a bug in a command")
+    assert debug.stderr.splitlines()[-1].startswith(
+        "fleettui: internal error: ZeroDivisionError: a bug in a command"
+    )

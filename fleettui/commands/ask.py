@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
     parser.add_argument(
-        "--encoding", metavar="CODEC", help="decode a prompt read from stdin with CODEC (default: strict UTF-8)"
+        "--encoding",
+        metavar="CODEC",
+        help="decode a prompt read from stdin with CODEC (default: strict UTF-8)",
     )
     options.add_settings(parser)
     options.add_sampling(parser)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -70,7 +71,7 @@ class Section:
         self.data: Mapping[str, Any] = data
 
     def error(self, key: str | None, reason: str) -> FleetConfigError:
-        name = f"{self.label}.{key}" if key else self.label
+        name = f"{self.label}.{key_name(key)}" if key else self.label
         return FleetConfigError(self.path, self.lines.line(self.table, self.index, key), name, reason)
 
     def reject_unknown(self, known: tuple[str, ...]) -> None:
@@ -116,9 +117,12 @@ def _kind_name(kinds: tuple[type, ...]) -> str:
     return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
 
 
+def key_name(key: str) -> str:
+    """A key or name as written, or quoted with escapes when it holds a newline, a NUL or another control."""
+    return key if key.isprintable() else json.dumps(key, ensure_ascii=False)
+
+
 def show(value: Any) -> str:
-    return (
-        f'"{value}"'
-        if isinstance(value, str)
-        else repr(value).replace("True", "true").replace("False", "false")
-    )
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # quoted, a newline or NUL escaped: one line
+    return repr(value).replace("True", "true").replace("False", "false")

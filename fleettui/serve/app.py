@@ -70,7 +70,9 @@ class Outcome:
 def error_response(
     message: str, status: int, param: str | None = None, code: str | None = None, **headers: str
 ) -> JSONResponse:
-    shown = message.encode("utf-8", "backslashreplace").decode()  # a refused lone surrogate is quoted, not sent
+    shown = message.encode(
+        "utf-8", "backslashreplace"
+    ).decode()  # a refused lone surrogate is quoted, not sent
     return JSONResponse(error_body(shown, status, param, code), status_code=status, headers=headers or None)
 
 

@@ -34,10 +34,24 @@ RESPONSE_FORMAT: dict[str, Any] = {
 TOOLS: dict[str, Any] = {
     "type": "array",
     "nullable": True,
-    "maxItems": 0,
-    "description": "no tool calls: leave it out or empty (a list of tools needs 'tool_choice': 'none')",
-    "items": {"type": "object"},
+    "description": "no tool calls: a non-empty list needs its choice field ('tool_choice' / 'function_call') 'none'",
 }
+CHOICE: dict[str, Any] = {"nullable": True, "description": "only 'none' is served (no tool calls)"}
+
+
+def _no_tool_calls() -> list[dict[str, Any]]:
+    """A list of tools (or legacy functions) is served only with its choice field 'none'."""
+    return [
+        {
+            "anyOf": [
+                {"not": {"type": "object", "required": [name]}},
+                {"properties": {name: {"enum": [None]}}},
+                {"properties": {name: {"maxItems": 0}}},
+                {"required": [choice], "properties": {choice: {"enum": ["none"]}}},
+            ]
+        }
+        for name, choice in schema.CHOICE_OF.items()
+    ]
 
 
 def _number(low: float, high: float, description: str = "") -> dict[str, Any]:
@@ -58,7 +72,7 @@ def _sampling(model: ModelInfo, chat: bool) -> dict[str, Any]:
         "top_p": _number(0.0, 1.0, "0 = greedy"),
         "seed": _integer(-schema.MAX_SEED, schema.MAX_SEED),
         "n": _integer(1, schema.MAX_CHOICES),
-        "best_of": {"type": "integer", "enum": [1], "nullable": True},
+        "best_of": {"type": "integer", "enum": [1, None], "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {
             "type": "object",
@@ -130,8 +144,9 @@ def chat_request(model: ModelInfo) -> dict[str, Any]:
             "response_format": RESPONSE_FORMAT,
             "tools": TOOLS,
             "functions": TOOLS,
+            **{choice: CHOICE for choice in schema.CHOICE_OF.values()},
         },
-        "allOf": _rules(chat=True),
+        "allOf": _rules(chat=True) + _no_tool_calls(),
     }
 
 
@@ -148,7 +163,12 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
             },
             **_sampling(model, chat=False),
             "suffix": {"type": "string", "maxLength": 0, "nullable": True, "description": "not supported"},
-            "echo": {"type": "boolean", "enum": [False], "nullable": True, "description": "not supported"},
+            "echo": {
+                "type": "boolean",
+                "enum": [False, None],
+                "nullable": True,
+                "description": "not supported",
+            },
         },
         "allOf": _rules(chat=False),
     }
@@ -226,7 +246,7 @@ def _event(chat: bool) -> dict[str, Any]:
         "required": ["index", "finish_reason", "delta" if chat else "text"],
         "properties": {
             "index": {"type": "integer"},
-            "finish_reason": {**FINISH, "nullable": True},
+            "finish_reason": {"type": "string", "enum": [*FINISH["enum"], None], "nullable": True},
             "logprobs": {"type": "object", "nullable": True},
             **({"delta": {"type": "object"}} if chat else {"text": {"type": "string"}}),
         },
@@ -240,7 +260,11 @@ def _event(chat: bool) -> dict[str, Any]:
             "usage": {**USAGE, "nullable": True},
         },
     }
-    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, ERROR]}}
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [chunk, ERROR]},
+    }
     return {
         "type": "object",
         "required": ["data"],

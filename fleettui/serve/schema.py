@@ -216,11 +216,14 @@ def _prompt(body: dict[str, Any]) -> str:
     if not value:
         raise RequestError("'prompt' must not be empty", "prompt")
     _text(value, "prompt")
-    if body.get("suffix"):
+    if body.get("suffix") is not None and body["suffix"] != "":
         raise RequestError("'suffix' is not supported", "suffix")
-    if body.get("echo"):
+    if body.get("echo") is not None and body["echo"] is not False:
         raise RequestError("'echo' is not supported", "echo")
     return value
+
+
+CHOICE_OF = {"tools": "tool_choice", "functions": "function_call"}  # the field that says whether to call one
 
 
 def _unconstrained(body: dict[str, Any]) -> None:
@@ -234,7 +237,9 @@ def _unconstrained(body: dict[str, Any]) -> None:
                 "response_format",
             )
     for name in ("tools", "functions"):
-        if body.get(name) and body.get("tool_choice", body.get("function_call")) != "none":
+        if body.get(name) is not None and not isinstance(body[name], list):
+            raise RequestError(f"'{name}' must be a list", name)
+        if body.get(name) and body.get(CHOICE_OF[name]) != "none":
             raise RequestError(
                 f"'{name}' is not supported: this fleet does not call tools (leave it out, or 'tool_choice': 'none')",
                 name,
@@ -254,13 +259,16 @@ def parse_request(
         raise RequestError(
             f"The model '{name}' does not exist; this fleet serves '{model}'", "model", code="model_not_found"
         )
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null is absent, as for every optional field
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise RequestError("'stream_options' must be an object and needs 'stream': true", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
     _unconstrained(body)
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)
