@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 import traceback
@@ -16,16 +17,12 @@ def stop_children() -> list[int]:
 
     children = psutil.Process().children(recursive=True)
     for child in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(children, timeout=10)
     for child in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=5)
     return [child.pid for child in children]
 
