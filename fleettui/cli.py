@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
+        sub.add_argument("--debug", action="store_true", help="an unexpected error prints its traceback")
         sub.set_defaults(run=module.run, parser=parser)
     return parser
 
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Interrupted as error:
         return error.code
+    except Exception as error:  # a bug, not bad input: one line, the traceback kept in a log file
+        from fleettui.crash import report_crash
+
+        return report_crash(error, argv, debug="--debug" in argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -101,17 +101,30 @@ def test_linters_pass(command: list[str]) -> None:
 
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
+    "text_input": {"errors"},  # the one rule by which text enters (decoding, surrogates, NUL)
+    "crash": {"errors", "config"},  # the top-level guard's one-line report of an unexpected exception
     "model": {"errors"},  # the model description: shape, builtin models, GGUF header
-    "config": {"errors", "model"},
+    "config": {"errors", "text_input", "model"},
     "planning": {"errors", "model", "config"},
     "runtime": {"errors"},
     "provision": {"errors", "config"},
     "control": {"errors", "model", "config", "planning", "runtime", "provision"},
-    "serve": {"errors", "config", "runtime", "control"},  # the HTTP API over a running fleet
+    "serve": {"errors", "text_input", "config", "runtime", "control"},  # the HTTP API over a running fleet
     "bench": {"errors", "model", "config", "planning", "runtime", "control", "serve"},
-    "ui": {"errors", "config", "runtime", "control", "serve"},
-    "commands": {"errors", "model", "config", "planning", "runtime", "control", "serve", "bench", "ui"},
-    "cli": {"errors", "config", "commands"},
+    "ui": {"errors", "text_input", "config", "runtime", "control", "serve"},
+    "commands": {
+        "errors",
+        "text_input",
+        "model",
+        "config",
+        "planning",
+        "runtime",
+        "control",
+        "serve",
+        "bench",
+        "ui",
+    },
+    "cli": {"errors", "config", "commands", "crash"},
     "__main__": {"cli"},
 }
 # The wire and shard contract: the only parts of remote_worker that fleettui may use.

@@ -321,6 +321,36 @@ async def test_pool_never_keeps_more_sessions_open_than_the_stages_allow() -> No
     assert not fake.open
 
 
+class SlowSessions(FakeSessions):
+    """Sessions whose close takes a while on the stages; `peak` is the most ever open at once."""
+
+    peak = 0
+
+    async def opener(self, seed: int) -> Session:
+        session = await super().opener(seed)
+        self.peak = max(self.peak, len(self.open))
+        return session
+
+    async def closer(self, session: Session) -> None:
+        await asyncio.sleep(0.05)
+        self.open.discard(session.id)
+
+
+async def test_pool_waits_for_a_session_still_closing_before_it_opens_another() -> None:
+    fake = SlowSessions()
+    pool = SessionPool(fake.opener, fake.closer, max_idle=2, max_open=2)
+    a = (await pool.acquire([1], 0)).session
+    b = (await pool.acquire([2], 0)).session
+    closing = asyncio.ensure_future(pool.release(a, reusable=False))  # a cancelled request's session
+    await asyncio.sleep(0)
+    c = (await pool.acquire([3], 0)).session  # admitted the moment `a`'s request let go of its slot
+    assert fake.peak == 2 and closing.done()  # it waited for `a` to be closed: never 3 open on the stages
+    for session in (b, c):
+        await pool.release(session, reusable=False)
+    await pool.close_all()
+    assert not fake.open
+
+
 async def test_pool_closes_a_session_whose_opener_was_cancelled() -> None:
     fake = FakeSessions()
     pool = SessionPool(fake.opener, fake.closer, max_idle=2)

@@ -191,6 +191,19 @@ async def test_prompt_streams_a_markdown_reply_with_its_statistics():
         assert app.query_one("#prompt", Input).value == ""
 
 
+async def test_a_prompt_with_a_lone_surrogate_is_refused_in_one_notice_and_kept_for_editing():
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.ready, 10, "ready")
+        app.query_one("#prompt", Input).value = "caf\ud800"
+        await pilot.press("enter")
+        await pilot.pause()
+        notices = [notice.message for notice in app._notifications]
+        assert notices == ["chat input: a lone surrogate U+D800 at character 3 is not text"]
+        assert not app.query_one(ChatPane).active.replies
+        assert app.query_one("#prompt", Input).value == "caf\ud800"
+
+
 async def test_two_sessions_generate_at_the_same_time():
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--raw", action="store_true", help="continue PROMPT as plain text, no chat template (base models)"
     )
+    parser.add_argument(
+        "--encoding",
+        metavar="CODEC",
+        help="decode a prompt read from stdin with CODEC (default: strict UTF-8)",
+    )
     options.add_settings(parser)
     options.add_sampling(parser)
     parser.add_argument(
@@ -36,8 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleettui.commands.prompt import read_prompt
     from fleettui.control.running import run as run_loop
+    from fleettui.text_input import check_text
 
-    prompt = read_prompt(args.prompt)
+    prompt = read_prompt(args.prompt, encoding=args.encoding)
+    if args.system is not None:
+        check_text(args.system, "--system")
     if not prompt.strip():
         raise FleetError("the prompt is empty")
     if args.raw and args.system:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fleettui.config import paths
 from fleettui.config.resilience import ResilienceSettings, parse_resilience
-from fleettui.config.toml_source import LineIndex, Section, show
+from fleettui.config.toml_source import LineIndex, Section, decoded, key_name, show
 from fleettui.errors import FleetConfigError, PlanError
 from fleettui.model.shape import layer_range_problem
 from remote_worker import config as contract
@@ -231,13 +231,13 @@ def load_fleet(path: Path) -> Fleet:
     """Read and validate a fleet file; raises FleetConfigError naming file, line and key."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = decoded(path, path.read_bytes())
     except FileNotFoundError:
         raise FleetConfigError(path, 0, "fleet", "no such fleet file") from None
     except IsADirectoryError:
         raise FleetConfigError(path, 0, "fleet", _folder_hint(path)) from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise FleetConfigError(path, 0, "fleet", f"cannot read: {error}") from None
+    except OSError as error:
+        raise FleetConfigError(path, 0, "fleet", f"cannot read: {error.strerror or error}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -280,7 +280,7 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     sections = []
     for index, raw in enumerate(raw_hosts):
         name = raw.get("name") if isinstance(raw, Mapping) else None
-        label = f"hosts[{name}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
+        label = f"hosts[{key_name(name)}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
         sections.append(Section(path, lines, "hosts", index, label, raw))
     hosts = _hosts(sections, base)
     if runtime.exact:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fleettui.errors import FleetConfigError
+from fleettui.text_input import TextError, check_text, decode
 
 _HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\s\"']+?)\s*\]\]?\s*(#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')\s*[=.]")
 _STRING = re.compile(r"\"\"\".*?\"\"\"|'''.*?'''|\"(?:\\.|[^\"\\])*\"|'[^']*'", re.S)
+
+
+def decoded(path: Path, data: bytes) -> str:
+    """A fleet file's text by the one text rule (strict UTF-8, BOM dropped, CRLF read as LF), or a
+    FleetConfigError at the line of its first undecodable byte."""
+    try:
+        return decode(data, str(path), hint="a TOML file is UTF-8")
+    except TextError as error:
+        raise FleetConfigError(path, data[: error.offset].count(b"\n") + 1, "fleet", error.reason) from None
 
 
 class LineIndex:
@@ -60,7 +71,7 @@ class Section:
         self.data: Mapping[str, Any] = data
 
     def error(self, key: str | None, reason: str) -> FleetConfigError:
-        name = f"{self.label}.{key}" if key else self.label
+        name = f"{self.label}.{key_name(key)}" if key else self.label
         return FleetConfigError(self.path, self.lines.line(self.table, self.index, key), name, reason)
 
     def reject_unknown(self, known: tuple[str, ...]) -> None:
@@ -79,6 +90,12 @@ class Section:
             raise self.error(key, f"expected {_kind_name(kinds)}, got {show(value)}")
         if not isinstance(value, kinds):
             raise self.error(key, f"expected {_kind_name(kinds)}, got {show(value)}")
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):  # names, paths, hosts and commands: a NUL would reach the OS
+                try:
+                    check_text(text, key, allow_nul=False)
+                except TextError as error:
+                    raise self.error(key, error.reason) from None
         return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False) -> str:
@@ -100,9 +117,12 @@ def _kind_name(kinds: tuple[type, ...]) -> str:
     return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
 
 
+def key_name(key: str) -> str:
+    """A key or name as written, or quoted with escapes when it holds a newline, a NUL or another control."""
+    return key if key.isprintable() else json.dumps(key, ensure_ascii=False)
+
+
 def show(value: Any) -> str:
-    return (
-        f'"{value}"'
-        if isinstance(value, str)
-        else repr(value).replace("True", "true").replace("False", "false")
-    )
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # quoted, a newline or NUL escaped: one line
+    return repr(value).replace("True", "true").replace("False", "false")

@@ -63,6 +63,8 @@ class SessionPool:
         self.closed = 0
         self.reused_tokens = 0
         self._orphans: set[asyncio.Future[None]] = set()  # closes of sessions whose opener was cancelled
+        self._moving = 0  # sessions being opened or closed: they hold a place on the stages meanwhile
+        self._settled = asyncio.Event()  # set (and replaced) whenever an open or a close ends
 
     @property
     def idle(self) -> int:
@@ -90,10 +92,12 @@ class SessionPool:
             # A prompt never reuses its own last token: the coordinator always feeds at least one token.
             reused = min(reused, len(prompt) - 1)
         else:
-            while self._idle and self.max_open is not None and self.idle + self.lent >= self.max_open:
-                _, oldest = self._idle.popitem(last=False)
-                await self._close_one(oldest)
-            session = await self._open_shielded(seed)
+            await self._make_room()
+            self._moving += 1
+            try:
+                session = await self._open_shielded(seed)
+            finally:
+                self._moved()
             self.opened += 1
             reused = 0
         # Same seed, same samples, whichever session the request lands on.
@@ -101,6 +105,23 @@ class SessionPool:
         self._lent[session.id] = session
         self.reused_tokens += reused
         return Lease(session, reused)
+
+    async def _make_room(self) -> None:
+        """Wait until a fresh session fits under `max_open`, closing idle ones first: a session still closing
+        (a cancelled request's) or opening counts, or the stages would see one more than they hold."""
+        while self.max_open is not None and self.idle + self.lent + self._moving >= self.max_open:
+            if self._idle:
+                _, oldest = self._idle.popitem(last=False)
+                await self._close_one(oldest)
+            elif self._moving:
+                await self._settled.wait()
+            else:
+                return  # every place is lent: admission lets no more in, so this is not reached
+
+    def _moved(self) -> None:
+        self._moving -= 1
+        self._settled.set()
+        self._settled = asyncio.Event()
 
     async def _open_shielded(self, seed: int) -> Session:
         """Open a session; if the caller is cancelled meanwhile, the session is closed once it is open."""
@@ -131,7 +152,11 @@ class SessionPool:
 
     async def _close_one(self, session: Session) -> None:
         self.closed += 1
-        await self._close(session)
+        self._moving += 1
+        try:
+            await self._close(session)
+        finally:
+            self._moved()
 
     async def close_all(self) -> None:
         """Close every idle session (lent ones are closed by their requests)."""

@@ -41,6 +41,7 @@ from fleettui.serve.responses import (
 )
 from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
 from fleettui.serve.security import KeyChecker
+from fleettui.text_input import TextError, decode
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 2**20
@@ -70,7 +71,10 @@ class Outcome:
 def error_response(
     message: str, status: int, param: str | None = None, code: str | None = None, **headers: str
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers or None)
+    shown = message.encode(
+        "utf-8", "backslashreplace"
+    ).decode()  # a refused lone surrogate is quoted, not sent
+    return JSONResponse(error_body(shown, status, param, code), status_code=status, headers=headers or None)
 
 
 class FleetServer:
@@ -100,6 +104,7 @@ class FleetServer:
             Route("/v1/models/{model:path}", self._guard("models", self.model_detail), methods=["GET"]),
             Route("/metrics", self._guard("metrics", self.metrics_text), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
         handlers: dict[Any, Any] = {HTTPException: self._http_error, Exception: self._server_error}
         self.app = Starlette(routes=routes, exception_handlers=handlers)
@@ -139,7 +144,7 @@ class FleetServer:
 
     async def _http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        return error_response(str(error.detail), error.status_code)
+        return error_response(str(error.detail), error.status_code, **(error.headers or {}))  # 405's Allow
 
     async def _server_error(self, request: Request, error: Exception) -> Response:
         log.exception("request %s failed", request.url.path, exc_info=error)
@@ -157,10 +162,13 @@ class FleetServer:
             if size > MAX_BODY_BYTES:
                 raise too_large
             chunks.append(chunk)
-        raw = b"".join(chunks)
+        try:  # the one text rule: strict UTF-8 (JSON's encoding), naming the first bad byte's offset
+            text = decode(b"".join(chunks), "the request body", hint="JSON is UTF-8")
+        except TextError as error:
+            raise RequestError(str(error), None) from None
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
+            return json.loads(text)
+        except ValueError as error:
             raise RequestError(f"malformed JSON in the request body: {error}", None) from None
 
     def _update_gauges(self) -> None:
@@ -180,6 +188,11 @@ class FleetServer:
             "queued": self.admission.queued,
         }
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def openapi(self, request: Request) -> Response:
+        from fleettui.serve.openapi import openapi_document
+
+        return JSONResponse(openapi_document(self.model, self.keys.required))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(self.model)]})

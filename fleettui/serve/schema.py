@@ -8,6 +8,7 @@ from typing import Any
 
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.coordinator import GenerationParams
+from fleettui.text_input import TextError, check_text
 
 ROLES = ("system", "user", "assistant", "developer")
 MAX_STOP_SEQUENCES = 4
@@ -76,6 +77,14 @@ class CompletionRequest:
     n: int = 1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
 
 
+def _text(value: str, param: str) -> str:
+    """A string of the body by the one text rule: a lone surrogate (a "\\ud800" escape) is refused."""
+    try:
+        return check_text(value, param, escapes=False)
+    except TextError as error:
+        raise RequestError(str(error), param) from None
+
+
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
@@ -107,7 +116,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     if len(items) > MAX_STOP_SEQUENCES:
         raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
-    return tuple(items)
+    return tuple(_text(item, "stop") for item in items)
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -163,7 +172,7 @@ def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: 
 def _content(value: Any, index: int) -> str:
     """A message's text: a string, or a list of text parts."""
     if isinstance(value, str):
-        return value
+        return _text(value, f"messages[{index}].content")
     if isinstance(value, list):
         texts = []
         for part in value:
@@ -173,7 +182,7 @@ def _content(value: Any, index: int) -> str:
                 or not isinstance(part.get("text"), str)
             ):
                 raise RequestError("only text content parts are supported", f"messages[{index}].content")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"messages[{index}].content"))
         return "".join(texts)
     raise RequestError("'content' must be a string or a list of text parts", f"messages[{index}].content")
 
@@ -206,11 +215,15 @@ def _prompt(body: dict[str, Any]) -> str:
         raise RequestError("'prompt' is required and must be a string", "prompt")
     if not value:
         raise RequestError("'prompt' must not be empty", "prompt")
-    if body.get("suffix"):
+    _text(value, "prompt")
+    if body.get("suffix") is not None and body["suffix"] != "":
         raise RequestError("'suffix' is not supported", "suffix")
-    if body.get("echo"):
+    if body.get("echo") is not None and body["echo"] is not False:
         raise RequestError("'echo' is not supported", "echo")
     return value
+
+
+CHOICE_OF = {"tools": "tool_choice", "functions": "function_call"}  # the field that says whether to call one
 
 
 def _unconstrained(body: dict[str, Any]) -> None:
@@ -224,7 +237,9 @@ def _unconstrained(body: dict[str, Any]) -> None:
                 "response_format",
             )
     for name in ("tools", "functions"):
-        if body.get(name) and body.get("tool_choice", body.get("function_call")) != "none":
+        if body.get(name) is not None and not isinstance(body[name], list):
+            raise RequestError(f"'{name}' must be a list", name)
+        if body.get(name) and body.get(CHOICE_OF[name]) != "none":
             raise RequestError(
                 f"'{name}' is not supported: this fleet does not call tools (leave it out, or 'tool_choice': 'none')",
                 name,
@@ -244,13 +259,16 @@ def parse_request(
         raise RequestError(
             f"The model '{name}' does not exist; this fleet serves '{model}'", "model", code="model_not_found"
         )
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null is absent, as for every optional field
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise RequestError("'stream_options' must be an object and needs 'stream': true", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
     _unconstrained(body)
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)

@@ -11,6 +11,8 @@ from textual.message import Message
 from textual.widgets import ContentSwitcher, Input, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from fleettui.text_input import TextError, check_text
+
 
 class Reply(Vertical):
     """One assistant reply: Markdown streamed through `Markdown.get_stream()`, then its statistics line."""
@@ -138,5 +140,10 @@ class ChatPane(Vertical):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         text = event.value.strip()
+        try:
+            check_text(text, "chat input", escapes=False)
+        except TextError as error:  # a pasted lone surrogate: said once, the prompt stays for editing
+            self.app.notify(str(error), severity="error")
+            return
         if text:
             self.post_message(self.PromptSubmitted(self.active, text))
