@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import NoReturn
 
 from fleettui.commands import COMMANDS
 from fleettui.errors import FleetError, Interrupted
@@ -28,15 +29,23 @@ def command_module(name: str) -> ModuleType:
     return importlib.import_module(f"fleettui.commands.{name}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose error line stays one line: arguments echoed in it show control characters escaped."""
+
+    def error(self, message: str) -> NoReturn:
+        shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+        super().error(shown.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fleettui",
         description="Run a large language model on a fleet of ordinary PCs: deploy, monitor and chat.",
         epilog="`fleettui FLEET` opens the TUI; the old forms `FLEET --ask Q | --plan | --bench | --deploy | "
         "--stop` still work.",
     )
     parser.add_argument("--version", action="version", version=f"fleettui {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         module = command_module(name)
         sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
