@@ -420,9 +420,7 @@ class StageEngine:
                 for row, member in zip(source.rows, source.members, strict=True):
                     if member in moving:
                         state = self.sessions[member]
-                        kv[member] = gather_rows(
-                            states, np.full(len(states), row), state.slots[: state.cache_len]
-                        )
+                        kv[member] = gather_rows(states, int(row), state.slots[: state.cache_len])
             for members in groups:
                 stacked, starts = stack_rows([kv[m] for m in members])
                 group = self._group()

@@ -142,9 +142,9 @@ def item_output(output: np.ndarray, row: int, item: Item) -> np.ndarray:
     return rows[len(rows) - item.keep :]
 
 
-def gather_rows(states: list[np.ndarray], rows: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
+def gather_rows(states: list[np.ndarray], row: int, slots: np.ndarray) -> list[np.ndarray]:
     """One session's KV out of its group's states: [kv_heads, used, head_dim] per state, local order."""
-    return [np.ascontiguousarray(state[row][:, slots, :]) for state, row in zip(states, rows, strict=True)]
+    return [np.ascontiguousarray(state[row][:, slots, :]) for state in states]
 
 
 def stack_rows(per_session: list[list[np.ndarray]]) -> tuple[list[np.ndarray], list[int]]:
