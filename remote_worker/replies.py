@@ -94,6 +94,7 @@ class TelemetrySample:
     temp_c: float | None = None
     pid: int | None = None
     hop_ms: float | None = None  # added by the coordinator from the per-stage traces
+    batch_rows: float = 0.0  # sessions' steps per inference over the interval (1 = no batching)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @staticmethod

@@ -52,6 +52,7 @@ class StageStats:
     stage: int
     role: str
     steps: int = 0
+    inferences: int = 0  # OpenVINO inferences (a batched one serves several sessions' steps)
     tokens: int = 0
     errors: int = 0  # messages whose serving failed (each answered with an Error down the chain)
     dropped: int = 0  # unparseable or unexpected frames (no header to answer to)
@@ -67,17 +68,18 @@ class StageStats:
     handled: Counter[str] = field(default_factory=Counter)  # message kinds served
     batches: Counter[int] = field(default_factory=Counter)  # inferences by the number of sessions in them
     started: float = field(default_factory=time.time)
-    _mark: tuple[float, int, int, float] = (0.0, 0, 0, 0.0)
+    _mark: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)
     _next_sample: float = 0.0
 
     def __post_init__(self) -> None:
         now = time.monotonic()
-        self._mark = (now, 0, 0, 0.0)
+        self._mark = (now, 0, 0, 0.0, 0)
         self._next_sample = now + INTERVAL
 
     def record_step(self, tokens: int, seconds: float, sessions: int = 1) -> None:
         """One inference of `tokens` token rows serving `sessions` sessions' steps."""
         self.steps += sessions
+        self.inferences += 1
         self.tokens += tokens
         self.last_step_ms = seconds * 1e3
         self.batches[sessions] += 1
@@ -91,9 +93,9 @@ class StageStats:
     def sample(self, state: str, queue: int, sessions: int, cache_slots: int) -> dict[str, Any]:
         """The telemetry dict for the interval since the previous sample (and start the next interval)."""
         now = time.monotonic()
-        then, steps, tokens, busy = self._mark
+        then, steps, tokens, busy, inferences = self._mark
         elapsed = max(now - then, 1e-6)
-        self._mark = (now, self.steps, self.tokens, self.busy_seconds)
+        self._mark = (now, self.steps, self.tokens, self.busy_seconds, self.inferences)
         self._next_sample = now + INTERVAL
         return {
             "name": self.name,
@@ -104,6 +106,7 @@ class StageStats:
             "steps_per_s": (self.steps - steps) / elapsed,
             "tokens_per_s": (self.tokens - tokens) / elapsed,
             "busy": min(1.0, (self.busy_seconds - busy) / elapsed),
+            "batch_rows": (self.steps - steps) / max(self.inferences - inferences, 1),
             "queue": queue,
             "last_step_ms": round(self.last_step_ms, 3),
             "rss_mb": round(rss_megabytes(), 1),

@@ -44,12 +44,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (--dist loadgroup), tests that share a machine-wide resource run on one worker:
     the real-sshd hosts (network namespaces, installed once) and the bench (fixed ports of fleets/local.toml,
-    pinned cores, and a test that counts every mono process on the machine)."""
+    pinned cores, and a test that counts every mono process on the machine); the Gemma tests share one tokenizer."""
     for item in items:
         if item.get_closest_marker("ssh") or "ssh_hosts" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ssh"))
         elif item.path.name == "test_bench.py":
             item.add_marker(pytest.mark.xdist_group("bench"))
+        elif item.path.name.startswith("test_gemma_"):  # one worker loads the 262k-token GGUF tokenizer once
+            item.add_marker(pytest.mark.xdist_group("gemma"))
 
 
 def _terminated(signum: int, frame: object) -> None:

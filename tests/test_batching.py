@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from remote_worker.engine import StageEngine, StepRequest
 
@@ -66,6 +67,7 @@ def _greedy(batch: int, steps: int = 16) -> tuple[dict[int, list[int]], int]:
     return tokens, widest
 
 
+@pytest.mark.slow
 def test_batched_sessions_answer_as_each_alone_with_joins_rollbacks_and_compaction() -> None:
     alone, widest_alone = _greedy(batch=1)
     together, widest = _greedy(batch=4)

@@ -325,6 +325,7 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
     assert "tok/s" in done.stdout  # the table
 
 
+@pytest.mark.slow
 def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_path: Path) -> None:
     """`bench --startup`: every start reaches READY warmed up; the restart (and only it) loads its compiled
     model; the whole fleet then starts and answers twice."""
@@ -345,6 +346,7 @@ def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_p
     assert set(Path(tempfile.gettempdir()).glob("fleettui-startup-*")) == before
 
 
+@pytest.mark.slow
 def test_prefill_bench_measures_both_arms_alone_and_beside_a_user_and_they_answer_alike() -> None:
     """`bench --prefill`: the serial and the pipelined prefill in alternated rounds; under f32 both arms give
     the same first tokens, and the generating user's tokens are counted during the prefill."""
@@ -378,6 +380,16 @@ def test_only_keeps_one_group_and_its_partners() -> None:
     names = {r.name for r in spec}
     assert all(r.versus in names for r in spec if r.group == "spec" and r.versus)  # pairs run together
     assert plan_rows(fleet, quick=True, only="scale") == []
+    batch = plan_rows(fleet, quick=False, only="batch")
+    assert {(r.stages, r.users) for r in batch} == {(s, u) for s in (1, 2, 3) for u in (1, 2, 4, 8)}
+    assert all(r.pinned and r.spec_k == 0 for r in batch)
+    on = [r for r in batch if r.batching == "on"]
+    assert len(on) == len(batch) // 2 and all(
+        r.versus == dataclasses.replace(r, batching="off").name for r in on
+    )
+    assert [(r.stages, r.users) for r in plan_rows(fleet, quick=True, only="batch")][::2] == [
+        (1, 1), (1, 4), (2, 1), (2, 4)
+    ]  # fmt: skip
 
 
 def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:

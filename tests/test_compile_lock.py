@@ -11,6 +11,7 @@ import pytest
 from shard_compiler import compiler
 
 
+@pytest.mark.slow
 def test_a_second_compile_of_the_same_shards_waits_and_finds_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

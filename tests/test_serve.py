@@ -103,21 +103,25 @@ class Served:
         assert ready.wait(30), "the HTTP server did not start"
         return entry[0], urls[0]
 
-    def stage_sessions(self) -> dict[str, int]:
-        """Open sessions per stage, as each worker reports them on its control socket."""
+    def stage_stats(self) -> dict[str, dict[str, Any]]:
+        """Each stage worker's answer to the `stats` control request."""
         deployment = self.controller.deployment
 
-        async def ask() -> dict[str, int]:
-            counts = {}
+        async def ask() -> dict[str, dict[str, Any]]:
+            replies = {}
             for placement in deployment.stages:
                 reply = await control_request(
                     placement.control_url, {"op": "stats"}, deployment.keys, placement.server_key, timeout=5
                 )
                 assert reply is not None
-                counts[placement.config.name] = len(reply["sessions"])
-            return counts
+                replies[placement.config.name] = reply
+            return replies
 
         return self.run(ask())
+
+    def stage_sessions(self) -> dict[str, int]:
+        """Open sessions per stage, as each worker reports them on its control socket."""
+        return {name: len(reply["sessions"]) for name, reply in self.stage_stats().items()}
 
     def direct(self, messages: list[ChatMessage], max_tokens: int) -> str:
         """The same prompt through the coordinator in a fresh session (what `fleettui ask` does)."""
@@ -402,6 +406,9 @@ def test_eight_concurrent_streams_equal_sequential_answers(
     pooled = metric(url, "fleettui_serve_pooled_sessions", headers)
     assert 0 < pooled <= 8
     assert set(served.stage_sessions().values()) == {int(pooled)}
+    # and each stage served several of the streams' steps in one inference
+    for name, stats in served.stage_stats().items():
+        assert max(int(size) for size in stats["batches"]) >= 2, (name, stats["batches"])
 
 
 def test_multi_turn_reuses_the_prefix(client: openai.OpenAI, served: Served) -> None:
@@ -658,6 +665,7 @@ def test_health_and_metrics_parse(main_server: tuple[FleetServer, str]) -> None:
         "fleettui_stage_resident_memory_bytes",
         "fleettui_stage_temperature_celsius",
         "fleettui_stage_throttled",
+        "fleettui_stage_batch_rows",
     ):
         assert name in families, name
     ok = [s for s in families["fleettui_serve_requests"].samples if s.labels.get("status") == "200"]

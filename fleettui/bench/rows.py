@@ -7,15 +7,17 @@ own spread over the rounds is reported, instead of dividing two bests taken minu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleettui.bench.results import Row
 from fleettui.config.fleet import Fleet
 
 K_SWEEP = (2, 4, 8)
-GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale")
+GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale", "batch")
 SCALE_MODEL = "synthetic:llama-3.2-1b"  # the scale group: a 1B shape where compute, not overhead, dominates
 SCALE_USERS = (1, 2, 4)
+BATCH_USERS = (1, 2, 4, 8)
+BATCH_STAGES = (1, 2, 3)
 # Rounds of a LAN fleet group whose rows are paired with one another (speculation against none): more than
 # the other groups' 3, since a single pair is noisy next to a 0.98x bar (docs/performance.md#method).
 PAIRED_REPEATS = 5
@@ -35,6 +37,7 @@ class RowSpec:
     draft: str = ""  # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
     copies: int = 1  # pinned mono only: n copies at once, one per core (what n PCs could do at best here)
+    batching: str = ""  # "" = the workers' default (on); "on" / "off": switched so for this row
     group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
     versus: str = field(default="", compare=False)  # the row it is paired with (measured in the same rounds)
 
@@ -51,7 +54,8 @@ class RowSpec:
             )
         spec = "nospec" if self.spec_k == 0 else f"spec {self.spec_k}" + (" lookup" if self.draft else "")
         delay = f" @{self.hop_delay_ms:g}ms" if self.hop_delay_ms else ""
-        return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}{suffix}"
+        batching = f" batch {self.batching}" if self.batching else ""
+        return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}{batching}{suffix}"
 
     @property
     def fleet_key(self) -> tuple[str, int, bool, float]:
@@ -151,6 +155,19 @@ def scale_rows(stages: int = 2) -> list[RowSpec]:
     )
 
 
+def batch_rows(quick: bool) -> list[RowSpec]:
+    """Emulated PCs (one core each) with 1..8 users, batched inference on and off side by side; the batched
+    row of each size is paired with the unbatched one, and the last user of a multi-user row joins late."""
+    users = (1, 4) if quick else BATCH_USERS
+    stages = (1, 2) if quick else BATCH_STAGES
+    rows: list[RowSpec] = []
+    for count in stages:
+        for users_now in users:
+            off = RowSpec("fleet", count, users_now, 0, pinned=True, batching="off", group="batch")
+            rows += [off, replace(off, batching="on", versus=off.name)]
+    return rows
+
+
 def plan_rows(
     fleet: Fleet,
     quick: bool,
@@ -175,6 +192,8 @@ def plan_rows(
     rows = anchors + _fleet_rows(fleet, quick, k, speculate, users)
     if not quick:
         rows += scale_rows(max(2, min(len(fleet.hosts), 2)))
+    if only == "batch" or not quick:
+        rows += batch_rows(quick)
     if only is None:
         return rows
     chosen = {row.name for row in rows if row.group == only}

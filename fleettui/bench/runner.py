@@ -55,6 +55,7 @@ ROW_TIMEOUT = 900.0
 FULL_REPEATS = 3  # full profile: 3 interleaved rounds per group, the fastest kept (all rates in the JSON)
 BUSY_MACHINE = 0.15  # share of the CPUs busy outside the bench above which a baseline is measured again
 SYNTHETIC_PROMPT = 40  # prompt length (random ids) for a synthetic model, which has no tokenizer
+JOIN_AFTER = 8  # a batch row's last user starts once the first has this many tokens (its TTFT: join_ttft_s)
 __all__ = ["GROUPS", "RowSpec", "plan_rows", "run_bench"]
 
 
@@ -168,6 +169,20 @@ async def _measure(
     )
     sessions = [await coordinator.open_session() for _ in range(spec.users)]
     recorder.trips.clear()
+    joins = bool(spec.batching) and spec.users > 1
+    first_tokens = asyncio.Event()
+    seen = [0]
+
+    def count(ids: list[int], _text: str) -> None:
+        seen[0] += len(ids)
+        if seen[0] >= JOIN_AFTER:
+            first_tokens.set()
+
+    async def answer(index: int, session: Any, prompt: list[int]) -> Any:
+        if joins and index == spec.users - 1:
+            await first_tokens.wait()
+        return await coordinator.generate(session, prompt, params, count if joins and index == 0 else None)
+
     try:
         witness = CpuWitness()
         own = _own_cpu_seconds()
@@ -175,9 +190,9 @@ async def _measure(
         async with asyncio.timeout(ROW_TIMEOUT):  # awaited here, so a cancelled gather is never left unread
             generations = await asyncio.gather(
                 *(
-                    coordinator.generate(session, prompt, params)
-                    for session, prompt in zip(
-                        sessions, round_prompts(prompts, spec.users, round_index), strict=True
+                    answer(index, session, prompt)
+                    for index, (session, prompt) in enumerate(
+                        zip(sessions, round_prompts(prompts, spec.users, round_index), strict=True)
                     )
                 )
             )
@@ -195,7 +210,7 @@ async def _measure(
         "seconds": wall,
         "aggregate_tok_s": total / wall if wall > 0 else 0.0,
         "per_user_tok_s": sum(s.tokens_per_second for s in stats) / len(stats),
-        "ttft_s": sum(s.ttft for s in stats) / len(stats),
+        "ttft_s": sum(s.ttft for s in stats[: len(stats) - joins]) / (len(stats) - joins),
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_k": sum(k_values) / len(k_values) if k_values else 0.0,
         "stage_breakdown": stage_breakdown(recorder.trips, total),
@@ -214,6 +229,7 @@ async def _measure(
             "users_tok_s": [round(s.tokens_per_second, 2) for s in stats],
             "users_drafted": [s.drafted for s in stats],
             "users_accepted": [s.accepted for s in stats],
+            **({"join_ttft_s": round(stats[-1].ttft, 4), "batching": spec.batching} if joins else {}),
         },
     }
 
@@ -285,6 +301,9 @@ async def run_fleet_group(
     partner_runs: dict[str, list[Row]] = {p.name: [] for p in partners}
     rows = [new_row(s) for s in specs]
     variant = bench_fleet(model_fleet(fleet, first.model), first.stages, first.pinned)
+    rows_wanted = max(spec.users for spec in specs)
+    if rows_wanted > variant.sessions.max_sessions:  # the batch group's 8 users: as many KV rows
+        variant = replace(variant, sessions=replace(variant.sessions, max_sessions=rows_wanted))
     missing = sorted({h.device for h in variant.hosts} - {d.split(".")[0] for d in devices} - {"AUTO"})
     if missing:
         for row in rows:
@@ -352,6 +371,8 @@ async def run_fleet_group(
                     continue
                 drafter = coordinator.drafter
                 try:
+                    if spec.batching:
+                        await controller.set_batching(spec.batching == "on")
                     measured = await _measure(
                         coordinator, spec, prompts, tokens, recorder, policies, round_index
                     )

@@ -259,3 +259,16 @@ async def answers_ping(placement: Placement, deployment: Deployment) -> bool:
         placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=3.0
     )
     return reply is not None and reply.get("deployment") == deployment.id and reply.get("state") == "ready"
+
+
+async def set_batching(deployment: Deployment, on: bool) -> list[str]:
+    """Turn batched inference on or off on every worker; the names of those that did not confirm it."""
+
+    async def confirmed(placement: Placement) -> bool:
+        reply = await control_request(
+            placement.control_url, {"op": "batching", "on": on}, deployment.keys, placement.server_key, 3.0
+        )
+        return reply is not None and isinstance(reply.get("max_batch"), int)
+
+    outcomes = await asyncio.gather(*(confirmed(p) for p in deployment.placements))
+    return [p.config.name for p, ok in zip(deployment.placements, outcomes, strict=True) if not ok]

@@ -20,7 +20,7 @@ from fleettui.control import store
 from fleettui.control.api import SessionHandle
 from fleettui.control.calibration import calibrate_on_deploy
 from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
-from fleettui.control.connection import Connection, Lease, answers_ping, connect, handshake
+from fleettui.control.connection import Connection, Lease, answers_ping, connect, handshake, set_batching
 from fleettui.control.deployment import Deployment, Placement, build_deployment, rerouted
 from fleettui.control.launcher import (
     Launched,
@@ -502,6 +502,14 @@ class FleetController:
             return await self.chat(session, question, params, on_tokens, raw)
         finally:
             await self.close_session(session)
+
+    async def set_batching(self, on: bool) -> None:
+        """Run each stage's sessions as one inference (on) or one inference per session (off), e.g. for A/B."""
+        if self.deployment is None:
+            raise ControllerError("batching: no fleet is running")
+        silent = await set_batching(self.deployment, on)
+        if silent:
+            raise ControllerError(f"batching: {', '.join(silent)} did not confirm the switch")
 
     async def fetch_logs(self, lines: int = 20) -> dict[str, list[str]]:
         """The last lines of every worker's log: local files, and remote logs over SSH."""

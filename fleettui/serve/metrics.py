@@ -31,6 +31,7 @@ class StageCollector(Collector):
         ("fleettui_stage_resident_memory_bytes", "Resident memory of the stage worker", "rss_mb", 2.0**20),
         ("fleettui_stage_temperature_celsius", "CPU temperature of the stage's host", "temp_c", 1.0),
         ("fleettui_stage_sessions", "Sessions open on the stage", "sessions", 1.0),
+        ("fleettui_stage_batch_rows", "Session steps per inference (last interval)", "batch_rows", 1.0),
     )
 
     def __init__(self, samples: Callable[[], dict[str, dict[str, Any]]]) -> None:
