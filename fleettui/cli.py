@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from fleettui.commands import COMMANDS
-from fleettui.errors import FleetError, Interrupted
+from fleettui.errors import FleetError, Interrupted, one_line
 
 LEGACY = {"--ask": "ask", "--plan": "plan", "--bench": "bench", "--deploy": "deploy", "--stop": "stop"}
 
@@ -33,8 +33,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose error line stays one line: arguments echoed in it show control characters escaped."""
 
     def error(self, message: str) -> NoReturn:
-        shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
-        super().error(shown.encode("utf-8", "backslashreplace").decode("utf-8"))
+        super().error(one_line(message))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return int(args.run(args))
     except FleetError as error:
-        print(f"fleettui: {error}", file=sys.stderr)
+        print(f"fleettui: {one_line(str(error))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `fleettui ... | head`: the reader left; end quietly
         devnull = os.open(os.devnull, os.O_WRONLY)

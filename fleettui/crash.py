@@ -7,6 +7,8 @@ import datetime
 import sys
 import traceback
 
+from fleettui.errors import one_line
+
 CRASH_LOG = "errors.log"
 EXIT_BUG = 1
 
@@ -32,7 +34,9 @@ def report_crash(error: BaseException, argv: list[str], debug: bool) -> int:
     line, and return the exit code of a bug (1)."""
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     stopped = stop_children()
-    summary = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+    summary = (
+        one_line(f"{type(error).__name__}: {error}".splitlines()[0]) if str(error) else type(error).__name__
+    )
     note = f"; stopped {len(stopped)} process(es) it had started" if stopped else ""
     if debug:
         print(details, end="", file=sys.stderr)

@@ -6,6 +6,13 @@ import signal
 from pathlib import Path
 
 
+def one_line(message: str) -> str:
+    """MESSAGE as one printable line: control characters (line breaks included) and unencodable surrogates
+    shown as escapes, so a file name or argument the user typed cannot break the line or the terminal."""
+    shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class FleetError(Exception):
     """Base of every error fleettui reports to the user as one line (no traceback)."""
 

@@ -107,11 +107,13 @@ def run_cli(argv: list[str]) -> tuple[int | str, str]:
 @pytest.fixture
 def no_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every way a command starts something long-lived raises WouldStart; files go to an empty folder."""
+    import fleettui.commands.bench
     import fleettui.control.running
     import fleettui.planning.plan_profile
     import fleettui.ui.app
 
     monkeypatch.setattr(fleettui.control.running, "run", would_start)
+    monkeypatch.setattr(fleettui.commands.bench, "run_loop", would_start)  # bound when the module loaded
     monkeypatch.setattr(fleettui.ui.app, "run_app", would_start)
     monkeypatch.setattr(fleettui.planning.plan_profile, "run_plan_profile", would_start)
     monkeypatch.chdir(tmp_path)
@@ -204,3 +206,19 @@ def test_a_fleet_file_with_random_bytes_loads_or_is_refused_at_its_line(
     path = tmp_path / "fleet.toml"
     path.write_bytes(bytes(data))
     check_load(path)
+
+
+@examples(CLI_EXAMPLES)
+@given(argv=st.lists(WORDS, max_size=7))
+def test_any_argument_list_is_accepted_or_refused_in_one_line(
+    no_starts: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str]
+) -> None:
+    """`fleettui ARGV` starts, answers (exit 0), or is refused with exit 2 and one line saying why."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # `cache rm` clears an empty folder
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    code, stderr = run_cli(argv)
+    recorded = {"status", "logs"} & set(argv[:1])  # no deployment recorded for the fleet: exit 3
+    assert code in (0, 2, "started", *((3,) if recorded else ())), (argv, code, stderr)
+    if code == 2:
+        reason = [line for line in stderr.splitlines() if not line.startswith(("usage:", " "))]
+        assert len(reason) == 1 and reason[0].startswith("fleettui"), (argv, stderr)
