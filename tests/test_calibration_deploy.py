@@ -77,6 +77,7 @@ async def test_the_first_deploy_measures_its_hosts_and_plans_from_their_costs(
     assert said == [] and plan_fleet(tiny_fleet(tmp_path)).costs is None
 
 
+@pytest.mark.slow
 async def test_an_unreachable_ssh_host_is_reported_and_the_byte_count_plans(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,6 +66,7 @@ def transformers_ids(
     return list(result["input_ids"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("generation", [True, False])
 @pytest.mark.parametrize(("name", "template", "messages", "options"), CASES, ids=[case[0] for case in CASES])
 def test_rendered_ids_equal_transformers(folder, name, template, messages, options, generation) -> None:

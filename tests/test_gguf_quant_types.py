@@ -35,6 +35,7 @@ def _with_a_q8_1_tensor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.undo()
 
 
+@pytest.mark.slow
 def test_an_unreadable_quant_type_is_one_line_naming_file_and_type(tmp_path: Path, monkeypatch) -> None:
     model = _with_a_q8_1_tensor(tmp_path / "odd.gguf", monkeypatch)
     cache = tmp_path / "cache"
@@ -58,6 +59,7 @@ def test_an_unreadable_quant_type_is_one_line_naming_file_and_type(tmp_path: Pat
     assert not [p for p in (cache / "shards").glob("*") if not p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_the_packaged_gemma_uses_only_readable_types() -> None:
     import gguf
     from gemma import gguf_path

@@ -56,6 +56,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["launch", "relaunch"])
 def test_a_controller_killed_mid_launch_leaves_no_worker_beyond_its_lease(
     shard_cache: Path, moment: str

@@ -251,6 +251,7 @@ def answered_from_the_cache(directory: Path) -> None:
     assert again == directory and [event.step for event in events] == ["cached"]
 
 
+@pytest.mark.slow
 def test_unchanged_request_is_a_verified_no_op(
     fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -315,6 +316,7 @@ def test_unchanged_request_is_a_verified_no_op(
     assert not [path for path in tmp_path.iterdir() if path.name != "copy"]  # no temporary dirs left behind
 
 
+@pytest.mark.slow
 def test_a_cached_request_does_not_parse_the_gguf(
     fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
