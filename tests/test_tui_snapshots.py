@@ -87,3 +87,9 @@ class TestQuitDialog:
             await pilot.press("ctrl+q")
 
         assert snap_compare(snapshot_app(), terminal_size=SIZE, run_before=ask_to_quit)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_the_main_screen_fits_small_and_large_terminals(snap_compare, size: tuple[int, int]) -> None:
+    """The smallest common terminal keeps the fleet table, the chat and its input; a large one uses the room."""
+    assert snap_compare(snapshot_app(), terminal_size=size, run_before=deployed_with_one_answer)
