@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-spec", action="store_true", help="no speculative decoding")
     parser.add_argument("--max-tokens", type=int, help="tokens per user")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="interleaved rounds per group (full: 3, more for close pairs; quick: 1)",
+    )
+    parser.add_argument(
         "--only",
         metavar="GROUP",
         help="one group (anchors, fleet, spec, delay, pcs, scale, batch) and the rows it is paired with",
@@ -176,6 +182,10 @@ def run_bench_cli(fleet: Fleet, args: argparse.Namespace) -> int:
     if not specs:
         raise FleetError(f"--only {only}: the {'quick' if args.quick else 'full'} profile has no such rows")
     repeats = 1 if args.quick else FULL_REPEATS
+    if args.rounds is not None:
+        if not 1 <= args.rounds <= 20:
+            raise FleetError(f"--rounds: {args.rounds} is out of range 1..20")
+        repeats = args.rounds
     progress = Progress(measurement_count(specs, repeats))
     started = time.perf_counter()
     try:
