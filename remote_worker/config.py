@@ -75,6 +75,7 @@ class StageConfig:
     compile_cache: bool = True  # keep the compiled model in the shard folder's compiled/ for restarts
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
     batching: bool = True  # steps of up to max_sessions sessions share one inference
+    stages: int = 1  # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
     max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused
     result_batch_ms: float = 0.0  # last stage: a run's Results leave together at most this often (0 = each)
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)

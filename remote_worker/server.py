@@ -62,6 +62,7 @@ HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 CONTROL_OPS = ("ping", "stats", "lease", "batching", "shutdown")
+ACTIVE_SECONDS = 1.0  # a session that stepped this recently counts as generating (pooled ones do not)
 
 
 class StageServer(StageCompute):
@@ -84,6 +85,7 @@ class StageServer(StageCompute):
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
         self._wanted_batch = engine.batch_max  # set by the control thread, applied by the compute thread
+        self._stepped: dict[int, float] = {}  # session -> when it last stepped (compute thread only)
         self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
         self._sockets: list[zmq.Socket[bytes]] = []
         self._monitors: dict[zmq.Socket[bytes], str] = {}
@@ -220,11 +222,15 @@ class StageServer(StageCompute):
         self, first: protocol.Message, run: RunStep | None
     ) -> list[tuple[float, protocol.Step, RunStep | None]]:
         """Other sessions' small steps waiting in the inbox, to serve in one inference with `first`."""
-        if not isinstance(first, protocol.Step) or self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
+        if not isinstance(first, protocol.Step):
+            return []
+        now = time.monotonic()
+        self._stepped[first.session] = now
+        if self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
             return []
         work: list[tuple[float, protocol.Step, RunStep | None]] = []
         taken = self.inbox.take_steps(
-            {first.session}, self.engine.batch_max - 1, lambda step: step.n <= BATCH_TOKENS
+            {first.session}, self._batch_size(now) - 1, lambda step: step.n <= BATCH_TOKENS
         )
         for received, item in taken:
             if isinstance(item, RunStep):
@@ -235,7 +241,18 @@ class StageServer(StageCompute):
                 work.append((received, step, current))
             else:
                 work.append((received, item, None))
+        for _, step, _ in work:
+            self._stepped[step.session] = now
         return work
+
+    def _batch_size(self, now: float) -> int:
+        """Rows per inference: the generating sessions shared out over the pipeline's stages, so that while
+        this stage serves one share the others serve theirs (one batch of all would leave them idle)."""
+        for session, when in list(self._stepped.items()):
+            if now - when > ACTIVE_SECONDS:
+                del self._stepped[session]
+        share = -(-len(self._stepped) // max(1, self.config.stages))
+        return max(1, min(int(self.engine.batch_max), share))
 
     # ----------------------------------------------------------------------------------------- I/O loop
     def _io_loop(self) -> None:

@@ -92,6 +92,7 @@ def users_series(rows: Sequence[Row]) -> list[Series]:
             or row.get("model")
             or row["spec_k"] not in (0, "auto")
             or "lookup" in row["name"]
+            or " batch " in row["name"]
         ):
             continue
         where = "emulated PCs" if row.get("pinned") else "stages share the CPUs"
@@ -179,12 +180,52 @@ def _nice(value: float) -> float:
     return step * 10
 
 
+def _batched(rows: Iterable[Row]) -> list[Row]:
+    return [row for row in _ok(rows) if " batch " in row["name"]]
+
+
+def batch_series(rows: Sequence[Row]) -> list[Series]:
+    """tok/s against users of the batch group, one line per stage count with batching on and off."""
+    found: dict[str, list[tuple[float, float]]] = {}
+    for row in _batched(rows):
+        mode = "batched" if row["name"].endswith("batch on") else "one inference per session"
+        label = f"{row['stages']} emulated PC{'s' if row['stages'] > 1 else ''}, {mode}"
+        found.setdefault(label, []).append((row["users"], row["aggregate_tok_s"]))
+    return [(label, sorted(points)) for label, points in sorted(found.items()) if len(points) > 1]
+
+
+def batch_table(doc: dict[str, Any]) -> str:
+    """Batched vs not per PCs and users: tok/s, the ratio, and a late-joining user's time to first token."""
+    cells: dict[tuple[int, int], dict[str, Row]] = {}
+    for row in _batched(doc["rows"]):
+        cells.setdefault((row["stages"], row["users"]), {})[row["name"].rsplit(" ", 1)[1]] = row
+    if not cells:
+        return ""
+    lines = [
+        "| PCs | users | tok/s unbatched | tok/s batched | batched / unbatched | joiner's TTFT unbatched | batched |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (stages, users), pair in sorted(cells.items()):
+        off, on = pair.get("off", {}), pair.get("on", {})
+        rate_off, rate_on = off.get("aggregate_tok_s"), on.get("aggregate_tok_s")
+        ratio = rate_on / rate_off if rate_on and rate_off else None
+        join = [row.get("details", {}).get("join_ttft_s") for row in (off, on)]
+        lines.append(
+            f"| {stages} | {users} | {_cell(rate_off)} | {_cell(rate_on)} | {_cell(ratio, 2, 1, 'x')} | "
+            f"{_cell(join[0], 0, 1000.0, ' ms')} | {_cell(join[1], 0, 1000.0, ' ms')} |"
+        )
+    return "\n".join(lines)
+
+
 def plots(rows: Sequence[Row]) -> dict[str, str]:
-    """The SVG text of each plot, by the suffix of its file name."""
-    return {
+    """The SVG text of each plot, by the suffix of its file name (a plot with no rows is left out)."""
+    found = {
         "users": svg_plot("tok/s against users, LAN (no added hop delay)", "users", users_series(rows)),
         "delay": svg_plot("tok/s against the delay added to each hop", "ms per hop", delay_series(rows)),
     }
+    if _batched(rows):
+        found["batch"] = svg_plot("tok/s against users, batched vs not", "users", batch_series(rows))
+    return found
 
 
 def main(argv: Sequence[str]) -> int:
@@ -197,6 +238,9 @@ def main(argv: Sequence[str]) -> int:
     for suffix, svg in plots(doc["rows"]).items():
         stem.with_name(f"{stem.name}-{suffix}.svg").write_text(svg, encoding="utf-8")
     print(table(doc))
+    batched = batch_table(doc)
+    if batched:
+        print("\n" + batched)
     return 0
 
 

@@ -197,6 +197,7 @@ def build_deployment(
             cpu_cores=host.cores,
             deployment=deployment_id,
             max_sessions=fleet.sessions.max_sessions,
+            stages=count,
             extra={"layers": list(ranges[index])} if index < len(ranges) else {},
         )
         placements.append(Placement(host, config, LOCALHOST if host.is_local else host.address))
