@@ -148,6 +148,7 @@ class StageEngine:
         self._effective: dict[str, str] | None = None
         # sessions batched per inference at most (1 = each alone); rows leave a batch through beam_idx
         self.batch_max = max_batch if self.has_beam_idx else 1
+        self.regroups = 0  # KV rows copied into new groups (each costs a state read and write per layer)
         self.warm_up_seconds = 0.0  # set by `warm_up`
         logger.info(
             "stage %d layers %s compiled on %s in %.1f s%s: %s",
@@ -236,6 +237,11 @@ class StageEngine:
     def batch_rows(self, session: int) -> int:
         """How many sessions share this session's batch (1 = it runs alone)."""
         return len(self._session(session, allow_broken=True).group.members)
+
+    def batch_mates(self, session: int) -> set[int]:
+        """The other sessions whose KV rows share this session's group (empty when it runs alone)."""
+        state = self.sessions.get(session)
+        return set() if state is None else set(state.group.members) - {session}
 
     def _session(self, session: int, allow_broken: bool = False) -> Session:
         state = self.sessions.get(session)
@@ -411,6 +417,7 @@ class StageEngine:
         groups = [members for members in groups if members]
         if not groups:
             return
+        self.regroups += 1
         moving = {member for members in groups for member in members}
         sources = {id(self.sessions[m].group): self.sessions[m].group for m in moving}
         kv: dict[int, list[np.ndarray]] = {}

@@ -229,9 +229,12 @@ class StageServer(StageCompute):
         if self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
             return []
         work: list[tuple[float, protocol.Step, RunStep | None]] = []
-        taken = self.inbox.take_steps(
-            {first.session}, self._batch_size(now) - 1, lambda step: step.n <= BATCH_TOKENS
-        )
+        mates = self.engine.batch_mates(first.session)  # a formed group runs whole: no KV rows copied
+
+        def fits(step: protocol.Step) -> bool:
+            return step.n <= BATCH_TOKENS and (not mates or step.session in mates)
+
+        taken = self.inbox.take_steps({first.session}, self._batch_size(now) - 1, fits)
         for received, item in taken:
             if isinstance(item, RunStep):
                 step = item.step
@@ -541,6 +544,7 @@ class StageServer(StageCompute):
             "sessions": sessions,
             "cache_slots": self.engine.cache_slots(),
             "kv_bytes": self.engine.session_bytes(),
+            "regroups": self.engine.regroups,
             "refused_clients": self.security.refused,
             "rss_mb": round(rss_megabytes(), 1),
         }
