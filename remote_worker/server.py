@@ -254,7 +254,10 @@ class StageServer(StageCompute):
         for session, when in list(self._stepped.items()):
             if now - when > ACTIVE_SECONDS:
                 del self._stepped[session]
-        share = -(-len(self._stepped) // max(1, self.config.stages))
+        active, stages = len(self._stepped), max(1, self.config.stages)
+        # shares of 2 on a pipeline lose to pipelining alone: their groups split and re-form as the steps'
+        # arrival order drifts (docs/performance.md#batching-one-inference-for-several-sessions)
+        share = active if stages == 1 else (active // stages if active > 2 * stages else 1)
         return max(1, min(int(self.engine.batch_max), share))
 
     # ----------------------------------------------------------------------------------------- I/O loop
