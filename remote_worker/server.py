@@ -62,7 +62,9 @@ HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 CONTROL_OPS = ("ping", "stats", "lease", "batching", "shutdown")
-ACTIVE_INFERENCES = 2  # a session counts as generating while it stepped within this many rounds of all open sessions
+ACTIVE_INFERENCES = (
+    2  # a session counts as generating while it stepped within this many rounds of all open sessions
+)
 
 
 class StageServer(StageCompute):
@@ -85,7 +87,9 @@ class StageServer(StageCompute):
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
         self._wanted_batch = engine.batch_max  # set by the control thread, applied by the compute thread
-        self._stepped: dict[int, int] = {}  # session -> the inference it last stepped in (compute thread only)
+        self._stepped: dict[
+            int, int
+        ] = {}  # session -> the inference it last stepped in (compute thread only)
         self._inferences = 0  # inferences this worker served (compute thread only)
         self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
         self._sockets: list[zmq.Socket[bytes]] = []
