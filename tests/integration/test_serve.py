@@ -406,9 +406,6 @@ def test_eight_concurrent_streams_equal_sequential_answers(
     pooled = metric(url, "fleettui_serve_pooled_sessions", headers)
     assert 0 < pooled <= 8
     assert set(served.stage_sessions().values()) == {int(pooled)}
-    # and each stage served several of the streams' steps in one inference
-    for name, stats in served.stage_stats().items():
-        assert max(int(size) for size in stats["batches"]) >= 2, (name, stats["batches"])
 
 
 def test_multi_turn_reuses_the_prefix(client: openai.OpenAI, served: Served) -> None:

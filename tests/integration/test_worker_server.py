@@ -390,6 +390,46 @@ def test_draft_proposes_greedy_and_sampled_tokens(tmp_path: Path) -> None:
         worker.stop()
 
 
+@pytest.mark.slow
+def test_steps_that_arrive_together_share_one_inference_and_answer_as_alone(tmp_path: Path) -> None:
+    """Three sessions' decode steps sent in one Batch are served as one inference (the worker's stats count
+    it), and each session's greedy tokens equal those of a fourth session stepped alone."""
+    worker = Worker(stage_config("stage-0", shard_dir(1), 0), tmp_path)
+    client = Client(worker, worker)
+    prompt = np.array(
+        [1, 9690, 198, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    )
+    try:
+        client.wait_ready(worker)
+        tokens: dict[int, list[int]] = {}
+        for session in (1, 2, 3, 4):
+            client.send(Control(Kind.OPEN, session, 0))
+            assert isinstance(client.receive(), Ack)
+            client.send(Step(session, 1, 0, 0, NO_RANGES, tokens=prompt))
+            tokens[session] = [int(client.receive().tokens[0])]  # type: ignore[union-attr]
+        for seq in range(2, 8):
+            position = len(prompt) + seq - 2
+            steps = [
+                Step(s, seq, position, position, NO_RANGES, tokens=np.array([tokens[s][-1]], np.int64))
+                for s in (1, 2, 3)
+            ]
+            client.send_raw([bytes(f) for f in protocol.batch_frames([protocol.encode(s) for s in steps])])
+            for _ in steps:
+                reply = client.receive()
+                assert isinstance(reply, Result), reply
+                tokens[reply.session].append(int(reply.tokens[0]))
+            client.send(
+                Step(4, seq, position, position, NO_RANGES, tokens=np.array([tokens[4][-1]], np.int64))
+            )
+            tokens[4].append(int(client.receive().tokens[0]))  # type: ignore[union-attr]
+        stats = client.control(worker, {"op": "stats"})
+        assert stats is not None and max(int(size) for size in stats["batches"]) >= 2, stats["batches"]
+        assert tokens[1] == tokens[2] == tokens[3] == tokens[4]  # one prompt: every session answers alike
+    finally:
+        client.close()
+        worker.stop()
+
+
 def _run_worker(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "stage.json"
     path.write_text(text)
