@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
+from fleettui.runtime.constraint import ConstraintError, ReplyGrammar
 from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
     NO_UNIFORMS,
     Generation,
@@ -281,6 +282,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         session.history = list(prompt)
         session.logprobs = []
         generated: list[int] = []
+        session.grammar = grammar = self._reply_grammar(params)
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
         await self._guarded(session, functools.partial(self._prefill, session))
         while len(generated) < params.max_tokens:
@@ -311,6 +313,13 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                     emitted = emitted[: index + 1]
                     finished = "eos"
                     break
+            scored = emitted
+            if grammar is not None:
+                emitted = grammar.advance(emitted)  # (cut right after a trigger it completes)
+                if finished and emitted[-1] not in eos:
+                    finished = ""
+                if grammar.stopped and not finished:
+                    finished = "stop"
             if not generated:
                 stats.ttft = time.perf_counter() - started
             generated.extend(emitted)
@@ -319,7 +328,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             if params.logprobs is not None:
-                session.logprobs += token_logprobs(result, emitted)[: len(visible)]  # (EOS only ends)
+                session.logprobs += token_logprobs(result, scored)[: len(visible)]  # (EOS only ends)
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
                 finished = "stop"
@@ -339,10 +348,21 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 if asyncio.iscoroutine(outcome):
                     await outcome
         stats.tokens = len(generated)
+        if grammar is not None:
+            stats.constraint_complete = grammar.complete
+            stats.drafts_cut = grammar.drafts_cut
         stats.seconds = time.perf_counter() - started
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats, tuple(session.logprobs))
+
+    def _reply_grammar(self, params: GenerationParams) -> ReplyGrammar | None:
+        """The grammar state of a constrained reply (None without a constraint)."""
+        if params.constraint is None:
+            return None
+        if self.chat_format is None:
+            raise ConstraintError(f"cannot constrain a reply: {self.no_chat_reason}")
+        return ReplyGrammar(params.constraint, self.chat_format)
 
     async def _round(
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
@@ -415,8 +435,17 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         draft_seconds = self._charge_cut(
             session, policy, bool(draft.tokens), loaded, time.perf_counter() - draft_started
         )
+        token_mask = None
+        if session.grammar is not None:  # drafts the grammar rejects are never verified
+            kept, token_mask = session.grammar.plan(draft.tokens)
+            if kept < len(draft.tokens):
+                draft = Draft(
+                    draft.tokens[:kept], draft.ids[:kept], draft.probs[:kept], draft.fed, draft.computed
+                )
         k = len(draft.tokens)
-        if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
+        # (a constrained reply never runs: every token must be scored under the mask of its true position)
+        runs = self.max_run and session.grammar is None and hasattr(self.target, "stream")
+        if k == 0 and left > 0 and runs and not opening:
             # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
@@ -432,7 +461,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         verify_started = time.perf_counter()
         feed = session.ledger.plan(session.history + list(draft.tokens), scored=k + 1)
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
-        decode = verify_decode(params, draft, uniforms, session.history, generated)
+        decode = verify_decode(params, draft, uniforms, session.history, generated, token_mask)
         session.outstanding = feed
         if opening:  # the draft reads the prompt while the stages prefill it (and drafts on, if that pays)
             if not self._maybe_draft_ahead(
