@@ -492,8 +492,9 @@ async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests(
 
         # A constrained request shows its grammar and the function it called.
         weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}  # fmt: skip
-        named = {**body, "stream": False, "tools": [weather], "messages": [
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+            "additionalProperties": False}}}  # fmt: skip
+        named = {**body, "stream": False, "max_tokens": 96, "tools": [weather], "messages": [
             {"role": "user", "content": "What is the weather in Paris?"}],
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
         called = asyncio.ensure_future(
