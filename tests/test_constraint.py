@@ -259,3 +259,53 @@ def test_a_mask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
 def test_json_schema_grammar_embeds_the_schema_verbatim() -> None:
     grammar = json_schema_grammar(PERSON)
     assert grammar.startswith("start: %json") and json.loads(grammar.removeprefix("start: %json")) == PERSON
+
+
+# -- fleettui ask --json-schema: bad schema files are refused before anything starts --------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (None, "No such file or directory"),
+        ("{nope", "not JSON"),
+        ('{"type": 5}', "invalid schema at type"),
+        (
+            '{"type": "object", "dependentSchemas": {"a": {}}}',
+            "unsupported JSON-schema keyword dependentSchemas",
+        ),
+        ("[1]", "must be an object"),
+    ],
+)
+def test_ask_refuses_a_bad_schema_file_with_one_line(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], content: str | None, reason: str
+) -> None:
+    from fleettui.cli import main
+    from fleettui.config.fleet import DEFAULT_FLEET
+
+    schema = tmp_path / "schema.json"
+    if content is not None:
+        schema.write_text(content)
+    assert main(["ask", str(DEFAULT_FLEET), "--json-schema", str(schema), "Describe Paris."]) == 2
+    error = capsys.readouterr().err.strip()
+    assert reason in error and str(schema) in error and "\n" not in error
+
+
+def test_ask_reports_a_cut_or_invalid_answer_in_one_line() -> None:
+    import argparse
+
+    from fleettui.commands.ask import _check_answer
+    from fleettui.runtime.generation import GenerationStats
+
+    args = argparse.Namespace(max_tokens=8)
+    answer = '{"name": "Ada", "age": 36}'
+    assert _check_answer(answer, GenerationStats(constraint_complete=True), PERSON, args) is None
+    cut = _check_answer(
+        '{"name": "A',
+        GenerationStats(tokens=8, finish_reason="length", constraint_complete=False),
+        PERSON,
+        args,
+    )
+    assert cut is not None and "cut by --max-tokens at 8 tokens" in cut
+    wrong = _check_answer('{"name": 3, "age": 1}', GenerationStats(constraint_complete=True), PERSON, args)
+    assert wrong is not None and "does not validate" in wrong

@@ -112,13 +112,14 @@ def grammar_tokenizer(source: Any) -> Any:
 
 def check_constraint(spec: ConstraintSpec, tokenizer: Any) -> None:
     """Compile `spec` once against the model's tokenizer (see `grammar_tokenizer`); raises ConstraintError
-    naming the unsupported keyword or the grammar's problem."""
+    naming the unsupported keyword or the grammar's problem. With `tokenizer` None the grammar and its JSON
+    schemas are checked alone (before a model is at hand, e.g. before any worker starts)."""
     import llguidance
 
     if spec.trigger is not None and not spec.trigger:
         raise ConstraintError("a constraint's trigger must not be empty")
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        spec.grammar, grammar_tokenizer(tokenizer)
+        spec.grammar, None if tokenizer is None else grammar_tokenizer(tokenizer)
     )
     if failed:
         raise ConstraintError(_one_line(messages[0] if messages else ""))
