@@ -74,7 +74,7 @@ def test_a_schema_compiles_and_its_matcher_follows_a_valid_answer(
     spec = ConstraintSpec(json_schema_grammar(PERSON), "json_schema Person")
     check_constraint(spec, chat_format)
     grammar = ReplyGrammar(spec, chat_format)
-    answer = ids(tokenizer, '{"name": "Ada", "age": 36}')
+    answer = ids(tokenizer, '{"name":"Ada","age":36}')
     kept, masks = grammar.plan(tuple(answer))
     assert kept == len(answer) and masks is not None and masks.shape[0] == len(answer) + 1
     assert all(grammar.allows(masks[i], token) for i, token in enumerate(answer))
@@ -87,7 +87,7 @@ def test_a_schema_compiles_and_its_matcher_follows_a_valid_answer(
 
 def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(tokenizer: Any, chat_format: Format) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
-    good = ids(tokenizer, '{"name": "Ada"')
+    good = ids(tokenizer, '{"name":"Ada"')
     bad = ids(tokenizer, "Paris")
     kept, masks = grammar.plan(tuple(good + bad + good))
     assert kept == len(good) and masks is not None and len(masks) == kept + 1
@@ -100,7 +100,7 @@ def test_any_json_object_grammar(tokenizer: Any, chat_format: Format) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "json_object"), chat_format)
     first = grammar.plan(())[1]
     assert first is not None and not grammar.allows(first[0], ids(tokenizer, "[")[0])  # not an array
-    assert grammar.advance(ids(tokenizer, '{"a": [1, {"b": null}], "c": "x"}')) and grammar.complete
+    assert grammar.advance(ids(tokenizer, '{"a":[1,{"b":null}],"c":"x"}')) and grammar.complete
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_a_trigger_cuts_the_reply_right_after_it(tokenizer: Any, chat_format: Fo
     end = text.index(trigger) + len(trigger)
     assert tokenizer.decode(kept) == text[:end]
     assert grammar.active and grammar.complete is False
-    assert grammar.advance(ids(tokenizer, '{"a": 1}')) and grammar.complete
+    assert grammar.advance(ids(tokenizer, '{"a":1}')) and grammar.complete
 
 
 def test_no_constrained_text_before_the_trigger(tokenizer: Any, chat_format: Format) -> None:
@@ -258,4 +258,68 @@ def test_a_mask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
 
 def test_json_schema_grammar_embeds_the_schema_verbatim() -> None:
     grammar = json_schema_grammar(PERSON)
-    assert grammar.startswith("start: %json") and json.loads(grammar.removeprefix("start: %json")) == PERSON
+    assert grammar.startswith("start: %json")
+    compact = {**PERSON, "x-guidance": {"whitespace_flexible": False}}  # compact JSON unless the schema says
+    assert json.loads(grammar.removeprefix("start: %json")) == compact
+    flexible = {**PERSON, "x-guidance": {"whitespace_flexible": True}}
+    assert json.loads(json_schema_grammar(flexible).removeprefix("start: %json")) == flexible
+
+
+def test_the_grammar_forces_the_structure_tokens(tokenizer: Any, chat_format: Format) -> None:
+    grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
+    forced = grammar.forced(16)
+    assert tokenizer.decode(forced).startswith('{"name":')  # nothing else may start the answer
+    assert grammar.forced(2) == forced[:2] and grammar.complete is False  # (the matcher did not move)
+    assert grammar.plan(tuple(forced))[0] == len(forced)
+    free = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger="<call>"), chat_format)
+    assert free.forced(16) == []  # before its trigger nothing is forced
+
+
+# -- fleettui ask --json-schema: bad schema files are refused before anything starts --------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (None, "No such file or directory"),
+        ("{nope", "not JSON"),
+        ('{"type": 5}', "invalid schema at type"),
+        (
+            '{"type": "object", "dependentSchemas": {"a": {}}}',
+            "unsupported JSON-schema keyword dependentSchemas",
+        ),
+        ("[1]", "must be an object"),
+    ],
+)
+def test_ask_refuses_a_bad_schema_file_with_one_line(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], content: str | None, reason: str
+) -> None:
+    from fleettui.cli import main
+    from fleettui.config.fleet import DEFAULT_FLEET
+
+    schema = tmp_path / "schema.json"
+    if content is not None:
+        schema.write_text(content)
+    assert main(["ask", str(DEFAULT_FLEET), "--json-schema", str(schema), "Describe Paris."]) == 2
+    error = capsys.readouterr().err.strip()
+    assert reason in error and str(schema) in error and "\n" not in error
+
+
+def test_ask_reports_a_cut_or_invalid_answer_in_one_line() -> None:
+    import argparse
+
+    from fleettui.commands.ask import _check_answer
+    from fleettui.runtime.generation import GenerationStats
+
+    args = argparse.Namespace(max_tokens=8)
+    answer = '{"name":"Ada","age":36}'
+    assert _check_answer(answer, GenerationStats(constraint_complete=True), PERSON, args) is None
+    cut = _check_answer(
+        '{"name": "A',
+        GenerationStats(tokens=8, finish_reason="length", constraint_complete=False),
+        PERSON,
+        args,
+    )
+    assert cut is not None and "cut by --max-tokens at 8 tokens" in cut
+    wrong = _check_answer('{"name": 3, "age": 1}', GenerationStats(constraint_complete=True), PERSON, args)
+    assert wrong is not None and "does not validate" in wrong

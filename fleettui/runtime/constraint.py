@@ -68,9 +68,15 @@ def json_object_grammar() -> str:
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
     """The grammar of the JSON values `schema` accepts (llguidance's own JSON-schema support, `%json`).
 
-    Only the schema's shape is checked here (a JSON object); `check_constraint` compiles it."""
+    The JSON is compact (no whitespace between tokens) unless the schema's own `x-guidance` options say
+    otherwise: the fewest tokens, no run of blank lines a small model can fall into, and the structure's
+    keys and punctuation forced by the grammar, which the coordinator verifies as free drafts
+    (`ReplyGrammar.forced`). Only the schema's shape is checked here (a JSON object); `check_constraint`
+    compiles it."""
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     try:
         text = json.dumps(schema, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as error:
@@ -112,13 +118,14 @@ def grammar_tokenizer(source: Any) -> Any:
 
 def check_constraint(spec: ConstraintSpec, tokenizer: Any) -> None:
     """Compile `spec` once against the model's tokenizer (see `grammar_tokenizer`); raises ConstraintError
-    naming the unsupported keyword or the grammar's problem."""
+    naming the unsupported keyword or the grammar's problem. With `tokenizer` None the grammar and its JSON
+    schemas are checked alone (before a model is at hand, e.g. before any worker starts)."""
     import llguidance
 
     if spec.trigger is not None and not spec.trigger:
         raise ConstraintError("a constraint's trigger must not be empty")
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        spec.grammar, grammar_tokenizer(tokenizer)
+        spec.grammar, None if tokenizer is None else grammar_tokenizer(tokenizer)
     )
     if failed:
         raise ConstraintError(_one_line(messages[0] if messages else ""))
@@ -168,6 +175,16 @@ class ReplyGrammar:
 
     def allows(self, mask: np.ndarray, token: int) -> bool:
         return 0 <= token < 32 * len(mask) and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` next tokens the grammar forces (the only ones it allows, in a row): drafts that the
+        masked verify always accepts, so they cost no speculation (empty while the constraint does not apply)."""
+        if self.matcher is None or limit <= 0:
+            return []
+        tokens = [int(token) for token in self.matcher.compute_ff_tokens()[:limit]]
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar {self.spec.label}: {_one_line(self.matcher.get_error())}")
+        return tokens
 
     def plan(self, drafts: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
         """How many of `drafts` the grammar allows in a row, and the masks of the scored positions (uint32

@@ -49,6 +49,7 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
+MAX_FORCED = 32  # tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
 
 
 _T = TypeVar("_T")
@@ -299,10 +300,13 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
                 round_.loaded, prefilled, self._several(), draft.computed, session.id,
             )  # fmt: skip
-            round_.policy.record_round(facts)
             stats.rounds += 1
-            stats.drafted += k
-            stats.accepted += result.accepted
+            if round_.forced:  # the grammar's own tokens: no drafter's acceptance, no policy's lesson
+                stats.forced += result.accepted
+            else:
+                round_.policy.record_round(facts)
+                stats.drafted += k
+                stats.accepted += result.accepted
             stats.k_values.append(k)
             stats.draft_seconds += draft_seconds
             stats.verify_seconds += verify_seconds
@@ -436,7 +440,10 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             session, policy, bool(draft.tokens), loaded, time.perf_counter() - draft_started
         )
         token_mask = None
+        forced = False
         if session.grammar is not None:  # drafts the grammar rejects are never verified
+            if not draft.tokens and left > 0 and (tokens := session.grammar.forced(min(left, MAX_FORCED))):
+                draft, forced = Draft.deterministic(tokens), True  # what the grammar forces: always accepted
             kept, token_mask = session.grammar.plan(draft.tokens)
             if kept < len(draft.tokens):
                 draft = Draft(
@@ -476,7 +483,9 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             session.outstanding = None
         verify_seconds = time.perf_counter() - verify_started
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
-        return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
+        return Round(
+            k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded, forced=forced
+        )
 
     async def _propose(self, session: Session, drafter: Drafter, k: int, sampling: Sampling) -> Draft:
         """K drafts after the session's history (the model draft's bookkeeping: what it read, its cost)."""

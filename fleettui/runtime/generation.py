@@ -72,6 +72,7 @@ class GenerationStats:
     finish_reason: str = ""
     constraint_complete: bool | None = None  # the grammar was completed (None: no constrained text)
     drafts_cut: int = 0  # draft tokens the grammar rejected before verification (never sent)
+    forced: int = 0  # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -136,6 +137,7 @@ class Round:
     policy: KPolicy  # whose costs and acceptance this round updates
     loaded: bool  # other sessions were generating when it started
     pipelined: bool = False  # its verify was sent before the previous result (its wait teaches no costs)
+    forced: bool = False  # its drafts are the tokens a grammar forces (no drafter proposed them)
 
 
 def verify_decode(
