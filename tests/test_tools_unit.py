@@ -106,7 +106,7 @@ def test_the_fallback_describes_tools_in_the_system_message_and_writes_calls_and
     system = text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.") and json.dumps(WEATHER.as_openai()) in system
     assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>\n<tool_call>'  # as generated
         in text
     )
     # both results in one user turn, in order, then the assistant's turn

@@ -52,9 +52,11 @@ class ToolFormat:
     trigger: str
     parallel: bool  # the format can hold several calls in one reply
 
-    def call_text(self, name: str, arguments: Any) -> str:
-        """One call as this format writes it (exactly what the grammar lets the model write)."""
-        body = f'{{"name": {json.dumps(name)}, "{self.arguments_key}": {json.dumps(arguments)}}}'
+    def call_text(self, name: str, arguments: Any, compact: bool = True) -> str:
+        """One call as this format writes it: COMPACT arguments are what the grammar lets the model write,
+        spaced ones what a template's `tojson` writes."""
+        text = json.dumps(arguments, separators=(",", ":") if compact else None)
+        body = f'{{"name": {json.dumps(name)}, "{self.arguments_key}": {text}}}'
         return self.opening + body + self.closing
 
 
@@ -98,7 +100,7 @@ def detect_format(chat_format: ChatFormat) -> ToolFormat:
     if not (described and "probe_arg_7f3a" in text and PROBE_RESULT in text):
         return FALLBACK
     for known in (HERMES, LLAMA3_JSON):  # the template writes the call exactly as the grammar lets the model
-        if known.call_text(PROBE_TOOL.name, PROBE_ARGUMENTS) in text:
+        if known.call_text(PROBE_TOOL.name, PROBE_ARGUMENTS, compact=False) in text:
             return known
     return FALLBACK
 
@@ -190,6 +192,12 @@ def render_with_tools(
     )
 
 
+def compact(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """SCHEMA with llguidance told to write compact JSON (as `constraint.json_schema_grammar` does: the fewest
+    tokens, and no run of blank lines a small model can fall into) unless it says otherwise itself."""
+    return {**schema} if "x-guidance" in schema else {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
 def _literal(text: str) -> str:
     """TEXT as a Lark string literal."""
     return json.dumps(text)
@@ -225,5 +233,5 @@ def call_grammar(
             f"tool_{index}: {_literal(json.dumps(tool.name) + key)} arguments_{index} "
             f"{_literal('}' + tool_format.closing)}"
         )
-        lines.append(f"arguments_{index}: %json{json.dumps(dict(tool.parameters), sort_keys=True)}")
+        lines.append(f"arguments_{index}: %json{json.dumps(compact(tool.parameters), sort_keys=True)}")
     return "\n".join(lines) + "\n"

@@ -121,6 +121,7 @@ class ControllerFleet:
     def tool_format(self) -> ToolFormat:
         return detect_format(self.chat_format)
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - clients resend the same schema: compiled once (errors are not kept)
     def check_constraint(self, spec: ConstraintSpec) -> None:
         check_constraint(spec, self.chat_format)
 
