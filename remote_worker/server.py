@@ -62,7 +62,9 @@ HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 CONTROL_OPS = ("ping", "stats", "lease", "batching", "shutdown")
-ACTIVE_SECONDS = 1.0  # a session that stepped this recently counts as generating (pooled ones do not)
+ACTIVE_INFERENCES = (
+    2  # a session counts as generating while it stepped within this many rounds of all open sessions
+)
 
 
 class StageServer(StageCompute):
@@ -85,7 +87,10 @@ class StageServer(StageCompute):
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
         self._wanted_batch = engine.batch_max  # set by the control thread, applied by the compute thread
-        self._stepped: dict[int, float] = {}  # session -> when it last stepped (compute thread only)
+        self._stepped: dict[
+            int, int
+        ] = {}  # session -> the inference it last stepped in (compute thread only)
+        self._inferences = 0  # inferences this worker served (compute thread only)
         self._properties = engine.effective_properties()  # asked once: the plugin may be busy later
         self._sockets: list[zmq.Socket[bytes]] = []
         self._monitors: dict[zmq.Socket[bytes], str] = {}
@@ -224,7 +229,8 @@ class StageServer(StageCompute):
         """Other sessions' small steps waiting in the inbox, to serve in one inference with `first`."""
         if not isinstance(first, protocol.Step):
             return []
-        now = time.monotonic()
+        self._inferences += 1
+        now = self._inferences
         self._stepped[first.session] = now
         if self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
             return []
@@ -248,11 +254,16 @@ class StageServer(StageCompute):
             self._stepped[step.session] = now
         return work
 
-    def _batch_size(self, now: float) -> int:
+    def _batch_size(self, now: int) -> int:
         """Rows per inference: the generating sessions shared out over the pipeline's stages, so that while
-        this stage serves one share the others serve theirs (one batch of all would leave them idle)."""
+        this stage serves one share the others serve theirs (one batch of all would leave them idle).
+
+        Generating means stepped in the last few rounds, counted in inferences rather than seconds, so a
+        slow or loaded machine (long rounds) sees the same sessions as generating as a fast one.
+        """
+        window = ACTIVE_INFERENCES * max(1, len(self.engine.sessions))
         for session, when in list(self._stepped.items()):
-            if now - when > ACTIVE_SECONDS:
+            if now - when > window:
                 del self._stepped[session]
         active, stages = len(self._stepped), max(1, self.config.stages)
         # shares of 2 on a pipeline lose to pipelining alone: their groups split and re-form as the steps'

@@ -1,6 +1,6 @@
 """Provides the conformance registry: one tiny seeded model per supported architecture, and its listing.
 
-The harness (tests/test_conformance.py) builds each entry with transformers' own config and model classes,
+The harness (tests/integration/test_conformance.py) builds each entry with transformers' own config and model classes,
 writes it as a Hugging Face folder and as a GGUF, compiles it to 1, 2 and 3 stages and checks it against
 transformers. An architecture is supported when its entry passes; `python -m shard_compiler.conformance`
 prints the list the README carries.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from netns import SshHosts, available  # noqa: E402
-from processes import worker_children  # noqa: E402
+from tests.support.netns import SshHosts, available
+from tests.support.processes import worker_children
 
 _FRESH_FOLDERS: list[str] = []
 
@@ -35,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # workers would otherwise meet in ~/.local/state as "in use by pid ..." over the same fleet file.
     _FRESH_FOLDERS.append(tempfile.mkdtemp(prefix="fleettui-test-state-"))
     os.environ["XDG_STATE_HOME"] = _FRESH_FOLDERS[-1]
-    from shards import session_cache_root
+    from tests.support.shards import session_cache_root
 
     session_cache_root()  # pinned now, before any test points XDG_CACHE_HOME at a folder of its own
 
@@ -46,6 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the real-sshd hosts (network namespaces, installed once) and the bench (fixed ports of fleets/local.toml,
     pinned cores, and a test that counts every mono process on the machine); the Gemma tests share one tokenizer."""
     for item in items:
+        folder = item.path.parent.name  # tests/unit, tests/integration, tests/ssh, tests/tui: a marker each
+        if folder in ("unit", "integration", "ssh", "tui"):
+            item.add_marker(getattr(pytest.mark, folder))
         if item.get_closest_marker("ssh") or "ssh_hosts" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ssh"))
         elif item.path.name == "test_bench.py":
@@ -88,7 +89,7 @@ def shard_cache() -> Path:
     """One compiled-shard cache root for the whole test run: the run's fresh user cache folder, which fleets
     that name no `shards` (fleets/local.toml, the bench) and the `shards.compiled` helper use too, so each
     shard is compiled once per run."""
-    from shards import session_cache_root
+    from tests.support.shards import session_cache_root
 
     return session_cache_root()
 
@@ -98,7 +99,7 @@ def recovery_reference(shard_cache: Path) -> list[list[int]]:
     """The uninterrupted answers of the recovery tests (exact mode: every pipeline gives these tokens)."""
     import asyncio
 
-    from faults import PROMPTS, make_fleet, run_with_fault
+    from tests.support.faults import PROMPTS, make_fleet, run_with_fault
 
     tokens, _, reports = asyncio.run(run_with_fault(make_fleet(shard_cache, 2), PROMPTS, None))
     assert reports == []

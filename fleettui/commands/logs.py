@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         controller = FleetController(fleet)
-        controller.deployment = record.deployment(fleet)
+        controller.adopt(record)
         for name, lines in (await controller.fetch_logs(args.lines)).items():
             for line in lines:
                 print(f"[{name}] {line}")

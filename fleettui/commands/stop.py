@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         controller = FleetController(fleet)
-        controller.record = record
+        controller.adopt(record)
         for line in await controller.stop():
             print(line)
         print(f"deployment {record.id} stopped")

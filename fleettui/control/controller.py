@@ -105,19 +105,24 @@ class FleetController:
         self.recovery: Recovery | None = None  # watches the workers, recovers lost stages
 
     # -- events -------------------------------------------------------------------------------------
-    def _emit(self, event: ControllerEvent) -> None:
+    def emit(self, event: ControllerEvent) -> None:
         try:
             self._on_event(event)
         except Exception:  # a broken observer must not take the fleet down
             log.exception("event observer failed")
 
-    def _set_state(self, name: str, state: StageState) -> None:
+    def set_state(self, name: str, state: StageState) -> None:
         if self.states.get(name) != state:
             self.states[name] = state
-            self._emit(StageChanged(name, state))
+            self.emit(StageChanged(name, state))
+
+    def adopt(self, record: DeploymentRecord) -> None:
+        """Take charge of a recorded deployment without attaching to it: to stop it or read its logs."""
+        self.record = record
+        self.deployment = record.deployment(self.base_fleet)
 
     def fail(self, name: str, reason: str) -> None:
-        self._set_state(name, Failed(reason))
+        self.set_state(name, Failed(reason))
 
     def _on_sample(self, sample: TelemetrySample) -> None:
         name = sample.name
@@ -125,8 +130,8 @@ class FleetController:
         if self.recovery is not None:  # temperatures for the throttle check
             self.recovery.observe_sample(sample)
         if name in self.states:
-            self._set_state(name, next_state(self.states[name], sample))
-        self._emit(Telemetry(name, sample))
+            self.set_state(name, next_state(self.states[name], sample))
+        self.emit(Telemetry(name, sample))
 
     # -- what the UI and scripts read ---------------------------------------------------------------
     @property
@@ -169,11 +174,11 @@ class FleetController:
     async def prepare(self) -> None:
         """Calibrate hosts whose costs are unknown (`control.calibration`), then compile the target and draft."""
         for host in self.fleet.hosts:
-            self._set_state(host.name, Provisioning("compile"))
+            self.set_state(host.name, Provisioning("compile"))
 
         def progress(line: str, source: str = "compiler", step: Step = "compile") -> None:
-            self._emit(LogLine("shard_compiler" if source == "compiler" else source, line))
-            self._emit(Progress(source, step, message=line))
+            self.emit(LogLine("shard_compiler" if source == "compiler" else source, line))
+            self.emit(Progress(source, step, message=line))
 
         await calibrate_on_deploy(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
         try:
@@ -228,11 +233,11 @@ class FleetController:
             if silent:
                 reason = f"deployment {found.id} is stale: {', '.join(silent)} does not answer"
         if reason is not None:
-            self._emit(LogLine("fleet", f"{reason}; clearing it"))
+            self.emit(LogLine("fleet", f"{reason}; clearing it"))
             log.warning("%s; clearing it", reason)
             self.record = found
             for line in await self._stop_recorded(found):
-                self._emit(LogLine("fleet", line))
+                self.emit(LogLine("fleet", line))
             self.record = None
             return False
         self.settings = found.settings
@@ -242,9 +247,9 @@ class FleetController:
         self.record = store.held_by(found, os.getpid())
         store.save(self.record)
         self.attached = True
-        self._emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
+        self.emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
         for line in await Lease(lambda: deployment, 0.0).end():  # handed over: no lease (nor a lost end's)
-            self._emit(LogLine("fleet", line))
+            self.emit(LogLine("fleet", line))
         await self._connect(deployment, None)
         return True
 
@@ -278,7 +283,7 @@ class FleetController:
         local = [p for p in deployment.placements if p.host.is_local]
         local_launcher = LocalLauncher(deployment.keys, lease=self.worker_lease, recheck=self.recheck)
         for placement in local:
-            self._set_state(placement.config.name, Loading())
+            self.set_state(placement.config.name, Loading())
             self.launched.append(await local_launcher.start(placement))
         if record and self.base_fleet.path is not None:
             self.record = self._record(deployment, owner=os.getpid())
@@ -317,8 +322,8 @@ class FleetController:
             self.fail(name, str(error))
             raise
         self.ready_replies[name] = reply
-        self._set_state(name, Ready())
-        self._emit(LogLine(name, f"ready (pid {reply.pid})"))
+        self.set_state(name, Ready())
+        self.emit(LogLine(name, f"ready (pid {reply.pid})"))
 
     async def _bring_up_remote(self, launcher: SshLauncher, placement: Placement) -> None:
         launched = await launcher.start(placement)
@@ -327,12 +332,12 @@ class FleetController:
 
     def _on_provision(self, event: ProvisionEvent) -> None:
         name, step, message = event.host, event.step, event.message
-        self._emit(event)
+        self.emit(event)
         if message:
-            self._emit(LogLine(name, f"{step}: {message}"))
+            self.emit(LogLine(name, f"{step}: {message}"))
         state = provision_state(step, message)
         if state is not None:
-            self._set_state(name, state)
+            self.set_state(name, state)
 
     def _record(self, deployment: Deployment, owner: int | None) -> DeploymentRecord:
         assert self.target is not None
@@ -359,7 +364,7 @@ class FleetController:
             await self._release()
             raise ControllerError(f"connect: {error}") from None
         for placement in self._connection.deployment.stages:
-            self._set_state(placement.config.name, Ready())
+            self.set_state(placement.config.name, Ready())
 
     async def _release(self) -> None:
         """Stop recovery and the lease watcher, close the telemetry feed and every link (workers untouched)."""
@@ -386,7 +391,7 @@ class FleetController:
         self.attached = False
         for name in self.states:
             if not isinstance(self.states[name], Failed):
-                self._set_state(name, Idle())
+                self.set_state(name, Idle())
         return report
 
     async def _stop_launched(self, deployment: Deployment) -> list[str]:

@@ -24,7 +24,9 @@ from typing import Any
 from fleettui.config.fleet import Fleet, ResilienceSettings
 from fleettui.config.local_cores import share_local_cores
 from fleettui.control import relaunch
+from fleettui.control.compile import CompiledModel
 from fleettui.control.deployment import Deployment, Placement, build_deployment
+from fleettui.control.owner import FleetOwner
 from fleettui.control.rebalance import Rebalancer, head_layers, moved_layers
 from fleettui.control.states import (
     Degraded,
@@ -51,8 +53,8 @@ class Recovery:
 
     def __init__(
         self,
-        controller: Any,
-        compile_model: Callable[..., Awaitable[Any]],
+        controller: FleetOwner,
+        compile_model: Callable[..., Awaitable[CompiledModel]],
         settings: ResilienceSettings | None = None,
     ) -> None:
         """`controller` is a started `FleetController`; `compile_model` its compile path (for re-plans)."""
@@ -92,7 +94,7 @@ class Recovery:
             self.settings.rebalance,
             self.settings.throttle_ratio,
             head_layers(controller.fleet),
-            controller._emit,
+            controller.emit,
             self.switch_split,
             moved=moved_layers(controller.target.manifest, controller.fleet) if controller.target else (),
         )
@@ -115,8 +117,9 @@ class Recovery:
         """A degraded fleet that may be whole again (its hosts are tried every `rejoin_seconds`): answers wait."""
         coordinator, seconds = self.controller.coordinator, self.settings.hold_seconds
         if action == "degraded" and self.settings.rejoin_seconds > 0 and seconds > 0:
+            assert coordinator is not None, "recovery runs on a connected fleet"
             coordinator.hold.begin(seconds)
-            self.controller._emit(
+            self.controller.emit(
                 LogLine("recovery", f"answers wait up to {seconds:g} s for {', '.join(self.down)} to be back")
             )
 
@@ -134,8 +137,8 @@ class Recovery:
     # -- declaring a loss ---------------------------------------------------------------------------
     def _on_lost(self, name: str, reason: str, silent: float) -> None:
         controller, coordinator = self.controller, self.controller.coordinator
-        controller._set_state(name, Lost(reason))
-        controller._emit(LogLine("recovery", f"{name} lost: {reason}"))
+        controller.set_state(name, Lost(reason))
+        controller.emit(LogLine("recovery", f"{name} lost: {reason}"))
         self._lost[name] = (reason, silent)
         self.idle.clear()
         connection = controller.connection
@@ -212,10 +215,12 @@ class Recovery:
             relaunch = time.monotonic() - started
             if self._lost:
                 continue  # lost another one meanwhile: bring it back before replaying
-            self.controller.connection.unblock()
+            connection = self.controller.connection
+            assert connection is not None, "recovery runs on a connected fleet"
+            connection.unblock()
             for name in batch:
                 if name not in gone_all:
-                    self.controller._set_state(name, Recovering("replay"))
+                    self.controller.set_state(name, Recovering("replay"))
             replay_started = time.monotonic()
             try:
                 tokens += await coordinator.rebuild_all()
@@ -224,7 +229,7 @@ class Recovery:
             replay = time.monotonic() - replay_started
             for name in batch:
                 if name not in gone_all:
-                    self.controller._set_state(name, Ready())
+                    self.controller.set_state(name, Ready())
         names = tuple(sorted(batch))
         return RecoveryReport(
             names,
@@ -243,7 +248,7 @@ class Recovery:
         deployment = self.controller.deployment
         assert deployment is not None
         placement = next(p for p in deployment.placements if p.config.name == name)
-        self.controller._set_state(name, Recovering("relaunch"))
+        self.controller.set_state(name, Recovering("relaunch"))
         deadline = time.monotonic() + self.settings.grace_seconds
         attempt = 0
         while True:
@@ -256,7 +261,7 @@ class Recovery:
                 self._watch(placement)
                 return
             except Exception as error:  # any failure to come back counts against the grace period
-                self.controller._emit(
+                self.controller.emit(
                     LogLine("recovery", f"{name}: relaunch attempt {attempt} failed: {error}")
                 )
                 if time.monotonic() + RETRY_SECONDS >= deadline:
@@ -264,7 +269,9 @@ class Recovery:
                 await asyncio.sleep(RETRY_SECONDS)
 
     # -- switching the split (rebalance) -------------------------------------------------------------
-    async def switch_split(self, ranges: list[tuple[int, int]], compiled: Any = None) -> None:
+    async def switch_split(
+        self, ranges: list[tuple[int, int]], compiled: CompiledModel | None = None
+    ) -> None:
         """Compile `ranges` while serving (unless given), then switch to it between rounds and replay."""
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None
@@ -284,7 +291,7 @@ class Recovery:
         self._publish_switch(names, "rebalance", "rebalance", started, switched, tokens, f"split {ranges}")
 
     async def _switch_between_rounds(
-        self, fleet_of: Callable[[], Fleet], ranges: list[tuple[int, int]], compiled: Any
+        self, fleet_of: Callable[[], Fleet], ranges: list[tuple[int, int]], compiled: CompiledModel
     ) -> tuple[float, float, int]:
         """Under the recovery lock, once every session's round in flight has finished: switch to `ranges` of
         `compiled` on `fleet_of()` and replay every session. (started, switched, replayed tokens)."""
@@ -331,8 +338,8 @@ class Recovery:
     def _publish(self, report: RecoveryReport) -> None:
         """Keep a report, send it to the controller's observers and log its one line."""
         self.reports.append(report)
-        self.controller._emit(report)
-        self.controller._emit(LogLine("recovery", _describe(report)))
+        self.controller.emit(report)
+        self.controller.emit(LogLine("recovery", _describe(report)))
 
     # -- a host planned around comes back ------------------------------------------------------------
     async def _watch_away(self) -> None:
@@ -357,7 +364,7 @@ class Recovery:
                     await self.rejoin(back)
                 except Exception as error:  # (a compile or a launch failed): keep serving, try again later
                     log.warning("rejoin of %s failed: %s", ", ".join(back), error)
-                    self.controller._emit(
+                    self.controller.emit(
                         LogLine("recovery", f"{', '.join(back)} back, rejoin failed: {error}")
                     )
 
@@ -376,7 +383,7 @@ class Recovery:
             tokens = await coordinator.rebuild_all()
         names, self.down = tuple(self.down), []
         for name in names:
-            controller._set_state(name, Ready())
+            controller.set_state(name, Ready())
         self._publish_switch(
             names, "back", "rejoin", started, switched, tokens, "the degraded fleet is whole again"
         )
@@ -431,14 +438,14 @@ class Recovery:
         except PlanError as error:
             reason = f"degraded: {missing_memory(fleet, rest)}; without {', '.join(gone)}: {error}"
             for name in gone:
-                controller._set_state(name, Degraded(reason))
+                controller.set_state(name, Degraded(reason))
             return "degraded", reason
         for name in gone:
-            controller._set_state(name, Recovering("replan"))
+            controller.set_state(name, Recovering("replan"))
         ranges = [(stage.start, stage.end) for stage in plan.stages]
 
         def progress(line: str) -> None:
-            controller._emit(LogLine("shard_compiler", line))
+            controller.emit(LogLine("shard_compiler", line))
 
         model = fleet.model
         clock = time.monotonic()
@@ -454,7 +461,7 @@ class Recovery:
             f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"
         )
 
-    async def _switch(self, fleet: Fleet, ranges: list[tuple[int, int]], compiled: Any) -> None:
+    async def _switch(self, fleet: Fleet, ranges: list[tuple[int, int]], compiled: CompiledModel) -> None:
         """Replace every stage worker by the split `ranges` of `compiled` on `fleet`'s hosts (sessions paused).
 
         The caller bumps nothing: the coordinator's target epoch moves on here, so every session replays.
@@ -467,9 +474,10 @@ class Recovery:
         deployment = _rekeyed(build_deployment(fleet, ranges, lambda host: str(compiled.directory)), old)
         controller.fleet, controller.target = fleet, compiled
         await relaunch.launch_split(controller, fleet, old, deployment)
+        assert controller.connection is not None, "a switch runs on a connected fleet"
         await controller.connection.retarget(deployment)
         for placement in deployment.stages:
-            controller._set_state(placement.config.name, Ready())
+            controller.set_state(placement.config.name, Ready())
             self._watch(placement)
         if self.rebalancer is not None:
             names = [p.config.name for p in deployment.stages]

@@ -14,8 +14,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
+from fleettui.config.fleet import Fleet, Host
 from fleettui.control import store
 from fleettui.control.deployment import Deployment, Placement
 from fleettui.control.launcher import Launched, LocalLauncher, SshLauncher, kill_now, stop_remote
@@ -27,10 +28,15 @@ from fleettui.runtime.watch import (
     unknown_process,
 )
 
+if TYPE_CHECKING:
+    from fleettui.control.owner import FleetOwner
+
 READY_TIMEOUT = 300.0
 
 
-def local_worker(controller: Any, name: str) -> tuple[ProcessId | None, subprocess.Popen[bytes] | None]:
+def local_worker(
+    controller: FleetOwner, name: str
+) -> tuple[ProcessId | None, subprocess.Popen[bytes] | None]:
     """The local process of stage `name`: launched here (with its Popen) or recorded by who launched it."""
     for each in controller.launched:
         if each.placement.config.name == name and each.process is not None:
@@ -42,7 +48,7 @@ def local_worker(controller: Any, name: str) -> tuple[ProcessId | None, subproce
     return None, None
 
 
-def process_status(controller: Any, placement: Placement) -> ProcessStatus:
+def process_status(controller: FleetOwner, placement: Placement) -> ProcessStatus:
     """What the watcher sees of a stage's process (unknown on SSH hosts)."""
     if not placement.host.is_local:
         return unknown_process()
@@ -54,7 +60,7 @@ def process_status(controller: Any, placement: Placement) -> ProcessStatus:
     return unknown_process()
 
 
-async def kill_local(controller: Any, name: str) -> None:
+async def kill_local(controller: FleetOwner, name: str) -> None:
     """SIGKILL the stage's old worker (stopped or hung: it must let go of its ports) and wait for it."""
     process, popen = local_worker(controller, name)
     if process is not None and process.alive():
@@ -69,7 +75,7 @@ async def kill_local(controller: Any, name: str) -> None:
             await asyncio.sleep(0.1)
 
 
-def track(controller: Any, launched: Sequence[Launched], deployment: Deployment | None = None) -> None:
+def track(controller: FleetOwner, launched: Sequence[Launched], deployment: Deployment | None = None) -> None:
     """Replace the controller's entries of `launched` (all stages for a new split) and rewrite the record."""
     if deployment is not None:  # a new split replaces every stage (the draft stays)
         controller.deployment = deployment
@@ -77,16 +83,17 @@ def track(controller: Any, launched: Sequence[Launched], deployment: Deployment 
     names = {each.placement.config.name for each in launched}
     kept = [each for each in controller.launched if each.placement.config.name not in names]
     controller.launched = kept + list(launched)
-    if controller.record is not None and controller.target is not None:
+    if controller.record is not None and controller.target is not None and controller.deployment is not None:
         running = {e.placement.config.name: (e.placement.config, e.process) for e in controller.launched}
         directory = str(controller.target.directory)
         controller.record = store.restaged(controller.record, controller.deployment, running, directory)
         store.save(controller.record)
 
 
-async def relaunch_local(controller: Any, placement: Placement, python: str = sys.executable) -> None:
+async def relaunch_local(controller: FleetOwner, placement: Placement, python: str = sys.executable) -> None:
     """Kill what is left of the stage's worker, start it again from its config, hand-shake, track it."""
     deployment = controller.deployment
+    assert deployment is not None, "relaunch before a deployment"
     await kill_local(controller, placement.config.name)
     launcher = LocalLauncher(deployment.keys, python, controller.worker_lease)
     launched = await launcher.start(placement)
@@ -98,22 +105,24 @@ async def relaunch_local(controller: Any, placement: Placement, python: str = sy
     track(controller, [launched])
 
 
-def ssh_launcher(controller: Any, fleet: Any, deployment: Deployment) -> SshLauncher:
+def ssh_launcher(controller: FleetOwner, fleet: Fleet, deployment: Deployment) -> SshLauncher:
+    assert controller.target is not None, "an SSH launch before the compile"
     return SshLauncher(
-        fleet, controller.target.directory, deployment.keys, controller._emit, READY_TIMEOUT,
+        fleet, controller.target.directory, deployment.keys, controller.emit, READY_TIMEOUT,
         lease=controller.worker_lease,
     )  # fmt: skip
 
 
-async def relaunch_remote(controller: Any, placement: Placement) -> None:
+async def relaunch_remote(controller: FleetOwner, placement: Placement) -> None:
     """Stop a stale worker of this deployment on the SSH host, deploy the stage again (re-push only changes)."""
     deployment = controller.deployment
+    assert deployment is not None, "relaunch before a deployment"
     await stop_remote(controller.fleet, placement)
     launched = await ssh_launcher(controller, controller.fleet, deployment).start(placement)
     track(controller, [launched])
 
 
-async def launch_split(controller: Any, fleet: Any, old: Deployment, deployment: Deployment) -> None:
+async def launch_split(controller: FleetOwner, fleet: Fleet, old: Deployment, deployment: Deployment) -> None:
     """Stop every stage worker of `old`, start `deployment`'s (local and SSH) and track them."""
     for placement in old.stages:
         if placement.host.is_local:
@@ -131,7 +140,7 @@ async def launch_split(controller: Any, fleet: Any, old: Deployment, deployment:
     track(controller, [each for each in outcomes if isinstance(each, Launched)])
 
 
-async def host_back(host: Any, timeout: float = 5.0) -> bool:
+async def host_back(host: Host, timeout: float = 5.0) -> bool:
     """Whether a host the fleet was planned around could run a stage again: an SSH host that accepts a
     connection, a local one whose ports are free."""
     from fleettui.control.launcher import LaunchError, check_ports

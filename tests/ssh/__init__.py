@@ -1,0 +1,1 @@
+"""Tests against real OpenSSH sshd hosts in network namespaces (root)."""

@@ -1,0 +1,1 @@
+"""The Textual app driven by Pilot, and its snapshots."""
