@@ -211,27 +211,19 @@ def call_grammar(
     the model wrote the trigger in free text, the grammar takes over from there)."""
     if not tools:
         raise ValueError("a call grammar needs at least one tool")
-    several = parallel and tool_format.parallel
-    lines = []
-    head = tool_format.opening
-    if after_trigger:
-        if not (tool_format.opening + '{"name": ').startswith(tool_format.trigger):
-            raise ValueError(f"the {tool_format.name} format's trigger does not open its calls")
-        first = (tool_format.opening + '{"name": ')[len(tool_format.trigger) :]
+    call = tool_format.opening + '{"name": '  # every call starts so, then the name picks the tool
+    if after_trigger and not call.startswith(tool_format.trigger):
+        raise ValueError(f"the {tool_format.name} format's trigger does not open its calls")
+    first = call[len(tool_format.trigger) :] if after_trigger else call
+    if parallel and tool_format.parallel:
+        lines = [f"start: {_literal(first)} named ({_literal(tool_format.separator + call)} named)*"]
     else:
-        first = head + '{"name": '
-    choices = " | ".join(f"tool_{index}" for index in range(len(tools)))
-    if several:
-        rest = _literal(tool_format.separator + head + '{"name": ')
-        lines.append(f"start: {_literal(first)} named ({rest} named)*")
-    else:
-        lines.append(f"start: {_literal(first)} named")
-    lines.append(f"named: {choices}")
+        lines = [f"start: {_literal(first)} named"]
+    lines.append("named: " + " | ".join(f"tool_{index}" for index in range(len(tools))))
+    key, end = f', "{tool_format.arguments_key}": ', "}" + tool_format.closing
     for index, tool in enumerate(tools):
-        key = f', "{tool_format.arguments_key}": '
         lines.append(
-            f"tool_{index}: {_literal(json.dumps(tool.name) + key)} arguments_{index} "
-            f"{_literal('}' + tool_format.closing)}"
+            f"tool_{index}: {_literal(json.dumps(tool.name) + key)} arguments_{index} {_literal(end)}"
         )
         lines.append(f"arguments_{index}: %json{json.dumps(compact(tool.parameters), sort_keys=True)}")
     return "\n".join(lines) + "\n"

@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleettui.runtime.chat_format import ChatTemplateError
-from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, json_schema_grammar
 from fleettui.runtime.coordinator import Generation, GenerationParams
 from fleettui.runtime.generation import TokenLogprob
 from fleettui.runtime.limits import RequestError as LimitError
@@ -42,7 +41,7 @@ from fleettui.serve.responses import (
 )
 from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
 from fleettui.serve.security import KeyChecker
-from fleettui.serve.structured import Structure
+from fleettui.serve.structured import Structure, checked_constraint
 from fleettui.text_input import TextError, decode
 
 log = logging.getLogger(__name__)
@@ -236,7 +235,7 @@ class FleetServer:
                 field,
                 code="context_length_exceeded",
             )
-        constraint = await self._constraint(structure)
+        constraint = await checked_constraint(structure, self.fleet)
         params = replace(parsed.sampling.params(self.defaults.max_tokens, room), constraint=constraint)
         try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
             validate_request(params, len(prompt), self.model.context_length)
@@ -269,32 +268,6 @@ class FleetServer:
         if parsed.stream:
             return self._stream(parsed, prompt, choices, chat)
         return await self._answer(request, prompt, choices, chat, structure)
-
-    async def _constraint(self, structure: Structure) -> ConstraintSpec | None:
-        """The grammar the request asks for, compiled once against the model's tokenizer (off the loop: a big
-        schema takes a while); a schema keyword the grammar library does not support is a 400 naming it."""
-        spec = structure.constraint(self.fleet.tool_format())
-        if spec is None:
-            return None
-        try:
-            await asyncio.to_thread(self.fleet.check_constraint, spec)
-            return spec
-        except ConstraintError as error:
-            failure = error
-        if structure.response_format == "json_schema":
-            param = "response_format.json_schema.schema"
-        elif structure.calls_tools:  # name the tool whose parameters fail
-            param = "tools"
-            for index, tool in enumerate(structure.tools):
-                single = ConstraintSpec(json_schema_grammar(tool.parameters), tool.name)
-                try:
-                    await asyncio.to_thread(self.fleet.check_constraint, single)
-                except ConstraintError as error:
-                    param, failure = f"tools[{index}].function.parameters", error
-                    break
-        else:
-            param = "response_format"
-        raise RequestError(f"'{param}': {failure}", param)
 
     # -- generation ---------------------------------------------------------------------------------
     def _start_job(

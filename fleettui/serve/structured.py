@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.constraint import (
@@ -18,6 +19,9 @@ from fleettui.runtime.constraint import (
 )
 from fleettui.runtime.tools import Tool, ToolCall, ToolFormat, call_grammar
 from fleettui.serve.request_error import RequestError
+
+if TYPE_CHECKING:
+    from fleettui.serve.fleet import ServedFleet
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function and schema names
 FORMATS = ("text", "json_object", "json_schema")
@@ -260,3 +264,30 @@ def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
 def uses_tools(messages: tuple[ChatMessage, ...], structure: Structure) -> bool:
     """Whether the prompt needs the tool format: tools offered, or calls and results in the conversation."""
     return bool(structure.tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+
+
+async def checked_constraint(structure: Structure, fleet: ServedFleet) -> ConstraintSpec | None:
+    """The grammar the request asks for, compiled against the model's tokenizer (off the event loop: a big
+    schema takes a while); a schema keyword the grammar library does not support is a 400 naming it."""
+    spec = structure.constraint(fleet.tool_format())
+    if spec is None:
+        return None
+    try:
+        await asyncio.to_thread(fleet.check_constraint, spec)
+        return spec
+    except ConstraintError as error:
+        failure = error
+    if structure.response_format == "json_schema":
+        param = "response_format.json_schema.schema"
+    elif structure.calls_tools:  # name the tool whose parameters fail
+        param = "tools"
+        for index, tool in enumerate(structure.tools):
+            single = ConstraintSpec(json_schema_grammar(tool.parameters), tool.name)
+            try:
+                await asyncio.to_thread(fleet.check_constraint, single)
+            except ConstraintError as error:
+                param, failure = f"tools[{index}].function.parameters", error
+                break
+    else:
+        param = "response_format"
+    raise RequestError(f"'{param}': {failure}", param)
