@@ -32,6 +32,7 @@ from fleettui.serve.structured import Structure
 from tests.support.chat_templates import LLAMA_3_1, MISTRAL_0_3, QWEN_2_5
 from tests.support.tiny_models import write_tokenizer
 
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 # SmolLM2-135M-Instruct's own template (plain ChatML: no tools)
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -83,6 +84,14 @@ def test_the_format_is_the_templates_own_where_it_renders_tools_calls_and_result
     assert detect_format(chat_format(LLAMA_3_1)) is LLAMA3_JSON
     assert detect_format(chat_format(SMOLLM2)) is FALLBACK  # ignores tools
     assert detect_format(chat_format(MISTRAL_0_3)) is FALLBACK  # [TOOL_CALLS] is a special token: not read
+    shipped = {
+        name: chat_format((TEMPLATES / f"{name}.jinja").read_text()) for name in ("qwen3", "gemma3", "phi3")
+    }
+    assert detect_format(shipped["qwen3"]) is HERMES
+    for name in ("gemma3", "phi3"):  # no tool support: the fallback, which their role rules accept
+        assert detect_format(shipped[name]) is FALLBACK
+        text = render_with_tools(shipped[name], CONVERSATION, [WEATHER], FALLBACK)
+        assert text.count('<tool_call>\n{"name": "get_weather"') == 2 and "<tool_response>\nrain" in text
 
 
 CONVERSATION = (
