@@ -105,8 +105,16 @@ def test_openai_parse_with_a_pydantic_model_gives_a_valid_object(client: openai.
     )
     assert mode.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(mode.choices[0].message.content or ""), dict)
-    # /v1/completions takes a response_format too
+    # streamed: the deltas join into a valid object
     schema = Person.model_json_schema()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=PERSON_PROMPT, max_tokens=64, temperature=0, stream=True,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}},
+    )  # fmt: skip
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.delta.content or "" for c in chunks)), schema)
+    # /v1/completions takes a response_format too
     text = client.completions.create(
         model=MODEL, prompt="Alice, 30 years old, as JSON:", max_tokens=64, temperature=0,
         extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}}},
