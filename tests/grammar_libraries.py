@@ -79,7 +79,12 @@ def llguidance_run(tokenizer_json: str, answer: list[int]) -> Callable[[dict[str
         assert matcher.consume_token(token), matcher.get_error()
     matcher.rollback(5)
     again = matcher.consume_tokens(answer[-5:]) and matcher.is_accepting()
-    report("llguidance", seconds, per_token, "rollback(n) built in, re-consumed: " + ("ok" if again else "FAILED"))
+    report(
+        "llguidance",
+        seconds,
+        per_token,
+        "rollback(n) built in, re-consumed: " + ("ok" if again else "FAILED"),
+    )
 
     def compiles(schema: dict[str, Any]) -> bool:
         failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -110,7 +115,12 @@ def xgrammar_run(vocabulary: list[bytes], answer: list[int]) -> Callable[[dict[s
         assert matcher.accept_token(token)
     matcher.rollback(5)
     again = all(matcher.accept_token(token) for token in answer[-5:])
-    report("xgrammar", seconds, per_token, "rollback(n) up to max_rollback_tokens: " + ("ok" if again else "FAILED"))
+    report(
+        "xgrammar",
+        seconds,
+        per_token,
+        "rollback(n) up to max_rollback_tokens: " + ("ok" if again else "FAILED"),
+    )
 
     def compiles(schema: dict[str, Any]) -> bool:
         try:
@@ -143,7 +153,12 @@ def outlines_run(vocabulary: list[bytes], answer: list[int]) -> Callable[[dict[s
         guide.advance(token)
     guide.rollback_state(5)
     again = all(guide.advance(token) is not None for token in answer[-5:])
-    report("outlines-core", seconds, per_token, "rollback_state(n) up to max_rollback: " + ("ok" if again else "FAILED"))
+    report(
+        "outlines-core",
+        seconds,
+        per_token,
+        "rollback_state(n) up to max_rollback: " + ("ok" if again else "FAILED"),
+    )
 
     def compiles(schema: dict[str, Any]) -> bool:
         try:
@@ -163,7 +178,9 @@ def main(path: str) -> None:
     tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=EOS)
     vocabulary = [tokenizer.decode_bytes([i]) for i in range(49152)]
     answer = tokenizer.tokenize_str(ANSWER)
-    print(f"vocabulary 49152, answer of {len(answer)} tokens (the bench's Inventory schema, flexible whitespace)")
+    print(
+        f"vocabulary 49152, answer of {len(answer)} tokens (the bench's Inventory schema, flexible whitespace)"
+    )
     checks = {}
     for name, run in (("llguidance", lambda: llguidance_run(tokenizer_json, answer)),
                       ("xgrammar", lambda: xgrammar_run(vocabulary, answer)),
@@ -174,7 +191,10 @@ def main(path: str) -> None:
             print(f"{name:<13} failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
     print(f"\n{'JSON-schema feature':<30} " + " ".join(f"{name:>13}" for name in checks))
     for feature, schema in FEATURES.items():
-        print(f"{feature:<30} " + " ".join(f"{'yes' if check(schema) else 'no':>13}" for check in checks.values()))
+        print(
+            f"{feature:<30} "
+            + " ".join(f"{'yes' if check(schema) else 'no':>13}" for check in checks.values())
+        )
 
 
 if __name__ == "__main__":
