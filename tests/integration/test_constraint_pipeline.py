@@ -144,6 +144,14 @@ def test_a_free_session_interleaved_with_a_constrained_one_keeps_its_tokens(
     jsonschema.validate(json.loads(shaped.text), CITY)
 
 
+def test_a_sampled_answer_validates_too(fleets: dict[int, Deployed]) -> None:
+    """Sampling and the speculative acceptance test see the masked distribution."""
+    params = replace(constrained(CITY, 4), temperature=0.9, top_p=0.95, seed=5)
+    generation = fleets[2].answer(ASK_CITY, params)
+    assert generation.stats.constraint_complete is True, generation.text
+    jsonschema.validate(json.loads(generation.text), CITY)
+
+
 def test_an_answer_cut_by_max_tokens_is_reported_incomplete(fleets: dict[int, Deployed]) -> None:
     generation = fleets[1].answer(ASK_CITY, constrained(CITY, 4, tokens=6))
     assert generation.stats.finish_reason == "length" and generation.stats.constraint_complete is False
