@@ -311,3 +311,64 @@ def test_structured_requests_map_to_their_constraint() -> None:
     completion = parse_request({"model": "m", "prompt": "p", "response_format": {"type": "json_object"}},
                                False, "m", DEFAULTS, 1000)  # fmt: skip
     assert completion.structure.constraint(FALLBACK).label == "json_object"  # type: ignore[union-attr]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                            "arguments": '{"city": "Oslo"}'}}]}  # fmt: skip
+BODIES = [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": WEATHER.parameters}}},
+    {"tools": [WEATHER_TOOL]},
+    {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tools": [WEATHER_TOOL], "tool_choice": "none", "response_format": {"type": "json_object"}},
+    {"tools": [WEATHER_TOOL], "stop": "x"},
+    {
+        "messages": [
+            ASK["messages"][0],
+            CALLED,
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    },
+    # refused
+    {"tool_choice": "required"},
+    {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_object"}, "stop": "x"},
+    {"tools": [WEATHER_TOOL], "tool_choice": "required", "stop": ["x"]},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+    {"messages": [{"role": "tool", "content": "sunny"}]},
+    {"messages": [{"role": "user", "content": "x", "tool_calls": CALLED["tool_calls"]}]},
+    {"messages": [{"role": "assistant", "content": None}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+]
+
+
+def plain_json_schema(value: Any) -> Any:
+    """An OpenAPI 3.0 schema as JSON Schema: `nullable: true` becomes "or null"."""
+    if isinstance(value, list):
+        return [plain_json_schema(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    schema = {key: plain_json_schema(item) for key, item in value.items() if key != "nullable"}
+    return {"anyOf": [{"type": "null"}, schema]} if value.get("nullable") else schema
+
+
+@pytest.mark.parametrize("fields", BODIES)
+def test_the_openapi_document_accepts_exactly_what_the_server_accepts(fields: dict[str, Any]) -> None:
+    """The fuzz run's rules, checked here without a fleet: the document's request schema and `parse_request`
+    agree on each body."""
+    import jsonschema
+
+    from fleettui.serve.fleet import ModelInfo
+    from fleettui.serve.openapi import chat_request
+
+    document = jsonschema.Draft7Validator(plain_json_schema(chat_request(ModelInfo("m", 1000, 2, 0))))
+    body = {**ASK, **fields}
+    try:
+        parse_request(body, True, "m", DEFAULTS, 1000)
+        served = True
+    except RequestError:
+        served = False
+    assert document.is_valid(body) == served, [error.message for error in document.iter_errors(body)]
