@@ -280,10 +280,10 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         stream = TextStream(self.chat_format, params.stop) if self.chat_format is not None else None
         eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
         started = time.perf_counter()
+        session.grammar = grammar = self._reply_grammar(params)  # (a bad grammar fails before anything moves)
         session.history = list(prompt)
         session.logprobs = []
         generated: list[int] = []
-        session.grammar = grammar = self._reply_grammar(params)
         # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
         await self._guarded(session, functools.partial(self._prefill, session))
         while len(generated) < params.max_tokens:
