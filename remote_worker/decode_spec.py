@@ -2,7 +2,7 @@
 
 Part of the wire contract of `remote_worker.protocol`, which re-exports everything here: a Decode travels as
 a fixed little-endian spec struct plus raw buffers (drafts, proposal distribution, uniforms, penalty ids and
-counts); `parse_decode` validates every size, range and count before use.
+counts, token masks); `parse_decode` validates every size, range and count before use.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ MAX_TOP = 32
 MAX_PENALTY_IDS = 1 << 18
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0
+MAX_MASK_WORDS = 1 << 16  # 32-bit words per token-mask row: vocabularies up to 2M tokens
 # temperature, top_p, top_k, n_draft, support, top_logprobs, n_uniforms,
-# frequency_penalty, presence_penalty, repetition_penalty, n_penalty_ids
-DECODE = struct.Struct("<ffIHHHHfffI")
-DECODE_FRAMES = 7  # spec, draft tokens, draft ids, draft probs, uniforms, penalty ids, penalty counts
+# frequency_penalty, presence_penalty, repetition_penalty, n_penalty_ids, mask_words
+DECODE = struct.Struct("<ffIHHHHfffII")
+# spec, draft tokens, draft ids, draft probs, uniforms, penalty ids, penalty counts, token mask
+DECODE_FRAMES = 8
 
 
 class ProtocolError(ValueError):
@@ -48,6 +50,11 @@ class Decode:
     `penalty_counts` how often each occurs in the reply so far; position j also counts draft tokens 0..j-1.
     `repetition_penalty` (HF/CTRL) applies to every context id, `frequency_penalty` x count and
     `presence_penalty` (OpenAI) to the ids with a count above 0.
+
+    `token_mask` (grammar-constrained decoding) holds one row of packed bits per scored position (uint32
+    [K+1, words], bit t%32 of word t//32 set: token t allowed; llguidance's bitmask layout). The last stage
+    sets every other logit to -inf after the penalties, before greedy choice, sampling and acceptance; ids
+    past the mask's width are disallowed. Empty: no constraint. A run and a Propose never carry one.
     """
 
     temperature: float = 0.0
@@ -63,6 +70,11 @@ class Decode:
     repetition_penalty: float = 1.0
     penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     penalty_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    token_mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint32))
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.token_mask.size)
 
     @property
     def penalized(self) -> bool:
@@ -101,6 +113,7 @@ def decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         float(decode.presence_penalty),
         float(decode.repetition_penalty),
         len(decode.penalty_ids),
+        decode.token_mask.shape[1] if decode.token_mask.ndim == 2 and decode.token_mask.size else 0,
     )
     return [
         spec,
@@ -110,6 +123,7 @@ def decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
         raw_buffer(decode.uniforms, np.float64),
         raw_buffer(decode.penalty_ids, np.int64),
         raw_buffer(decode.penalty_counts, np.int32),
+        raw_buffer(decode.token_mask, np.uint32),
     ]
 
 
@@ -127,7 +141,7 @@ def parse_decode(
 ) -> Decode | None:
     """A Step's decode (`max_tokens` bounds the drafts; a `run` of R tokens draws 2 uniforms for each) or,
     with `proposals` > 0, a Propose's (k uniforms)."""
-    spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts = frames
+    spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts, mask = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
             raise ProtocolError("decode: arrays without a decode header")
@@ -146,6 +160,7 @@ def parse_decode(
         presence,
         repetition,
         n_ids,
+        mask_words,
     ) = DECODE.unpack(spec)
     if not (np.isfinite(temperature) and 0.0 <= temperature <= 100.0):
         raise ProtocolError(f"decode: temperature {temperature} out of range")
@@ -183,6 +198,7 @@ def parse_decode(
         raise ProtocolError("decode: penalty ids must be unique, sorted and non-negative")
     if n_ids and int(counts.min()) < 0:
         raise ProtocolError("decode: negative penalty count")
+    token_mask = _token_mask(mask, mask_words, k + 1, proposals, run)
     return Decode(
         temperature,
         top_p,
@@ -197,4 +213,22 @@ def parse_decode(
         repetition,
         context_ids,
         counts,
+        token_mask,
     )
+
+
+def _token_mask(frame: bytes | memoryview, words: int, rows: int, proposals: int, run: int) -> np.ndarray:
+    """The token-mask frame as uint32 [rows, words]: one row per scored position, each allowing a token."""
+    if not words:
+        if len(frame):
+            raise ProtocolError("decode: a token mask without its width")
+        return np.zeros((0, 0), np.uint32)
+    if proposals or run > 1:
+        raise ProtocolError("decode: token masks only go with a verify step (not a run or a proposal)")
+    if words > MAX_MASK_WORDS:
+        raise ProtocolError(f"decode: token mask of {words} words per row is too wide")
+    mask = array_of(frame, np.uint32, rows * words, "token mask").reshape(rows, words)
+    empty = np.flatnonzero(~mask.any(axis=1))
+    if len(empty):
+        raise ProtocolError(f"decode: token mask row {int(empty[0])} allows no token")
+    return mask

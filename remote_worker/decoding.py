@@ -132,6 +132,24 @@ def penalize(logits: np.ndarray, decode: Decode) -> np.ndarray:
     return penalized
 
 
+def apply_mask(logits: np.ndarray, decode: Decode) -> np.ndarray:
+    """The scored rows with every token the grammar's mask disallows at -inf (the input itself without a
+    mask). Ids past the mask's width are disallowed; a row that allows no id of this vocabulary is an error."""
+    if not decode.constrained:
+        return logits
+    rows, vocab = logits.shape
+    if decode.token_mask.shape[0] != rows:
+        raise ValueError(f"token mask: {decode.token_mask.shape[0]} rows for {rows} scored positions")
+    bits = np.unpackbits(decode.token_mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = np.zeros((rows, vocab), bool)
+    allowed[:, : bits.shape[1]] = bits.astype(bool)
+    empty = np.flatnonzero(~allowed.any(axis=1))
+    if len(empty):
+        raise ValueError(f"token mask row {int(empty[0])} allows no token of the vocabulary of {vocab}")
+    masked: np.ndarray = np.where(allowed, np.asarray(logits, np.float32), np.float32(-np.inf))
+    return masked
+
+
 def run_step(decode: Decode) -> Decode:
     """The Decode of a run's current token: its own two uniforms of the run's 2 per token (greedy: none)."""
     return decode if len(decode.uniforms) <= 2 else replace(decode, uniforms=decode.uniforms[:2])
@@ -217,14 +235,16 @@ _NO_TOP_IDS, _NO_TOP_LOGPROBS = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.
 
 
 def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties applied first.
+    """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties and the token
+    mask applied first.
 
     Returns (tokens int64 [a+1], accepted a, top_ids, top_logprobs); the top arrays have one row per emitted
     token ([a+1, top_logprobs]) or shape (0, 0) when none were asked for.
     """
     drafts = np.asarray(decode.draft_tokens, np.int64)
     k = len(drafts)
-    if k == 0 and decode.greedy and not decode.penalized and decode.top_logprobs <= 0 and logits.ndim == 2:
+    plain = not decode.penalized and not decode.constrained and decode.top_logprobs <= 0
+    if k == 0 and decode.greedy and plain and logits.ndim == 2:
         if logits.shape[0] != 1:
             raise ValueError(f"score: logits {logits.shape} do not hold 1 position")
         return (
@@ -238,7 +258,7 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     vocab = logits.shape[1]
     if k and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
         raise ValueError(f"score: draft tokens outside the vocabulary of {vocab}")
-    raw, logits = logits, penalize(logits, decode)
+    raw, logits = logits, apply_mask(penalize(logits, decode), decode)
     if decode.greedy:
         best = np.argmax(logits, axis=1)
         mismatches = np.flatnonzero(best[:k] != drafts)

@@ -41,6 +41,7 @@ from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is
     DECODE,
     DECODE_FRAMES,
     MAX_DRAFT,
+    MAX_MASK_WORDS,
     MAX_PENALTY,
     MAX_PENALTY_IDS,
     MAX_REPETITION_PENALTY,
@@ -55,7 +56,7 @@ from remote_worker.decode_spec import (  # noqa: F401 - re-exported: protocol is
 )
 
 MAGIC = b"FLTW"
-VERSION = 4  # 2: Decode carries penalties; 3: runs, Cancel; 4: Batch containers
+VERSION = 5  # 2: Decode carries penalties; 3: runs, Cancel; 4: Batch containers; 5: token masks
 MAX_TOKENS_PER_STEP = 1 << 16
 MAX_MASK_RANGES = 1 << 14
 MAX_TRACE = 256

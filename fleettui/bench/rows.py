@@ -13,7 +13,7 @@ from fleettui.bench.results import Row
 from fleettui.config.fleet import Fleet
 
 K_SWEEP = (2, 4, 8)
-GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale", "batch")
+GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale", "batch", "grammar")
 SCALE_MODEL = "synthetic:llama-3.2-1b"  # the scale group: a 1B shape where compute, not overhead, dominates
 SCALE_USERS = (1, 2, 4)
 BATCH_USERS = (1, 2, 4, 8)
@@ -38,6 +38,7 @@ class RowSpec:
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
     copies: int = 1  # pinned mono only: n copies at once, one per core (what n PCs could do at best here)
     batching: str = ""  # "" = the workers' default (on); "on" / "off": switched so for this row
+    grammar: bool = False  # answers constrained by the bench's JSON schema (`fleettui.bench.grammar_bench`)
     group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
     versus: str = field(default="", compare=False)  # the row it is paired with (measured in the same rounds)
 
@@ -55,7 +56,11 @@ class RowSpec:
         spec = "nospec" if self.spec_k == 0 else f"spec {self.spec_k}" + (" lookup" if self.draft else "")
         delay = f" @{self.hop_delay_ms:g}ms" if self.hop_delay_ms else ""
         batching = f" batch {self.batching}" if self.batching else ""
-        return f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}{batching}{suffix}"
+        grammar = " json" if self.grammar else ""
+        return (
+            f"{'pcs' if self.pinned else 'fleet'} {self.stages}st {self.users}u {spec}{delay}{batching}{grammar}"
+            f"{suffix}"
+        )
 
     @property
     def fleet_key(self) -> tuple[str, int, bool, float]:
@@ -168,6 +173,18 @@ def batch_rows(quick: bool) -> list[RowSpec]:
     return rows
 
 
+def grammar_rows(fleet: Fleet, k: int | str, speculate: bool) -> list[RowSpec]:
+    """A schema-constrained answer against free text on the same fleet, with speculation off and (when the
+    fleet speculates) on: tok/s, and the acceptance of drafts with the grammar on (drafts cut at the first
+    token it rejects) against off."""
+    stages = max(1, len(fleet.hosts))
+    rows: list[RowSpec] = []
+    for spec_k in [0] + ([k] if speculate and k != 0 else []):
+        free = RowSpec("fleet", stages, 1, spec_k, group="grammar")
+        rows += [free, replace(free, grammar=True, versus=free.name)]
+    return rows
+
+
 def plan_rows(
     fleet: Fleet,
     quick: bool,
@@ -194,6 +211,9 @@ def plan_rows(
         rows += scale_rows(max(2, min(len(fleet.hosts), 2)))
     if only == "batch" or not quick:
         rows += batch_rows(quick)
+    if only == "grammar" or not quick:
+        named = {row.name for row in rows}  # a free row another group measures already is the pair's
+        rows += [row for row in grammar_rows(fleet, k, speculate) if row.name not in named]
     if only is None:
         return rows
     chosen = {row.name for row in rows if row.group == only}

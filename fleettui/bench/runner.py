@@ -22,6 +22,7 @@ from typing import Any
 
 from fleettui.bench.baseline import run_baseline
 from fleettui.bench.calibration import calibrate_hosts
+from fleettui.bench.grammar_bench import bench_constraint
 from fleettui.bench.machine import CpuWitness, machine_info
 from fleettui.bench.report import (
     Row,
@@ -165,7 +166,10 @@ async def _measure(
         fresh = KPolicy(None if coordinator.drafter is not None else 0, coordinator.max_k)
         coordinator.policy = policies.setdefault(spec.name, fresh)
     params = GenerationParams(
-        max_tokens=tokens, ignore_eos=True, spec_k=None if spec.spec_k == "auto" else int(spec.spec_k)
+        max_tokens=tokens,
+        ignore_eos=True,
+        spec_k=None if spec.spec_k == "auto" else int(spec.spec_k),
+        constraint=bench_constraint() if spec.grammar else None,
     )
     sessions = [await coordinator.open_session() for _ in range(spec.users)]
     recorder.trips.clear()
@@ -230,6 +234,15 @@ async def _measure(
             "users_drafted": [s.drafted for s in stats],
             "users_accepted": [s.accepted for s in stats],
             **({"join_ttft_s": round(stats[-1].ttft, 4), "batching": spec.batching} if joins else {}),
+            **(
+                {
+                    "drafts_cut": sum(s.drafts_cut for s in stats),
+                    "forced": sum(s.forced for s in stats),
+                    "constraint_complete": [s.constraint_complete for s in stats],
+                }
+                if spec.grammar
+                else {}
+            ),
         },
     }
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleettui.commands import options
 from fleettui.errors import FleetError
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON (token_ids, stats) instead of text"
     )
+    parser.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with a JSON object valid under the JSON schema in FILE (grammar-constrained decoding)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,22 +59,58 @@ def run(args: argparse.Namespace) -> int:
     fleet = options.load_for_chat(args)
     settings = options.settings(args)
     options.sampling(fleet, args)  # refuse bad sampling settings before anything starts
+    schema = _schema(args.json_schema) if args.json_schema is not None else None
 
     async def main() -> int:
-        return await _ask(fleet, settings, prompt, args)
+        return await _ask(fleet, settings, prompt, args, schema)
 
     return run_loop(main)
 
 
-async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace) -> int:
+def _schema(path: str) -> dict[str, Any]:
+    """The JSON schema of `--json-schema FILE`, checked (as JSON Schema and by the grammar compiler) before
+    anything starts: a FleetError (exit 2) names the file and the problem."""
+    import jsonschema
+
+    from fleettui.runtime.constraint import (
+        ConstraintError,
+        ConstraintSpec,
+        check_constraint,
+        json_schema_grammar,
+    )
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise FleetError(f"--json-schema {path}: {error.strerror or error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FleetError(f"--json-schema {path}: not JSON ({error})") from None
+    if not isinstance(schema, dict):
+        raise FleetError(f"--json-schema {path}: a JSON schema must be an object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.path) or "the top level"
+        raise FleetError(f"--json-schema {path}: invalid schema at {where}: {error.message}") from None
+    try:
+        check_constraint(ConstraintSpec(json_schema_grammar(schema), "json_schema"), None)
+    except ConstraintError as error:
+        raise FleetError(f"--json-schema {path}: {error}") from None
+    return schema
+
+
+async def _ask(
+    fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace, schema: dict[str, Any] | None
+) -> int:
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
     from fleettui.runtime.chat_format import ChatTemplateError
+    from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, json_schema_grammar
     from fleettui.runtime.limits import RequestError
 
     reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
     controller = FleetController(fleet, on_event=reporter, settings=settings)
-    streaming = args.json is None and sys.stdout.isatty()
+    streaming = args.json is None and schema is None and sys.stdout.isatty()  # (an object prints once valid)
 
     def show(_tokens: list[int], delta: str) -> None:
         if streaming and delta:
@@ -80,6 +122,12 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
             await controller.start()
         attached = controller.attached
         params = options.sampling(controller.fleet, args)
+        if schema is not None:
+            title = schema.get("title")
+            label = f"json_schema {title}" if isinstance(title, str) and title else "json_schema"
+            params = dataclasses.replace(
+                params, constraint=ConstraintSpec(json_schema_grammar(schema), label)
+            )
         generation = await controller.ask(prompt, params, show, system=args.system, raw=args.raw)
     except ControllerError as error:
         print(f"fleettui: {error}", file=sys.stderr)
@@ -87,7 +135,8 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
     except (
         RequestError,
         ChatTemplateError,
-    ) as error:  # too long for the context; no (or a refusing) template
+        ConstraintError,
+    ) as error:  # too long for the context; no (or a refusing) template; a schema the tokenizer cannot serve
         print(f"fleettui: {error}", file=sys.stderr)
         return 2
     finally:
@@ -99,6 +148,9 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
                     print(f"fleettui: {line}", file=sys.stderr)
     stats = generation.stats
     info = controller.model_info()
+    if schema is not None and (failure := _check_answer(generation.text, stats, schema, args)) is not None:
+        print(f"fleettui: {failure}", file=sys.stderr)
+        return 1
     if args.json is not None:
         document = {
             "text": generation.text,
@@ -115,6 +167,7 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
                 "acceptance_rate": stats.acceptance_rate,
                 "mean_k": round(stats.mean_k, 2),
                 "finish_reason": stats.finish_reason,
+                "constraint_complete": stats.constraint_complete,
             },
             "fleet": {
                 "stages": [list(stage) for stage in info.stages] if info else [],
@@ -131,7 +184,9 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
         else:
             Path(args.json).write_text(text + "\n")  # noqa: ASYNC240 - once, after the answer
         return 0
-    if streaming:
+    if schema is not None:
+        print(json.dumps(json.loads(generation.text), indent=2, ensure_ascii=False))
+    elif streaming:
         print()
     else:
         print(generation.text)
@@ -142,3 +197,19 @@ async def _ask(fleet: Fleet, settings: Settings, prompt: str, args: argparse.Nam
         file=sys.stderr,
     )
     return 0
+
+
+def _check_answer(text: str, stats: Any, schema: dict[str, Any], args: argparse.Namespace) -> str | None:
+    """Why a constrained answer is not a valid object (None when it is): cut by --max-tokens, or invalid."""
+    import jsonschema
+
+    if stats.constraint_complete is not True:
+        if stats.finish_reason == "length":
+            return f"the answer was cut by --max-tokens at {stats.tokens} tokens, before its JSON object was complete"
+        return f"the answer ended ({stats.finish_reason or 'stopped'}) before its JSON object was complete"
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError) as error:
+        message = error.message if isinstance(error, jsonschema.ValidationError) else str(error)
+        return f"the answer does not validate against the schema: {message}"
+    return None

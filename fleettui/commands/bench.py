@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         metavar="GROUP",
-        help="one group (anchors, fleet, spec, delay, pcs, scale, batch) and the rows it is paired with",
+        help="one group (anchors, fleet, spec, delay, pcs, scale, batch, grammar) and the rows it is paired with",
     )
     parser.add_argument(
         "--soak", type=float, nargs="?", const=600.0, metavar="SECONDS",

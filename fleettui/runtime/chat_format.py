@@ -20,9 +20,27 @@ from remote_worker.manifest import Manifest
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant message: its id (`call_...`), the function's name, its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (its content may then be empty)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 NO_TEMPLATE_HINT = "send a raw prompt (/v1/completions, `fleettui ask --raw`)"

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
+from fleettui.runtime.constraint import ConstraintError, ReplyGrammar
 from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
     NO_UNIFORMS,
     Generation,
@@ -48,6 +49,7 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
+MAX_FORCED = 32  # tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
 
 
 _T = TypeVar("_T")
@@ -278,6 +280,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         stream = TextStream(self.chat_format, params.stop) if self.chat_format is not None else None
         eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
         started = time.perf_counter()
+        session.grammar = grammar = self._reply_grammar(params)  # (a bad grammar fails before anything moves)
         session.history = list(prompt)
         session.logprobs = []
         generated: list[int] = []
@@ -297,10 +300,13 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
                 round_.loaded, prefilled, self._several(), draft.computed, session.id,
             )  # fmt: skip
-            round_.policy.record_round(facts)
             stats.rounds += 1
-            stats.drafted += k
-            stats.accepted += result.accepted
+            if round_.forced:  # the grammar's own tokens: no drafter's acceptance, no policy's lesson
+                stats.forced += result.accepted
+            else:
+                round_.policy.record_round(facts)
+                stats.drafted += k
+                stats.accepted += result.accepted
             stats.k_values.append(k)
             stats.draft_seconds += draft_seconds
             stats.verify_seconds += verify_seconds
@@ -311,6 +317,13 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                     emitted = emitted[: index + 1]
                     finished = "eos"
                     break
+            scored = emitted
+            if grammar is not None:
+                emitted = grammar.advance(emitted)  # (cut right after a trigger it completes)
+                if finished and emitted[-1] not in eos:
+                    finished = ""
+                if grammar.stopped and not finished:
+                    finished = "stop"
             if not generated:
                 stats.ttft = time.perf_counter() - started
             generated.extend(emitted)
@@ -319,7 +332,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             if params.logprobs is not None:
-                session.logprobs += token_logprobs(result, emitted)[: len(visible)]  # (EOS only ends)
+                session.logprobs += token_logprobs(result, scored)[: len(visible)]  # (EOS only ends)
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
                 finished = "stop"
@@ -339,10 +352,21 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 if asyncio.iscoroutine(outcome):
                     await outcome
         stats.tokens = len(generated)
+        if grammar is not None:
+            stats.constraint_complete = grammar.complete
+            stats.drafts_cut = grammar.drafts_cut
         stats.seconds = time.perf_counter() - started
         session.last_stats = stats
         text = stream.text if stream is not None else ""
         return Generation(tuple(generated), text, stats, tuple(session.logprobs))
+
+    def _reply_grammar(self, params: GenerationParams) -> ReplyGrammar | None:
+        """The grammar state of a constrained reply (None without a constraint)."""
+        if params.constraint is None:
+            return None
+        if self.chat_format is None:
+            raise ConstraintError(f"cannot constrain a reply: {self.no_chat_reason}")
+        return ReplyGrammar(params.constraint, self.chat_format)
 
     async def _round(
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
@@ -415,8 +439,20 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         draft_seconds = self._charge_cut(
             session, policy, bool(draft.tokens), loaded, time.perf_counter() - draft_started
         )
+        token_mask = None
+        forced = False
+        if session.grammar is not None:  # drafts the grammar rejects are never verified
+            if not draft.tokens and left > 0 and (tokens := session.grammar.forced(min(left, MAX_FORCED))):
+                draft, forced = Draft.deterministic(tokens), True  # what the grammar forces: always accepted
+            kept, token_mask = session.grammar.plan(draft.tokens)
+            if kept < len(draft.tokens):
+                draft = Draft(
+                    draft.tokens[:kept], draft.ids[:kept], draft.probs[:kept], draft.fed, draft.computed
+                )
         k = len(draft.tokens)
-        if k == 0 and left > 0 and self.max_run and not opening and hasattr(self.target, "stream"):
+        # (a constrained reply never runs: every token must be scored under the mask of its true position)
+        runs = self.max_run and session.grammar is None and hasattr(self.target, "stream")
+        if k == 0 and left > 0 and runs and not opening:
             # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
@@ -432,7 +468,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         verify_started = time.perf_counter()
         feed = session.ledger.plan(session.history + list(draft.tokens), scored=k + 1)
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
-        decode = verify_decode(params, draft, uniforms, session.history, generated)
+        decode = verify_decode(params, draft, uniforms, session.history, generated, token_mask)
         session.outstanding = feed
         if opening:  # the draft reads the prompt while the stages prefill it (and drafts on, if that pays)
             if not self._maybe_draft_ahead(
@@ -447,7 +483,9 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             session.outstanding = None
         verify_seconds = time.perf_counter() - verify_started
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
-        return Round(k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded)
+        return Round(
+            k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded, forced=forced
+        )
 
     async def _propose(self, session: Session, drafter: Drafter, k: int, sampling: Sampling) -> Draft:
         """K drafts after the session's history (the model draft's bookkeeping: what it read, its cost)."""

@@ -1,6 +1,11 @@
 """Provides the values of one generation: its parameters, its statistics, its result, and one round of it.
 
 Shared by the coordinator (which drives the rounds) and the run rounds (`fleettui.runtime.runs`).
+
+A constrained reply (`GenerationParams.constraint`, `fleettui.runtime.constraint`) reports in
+`GenerationStats.constraint_complete` whether its grammar was completed: True (the constrained text is a
+full sentence of the grammar), False (it ended before, e.g. finish_reason "length" when max_tokens cut it),
+None (no constraint, or a trigger that never came: no constrained text).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fleettui.runtime.constraint import ConstraintSpec
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.speculation import Draft, Sampling
@@ -34,6 +40,7 @@ class GenerationParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
     repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
     logprobs: int | None = None  # n: each reply token's log-prob and its n likeliest alternatives
+    constraint: ConstraintSpec | None = None  # a grammar the reply must follow (fleettui.runtime.constraint)
 
     @property
     def top_columns(self) -> int:
@@ -63,6 +70,9 @@ class GenerationStats:
     compactions: int = 0
     k_values: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    constraint_complete: bool | None = None  # the grammar was completed (None: no constrained text)
+    drafts_cut: int = 0  # draft tokens the grammar rejected before verification (never sent)
+    forced: int = 0  # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -127,13 +137,23 @@ class Round:
     policy: KPolicy  # whose costs and acceptance this round updates
     loaded: bool  # other sessions were generating when it started
     pipelined: bool = False  # its verify was sent before the previous result (its wait teaches no costs)
+    forced: bool = False  # its drafts are the tokens a grammar forces (no drafter proposed them)
 
 
 def verify_decode(
-    params: GenerationParams, draft: Draft, uniforms: np.ndarray, history: list[int], generated: list[int]
+    params: GenerationParams,
+    draft: Draft,
+    uniforms: np.ndarray,
+    history: list[int],
+    generated: list[int],
+    token_mask: np.ndarray | None = None,
 ) -> protocol.Decode:
-    """The Decode of a verify step: the request's sampling, the drafts and their proposals, the penalties."""
+    """The Decode of a verify step: the request's sampling, the drafts and their proposals, the penalties,
+    the grammar's token masks (one row per scored position)."""
     sampling = params.sampling
+    extra = penalties(params, history, generated)
+    if token_mask is not None:
+        extra["token_mask"] = token_mask
     return protocol.Decode(
         sampling.temperature,
         sampling.top_p,
@@ -143,7 +163,7 @@ def verify_decode(
         np.asarray(draft.probs, np.float32),
         uniforms,
         params.top_columns,
-        **penalties(params, history, generated),
+        **extra,
     )
 
 

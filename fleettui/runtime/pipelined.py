@@ -91,6 +91,7 @@ class AheadRounds:
         if (
             not self.draft_ahead
             or self.drafter is None
+            or params.constraint is not None  # its masks follow from the round before: no round ahead
             or (k == 0 and opening <= 0)
             or tokens == 0
             or not params.sampling.greedy

@@ -8,6 +8,7 @@ import numpy as np
 
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatMessage
+from fleettui.runtime.constraint import ReplyGrammar
 from fleettui.runtime.generation import GenerationStats, TokenLogprob
 from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.lookup_watch import Cut
@@ -39,4 +40,5 @@ class Session:
         self.ahead: list[ahead_drafts.Ahead] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
         self.idle = 0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
+        self.grammar: ReplyGrammar | None = None  # the constrained reply's grammar state (matcher)
         self.drafted_at = 0  # how much of the history the model draft has read (its drafts taken as read)

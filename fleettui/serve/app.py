@@ -29,18 +29,19 @@ from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.fleet import ServedFleet
 from fleettui.serve.live import LiveRequest, LiveRequests
 from fleettui.serve.metrics import ServerMetrics
+from fleettui.serve.replies import StreamedReply, final_reply
 from fleettui.serve.responses import (
     KEEPALIVE,
     Envelope,
     Logprobs,
     error_body,
-    finish_reason,
     model_card,
     paced,
     sse,
 )
 from fleettui.serve.schema import CompletionRequest, RequestError, parse_request
 from fleettui.serve.security import KeyChecker
+from fleettui.serve.structured import Structure, checked_constraint
 from fleettui.text_input import TextError, decode
 
 log = logging.getLogger(__name__)
@@ -216,9 +217,10 @@ class FleetServer:
     async def _complete(self, request: Request, chat: bool) -> Response:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.model.name, self.defaults, self.model.context_length)
+        structure = parsed.structure
         if parsed.messages is not None:
             try:  # a base model (no template) or a template's own raise_exception: 400, never a made-up prompt
-                prompt = self.fleet.encode_chat(list(parsed.messages))
+                prompt = self.fleet.encode_chat(list(parsed.messages), structure.tools)
             except ChatTemplateError as error:
                 raise RequestError(str(error), "messages", code="chat_template") from None
             field = "messages"
@@ -233,7 +235,8 @@ class FleetServer:
                 field,
                 code="context_length_exceeded",
             )
-        params = parsed.sampling.params(self.defaults.max_tokens, room)
+        constraint = await checked_constraint(structure, self.fleet)
+        params = replace(parsed.sampling.params(self.defaults.max_tokens, room), constraint=constraint)
         try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
             validate_request(params, len(prompt), self.model.context_length)
         except LimitError as error:
@@ -252,13 +255,19 @@ class FleetServer:
             Choice(
                 replace(params, seed=params.seed + index),
                 ticket,
-                self.live.begin(address, "chat" if chat else "completions", asked, len(prompt)),
+                self.live.begin(
+                    address,
+                    "chat" if chat else "completions",
+                    asked,
+                    len(prompt),
+                    constraint.label if constraint else "",
+                ),
             )
             for index, ticket in enumerate(tickets)
         ]
         if parsed.stream:
             return self._stream(parsed, prompt, choices, chat)
-        return await self._answer(request, prompt, choices, chat)
+        return await self._answer(request, prompt, choices, chat, structure)
 
     # -- generation ---------------------------------------------------------------------------------
     def _start_job(
@@ -344,7 +353,7 @@ class FleetServer:
         self.metrics.mean_k.set(stats.mean_k)
 
     async def _answer(
-        self, request: Request, prompt: list[int], choices: list[Choice], chat: bool
+        self, request: Request, prompt: list[int], choices: list[Choice], chat: bool, structure: Structure
     ) -> Response:
         jobs = [
             self._start_job(prompt, c.params, c.ticket, lambda _delta, _logprobs: None, c.live)
@@ -374,7 +383,9 @@ class FleetServer:
             generation, logprobs = outcome.generation, None
             if choice.params.logprobs is not None:
                 logprobs = Logprobs(chat, self.fleet.token_bytes).of(generation.logprobs)
-            answers.append((generation.text, generation.stats, logprobs))
+            reply = final_reply(generation.text, generation.stats, structure, self.fleet.tool_format())
+            choice.live.tool_calls += [call.name for call in reply.tool_calls]
+            answers.append((reply, generation.stats, logprobs))
         envelope = Envelope(chat, self.model.name)
         return JSONResponse(envelope.complete(answers, outcomes[0].prompt_tokens, outcomes[0].reused_tokens))
 
@@ -394,12 +405,20 @@ class FleetServer:
         usage = parsed.include_usage
         wanted = choices[0].params.logprobs is not None
         logprobs = [Logprobs(chat, self.fleet.token_bytes) if wanted else None for _ in choices]
+        tool_format = self.fleet.tool_format()
+        replies = [
+            StreamedReply(
+                parsed.structure if chat else Structure(), tool_format, choice.live.tool_calls.append
+            )
+            for choice in choices
+        ]
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 for index in range(len(choices)):
                     yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage, index=index))
                 sent, ended, failure = [0] * len(choices), 0, None
+                waiting: list[list[TokenLogprob]] = [[] for _ in choices]
                 async for piece in paced(pieces, KEEPALIVE_SECONDS):
                     if piece is None:
                         yield KEEPALIVE
@@ -407,9 +426,14 @@ class FleetServer:
                     index, delta, entries = piece
                     shaper = logprobs[index]
                     if delta is not None:
-                        sent[index] += len(entries)
-                        shown = shaper.of(entries) if shaper is not None else None
-                        yield sse(envelope.chunk(delta, with_usage=usage, logprobs=shown, index=index))
+                        waiting[index] += entries  # log-probs go out with the next chunk there is
+                        for part in replies[index].push(delta) if chat else [{"text": delta}]:
+                            sent[index] += len(waiting[index])
+                            shown = shaper.of(waiting[index]) if shaper is not None else None
+                            waiting[index] = []
+                            text = part.get("text") if not chat else None
+                            yield sse(envelope.chunk(text, with_usage=usage, logprobs=shown, index=index,
+                                                     delta=part if chat else None))  # fmt: skip
                         continue
                     job = jobs[index]
                     error = asyncio.CancelledError() if job.cancelled() else job.exception()
@@ -417,9 +441,11 @@ class FleetServer:
                         failure = _generation_error(error)
                         break
                     generation = job.result().generation
+                    held, finish = replies[index].finish(generation.stats)
+                    for part in held:
+                        yield sse(envelope.chunk(None, with_usage=usage, index=index, delta=part))
                     rest = generation.logprobs[sent[index] :]
                     shown = shaper.of(rest) if shaper is not None and rest else None  # text held back
-                    finish = finish_reason(generation.stats)
                     yield sse(envelope.chunk(None, finish, with_usage=usage, logprobs=shown, index=index))
                     ended += 1
                     if ended == len(choices):

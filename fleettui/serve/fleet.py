@@ -8,12 +8,16 @@ writing one more adapter here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fleettui.runtime.chat_format import ChatMessage
+from fleettui.runtime.constraint import ConstraintSpec, check_constraint
 from fleettui.runtime.coordinator import Generation, GenerationParams, Session, TokenCallback
+from fleettui.runtime.tools import Tool, ToolFormat, detect_format, render_with_tools
 
 if TYPE_CHECKING:
     from fleettui.control.controller import FleetController
@@ -44,7 +48,17 @@ class ServedFleet(Protocol):
         """Sampling defaults: the fleet file's, else the model's recommended (max_tokens, temperature, top_p, seed ...)."""
         ...
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]: ...
+    def encode_chat(self, messages: list[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
+        """The conversation's prompt; with TOOLS, or calls and results in it, in `tool_format()`."""
+        ...
+
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls (its template's own format, or the documented fallback)."""
+        ...
+
+    def check_constraint(self, spec: ConstraintSpec) -> None:
+        """Compile SPEC against the model's tokenizer; raises ConstraintError naming what is unsupported."""
+        ...
 
     def encode_text(self, text: str) -> list[int]: ...
 
@@ -96,8 +110,20 @@ class ControllerFleet:
 
         return generation_params(self.controller.fleet)
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            return self.chat_format.encode(
+                render_with_tools(self.chat_format, messages, tools, self.tool_format())
+            )
         return self.chat_format.encode_chat(messages)
+
+    @functools.cache  # noqa: B019 - one fleet, one template: detected once per server
+    def tool_format(self) -> ToolFormat:
+        return detect_format(self.chat_format)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - clients resend the same schema: compiled once (errors are not kept)
+    def check_constraint(self, spec: ConstraintSpec) -> None:
+        check_constraint(spec, self.chat_format)
 
     def encode_text(self, text: str) -> list[int]:
         return self.chat_format.encode_text(text)

@@ -19,11 +19,13 @@ class LiveRequest:
     endpoint: str  # chat | completions
     preview: str  # the start of the last user message (or of the prompt)
     prompt_tokens: int
+    constraint: str = ""  # the grammar's label (json_schema Person, tools auto ...): empty for free text
     state: str = "queued"  # queued | generating | done | stopped
     tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     ended: float | None = None
+    tool_calls: list[str] = field(default_factory=list)  # the functions called so far, by name
 
     @property
     def active(self) -> bool:
@@ -46,9 +48,11 @@ class LiveRequests:
         self.linger = linger
         self._recent: deque[LiveRequest] = deque()
 
-    def begin(self, client: str, endpoint: str, preview: str, prompt_tokens: int) -> LiveRequest:
+    def begin(
+        self, client: str, endpoint: str, preview: str, prompt_tokens: int, constraint: str = ""
+    ) -> LiveRequest:
         request = LiveRequest(
-            next(self._ids), client, endpoint, " ".join(preview.split())[:60], prompt_tokens
+            next(self._ids), client, endpoint, " ".join(preview.split())[:60], prompt_tokens, constraint
         )
         self.requests[request.id] = request
         return request

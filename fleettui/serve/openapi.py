@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleettui.serve import schema
+from fleettui.serve import schema, structured
 from fleettui.serve.fleet import ModelInfo
 
 OPENAPI_VERSION = "3.0.3"
@@ -18,39 +18,133 @@ TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
 }
-# Constrained output: only free text until the grammar work lands; it replaces these two entries of CHAT_FIELDS.
+TEXTLIKE = {"anyOf": [{"enum": [None, "text"]},
+                      {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}}]}  # fmt: skip
+NAME = {"type": "string", "pattern": structured.NAME.pattern}
+JSON_SCHEMA = {
+    "type": "object",
+    "description": "a JSON schema (valid by its meta-schema; a keyword the grammar library does not support is a 400 "
+    "naming it)",
+}
 RESPONSE_FORMAT: dict[str, Any] = {
     "nullable": True,
-    "description": 'only free text: \'text\' or {"type": "text"}',
+    "description": "free text, any JSON object, or JSON valid against a schema (grammar-constrained decoding)",
     "oneOf": [
         {"type": "string", "enum": ["text"]},
         {
             "type": "object",
             "required": ["type"],
-            "properties": {"type": {"type": "string", "enum": ["text"]}},
+            "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": NAME,
+                        "schema": {**JSON_SCHEMA, "nullable": True},
+                        "strict": {"type": "boolean", "nullable": True},
+                        "description": {"type": "string", "nullable": True},
+                    },
+                },
+            },
         },
     ],
 }
-TOOLS: dict[str, Any] = {
-    "type": "array",
-    "nullable": True,
-    "description": "no tool calls: a non-empty list needs its choice field ('tool_choice' / 'function_call') 'none'",
+TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "description": "a function tool; names are unique within the list",
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": NAME,
+                "description": {"type": "string", "nullable": True},
+                "strict": {"type": "boolean", "nullable": True},
+                "parameters": {
+                    **JSON_SCHEMA,
+                    "nullable": True,
+                    "properties": {"type": {"type": "string", "enum": ["object"]}},
+                },  # fmt: skip
+            },
+        },
+    },
 }
-CHOICE: dict[str, Any] = {"nullable": True, "description": "only 'none' is served (no tool calls)"}
-
-
-def _no_tool_calls() -> list[dict[str, Any]]:
-    """A list of tools (or legacy functions) is served only with its choice field 'none'."""
-    return [
+TOOL_CHOICE: dict[str, Any] = {
+    "nullable": True,
+    "description": "none, auto (the default with tools), required, or a function of 'tools' by name",
+    "oneOf": [
+        {"type": "string", "enum": list(structured.CHOICES)},
         {
-            "anyOf": [
-                {"not": {"type": "object", "required": [name]}},
-                {"properties": {name: {"enum": [None]}}},
-                {"properties": {name: {"maxItems": 0}}},
-                {"required": [choice], "properties": {choice: {"enum": ["none"]}}},
-            ]
-        }
-        for name, choice in schema.CHOICE_OF.items()
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ],
+}
+CALL = {
+    "type": "object",
+    "required": ["id", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "the JSON text of an object"},
+            },
+        },
+    },
+}
+
+
+def _absent(name: str, empty_list: bool = False) -> list[dict[str, Any]]:
+    """Field NAME is absent or null (or an empty list)."""
+    cases: list[dict[str, Any]] = [
+        {"not": {"type": "object", "required": [name]}},
+        {"properties": {name: {"enum": [None]}}},
+    ]
+    if empty_list:
+        cases.append({"properties": {name: {"type": "array", "maxItems": 0}}})
+    return cases
+
+
+def _no_legacy_functions() -> dict[str, Any]:
+    """A list of legacy functions is served only with 'function_call' 'none'."""
+    choice = {"required": ["function_call"], "properties": {"function_call": {"enum": ["none"]}}}
+    return {"anyOf": [*_absent("functions", empty_list=True), choice]}
+
+
+def _structured_rules(chat: bool) -> list[dict[str, Any]]:
+    """What the fields of structured output ask of each other (`structured.parse_structure`)."""
+    text = {"properties": {"response_format": TEXTLIKE}}
+    free = {"properties": {"tool_choice": {"enum": [None, "none", "auto"]}}}  # no call from the first token
+    if not chat:
+        return [{"anyOf": [*_absent("stop", empty_list=True), text]}]
+    tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    no_tools = _absent("tools", empty_list=True)
+    no_calls = {"properties": {"tool_choice": {"enum": ["none"]}}}
+    return [
+        {"anyOf": [free, tools]},  # required / a named function need tools
+        {"anyOf": [text, *no_tools, {"required": ["tool_choice"], **no_calls}]},  # JSON or calls, not both
+        {"anyOf": [*_absent("stop", empty_list=True), {"allOf": [text, free]}]},  # no stop cuts a grammar
+        {"properties": {"parallel_tool_calls": {"type": "boolean", "nullable": True}}},
     ]
 
 
@@ -122,31 +216,48 @@ def _rules(chat: bool) -> list[dict[str, Any]]:
     return rules
 
 
-def chat_request(model: ModelInfo) -> dict[str, Any]:
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": list(schema.ROLES)},
-            "content": {
-                "oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
-                "description": "text, or a list of text parts (joined); no lone surrogates",
-            },
-        },
+def _message(roles: list[str], **fields: Any) -> dict[str, Any]:
+    content = {
+        "oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
+        "description": "text, or a list of text parts (joined); no lone surrogates",
     }
+    calls = {"type": "array", "nullable": True, "maxItems": 0, "description": "only on assistant messages"}
+    properties = {"role": {"type": "string", "enum": roles}, "content": content, "tool_calls": calls}
+    return {"type": "object", "required": ["role", "content"], "properties": properties, **fields}
+
+
+def chat_request(model: ModelInfo) -> dict[str, Any]:
+    plain = _message([role for role in schema.ROLES if role not in ("assistant", "tool")])
+    tool = _message(["tool"])
+    tool["required"] = ["role", "content", "tool_call_id"]
+    tool["properties"]["tool_call_id"] = {
+        "type": "string",
+        "minLength": 1,
+        "description": "the call it answers",
+    }
+    assistant = _message(["assistant"])
+    assistant["required"] = ["role"]
+    assistant["properties"]["content"] = {**assistant["properties"]["content"], "nullable": True}
+    assistant["properties"]["tool_calls"] = {"type": "array", "nullable": True, "items": CALL}
+    assistant["anyOf"] = [  # text, or calls (then content may be null)
+        {"required": ["content"], "properties": {"content": {"not": {"enum": [None]}}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+    ]
     return {
         "type": "object",
         "required": ["model", "messages"],
         "properties": {
             "model": {"type": "string", "enum": [model.name]},
-            "messages": {"type": "array", "minItems": 1, "items": message},
+            "messages": {"type": "array", "minItems": 1, "items": {"oneOf": [plain, assistant, tool]}},
             **_sampling(model, chat=True),
             "response_format": RESPONSE_FORMAT,
-            "tools": TOOLS,
-            "functions": TOOLS,
-            **{choice: CHOICE for choice in schema.CHOICE_OF.values()},
+            "tools": {"type": "array", "nullable": True, "items": TOOL},
+            "tool_choice": TOOL_CHOICE,
+            "parallel_tool_calls": {"type": "boolean", "nullable": True},
+            "functions": {"type": "array", "nullable": True, "description": "deprecated: send 'tools'"},
+            "function_call": {"nullable": True, "description": "only 'none' is served (use 'tool_choice')"},
         },
-        "allOf": _rules(chat=True) + _no_tool_calls(),
+        "allOf": _rules(chat=True) + _structured_rules(chat=True) + [_no_legacy_functions()],
     }
 
 
@@ -162,6 +273,7 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
                 "description": "one text (a list of exactly one is taken too); no lone surrogates",
             },
             **_sampling(model, chat=False),
+            "response_format": RESPONSE_FORMAT,
             "suffix": {"type": "string", "maxLength": 0, "nullable": True, "description": "not supported"},
             "echo": {
                 "type": "boolean",
@@ -170,7 +282,7 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
                 "description": "not supported",
             },
         },
-        "allOf": _rules(chat=False),
+        "allOf": _rules(chat=False) + _structured_rules(chat=False),
     }
 
 
@@ -209,13 +321,15 @@ MODEL_CARD = {
         "context_length": {"type": "integer"},
     },
 }
-FINISH = {"type": "string", "enum": ["stop", "length"]}
+FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
 
 
 def _completion(chat: bool) -> dict[str, Any]:
     answer = (
         {"message": {"type": "object", "required": ["role", "content"],
-                     "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}}
+                     "properties": {"role": {"type": "string", "enum": ["assistant"]},
+                                    "content": {"type": "string", "nullable": True},
+                                    "tool_calls": {"type": "array", "items": CALL}}}}
         if chat
         else {"text": {"type": "string"}}
     )  # fmt: skip

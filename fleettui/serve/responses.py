@@ -101,20 +101,20 @@ class Envelope:
                 "choices": choices, **extra}  # fmt: skip
 
     def complete(
-        self, choices: Sequence[tuple[str, GenerationStats, Any]], prompt_tokens: int, reused: int
+        self, choices: Sequence[tuple[Any, GenerationStats, Any]], prompt_tokens: int, reused: int
     ) -> dict[str, Any]:
-        """The non-streaming answer: per choice its text, stats and `logprobs` object (None unless asked for)."""
+        """The non-streaming answer: per choice its `replies.Reply`, stats and `logprobs` object (None unless
+        asked for)."""
         bodies = []
-        for index, (text, stats, logprobs) in enumerate(choices):
-            choice: dict[str, Any] = {
-                "index": index,
-                "finish_reason": finish_reason(stats),
-                "logprobs": logprobs,
-            }
+        for index, (reply, _stats, logprobs) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index, "finish_reason": reply.finish, "logprobs": logprobs}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+                if reply.tool_calls:
+                    message["tool_calls"] = [call.as_openai() for call in reply.tool_calls]
+                choice["message"] = message
             else:
-                choice["text"] = text
+                choice["text"] = reply.content or ""
             bodies.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         completion = sum(stats.tokens for _, stats, _ in choices)
@@ -128,14 +128,16 @@ class Envelope:
         with_usage: bool = False,
         logprobs: Any = None,
         index: int = 0,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice `index`; `with_usage` adds the `usage: null` that include_usage asks for."""
+        """One stream chunk of choice `index`; `with_usage` adds the `usage: null` that include_usage asks for.
+        A chat chunk carries TEXT as its content, or DELTA as it is (tool-call deltas)."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            shown: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
+                shown["content"] = text
+            choice["delta"] = {**shown, **(delta or {})}
         else:
             choice["text"] = text or ""
         kind = "chat.completion.chunk" if self.chat else "text_completion"

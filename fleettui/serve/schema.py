@@ -8,9 +8,12 @@ from typing import Any
 
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.coordinator import GenerationParams
+from fleettui.serve.request_error import RequestError
+from fleettui.serve.structured import Structure, parse_structure, tool_calls
 from fleettui.text_input import TextError, check_text
 
-ROLES = ("system", "user", "assistant", "developer")
+__all__ = ["CompletionRequest", "RequestError", "Sampling", "parse_request"]
+ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20  # chat's top_logprobs (OpenAI's range)
 MAX_CHOICES = 8  # `n`: each choice is a session of its own
@@ -19,17 +22,6 @@ MAX_SEED = 2**63 - 1
 # Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are refused.
 PENALTIES = ("frequency_penalty", "presence_penalty")
 SUPPORTED_PENALTIES = frozenset(PENALTIES) & {f.name for f in fields(GenerationParams)}
-
-
-class RequestError(ValueError):
-    """A bad request: OpenAI answers these with 400 and an error naming `param`."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -75,6 +67,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
+    structure: Structure = Structure()  # JSON or tool calls asked for (default: free text)
 
 
 def _text(value: str, param: str) -> str:
@@ -202,8 +195,21 @@ def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
             raise RequestError(
                 f"'role' must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{index}].role"
             )
-        content = _content(item.get("content"), index)
-        messages.append(ChatMessage("system" if role == "developer" else role, content))
+        calls = tool_calls(item.get("tool_calls"), f"messages[{index}].tool_calls")
+        if calls and role != "assistant":
+            raise RequestError(
+                "only an assistant message carries 'tool_calls'", f"messages[{index}].tool_calls"
+            )
+        # an assistant's calls without text: content null
+        content = "" if calls and item.get("content") is None else _content(item.get("content"), index)
+        call_id = None
+        if role == "tool":
+            call_id = item.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise RequestError(
+                    "a tool message needs its 'tool_call_id'", f"messages[{index}].tool_call_id"
+                )
+        messages.append(ChatMessage("system" if role == "developer" else role, content, calls, call_id))
     return tuple(messages)
 
 
@@ -221,29 +227,6 @@ def _prompt(body: dict[str, Any]) -> str:
     if body.get("echo") is not None and body["echo"] is not False:
         raise RequestError("'echo' is not supported", "echo")
     return value
-
-
-CHOICE_OF = {"tools": "tool_choice", "functions": "function_call"}  # the field that says whether to call one
-
-
-def _unconstrained(body: dict[str, Any]) -> None:
-    """Refuse what asks for constrained output (JSON mode, tool calls): ignoring it would answer as if granted."""
-    kind = body.get("response_format")
-    if kind is not None:
-        kind = kind.get("type") if isinstance(kind, dict) else kind
-        if kind != "text":
-            raise RequestError(
-                f"'response_format' {kind!r} is not supported: this fleet answers in free text only ('text')",
-                "response_format",
-            )
-    for name in ("tools", "functions"):
-        if body.get(name) is not None and not isinstance(body[name], list):
-            raise RequestError(f"'{name}' must be a list", name)
-        if body.get(name) and body.get(CHOICE_OF[name]) != "none":
-            raise RequestError(
-                f"'{name}' is not supported: this fleet does not call tools (leave it out, or 'tool_choice': 'none')",
-                name,
-            )
 
 
 def parse_request(
@@ -269,9 +252,9 @@ def parse_request(
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
-    _unconstrained(body)
+    structure = parse_structure(body, chat)
     messages = _messages(body) if chat else None
     prompt = None if chat else _prompt(body)
     sampling = _sampling(body, defaults, context_length, chat)
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    return CompletionRequest(name, messages, prompt, sampling, stream, include_usage, n)
+    return CompletionRequest(name, messages, prompt, sampling, stream, include_usage, n, structure)

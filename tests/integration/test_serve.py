@@ -18,8 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +28,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
-from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.coordinator import GenerationParams
-from fleettui.runtime.transport import control_request
 from fleettui.serve.app import FleetServer
-from fleettui.serve.command import serve_http
-from fleettui.serve.fleet import ControllerFleet
-from tests.support.processes import worker_children
+from tests.support.served import KEY, MODEL, Served, module_fleet
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-KEY = "sk-fleettui-test-0123456789abcdef"
-MODEL = "smollm2-135m-instruct"
 TOKENS = 24
 PROMPTS = [
     "What is the capital of France?",
@@ -57,105 +48,6 @@ PROMPTS = [
 ]
 
 
-def make_fleet(cache: Path) -> Fleet:
-    base = load_fleet(DEFAULT_FLEET)
-    hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(2))
-    # Two servers and the tests' direct sessions share this fleet: the workers admit more sessions than
-    # one server keeps open (a server alone never exceeds its own max_sessions, see the pool test).
-    sessions = replace(base.sessions, max_sessions=8)
-    fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache), sessions=sessions)
-    return with_overrides(fleet, exact=True, draft="none")
-
-
-class Served:
-    """A started fleet on a private loop thread, and HTTP servers in front of it."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="served-fleet", daemon=True)
-        self.thread.start()
-        self.controller = FleetController(fleet)
-        self.servers: list[tuple[FleetServer, asyncio.Event, Any]] = []
-        self.run(self.controller.start())
-        self.fleet = ControllerFleet(self.controller)
-
-    def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 900) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def add_server(self, **limits: Any) -> tuple[FleetServer, str]:
-        ready = threading.Event()
-        urls: list[str] = []
-
-        def on_ready(url: str) -> None:
-            urls.append(url)
-            ready.set()
-
-        async def make() -> tuple[FleetServer, asyncio.Event, Any]:
-            server = FleetServer(self.fleet, **limits)
-            stop = asyncio.Event()
-            task = self.loop.create_task(
-                serve_http(server, "127.0.0.1", 0, ready_callback=on_ready, stop=stop)
-            )
-            return server, stop, task
-
-        entry = self.run(make())
-        self.servers.append(entry)
-        assert ready.wait(30), "the HTTP server did not start"
-        return entry[0], urls[0]
-
-    def stage_stats(self) -> dict[str, dict[str, Any]]:
-        """Each stage worker's answer to the `stats` control request."""
-        deployment = self.controller.deployment
-
-        async def ask() -> dict[str, dict[str, Any]]:
-            replies = {}
-            for placement in deployment.stages:
-                reply = await control_request(
-                    placement.control_url, {"op": "stats"}, deployment.keys, placement.server_key, timeout=5
-                )
-                assert reply is not None
-                replies[placement.config.name] = reply
-            return replies
-
-        return self.run(ask())
-
-    def stage_sessions(self) -> dict[str, int]:
-        """Open sessions per stage, as each worker reports them on its control socket."""
-        return {name: len(reply["sessions"]) for name, reply in self.stage_stats().items()}
-
-    def direct(self, messages: list[ChatMessage], max_tokens: int) -> str:
-        """The same prompt through the coordinator in a fresh session (what `fleettui ask` does)."""
-
-        async def ask() -> str:
-            coordinator = self.controller.coordinator
-            session = await coordinator.open_session()
-            try:
-                prompt = coordinator.chat_format.encode_chat(messages)
-                generation = await coordinator.generate(
-                    session, prompt, GenerationParams(max_tokens=max_tokens)
-                )
-                return generation.text
-            finally:
-                await coordinator.close_session(session)
-
-        return self.run(ask())
-
-    def close(self) -> None:
-        async def shutdown() -> None:
-            for server, stop, task in self.servers:
-                stop.set()
-                await task
-                await server.close()
-            await self.controller.stop()
-
-        try:
-            self.run(shutdown())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_workers() -> Iterator[None]:
     """Overrides conftest's per-test cleanup: the module's fleet outlives each test (see `served`)."""
@@ -164,16 +56,7 @@ def no_leftover_workers() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served(shard_cache: Path) -> Iterator[Served]:
-    served = Served(make_fleet(shard_cache))
-    try:
-        yield served
-    finally:
-        served.close()
-        leftovers = worker_children()  # a clean stop leaves none; kill what a failure left behind
-        for process in leftovers:
-            process.kill()
-        psutil.wait_procs(leftovers, timeout=5)
-        assert not leftovers, "the fleet's stop left workers running"
+    yield from module_fleet(shard_cache)
 
 
 @pytest.fixture(scope="module")
@@ -498,17 +381,24 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
     assert caught.value.param == "n"  # type: ignore[attr-defined]
-    # JSON mode and tool calls would be answered as if granted: refused, naming the field
+    # structured output the fleet cannot serve as asked: refused, naming the field
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model=MODEL, messages=messages, response_format={"type": "json_object"}
+            model=MODEL,
+            messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
         )
-    assert caught.value.param == "response_format"  # type: ignore[attr-defined]
+    assert caught.value.param == "response_format.json_schema.schema"  # type: ignore[attr-defined]
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=messages, tools=[tool])
-    assert caught.value.param == "tools"  # type: ignore[attr-defined]
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "news"}},
+        )
+    assert caught.value.param == "tool_choice"  # type: ignore[attr-defined]
 
 
 def test_one_slot_is_shared_fairly_between_two_api_keys(served: Served) -> None:

@@ -59,7 +59,7 @@ def test_weights_are_seeded_and_shaped() -> None:
 
 
 def test_manifest_without_the_synthetic_key_still_loads(tmp_path: Path) -> None:
-    from tests.manifests import fake_manifest
+    from tests.support.manifests import fake_manifest
 
     manifest = fake_manifest(tmp_path)
     data = manifest.to_dict()

@@ -488,6 +488,22 @@ async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests(
         assert row()[1].startswith("127.0.0.1:"), row()
         await wait_until(pilot, lambda: panel.row_count == 0, 10, "the finished request to leave the panel")
         assert "1 answered" in str(panel.border_subtitle) and app.api.url in str(panel.border_subtitle)
+        assert row() == [] and panel.get_column_index("output") == 5
+
+        # A constrained request shows its grammar and the function it called.
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+            "additionalProperties": False}}}  # fmt: skip
+        named = {**body, "stream": False, "max_tokens": 96, "tools": [weather], "messages": [
+            {"role": "user", "content": "What is the weather in Paris?"}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+        called = asyncio.ensure_future(
+            asyncio.to_thread(httpx.post, app.api.url + "/chat/completions", json=named, timeout=REAL_TIMEOUT)
+        )
+        await wait_until(pilot, called.done, REAL_TIMEOUT, "the tool call")
+        assert called.result().json()["choices"][0]["finish_reason"] == "tool_calls", called.result().text
+        await wait_until(pilot, lambda: row()[3:4] == ["done"], 5, "the tool call in the panel")
+        assert row()[5] == "tool get_weather → get_weather", row()
         url = app.api.url
         await quit_stopping_the_fleet(pilot, app, pids)
     with pytest.raises(httpx.ConnectError):  # the API stopped with the fleet

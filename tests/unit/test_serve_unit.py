@@ -89,30 +89,13 @@ def test_valid_chat_request_maps_every_field() -> None:
             {
                 "model": "m",
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
-            },
-            "response_format",
-        ),
-        (
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
                 "response_format": {"type": "json_schema"},
             },
-            "response_format",
+            "response_format.json_schema",
         ),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
-        ),
-        (
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "tools": [{"type": "function"}],
-                "tool_choice": "auto",
-            },
-            "tools",
+            "tools[0]",
         ),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
@@ -130,7 +113,8 @@ def test_free_text_and_tools_left_unused_are_served() -> None:
     """`response_format` text, and tools the request tells the model not to call, ask nothing it cannot do."""
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert parse({**body, "response_format": {"type": "text"}}).messages
-    assert parse({**body, "tools": [{"type": "function"}], "tool_choice": "none"}).messages
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert not parse({**body, "tools": [tool], "tool_choice": "none"}).structure.calls_tools
     assert parse({**body, "tools": []}).messages
 
 
@@ -406,15 +390,24 @@ def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_sh
     cells = request_cells(first, now=102.0)
     assert cells["client"] == "10.0.0.5:5123" and cells["tokens"] == "11/17p" and cells["rate"] == "5.0"
     assert request_cells(second, now=102.0)["rate"] == "-"
+    assert cells["output"] == "text"
+    third = live.begin("10.0.0.7:7000", "chat", "weather?", 30, "tools auto")
+    third.tool_calls += ["get_weather", "get_time"]
+    assert request_cells(third, now=102.0)["output"] == "tools auto → get_weather, get_time"
+    live.end(third)
     live.end(first)
     ended = first.ended
     live.end(first, "stopped")  # twice is harmless: the first end holds
     assert ended is not None and first.state == "done" and first.ended == ended
-    assert live.finished == 1 and list(live.requests.values()) == [second]
-    assert live.snapshot(now=ended + 1.0) == [first, second]  # a finished request stays on show a moment,
+    assert live.finished == 2 and list(live.requests.values()) == [second]
+    assert live.snapshot(now=ended + 1.0) == [
+        first,
+        second,
+        third,
+    ]  # a finished request stays on show a moment,
     assert request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]  # frozen
     assert not first.active and second.active
-    assert live.snapshot(now=ended + live.linger + 0.1) == [second]  # then leaves
+    assert live.snapshot(now=(third.ended or 0) + live.linger + 0.1) == [second]  # then leaves
 
 
 async def test_a_stream_that_waits_is_kept_alive_between_its_deltas() -> None:

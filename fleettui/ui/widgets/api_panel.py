@@ -15,9 +15,18 @@ COLUMNS = (
     ("endpoint", "endpoint"),
     ("state", "state"),
     ("what", "asked"),
+    ("output", "output"),
     ("tokens", "tokens"),
     ("rate", "tok/s"),
 )
+
+
+def output_cell(request: LiveRequest) -> str:
+    """What the answer is held to: free text, or the grammar's label, then the functions called so far."""
+    shown = request.constraint or "text"
+    if request.tool_calls:
+        shown += " → " + ", ".join(request.tool_calls)
+    return shown
 
 
 def request_cells(request: LiveRequest, now: float) -> dict[str, str]:
@@ -28,6 +37,7 @@ def request_cells(request: LiveRequest, now: float) -> dict[str, str]:
         "endpoint": request.endpoint,
         "state": request.state,
         "what": request.preview,
+        "output": output_cell(request),
         "tokens": f"{request.tokens}/{request.prompt_tokens}p",
         "rate": f"{request.tokens_per_second(now):.1f}" if request.tokens > 1 else "-",
     }
