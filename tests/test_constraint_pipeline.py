@@ -1,5 +1,5 @@
 """Integration tests of grammar-constrained decoding with the real parts: the local SmolLM2 fleet (exact
-settings) on one and two real stage processes, prompt lookup drafting for speculation.
+settings) on one real stage process with prompt lookup drafting, on two with the INT4 self-draft.
 
 A schema-constrained greedy answer must validate (`jsonschema`) and be the same tokens with speculation on and
 off and on one or two stages; a free session interleaved with a constrained one keeps its unconstrained tokens;
@@ -54,12 +54,12 @@ TOKENS = 120
 class Deployed:
     """A fleet started once for the module, driven from the tests through its own event-loop thread."""
 
-    def __init__(self, cache: Path, stages: int) -> None:
+    def __init__(self, cache: Path, stages: int, draft: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # no fleet file: the module's two fleets keep no deployment record (they would share one)
-        fleet = replace(make_fleet(cache, stages, draft="prompt-lookup", k=4), path=None)
+        fleet = replace(make_fleet(cache, stages, draft=draft, k=4), path=None)
         self.controller = self.run(self._controller(fleet))
         self.coordinator: Coordinator = self.run(self.controller.start())
 
@@ -91,8 +91,8 @@ class Deployed:
 def fleets(shard_cache: Path) -> Iterator[dict[int, Deployed]]:
     deployed: dict[int, Deployed] = {}
     try:
-        for stages in (1, 2):
-            deployed[stages] = Deployed(shard_cache, stages)
+        for stages, draft in ((1, "prompt-lookup"), (2, "self-int4")):  # a free and a model drafter
+            deployed[stages] = Deployed(shard_cache, stages, draft)
         yield deployed
     finally:
         for fleet in deployed.values():
