@@ -152,6 +152,19 @@ def test_a_sampled_answer_validates_too(fleets: dict[int, Deployed]) -> None:
     jsonschema.validate(json.loads(generation.text), CITY)
 
 
+@pytest.mark.parametrize("trigger", ["capital of", "capital o"])  # the second ends inside a token
+def test_a_trigger_starts_the_grammar_right_after_it(fleets: dict[int, Deployed], trigger: str) -> None:
+    fleet = fleets[1]
+    free = fleet.answer(FREE, GenerationParams(max_tokens=48, spec_k=4))
+    assert trigger in free.text  # the free answer says it (greedy: the same words up to the trigger)
+    spec = ConstraintSpec(json_schema_grammar(CITY), "json_schema after a trigger", trigger=trigger)
+    generation = fleet.answer(FREE, GenerationParams(max_tokens=TOKENS, spec_k=4, constraint=spec))
+    head, _, rest = generation.text.partition(trigger)
+    assert head == free.text.partition(trigger)[0]
+    assert generation.stats.constraint_complete is True, generation.text
+    jsonschema.validate(json.loads(rest), CITY)
+
+
 def test_an_answer_cut_by_max_tokens_is_reported_incomplete(fleets: dict[int, Deployed]) -> None:
     generation = fleets[1].answer(ASK_CITY, constrained(CITY, 4, tokens=6))
     assert generation.stats.finish_reason == "length" and generation.stats.constraint_complete is False
