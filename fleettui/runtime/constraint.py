@@ -138,6 +138,7 @@ class ReplyGrammar:
         self.spec = spec
         self.tokenizer = grammar_tokenizer(tokenizer)
         self.words = (self.tokenizer.vocab_size + 31) // 32
+        self.eos = frozenset(int(token) for token in self.tokenizer.eos_tokens)
         self.matcher: Any = None
         self._trigger = spec.trigger.encode() if spec.trigger else b""
         self._seen = b""  # the reply's last bytes while the trigger is awaited
@@ -189,7 +190,8 @@ class ReplyGrammar:
     def plan(self, drafts: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
         """How many of `drafts` the grammar allows in a row, and the masks of the scored positions (uint32
         [kept + 1, words]); (len(drafts), None) while the constraint does not apply. The matcher is left as
-        it was."""
+        it was. A draft ends before an EOS: the verify chooses EOS itself where the grammar allows it (and a
+        matcher that consumed EOS does not count it when rolled back)."""
         if self.matcher is None:
             return len(drafts), None
         masks = np.empty((len(drafts) + 1, self.words), np.uint32)
@@ -197,7 +199,11 @@ class ReplyGrammar:
         try:
             for index in range(len(drafts) + 1):
                 masks[index] = self._mask()
-                if index == len(drafts) or not self.allows(masks[index], drafts[index]):
+                if (
+                    index == len(drafts)
+                    or drafts[index] in self.eos
+                    or not self.allows(masks[index], drafts[index])
+                ):
                     break
                 if not self.matcher.consume_token(int(drafts[index])):
                     raise RuntimeError(f"grammar {self.spec.label}: {self.matcher.get_error()}")

@@ -1,5 +1,5 @@
 """Integration tests of grammar-constrained decoding with the real parts: the local SmolLM2 fleet (exact
-settings) on one and two real stage processes, prompt lookup drafting for speculation.
+settings) on one real stage process with prompt lookup drafting, on two with the INT4 self-draft.
 
 A schema-constrained greedy answer must validate (`jsonschema`) and be the same tokens with speculation on and
 off and on one or two stages; a free session interleaved with a constrained one keeps its unconstrained tokens;
@@ -54,12 +54,12 @@ TOKENS = 120
 class Deployed:
     """A fleet started once for the module, driven from the tests through its own event-loop thread."""
 
-    def __init__(self, cache: Path, stages: int) -> None:
+    def __init__(self, cache: Path, stages: int, draft: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # no fleet file: the module's two fleets keep no deployment record (they would share one)
-        fleet = replace(make_fleet(cache, stages, draft="prompt-lookup", k=4), path=None)
+        fleet = replace(make_fleet(cache, stages, draft=draft, k=4), path=None)
         self.controller = self.run(self._controller(fleet))
         self.coordinator: Coordinator = self.run(self.controller.start())
 
@@ -91,8 +91,8 @@ class Deployed:
 def fleets(shard_cache: Path) -> Iterator[dict[int, Deployed]]:
     deployed: dict[int, Deployed] = {}
     try:
-        for stages in (1, 2):
-            deployed[stages] = Deployed(shard_cache, stages)
+        for stages, draft in ((1, "prompt-lookup"), (2, "self-int4")):  # a free and a model drafter
+            deployed[stages] = Deployed(shard_cache, stages, draft)
         yield deployed
     finally:
         for fleet in deployed.values():
@@ -150,6 +150,19 @@ def test_a_sampled_answer_validates_too(fleets: dict[int, Deployed]) -> None:
     generation = fleets[2].answer(ASK_CITY, params)
     assert generation.stats.constraint_complete is True, generation.text
     jsonschema.validate(json.loads(generation.text), CITY)
+
+
+@pytest.mark.parametrize("trigger", ["capital of", "capital o"])  # the second ends inside a token
+def test_a_trigger_starts_the_grammar_right_after_it(fleets: dict[int, Deployed], trigger: str) -> None:
+    fleet = fleets[1]
+    free = fleet.answer(FREE, GenerationParams(max_tokens=48, spec_k=4))
+    assert trigger in free.text  # the free answer says it (greedy: the same words up to the trigger)
+    spec = ConstraintSpec(json_schema_grammar(CITY), "json_schema after a trigger", trigger=trigger)
+    generation = fleet.answer(FREE, GenerationParams(max_tokens=TOKENS, spec_k=4, constraint=spec))
+    head, _, rest = generation.text.partition(trigger)
+    assert head == free.text.partition(trigger)[0]
+    assert generation.stats.constraint_complete is True, generation.text
+    jsonschema.validate(json.loads(rest), CITY)
 
 
 def test_an_answer_cut_by_max_tokens_is_reported_incomplete(fleets: dict[int, Deployed]) -> None:

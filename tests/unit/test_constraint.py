@@ -96,6 +96,17 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(tokenizer: Any, c
     assert grammar.complete is False and grammar.advance(good) == good  # the matcher was rolled back
 
 
+def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(tokenizer: Any, chat_format: Format) -> None:
+    """An EOS in a draft is left to the verify; planning over it never moves the matcher (llguidance does not
+    count a consumed EOS when it rolls back)."""
+    grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
+    answer = ids(tokenizer, '{"name":"Ada","age":36}')
+    assert grammar.advance(answer[:-2]) == answer[:-2]
+    kept, masks = grammar.plan((*answer[-2:], EOS, EOS))
+    assert kept == 2 and masks is not None and grammar.allows(masks[2], EOS)
+    assert grammar.advance([*answer[-2:], EOS]) and grammar.complete and grammar.stopped
+
+
 def test_any_json_object_grammar(tokenizer: Any, chat_format: Format) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "json_object"), chat_format)
     first = grammar.plan(())[1]
