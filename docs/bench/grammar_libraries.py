@@ -5,7 +5,7 @@ Not a test (pytest does not collect it) and not part of fleettui: xgrammar impor
 does. Run it from the repo with the two other libraries beside the venv's packages:
 
     pip install --no-deps --target /tmp/gextra xgrammar outlines-core apache-tvm-ffi
-    PYTHONPATH=/tmp/gextra .venv/bin/python tests/grammar_libraries.py TOKENIZER.json
+    PYTHONPATH=/tmp/gextra .venv/bin/python docs/bench/grammar_libraries.py TOKENIZER.json
 """
 
 from __future__ import annotations
