@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import jsonschema
 import psutil
 import pytest
 
@@ -117,6 +118,21 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     answer = json.loads(asked.stdout)
     assert answer["fleet"]["attached"] is True and "Paris" in answer["text"]
     assert our_workers() == pids  # answered by the running workers: no new worker process
+    # a schema-constrained answer from the same workers: the JSON object, valid by construction
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Lyon", "Rome"]}, "is_capital": {"type": "boolean"}},
+        "required": ["city", "is_capital"],
+    }
+    schema_file = fleet_file.parent / "capital.schema.json"
+    schema_file.write_text(json.dumps(schema))  # noqa: ASYNC240
+    shaped = fleettui(
+        "ask", str(fleet_file), "--json-schema", str(schema_file), "--max-tokens", "48",
+        "Which French city is the capital of France?",
+    )  # fmt: skip
+    assert shaped.returncode == 0, shaped.stderr
+    jsonschema.validate(json.loads(shaped.stdout), schema)
+    assert our_workers() == pids
     legacy = fleettui(str(fleet_file), "--ask", "Say hi.", "--max-tokens", "4")
     assert legacy.returncode == 0 and our_workers() == pids
 

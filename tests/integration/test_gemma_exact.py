@@ -94,6 +94,7 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path) -> None
 def served(fleet: Path, expected: list[int]) -> None:
     """`fleettui serve` on the deployment: /v1/completions continues the prompt; a chat request is a 400."""
     import httpx
+    import jsonschema
 
     command = [sys.executable, "-m", "fleettui", "serve", str(fleet), "--exact", "--port", "0"]
     process = subprocess.Popen(
@@ -111,6 +112,21 @@ def served(fleet: Path, expected: list[int]) -> None:
         assert completion.status_code == 200, completion.text
         assert completion.json()["usage"]["completion_tokens"] == 16
         assert completion.json()["choices"][0]["text"] == reference_tokenizer().decode(expected[:16])
+        # a base model's completion held to a JSON schema: valid by construction, or finish_reason length
+        schema = {
+            "type": "object",
+            "properties": {"country": {"enum": ["France", "Italy", "Spain"]}, "capital": {"type": "boolean"}},
+            "required": ["country", "capital"],
+        }
+        shaped = {
+            "model": "gemma-3-270m", "prompt": "Paris is in", "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        }  # fmt: skip
+        constrained = httpx.post(f"{base}/completions", json=shaped, timeout=300)
+        assert constrained.status_code == 200, constrained.text
+        choice = constrained.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), schema)
         chat = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         refused = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
         assert refused.status_code == 400
