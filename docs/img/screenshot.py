@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fakes live with the tests
 from textual.widgets import Input  # noqa: E402
 from tui_fakes import FakeController, FakeCoordinator, FakeGeneration, demo_fleet  # noqa: E402
 
-from fleettui.runtime.coordinator import GenerationParams, GenerationStats  # noqa: E402
+from fleettui.runtime.generation import GenerationParams, GenerationStats
 from fleettui.ui.app import FleetApp  # noqa: E402
 from fleettui.ui.widgets import log_pane  # noqa: E402
 from fleettui.ui.widgets.chat import ChatPane  # noqa: E402

@@ -27,7 +27,7 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
     from fleettui.control.controller import FleetController
     from fleettui.control.deployment import free_port_block
     from fleettui.errors import child_failure
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     base = load_fleet(DEFAULT_FLEET)
     fleet = replace(

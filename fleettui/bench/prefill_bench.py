@@ -83,7 +83,7 @@ async def prefill_bench(
     fleet: Fleet, tokens: int = 2000, rounds: int = 4, on_line: Callable[[str], None] | None = None
 ) -> PrefillReport:
     from fleettui.control.controller import FleetController
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     say = on_line or (lambda line: None)
     report = PrefillReport()
@@ -132,7 +132,7 @@ async def _beside_another(
     arm: str,
 ) -> tuple[float, float, int]:
     """TTFT of `prompt` while another session generates, and that session's tok/s during the prefill."""
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     other = await coordinator.open_session()
     arrivals: list[tuple[float, int]] = []

@@ -70,7 +70,7 @@ async def rebalance_bench(
 ) -> RebalanceReport:
     """Measure before / slowed / rebalanced on `fleet` (local hosts; at least two stages)."""
     from fleettui.control.controller import FleetController
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     if len(fleet.hosts) < 2 or not all(host.is_local for host in fleet.hosts):
         raise ValueError("the rebalance bench needs a local fleet of at least two hosts")

@@ -157,7 +157,7 @@ async def _measure(
     """One row's answers. An adaptive row keeps its policy across the group's rounds (learned costs, realized
     rates, probe schedule), as a serving fleet keeps it across requests: not a cold start each time. Each row
     has its own, so one row does not learn from another's load."""
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
     from fleettui.runtime.speculation import KPolicy, PromptLookupDrafter
 
     if spec.draft == "prompt-lookup":  # the free drafter, on the same running fleet, for this row only
@@ -307,7 +307,7 @@ async def run_fleet_group(
     """
     from fleettui.bench.hop_delay import HopDelay
     from fleettui.control.controller import ControllerError, FleetController
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     first = specs[0]
     partners = partners or []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 
 PROMPTS = (
     "What is the capital of France?",

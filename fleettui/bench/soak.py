@@ -104,7 +104,7 @@ async def soak(
 ) -> SoakReport:
     """Run the soak on `fleet` (use exact settings so answers can be compared token for token)."""
     from fleettui.control.controller import FleetController
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
     say = on_line or (lambda line: None)
     admitted = max(fleet.sessions.max_sessions, sessions)  # every user holds a session on every stage

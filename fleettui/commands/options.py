@@ -10,7 +10,7 @@ from fleettui.errors import FleetError
 if TYPE_CHECKING:
     from fleettui.config.fleet import Fleet
     from fleettui.control.store import Settings
-    from fleettui.runtime.coordinator import GenerationParams
+    from fleettui.runtime.generation import GenerationParams
 
 
 def add_fleet(parser: argparse.ArgumentParser, required: bool = False) -> None:

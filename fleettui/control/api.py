@@ -10,7 +10,7 @@ from typing import Protocol
 
 from fleettui.config.fleet import Fleet
 from fleettui.control.states import ModelInfo, StageState
-from fleettui.runtime.coordinator import GenerationParams, GenerationStats
+from fleettui.runtime.generation import GenerationParams, GenerationStats
 from remote_worker.replies import TelemetrySample
 
 TokenCallback = Callable[[list[int], str], Awaitable[None] | None]

@@ -30,7 +30,8 @@ class Connection:
     hops_ms: dict[str, float] = field(default_factory=dict)
 
     def draft_link(self) -> ZmqLink | None:
-        link = getattr(self.coordinator.drafter, "link", None)
+        drafter = self.coordinator.drafter
+        link = drafter.link if isinstance(drafter, ModelDrafter) else None
         return link if isinstance(link, ZmqLink) else None
 
     def block(self, error: StageLost, draft: bool) -> None:

@@ -56,7 +56,9 @@ from fleettui.control.states import (
 from fleettui.control.store import DeploymentRecord, Settings
 from fleettui.provision.events import ProvisionEvent, Step
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.coordinator import Coordinator, Generation, GenerationParams, Session, TokenCallback
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import Generation, GenerationParams, TokenCallback
+from fleettui.runtime.session import Session
 from remote_worker.config import Endpoint
 from remote_worker.manifest import load_manifest
 from remote_worker.replies import PingReply, TelemetrySample

@@ -7,7 +7,7 @@ from dataclasses import replace
 from fleettui.config.fleet import Fleet
 from fleettui.config.local_cores import share_local_cores
 from fleettui.control.store import Settings
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 
 
 def with_overrides(

@@ -23,14 +23,13 @@ from typing import TypeVar
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, TextStream
 from fleettui.runtime.constraint import ConstraintError, ReplyGrammar
-from fleettui.runtime.generation import (  # noqa: F401 - re-exported: the coordinator's public types
+from fleettui.runtime.generation import (
     NO_UNIFORMS,
     Generation,
     GenerationParams,
     GenerationStats,
     Round,
     TokenCallback,
-    penalties,
     token_logprobs,
     verify_decode,
 )
@@ -44,7 +43,7 @@ from fleettui.runtime.prefill import PrefillRounds
 from fleettui.runtime.runs import RunRounds, costly_run_tokens
 from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
-from fleettui.runtime.transport import Link, LinkError, StageLost
+from fleettui.runtime.transport import Link, LinkError, RunLink, StageLost
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
@@ -79,9 +78,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         self.max_k = max_k if drafter is not None else 0
         self.policy = KPolicy(None if drafter is not None else 0, self.max_k)
         # With a costly model draft, prompt lookup (free) is a second candidate chosen per session by rate.
-        self.lookup = (
-            PromptLookupDrafter() if drafter is not None and getattr(drafter, "costs_time", True) else None
-        )
+        self.lookup = PromptLookupDrafter() if drafter is not None and drafter.costs_time else None
         # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets it, since
         # only it knows whether the chain feeds its tokens back: one stage, or a last stage with a loop).
         self.max_run = 0
@@ -396,14 +393,16 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             k = min(params.spec_k, self.max_k, left)
             session.wants_speculation = k > 0  # a fixed K speculates whatever the others do
         elif self.policy.fixed_k is not None or self.drafter is None:
-            k = min(self.policy.choose(free_draft=not getattr(self.drafter, "costs_time", True)), left)
+            k = min(
+                self.policy.choose(free_draft=not (self.drafter is None or self.drafter.costs_time)), left
+            )
             session.wants_speculation = k > 0
         else:
             shared = self._others_speculate(session)
             candidates = self._candidates(session)
             # a run cut short where the free lookup proposes: it drafts now (lookup_watch; K = 0 when the tokens
             # the run made until the Cancel's Ack went another way)
-            watched = bool(self.max_run) and hasattr(self.target, "stream")  # runs, watched for the lookup
+            watched = bool(self.max_run) and isinstance(self.target, RunLink)  # runs, watched for the lookup
             name, k = (
                 ("lookup", session.cut.k)
                 if session.cut
@@ -451,7 +450,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 )
         k = len(draft.tokens)
         # (a constrained reply never runs: every token must be scored under the mask of its true position)
-        runs = self.max_run and session.grammar is None and hasattr(self.target, "stream")
+        runs = self.max_run and session.grammar is None and isinstance(self.target, RunLink)
         if k == 0 and left > 0 and runs and not opening:
             # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
             length = min(remaining, self.max_run)
@@ -517,7 +516,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""
         assert self.drafter is not None
-        own = "lookup" if not getattr(self.drafter, "costs_time", True) else "model"
+        own = "lookup" if not (self.drafter is None or self.drafter.costs_time) else "model"
         names = [(own, own == "lookup")] + (
             [("lookup", True)] if self.lookup is not None and own != "lookup" else []
         )

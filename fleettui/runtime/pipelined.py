@@ -52,7 +52,7 @@ class AheadRounds:
     _result: Callable[[protocol.Message], protocol.Result]  # a step's reply, checked and observed
 
     def _ahead_fields(self, drafter: Drafter | None) -> None:
-        self.draft_ahead = drafter is not None and getattr(drafter, "costs_time", True)
+        self.draft_ahead = drafter is not None and drafter.costs_time
         self.ahead_cost = ahead_drafts.AheadCost()
         self.wire_idle = 0.0
         # started: proposals ahead; used: as the next drafts; sent: verifies ahead (chained: behind another)

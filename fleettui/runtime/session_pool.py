@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleettui.runtime.coordinator import Session
+from fleettui.runtime.session import Session
 
 
 def common_prefix(left: list[int], right: list[int]) -> int:

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from remote_worker import protocol
 from remote_worker.replies import PingReply, TelemetrySample
@@ -57,6 +57,7 @@ class Link(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
 class RunLink(Link, Protocol):
     """A link that can also start a run (a Step with `run` > 1) and read its Results as they come."""
 

@@ -20,8 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleettui.runtime.chat_format import ChatTemplateError
-from fleettui.runtime.coordinator import Generation, GenerationParams
-from fleettui.runtime.generation import TokenLogprob
+from fleettui.runtime.generation import Generation, GenerationParams, TokenLogprob
 from fleettui.runtime.limits import RequestError as LimitError
 from fleettui.runtime.limits import validate_request
 from fleettui.runtime.session_pool import SessionPool

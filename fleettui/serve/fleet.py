@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.constraint import ConstraintSpec, check_constraint
-from fleettui.runtime.coordinator import Generation, GenerationParams, Session, TokenCallback
+from fleettui.runtime.generation import Generation, GenerationParams, TokenCallback
+from fleettui.runtime.session import Session
 from fleettui.runtime.tools import Tool, ToolFormat, detect_format, render_with_tools
 
 if TYPE_CHECKING:

@@ -9,8 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from fleettui.runtime.coordinator import GenerationStats
-from fleettui.runtime.generation import TokenLogprob
+from fleettui.runtime.generation import GenerationStats, TokenLogprob
 from fleettui.serve.fleet import ModelInfo
 
 _T = TypeVar("_T")

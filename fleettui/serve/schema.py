@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.serve.request_error import RequestError
 from fleettui.serve.structured import Structure, parse_structure, tool_calls
 from fleettui.text_input import TextError, check_text

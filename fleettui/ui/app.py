@@ -27,7 +27,7 @@ from fleettui.control.states import (
     next_step,
 )
 from fleettui.control.store import Settings
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.ui.api import ApiService
 from fleettui.ui.formatting import stats_text, truncate
 from fleettui.ui.messages import (

@@ -22,7 +22,7 @@ import pytest
 from fleettui.config.fleet import load_fleet
 from fleettui.control import store
 from fleettui.control.deployment import free_port_block
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from tests.tui.test_tui import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 from fleettui.config.fleet import DEFAULT_FLEET, Host, load_fleet
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from shard_compiler.conformance import REGISTRY, Entry
 from tests.support import tiny_models
 

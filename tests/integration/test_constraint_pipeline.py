@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from fleettui.control.controller import FleetController
 from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, json_schema_grammar
-from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from tests.support.faults import make_fleet
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fleettui.control.controller import FleetController
-from fleettui.runtime.coordinator import Generation, GenerationParams
+from fleettui.runtime.generation import Generation, GenerationParams
 from tests.integration.test_pipeline import make_fleet
 
 pytestmark = pytest.mark.slow

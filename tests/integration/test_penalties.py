@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleettui.control.controller import FleetController
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from tests.integration.test_pipeline import make_fleet
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from fleettui.config.local_cores import share_local_cores
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.planning.planner import plan_fleet
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import pytest
 from fleettui.control import store
 from fleettui.control.controller import FleetController
 from fleettui.control.states import Lost, RecoveryReport, StageChanged
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.transport import LinkError
 from tests.support.faults import PROMPTS, TOKENS, Fault, make_fleet, print_reports, run_with_fault
 

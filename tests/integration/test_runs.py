@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from fleettui.control.controller import FleetController
-from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.transport import control_request
 from remote_worker import protocol
 from tests.support.faults import make_fleet

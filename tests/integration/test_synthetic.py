@@ -20,7 +20,7 @@ from fleettui.errors import PlanError
 from fleettui.model.builtin import shape_for_model
 from fleettui.model.shape import SYNTHETIC_SHAPES, ModelShape, synthetic_shape
 from fleettui.planning.planner import plan_fleet
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from remote_worker.manifest import Manifest, load_manifest
 from shard_compiler import synthetic
 from shard_compiler.sources import CompileError, resolve

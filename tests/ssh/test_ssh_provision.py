@@ -518,7 +518,8 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     from fleettui.control.launcher import SshLauncher
     from fleettui.planning.planner import plan_fleet
     from fleettui.runtime.chat_format import ChatFormat
-    from fleettui.runtime.coordinator import Coordinator, GenerationParams
+    from fleettui.runtime.coordinator import Coordinator
+    from fleettui.runtime.generation import GenerationParams
     from fleettui.runtime.transport import ZmqLink
 
     path = tmp_path / "ssh.toml"

@@ -17,7 +17,7 @@ from fleettui.control import store
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.control.states import RecoveryReport
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 
 TOKENS = 48
 KILL_AFTER = 6  # tokens streamed (in the first session) before the fault

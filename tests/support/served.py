@@ -16,7 +16,7 @@ from fleettui.config.fleet import DEFAULT_FLEET, Fleet, Host, load_fleet
 from fleettui.control.controller import FleetController, with_overrides
 from fleettui.control.deployment import free_port_block
 from fleettui.runtime.chat_format import ChatMessage
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.transport import control_request
 from fleettui.serve.app import FleetServer
 from fleettui.serve.command import serve_http

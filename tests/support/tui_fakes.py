@@ -24,7 +24,7 @@ from fleettui.control.states import (
     Telemetry,
     TelemetrySample,
 )
-from fleettui.runtime.coordinator import GenerationParams, GenerationStats
+from fleettui.runtime.generation import GenerationParams, GenerationStats
 
 SAMPLE_TIME = 1_800_000_000.0  # a fixed wall clock for the samples
 

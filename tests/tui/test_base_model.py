@@ -9,7 +9,7 @@ import pytest
 from textual.widgets import Input
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, ChatTemplateError
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.widgets.chat import ChatPane
 from remote_worker.manifest import Manifest

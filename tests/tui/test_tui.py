@@ -17,7 +17,7 @@ from textual.widgets import Input, Markdown
 from fleettui.config.fleet import load_fleet
 from fleettui.control.controller import generation_params
 from fleettui.control.states import Failed, Progress, Ready, Serving
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
 from fleettui.ui.messages import DeployProgressed, TelemetrySampled

@@ -6,7 +6,7 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from fleettui.runtime.coordinator import GenerationParams
+from fleettui.runtime.generation import GenerationParams
 from fleettui.ui.app import FleetApp
 from fleettui.ui.widgets.chat import ChatPane
 from fleettui.ui.widgets.log_pane import LogPane

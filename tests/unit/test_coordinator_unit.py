@@ -19,7 +19,8 @@ from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime import cost_model as cost_model_module
 from fleettui.runtime import policy as policy_module
 from fleettui.runtime.ahead import KEEP_UP
-from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.policy import RoundFacts
 from fleettui.runtime.speculation import Draft, KPolicy, NgramIndex, PromptLookupDrafter, Sampling

@@ -6,8 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from fleettui.runtime.coordinator import Coordinator, GenerationParams, Session
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.limits import RequestError, validate_request
+from fleettui.runtime.session import Session
 
 GOOD = GenerationParams(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40)
 

@@ -20,7 +20,8 @@ from fleettui.control.balance import (
     throttle_reason,
 )
 from fleettui.errors import FleetConfigError
-from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.speculation import Draft
 from fleettui.runtime.transport import LinkError, StageLost
 from fleettui.runtime.watch import ProcessStatus, WatchSettings, verdict

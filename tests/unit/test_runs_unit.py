@@ -14,7 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fleettui.runtime.coordinator import Coordinator, GenerationParams
+from fleettui.runtime.coordinator import Coordinator
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.policy import MEASURABLE_HIT_RATE
 from fleettui.runtime.speculation import PromptLookupDrafter
 from fleettui.runtime.transport import ReplyStream, StageLost

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fleettui.runtime.coordinator import GenerationParams, Session
+from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.ledger import Feed
+from fleettui.runtime.session import Session
 from fleettui.runtime.session_pool import SessionPool, common_prefix
 from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.schema import RequestError, parse_request

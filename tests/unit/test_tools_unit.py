@@ -12,8 +12,7 @@ import pytest
 
 from fleettui.runtime.chat_format import ChatFormat, ChatMessage, compile_template
 from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, check_constraint
-from fleettui.runtime.coordinator import GenerationParams
-from fleettui.runtime.generation import GenerationStats
+from fleettui.runtime.generation import GenerationParams, GenerationStats
 from fleettui.runtime.tool_calls import ArgumentsDelta, CallStart, ContentDelta, ToolCallParser
 from fleettui.runtime.tools import (
     FALLBACK,
