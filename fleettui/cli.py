@@ -1,4 +1,5 @@
-"""Provides the `fleettui` command: subcommands from `fleettui.commands`, plus the old flag forms as aliases."""
+"""Provides the `fleettui` command: subcommands from `fleettui.commands`, plus the old flag forms
+as aliases."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from typing import NoReturn
 from fleettui.commands import COMMANDS
 from fleettui.errors import FleetError, Interrupted, one_line
 
-LEGACY = {"--ask": "ask", "--plan": "plan", "--bench": "bench", "--deploy": "deploy", "--stop": "stop"}
+LEGACY = {
+    "--ask": "ask",
+    "--plan": "plan",
+    "--bench": "bench",
+    "--deploy": "deploy",
+    "--stop": "stop",
+}
 
 
 def _version() -> str:
@@ -30,7 +37,8 @@ def command_module(name: str) -> ModuleType:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose error line stays one line: arguments echoed in it show control characters escaped."""
+    """argparse whose error line stays one line: arguments echoed in it show control characters
+    escaped."""
 
     def error(self, message: str) -> NoReturn:
         super().error(one_line(message))
@@ -39,8 +47,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fleettui",
-        description="Run a large language model on a fleet of ordinary PCs: deploy, monitor and chat.",
-        epilog="`fleettui FLEET` opens the TUI; the old forms `FLEET --ask Q | --plan | --bench | --deploy | "
+        description="Run a large language model on a fleet of ordinary PCs: deploy, monitor and "
+        "chat.",
+        epilog="`fleettui FLEET` opens the TUI; the old forms `FLEET --ask Q | --plan | --bench | "
+        "--deploy | "
         "--stop` still work.",
     )
     parser.add_argument("--version", action="version", version=f"fleettui {_version()}")
@@ -50,13 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.add_argument("--verbose", "-v", action="store_true", help="log to stderr")
-        sub.add_argument("--debug", action="store_true", help="an unexpected error prints its traceback")
+        sub.add_argument(
+            "--debug", action="store_true", help="an unexpected error prints its traceback"
+        )
         sub.set_defaults(run=module.run, parser=parser)
     return parser
 
 
 def translate(argv: list[str]) -> list[str]:
-    """The subcommand form of an old flag form: `FLEET --ask Q ...` -> `ask FLEET Q ...`; `FLEET` -> `tui FLEET`."""
+    """The subcommand form of an old flag form: `FLEET --ask Q ...` -> `ask FLEET Q ...`; `FLEET`
+    -> `tui FLEET`."""
     if argv[:1] and argv[0] in (*COMMANDS, "-h", "--help", "--version"):
         return argv
     modes = [flag for flag in argv if flag in LEGACY or flag.startswith("--ask=")]
@@ -74,7 +87,9 @@ def translate(argv: list[str]) -> list[str]:
         if index >= len(rest):
             raise FleetError("--ask needs a question")
         prompt = rest.pop(index)
-    fleet = next((word for word in rest if not word.startswith("-") and word.endswith(".toml")), None)
+    fleet = next(
+        (word for word in rest if not word.startswith("-") and word.endswith(".toml")), None
+    )
     if fleet is None and rest[:1] and not rest[0].startswith("-"):
         fleet = rest[0]
     if fleet is not None:

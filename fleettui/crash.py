@@ -1,4 +1,5 @@
-"""Provides the top-level guard's report of an unexpected exception: one line, the traceback in a log file."""
+"""Provides the top-level guard's report of an unexpected exception: one line, the traceback in a
+log file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ EXIT_BUG = 1
 
 
 def stop_children() -> list[int]:
-    """Terminate the processes this one started and still runs (local workers, compile helpers); their pids."""
+    """Terminate the processes this one started and still runs (local workers, compile helpers);
+    their pids."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
@@ -30,12 +32,14 @@ def stop_children() -> list[int]:
 
 
 def report_crash(error: BaseException, argv: list[str], debug: bool) -> int:
-    """Stop what the command started, keep the traceback (stderr with `debug`, else the log file), say one
-    line, and return the exit code of a bug (1)."""
+    """Stop what the command started, keep the traceback (stderr with `debug`, else the log file),
+    say one line, and return the exit code of a bug (1)."""
     details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     stopped = stop_children()
     summary = (
-        one_line(f"{type(error).__name__}: {error}".splitlines()[0]) if str(error) else type(error).__name__
+        one_line(f"{type(error).__name__}: {error}".splitlines()[0])
+        if str(error)
+        else type(error).__name__
     )
     note = f"; stopped {len(stopped)} process(es) it had started" if stopped else ""
     if debug:
@@ -44,7 +48,8 @@ def report_crash(error: BaseException, argv: list[str], debug: bool) -> int:
         return EXIT_BUG
     where = _keep(details, argv)
     print(
-        f"fleettui: internal error: {summary}{note} (traceback in {where}; --debug shows it)", file=sys.stderr
+        f"fleettui: internal error: {summary}{note} (traceback in {where}; --debug shows it)",
+        file=sys.stderr,
     )
     return EXIT_BUG
 

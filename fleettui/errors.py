@@ -1,4 +1,5 @@
-"""The exception tree of fleettui: every error a user can cause is a FleetError with one clear line."""
+"""The exception tree of fleettui: every error a user can cause is a FleetError with one clear
+line."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 
 def one_line(message: str) -> str:
-    """MESSAGE as one printable line: control characters (line breaks included) and unencodable surrogates
-    shown as escapes, so a file name or argument the user typed cannot break the line or the terminal."""
+    """MESSAGE as one printable line: control characters (line breaks included) and unencodable
+    surrogates shown as escapes, so a file name or argument the user typed cannot break the line or
+    the terminal."""
     shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
     return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
@@ -36,8 +38,8 @@ class PlanError(FleetError):
     """The model does not fit the fleet, or a manual split is impossible.
 
     ``host`` and ``key`` name the host and its key the problem is about, when there is one;
-    ``located(path, line, label)`` gives the same error pointing at the fleet file (``path:line: label: ...``).
-    """
+    ``located(path, line, label)`` gives the same error pointing at the fleet file (``path:line:
+    label: ...``)."""
 
     def __init__(self, message: str, host: str | None = None, key: str | None = None) -> None:
         self.message = message
@@ -87,6 +89,7 @@ def signal_name(number: int) -> str:
 
 
 def child_failure(stderr: str, returncode: int) -> str:
-    """Why a child process failed, in one line: the last line it wrote to stderr, else its exit code."""
+    """Why a child process failed, in one line: the last line it wrote to stderr, else its exit
+    code."""
     lines = stderr.strip().splitlines()
     return lines[-1] if lines else f"exit code {returncode}"

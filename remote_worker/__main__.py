@@ -1,4 +1,5 @@
-"""Provides `python -m remote_worker --config stage.json`: serve one pipeline stage until told to stop."""
+"""Provides `python -m remote_worker --config stage.json`: serve one pipeline stage until told to
+stop."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ EXIT_SOCKET = 5
 FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 
 
-_exit_log = logging.getLogger("remote_worker.exit")  # the reason for a failed start, into the --log file only
+_exit_log = logging.getLogger(
+    "remote_worker.exit"
+)  # the reason for a failed start, into the --log file only
 _exit_log.propagate = False
 _exit_log.addHandler(logging.NullHandler())
 
@@ -40,7 +43,9 @@ def _logging(path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m remote_worker", description="Serve one pipeline stage.")
+    parser = argparse.ArgumentParser(
+        prog="python -m remote_worker", description="Serve one pipeline stage."
+    )
     parser.add_argument(
         "--config", required=True, help="stage configuration (JSON, see remote_worker.config)"
     )
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, set(config.cpu_cores))
         except (OSError, ValueError) as error:
             return _fail(
-                EXIT_CONFIG, f"config {arguments.config}: cpu_cores {list(config.cpu_cores)}: {error}"
+                EXIT_CONFIG,
+                f"config {arguments.config}: cpu_cores {list(config.cpu_cores)}: {error}",
             )
         logger.info("pinned to CPU cores %s", sorted(os.sched_getaffinity(0)))
 
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(EXIT_ENGINE, f"stage {config.stage_index}: {error}")
     if stopping:
         return 0
-    try:  # a compiled model's first inference does one-time work: paid here, not by the first answer
+    # a compiled model's first inference does one-time work: paid here, not by the first answer
+    try:
         logger.info("stage %d warmed up in %.0f ms", config.stage_index, 1000 * engine.warm_up())
     except EngineError as error:
         return _fail(EXIT_ENGINE, f"stage {config.stage_index}: warm-up step failed: {error}")
@@ -121,9 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         code = EXIT_CONFIG if isinstance(error, ConfigError) else EXIT_SOCKET
         return _fail(code, f"{config.name}: cannot open its sockets: {error}")
-    print(f"READY {config.name} stage {config.stage_index} data {server.urls()['data']}", flush=True)
+    print(
+        f"READY {config.name} stage {config.stage_index} data {server.urls()['data']}", flush=True
+    )
     logger.info(
-        "serving %s (%s, layers %s) at %s", config.name, config.role, engine.stage.layers, server.urls()
+        "serving %s (%s, layers %s) at %s",
+        config.name,
+        config.role,
+        engine.stage.layers,
+        server.urls(),
     )
     try:
         server.serve_forever()

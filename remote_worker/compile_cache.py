@@ -1,17 +1,18 @@
-"""Provides the compiled-model cache of a stage: OpenVINO's own model cache (CACHE_DIR), a folder per setting.
+"""Provides the compiled-model cache of a stage: OpenVINO's own model cache (CACHE_DIR), a folder
+per setting.
 
-A worker that starts again on the same shard and settings (a relaunch after a crash, a PC that rebooted)
-loads the compiled model instead of compiling it. OpenVINO keys each blob by the model, the device and the
-compile properties, and recompiles over a truncated blob, but it loads a blob whose bytes were changed in
-place; so each blob's size and modification time are recorded right after the compile wrote it (`blobs.json`),
-and before a compile every blob that does not match its record (or has none: its writer died first) is
-deleted. That costs nothing at start, where a hash of the blob would cost as much as the compile it saves on
-large models; a blob is the worker's own output, never sent over a network (the shard's files, which are,
-keep their SHA-256 check). Each stage file, device, property set and OpenVINO version has its own folder;
-workers compiling into one folder take turns (a file lock given up after `LOCK_SECONDS`: a worker frozen
-mid-compile must not hang the next one, which then compiles without the cache), and a compile that fails
-with the cache is tried once without it.
-"""
+A worker that starts again on the same shard and settings (a relaunch after a crash, a PC that
+rebooted) loads the compiled model instead of compiling it. OpenVINO keys each blob by the model,
+the device and the compile properties, and recompiles over a truncated blob, but it loads a blob
+whose bytes were changed in place; so each blob's size and modification time are recorded right
+after the compile wrote it (`blobs.json`), and before a compile every blob that does not match its
+record (or has none: its writer died first) is deleted. That costs nothing at start, where a hash of
+the blob would cost as much as the compile it saves on large models; a blob is the worker's own
+output, never sent over a network (the shard's files, which are, keep their SHA-256 check). Each
+stage file, device, property set and OpenVINO version has its own folder; workers compiling into one
+folder take turns (a file lock given up after `LOCK_SECONDS`: a worker frozen mid-compile must not
+hang the next one, which then compiles without the cache), and a compile that fails with the cache
+is tried once without it."""
 
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ def compile_model(
     root: Path | None,
     name: str,
 ) -> tuple[Any, bool]:
-    """(compiled model, whether it came from the cache under ROOT); ROOT None compiles without a cache.
+    """(compiled model, whether it came from the cache under ROOT); ROOT None compiles without a
+    cache.
 
-    NAME is the model's file in the shard: with the device, the properties and the OpenVINO version it names
-    the model's own subfolder, so other stages compile alongside.
-    Raises RuntimeError as `core.compile_model` does when even the plain compile fails.
-    """
+    NAME is the model's file in the shard: with the device, the properties and the OpenVINO version
+    it names the model's own subfolder, so other stages compile alongside. Raises RuntimeError as
+    `core.compile_model` does when even the plain compile fails."""
     folder = None if root is None else root / _key(name, device, properties)
     if folder is not None and not _can_export(core, device):
         logger.info("%s cannot export a compiled model; compiling without a cache", device)
@@ -53,14 +54,18 @@ def compile_model(
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            logger.warning("compile cache %s: %s; compiling without it", folder, error.strerror or error)
+            logger.warning(
+                "compile cache %s: %s; compiling without it", folder, error.strerror or error
+            )
             folder = None
     if folder is not None:
         with _turn(folder / ".lock", LOCK_SECONDS) as mine:
             if mine:
                 _drop_unrecorded(folder)
                 try:
-                    compiled = core.compile_model(model, device, {**properties, "CACHE_DIR": str(folder)})
+                    compiled = core.compile_model(
+                        model, device, {**properties, "CACHE_DIR": str(folder)}
+                    )
                 except RuntimeError as error:
                     logger.warning(
                         "compile with the cache %s failed (%s); compiling without it",
@@ -84,12 +89,15 @@ def compile_model(
 def _key(name: str, device: str, properties: dict[str, object]) -> str:
     import openvino as ov
 
-    text = json.dumps([name, device, sorted((k, str(v)) for k, v in properties.items()), ov.get_version()])
+    text = json.dumps(
+        [name, device, sorted((k, str(v)) for k, v in properties.items()), ov.get_version()]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _can_export(core: Any, device: str) -> bool:
-    """Whether the device can export and import a compiled model (what OpenVINO's model cache needs)."""
+    """Whether the device can export and import a compiled model (what OpenVINO's model cache
+    needs)."""
     try:
         return "EXPORT_IMPORT" in set(core.get_property(device, "OPTIMIZATION_CAPABILITIES"))
     except RuntimeError:  # AUTO and some plugins do not answer: let OpenVINO decide
@@ -128,32 +136,36 @@ def _drop_unrecorded(folder: Path) -> None:
     for blob in sorted(folder.glob("*.blob")):
         if recorded.get(blob.name) == _stamp(blob):
             continue
-        logger.warning("compile cache: %s changed since it was written; compiling afresh", blob.name)
+        logger.warning(
+            "compile cache: %s changed since it was written; compiling afresh", blob.name
+        )
         with contextlib.suppress(OSError):
             blob.unlink()
 
 
 def _record(folder: Path) -> None:
-    """Record the folder's blobs after a compile wrote one (atomically; a failure only costs the next start a
-    compile)."""
+    """Record the folder's blobs after a compile wrote one (atomically; a failure only costs the
+    next start a compile)."""
     blobs = {blob.name: _stamp(blob) for blob in folder.glob("*.blob")}
     temporary = folder / f"{RECORD}.{os.getpid()}.tmp"
     try:
         temporary.write_text(json.dumps(blobs, indent=1, sort_keys=True))
         os.replace(temporary, folder / RECORD)
     except OSError as error:
-        logger.warning("compile cache %s: cannot record the blobs: %s", folder, error.strerror or error)
+        logger.warning(
+            "compile cache %s: cannot record the blobs: %s", folder, error.strerror or error
+        )
         with contextlib.suppress(OSError):
             temporary.unlink()
 
 
 @contextlib.contextmanager
 def _turn(path: Path, seconds: float) -> Iterator[bool]:
-    """Hold an exclusive lock on PATH while the block runs; yields False if it stayed taken for SECONDS.
+    """Hold an exclusive lock on PATH while the block runs; yields False if it stayed taken for
+    SECONDS.
 
-    The lock dies with its holder's process. Without POSIX locks (Windows, one stage per PC) the block runs
-    unlocked.
-    """
+    The lock dies with its holder's process. Without POSIX locks (Windows, one stage per PC) the
+    block runs unlocked."""
     try:
         import fcntl
     except ImportError:

@@ -1,10 +1,11 @@
-"""Provides the compute side of a stage worker's loop: serve one admitted message and send the outcome onward.
+"""Provides the compute side of a stage worker's loop: serve one admitted message and send the
+outcome onward.
 
-Runs on the compute thread only, which alone uses the outgoing PUSH socket. A step feeds the engine and
-forwards hidden states (or, on the last stage, scores the logits into tokens); a control message opens,
-closes, resets or compacts a session; a failure becomes an `Error` sent down the chain, never silence.
-NaN/Inf out of the model is such a failure: it names stage and session instead of yielding a token.
-"""
+Runs on the compute thread only, which alone uses the outgoing PUSH socket. A step feeds the engine
+and forwards hidden states (or, on the last stage, scores the logits into tokens); a control message
+opens, closes, resets or compacts a session; a failure becomes an `Error` sent down the chain, never
+silence. NaN/Inf out of the model is such a failure: it names stage and session instead of yielding
+a token."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def rarely(count: int) -> bool:
 
 
 class StageCompute:
-    """The serving half of `StageServer` (which provides the sockets, the inbox and the I/O thread)."""
+    """The serving half of `StageServer` (which provides the sockets, the inbox and the I/O
+    thread)."""
 
     config: StageConfig
     engine: Any
@@ -53,15 +55,16 @@ class StageCompute:
     loop: zmq.Socket[bytes] | None
     coalescer: Coalescer
 
-    _serving: str = ""  # the kind being served until its first answer leaves (then counted as handled)
+    _serving: str = (
+        ""  # the kind being served until its first answer leaves (then counted as handled)
+    )
 
     def _send(self, message: protocol.Message, block: bool = True) -> None:
-        """Send down the chain, after the Results held back (`flush`); a refusal's Error (`block=False`) is
-        given up at once when nobody takes it.
+        """Send down the chain, after the Results held back (`flush`); a refusal's Error
+        (`block=False`) is given up at once when nobody takes it.
 
-        The message being served is counted as handled just before its answer leaves: whoever that answer
-        reaches may ask for the stats at once and must find it counted.
-        """
+        The message being served is counted as handled just before its answer leaves: whoever that
+        answer reaches may ask for the stats at once and must find it counted."""
         if self._serving:
             self.stats.handled[self._serving] += 1
             self._serving = ""
@@ -81,7 +84,9 @@ class StageCompute:
         except zmq.Again:
             self.stats.unsent += len(messages)
             logger.error(
-                "could not send %d messages downstream (%d unsent)", len(messages), self.stats.unsent
+                "could not send %d messages downstream (%d unsent)",
+                len(messages),
+                self.stats.unsent,
             )
         now = time.monotonic()
         for message in messages:
@@ -97,16 +102,23 @@ class StageCompute:
     def _emit(self, message: protocol.Message, block: bool) -> None:
         assert self.output is not None
         try:
-            self.output.send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK, copy=False)
+            self.output.send_multipart(
+                protocol.encode(message), 0 if block else zmq.NOBLOCK, copy=False
+            )
         except zmq.Again:
             self.stats.unsent += 1
             if block or rarely(self.stats.unsent):
                 logger.error(
-                    "could not send %s downstream (%d unsent)", type(message).__name__, self.stats.unsent
+                    "could not send %s downstream (%d unsent)",
+                    type(message).__name__,
+                    self.stats.unsent,
                 )
 
-    def _serve(self, received: float, message: protocol.Message, run: RunStep | None = None) -> None:
-        """Serve one message; `run`: it is a step of a run still going on (its next step follows it)."""
+    def _serve(
+        self, received: float, message: protocol.Message, run: RunStep | None = None
+    ) -> None:
+        """Serve one message; `run`: it is a step of a run still going on (its next step follows
+        it)."""
         started = time.time()
         kind = type(message).__name__
         self._serving = kind
@@ -121,7 +133,9 @@ class StageCompute:
                 self._hello(received, started, message)
             elif isinstance(message, protocol.Propose) and self.config.role == "draft":
                 self._propose(received, started, message)
-            elif isinstance(message, protocol.Error):  # an upstream failure travels on to the coordinator
+            elif isinstance(
+                message, protocol.Error
+            ):  # an upstream failure travels on to the coordinator
                 self._send(message)
             else:  # the I/O thread admits nothing else
                 raise ValueError(f"unexpected {kind} at stage {self.config.stage_index}")
@@ -143,11 +157,13 @@ class StageCompute:
         self, trace: np.ndarray, received: float, started: float, finished: float | None = None
     ) -> np.ndarray:
         finished = time.time() if finished is None else finished
-        return protocol.append_trace(trace, self.config.stage_index, received, started, finished, time.time())
+        return protocol.append_trace(
+            trace, self.config.stage_index, received, started, finished, time.time()
+        )
 
     def _serve_steps(self, work: list[tuple[float, protocol.Step, RunStep | None]]) -> None:
-        """Serve steps of distinct sessions as one batched inference where the engine can; each step that
-        fails gets its own Error, the others go on. `run`: a step of a run still going on."""
+        """Serve steps of distinct sessions as one batched inference where the engine can; each step
+        that fails gets its own Error, the others go on. `run`: a step of a run still going on."""
         started, clock = time.time(), time.perf_counter()
         requests: list[StepRequest] = []
         decodes: list[protocol.Decode] = []
@@ -172,7 +188,9 @@ class StageCompute:
             outputs = [error] * len(valid)
         seconds = time.perf_counter() - clock
         served = [
-            index for index, output in zip(valid, outputs, strict=True) if not isinstance(output, Exception)
+            index
+            for index, output in zip(valid, outputs, strict=True)
+            if not isinstance(output, Exception)
         ]
         self.stats.record_step(sum(work[index][1].n for index in served), seconds, len(served))
         outgoing: list[protocol.Message] = []
@@ -205,14 +223,18 @@ class StageCompute:
         decode: protocol.Decode,
         output: np.ndarray,
     ) -> protocol.Message | None:
-        """What a served step sends on: hidden states to the next stage, or the scored Result (None when a
-        run's Result is held back to leave with the next ones)."""
+        """What a served step sends on: hidden states to the next stage, or the scored Result (None
+        when a run's Result is held back to leave with the next ones)."""
         if not self.engine.is_last:
             # astype copies: the engine's output buffer is reused by the next step
             with np.errstate(over="ignore"):  # an overflow is detected just below
-                hidden = output.astype(np.float16 if self.config.wire_dtype == "f16" else np.float32)
+                hidden = output.astype(
+                    np.float16 if self.config.wire_dtype == "f16" else np.float32
+                )
             if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
-                hidden = output.astype(np.float32)  # an activation beyond float16's range: send as f32
+                hidden = output.astype(
+                    np.float32
+                )  # an activation beyond float16's range: send as f32
             return protocol.Step(
                 step.session,
                 step.seq,
@@ -237,31 +259,44 @@ class StageCompute:
         )
         if step.run > 1 and (run is not None or self.loop is not None):  # before the Result goes:
             self._continue(step, int(tokens[-1]))  # the token is known, the next step may start
-            if self.coalescer.hold(result, time.monotonic()):  # more of the run follows: it may wait
+            if self.coalescer.hold(
+                result, time.monotonic()
+            ):  # more of the run follows: it may wait
                 return None
         return result
 
     def _continue(self, step: protocol.Step, token: int) -> None:
-        """A run's next step, `token` fed right after this one: queued behind whatever else is waiting (one
-        stage) or sent back to stage 0 (the last of several; stage 0 drops it if the run was ended)."""
+        """A run's next step, `token` fed right after this one: queued behind whatever else is
+        waiting (one stage) or sent back to stage 0 (the last of several; stage 0 drops it if the
+        run was ended)."""
         following = next_run_step(step, token, looped=self.loop is not None)
         if self.loop is None:
             self.inbox.resume(time.time(), RunStep(following))
             return
-        try:  # never wait: a stage 0 that is gone is the recovery's business (the coordinator sees the loss)
+        # never wait: a stage 0 that is gone is the recovery's business (the coordinator sees the
+        # loss)
+        try:
             self.loop.send_multipart(protocol.encode(following), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.stats.unsent += 1
             if rarely(self.stats.unsent):
-                logger.warning("session %d: a run's next step could not go back to stage 0", step.session)
+                logger.warning(
+                    "session %d: a run's next step could not go back to stage 0", step.session
+                )
 
     def _check_finite(self, session: int, output: np.ndarray) -> None:
-        """NaN/Inf out of the model: an Error naming stage and session, never a token; the cache is distrusted."""
-        with np.errstate(over="ignore"):  # a finite sum: every value is finite (NaN and Inf propagate)
+        """NaN/Inf out of the model: an Error naming stage and session, never a token; the cache
+        is distrusted."""
+        with np.errstate(
+            over="ignore"
+        ):  # a finite sum: every value is finite (NaN and Inf propagate)
             if math.isfinite(float(output.sum())) or bool(np.isfinite(output).all()):
                 return  # (only a sum that overflowed needs the second look)
         what = "logits" if self.engine.is_last else "hidden states"
-        reason = f"session {session}: stage {self.config.stage_index} computed non-finite {what} (NaN/Inf)"
+        reason = (
+            f"session {session}: stage {self.config.stage_index} computed non-finite {what} "
+            "(NaN/Inf)"
+        )
         self.engine.mark_broken(session, reason)
         raise ValueError(reason)
 
@@ -271,7 +306,8 @@ class StageCompute:
             count, limit = len(self.engine.sessions), self.config.max_sessions
             if not self.engine.has(session) and count >= limit:
                 raise ValueError(
-                    f"max_sessions: stage {self.config.stage_index} serves at most {limit} sessions and "
+                    f"max_sessions: stage {self.config.stage_index} serves at most {limit} "
+                    "sessions and "
                     f"{count} are open; close one or wait"
                 )
             self.engine.open(session)
@@ -281,7 +317,9 @@ class StageCompute:
         elif control.kind == protocol.Kind.RESET:
             self.engine.reset(session)
         elif control.kind == protocol.Kind.CANCEL:
-            pass  # its admission at stage 0 ended the session's run (RunStops); its Ack follows the last Result
+            # its admission at stage 0 ended the session's run (RunStops); its Ack follows the last
+            # Result
+            pass
         elif control.kind == protocol.Kind.COMPACT:
             clock = time.perf_counter()
             value = self.engine.compact(session, control.cache_len)
@@ -336,7 +374,11 @@ class StageCompute:
                 tokens[index] = sample(row_ids, row_probs, float(uniforms[index]))
             if index < propose.k - 1:
                 output = self.engine.step(
-                    session, position, self.engine.cache_len(session), _NO_RANGES, tokens[index : index + 1]
+                    session,
+                    position,
+                    self.engine.cache_len(session),
+                    _NO_RANGES,
+                    tokens[index : index + 1],
                 )
                 position += 1
         self.stats.record_step(len(propose.tokens) + propose.k - 1, time.perf_counter() - clock)

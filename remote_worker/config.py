@@ -1,4 +1,5 @@
-"""Provides the stage configuration contract: what the operator writes for one worker process (JSON)."""
+"""Provides the stage configuration contract: what the operator writes for one worker process
+(JSON)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_VERSION = 1
-# The vocabularies, defined once here (the contract): fleettui's fleet file adds "auto" where it plans.
-WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")  # widest first: the planner steps down this order
+# The vocabularies, defined once here (the contract): fleettui's fleet file adds "auto" where it
+# plans.
+WEIGHT_PRECISIONS = (
+    "fp32",
+    "fp16",
+    "int8",
+    "int4",
+)  # widest first: the planner steps down this order
 INFERENCE_PRECISIONS = ("f32", "f16", "bf16")
 KV_CACHE_PRECISIONS = ("f32", "f16", "u8")
 WIRE_DTYPES = ("f16", "f32")
@@ -36,12 +43,11 @@ class Endpoint:
 class CurveKeys:
     """CurveZMQ material for one worker (Z85 text keys).
 
-    The worker's sockets are CURVE servers with `secret_key`; only clients whose public key is listed in
-    `allowed_clients` (the deployment's coordinator and, for a middle/last stage, its upstream stage; for
-    stage 0 of a longer chain, the last stage too) pass the ZAP handshake. Its outgoing link to the next
-    stage is a CURVE client with the same key pair and `next_server_key`; the last stage's link back to stage
-    0 (`loop`) one with `loop_server_key`.
-    """
+    The worker's sockets are CURVE servers with `secret_key`; only clients whose public key is
+    listed in `allowed_clients` (the deployment's coordinator and, for a middle/last stage, its
+    upstream stage; for stage 0 of a longer chain, the last stage too) pass the ZAP handshake. Its
+    outgoing link to the next stage is a CURVE client with the same key pair and `next_server_key`;
+    the last stage's link back to stage 0 (`loop`) one with `loop_server_key`."""
 
     public_key: str
     secret_key: str
@@ -62,7 +68,9 @@ class StageConfig:
     role: str = "stage"
     bind_address: str = "127.0.0.1"
     next: Endpoint | None = None  # the downstream stage; None for the last stage and the draft
-    loop: Endpoint | None = None  # the last stage of several: stage 0's data socket (a run's tokens go back)
+    loop: Endpoint | None = (
+        None  # the last stage of several: stage 0's data socket (a run's tokens go back)
+    )
     device: str = "CPU"
     threads: int = 0  # 0 = plugin default
     inference_precision: str | None = None  # None = device default (reported)
@@ -72,12 +80,20 @@ class StageConfig:
     verify_hashes: bool = True
     # False: hash every file of the stage at start, whatever its stamp says (`deploy --recheck`)
     trust_stamps: bool = True
-    compile_cache: bool = True  # keep the compiled model in the shard folder's compiled/ for restarts
+    compile_cache: bool = (
+        True  # keep the compiled model in the shard folder's compiled/ for restarts
+    )
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
     batching: bool = True  # steps of up to max_sessions sessions share one inference
-    stages: int = 1  # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
-    max_queue_bytes: int = 256 << 20  # requests waiting to be served, in bytes; beyond it they are refused
-    result_batch_ms: float = 0.0  # last stage: a run's Results leave together at most this often (0 = each)
+    stages: int = (
+        1  # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
+    )
+    max_queue_bytes: int = (
+        256 << 20
+    )  # requests waiting to be served, in bytes; beyond it they are refused
+    result_batch_ms: float = (
+        0.0  # last stage: a run's Results leave together at most this often (0 = each)
+    )
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)
     cpu_cores: tuple[int, ...] = ()
     deployment: str = ""  # id of the deployment that started this worker
@@ -89,11 +105,13 @@ class StageConfig:
             raise ConfigError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
         if self.inference_precision not in (None, *INFERENCE_PRECISIONS):
             raise ConfigError(
-                f"inference_precision: {self.inference_precision!r} is not one of {INFERENCE_PRECISIONS}"
+                f"inference_precision: {self.inference_precision!r} is not one of "
+                f"{INFERENCE_PRECISIONS}"
             )
         if self.kv_cache_precision not in (None, *KV_CACHE_PRECISIONS):
             raise ConfigError(
-                f"kv_cache_precision: {self.kv_cache_precision!r} is not one of {KV_CACHE_PRECISIONS}"
+                f"kv_cache_precision: {self.kv_cache_precision!r} is not one of "
+                f"{KV_CACHE_PRECISIONS}"
             )
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"wire_dtype: {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
@@ -103,21 +121,34 @@ class StageConfig:
                 raise ConfigError(f"{name}: {port!r} is not a TCP port")
         for name in ("next", "loop"):
             endpoint = getattr(self, name)
-            if endpoint is not None and (not isinstance(endpoint.port, int) or not 0 < endpoint.port < 65536):
+            if endpoint is not None and (
+                not isinstance(endpoint.port, int) or not 0 < endpoint.port < 65536
+            ):
                 raise ConfigError(f"{name}.port: {endpoint.port!r} is not a TCP port")
         if self.loop is not None and self.next is not None:
             raise ConfigError("loop: only the last stage sends a run's tokens back to stage 0")
         if self.next is None and self.result_port is None:
-            raise ConfigError("result_port: required when there is no next stage (last stage or draft)")
+            raise ConfigError(
+                "result_port: required when there is no next stage (last stage or draft)"
+            )
         if not isinstance(self.max_sessions, int) or self.max_sessions < 1:
             raise ConfigError(f"max_sessions: {self.max_sessions!r} must be a whole number >= 1")
-        if not isinstance(self.max_queue_bytes, int) or not 1 << 20 <= self.max_queue_bytes <= 1 << 40:
+        if (
+            not isinstance(self.max_queue_bytes, int)
+            or not 1 << 20 <= self.max_queue_bytes <= 1 << 40
+        ):
             raise ConfigError(f"max_queue_bytes: {self.max_queue_bytes!r} must lie in 1 MiB..1 TiB")
         batch = self.result_batch_ms
         if isinstance(batch, bool) or not isinstance(batch, (int, float)) or not 0 <= batch <= 1000:
-            raise ConfigError(f"result_batch_ms: {batch!r} must be a number of milliseconds in 0..1000")
+            raise ConfigError(
+                f"result_batch_ms: {batch!r} must be a number of milliseconds in 0..1000"
+            )
         lease = self.lease_seconds
-        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease <= 86400:
+        if (
+            isinstance(lease, bool)
+            or not isinstance(lease, (int, float))
+            or not 0 <= lease <= 86400
+        ):
             raise ConfigError(f"lease_seconds: {lease!r} must be a number of seconds in 0..86400")
         if not isinstance(self.batching, bool):
             raise ConfigError(f"batching: {self.batching!r} must be true or false")
@@ -151,7 +182,10 @@ class StageConfig:
                 data["curve"] = CurveKeys(**curve)
             data["cpu_cores"] = tuple(data.get("cpu_cores", ()))
             return cls(**data)
-        except (TypeError, ValueError) as error:  # e.g. a non-object "next"/"curve", a wrong argument
+        except (
+            TypeError,
+            ValueError,
+        ) as error:  # e.g. a non-object "next"/"curve", a wrong argument
             raise ConfigError(str(error)) from None
 
     @classmethod

@@ -1,9 +1,10 @@
-"""Provides the wire form of `Decode` (what the last stage computes from a step's logits) and frame helpers.
+"""Provides the wire form of `Decode` (what the last stage computes from a step's logits) and frame
+helpers.
 
-Part of the wire contract of `remote_worker.protocol`, which re-exports everything here: a Decode travels as
-a fixed little-endian spec struct plus raw buffers (drafts, proposal distribution, uniforms, penalty ids and
-counts, token masks); `parse_decode` validates every size, range and count before use.
-"""
+Part of the wire contract of `remote_worker.protocol`, which re-exports everything here: a Decode
+travels as a fixed little-endian spec struct plus raw buffers (drafts, proposal distribution,
+uniforms, penalty ids and counts, token masks); `parse_decode` validates every size, range and count
+before use."""
 
 from __future__ import annotations
 
@@ -36,26 +37,26 @@ class ProtocolError(ValueError):
 class Decode:
     """What the last stage must compute from the logits of a Step's trailing positions.
 
-    The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft token
-    j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule against the
-    draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds 2*(K+1) numbers in
-    [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are reproducible from a seed (a
-    run's Step holds 2 per token of the run, in order).
-    temperature == 0 means greedy. `top_logprobs` = n > 0 asks for n (id, log-prob) pairs per emitted token,
-    of the untempered, unpenalised distribution at its position: the emitted token's own, then the n - 1
+    The step's last `len(draft_tokens) + 1` positions are scored. Position j's logits judge draft
+    token j (greedy: equality with the argmax; sampling: the distribution-preserving acceptance rule
+    against the draft's sparse proposal distribution `draft_ids/draft_probs`). `uniforms` holds
+    2*(K+1) numbers in [0, 1): K+1 for acceptance tests, then K+1 for sampling, so results are
+    reproducible from a seed (a run's Step holds 2 per token of the run, in order). temperature == 0
+    means greedy. `top_logprobs` = n > 0 asks for n (id, log-prob) pairs per emitted token, of the
+    untempered, unpenalised distribution at its position: the emitted token's own, then the n - 1
     most probable (OpenAI's `logprobs` with `top_logprobs` = n - 1).
 
-    Penalties are applied to the logits before greedy choice, sampling and acceptance. `penalty_ids` are the
-    sorted unique token ids of the context before the scored window (prompt + reply so far) and
-    `penalty_counts` how often each occurs in the reply so far; position j also counts draft tokens 0..j-1.
-    `repetition_penalty` (HF/CTRL) applies to every context id, `frequency_penalty` x count and
-    `presence_penalty` (OpenAI) to the ids with a count above 0.
+    Penalties are applied to the logits before greedy choice, sampling and acceptance. `penalty_ids`
+    are the sorted unique token ids of the context before the scored window (prompt + reply so far)
+    and `penalty_counts` how often each occurs in the reply so far; position j also counts draft
+    tokens 0..j-1. `repetition_penalty` (HF/CTRL) applies to every context id, `frequency_penalty` x
+    count and `presence_penalty` (OpenAI) to the ids with a count above 0.
 
-    `token_mask` (grammar-constrained decoding) holds one row of packed bits per scored position (uint32
-    [K+1, words], bit t%32 of word t//32 set: token t allowed; llguidance's bitmask layout). The last stage
-    sets every other logit to -inf after the penalties, before greedy choice, sampling and acceptance; ids
-    past the mask's width are disallowed. Empty: no constraint. A run and a Propose never carry one.
-    """
+    `token_mask` (grammar-constrained decoding) holds one row of packed bits per scored position
+    (uint32 [K+1, words], bit t%32 of word t//32 set: token t allowed; llguidance's bitmask layout).
+    The last stage sets every other logit to -inf after the penalties, before greedy choice,
+    sampling and acceptance; ids past the mask's width are disallowed. Empty: no constraint. A run
+    and a Propose never carry one."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -78,7 +79,9 @@ class Decode:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -100,7 +103,9 @@ def decode_frames(decode: Decode | None) -> list[bytes | memoryview]:
     if decode is None:
         return [b""] * DECODE_FRAMES
     k = len(decode.draft_tokens)
-    support = decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
+    support = (
+        decode.draft_ids.shape[1] if decode.draft_ids.ndim == 2 and decode.draft_ids.size else 0
+    )
     spec = DECODE.pack(
         float(decode.temperature),
         float(decode.top_p),
@@ -139,8 +144,8 @@ def array_of(frame: bytes | memoryview, dtype: type, count: int, what: str) -> n
 def parse_decode(
     frames: Sequence[bytes | memoryview], max_tokens: int, proposals: int = 0, run: int = 0
 ) -> Decode | None:
-    """A Step's decode (`max_tokens` bounds the drafts; a `run` of R tokens draws 2 uniforms for each) or,
-    with `proposals` > 0, a Propose's (k uniforms)."""
+    """A Step's decode (`max_tokens` bounds the drafts; a `run` of R tokens draws 2 uniforms for
+    each) or, with `proposals` > 0, a Propose's (k uniforms)."""
     spec, tokens, ids, probs, uniforms, penalty_ids, penalty_counts, mask = frames
     if len(spec) == 0:
         if any(len(f) for f in frames):
@@ -171,7 +176,8 @@ def parse_decode(
     allowed_uniforms = (0, proposals) if proposals else (0, 2 * (k + 1) * max(run, 1))
     if n_uniforms not in allowed_uniforms:
         raise ProtocolError(
-            f"decode: {n_uniforms} uniforms for {proposals or k} {'proposals' if proposals else 'drafts'}"
+            f"decode: {n_uniforms} uniforms for {proposals or k} "
+            f"{'proposals' if proposals else 'drafts'}"
         )
     draft_tokens = array_of(tokens, np.int64, k, "draft tokens")
     draft_ids = array_of(ids, np.int64, k * support, "draft ids").reshape(k, support)
@@ -217,14 +223,19 @@ def parse_decode(
     )
 
 
-def _token_mask(frame: bytes | memoryview, words: int, rows: int, proposals: int, run: int) -> np.ndarray:
-    """The token-mask frame as uint32 [rows, words]: one row per scored position, each allowing a token."""
+def _token_mask(
+    frame: bytes | memoryview, words: int, rows: int, proposals: int, run: int
+) -> np.ndarray:
+    """The token-mask frame as uint32 [rows, words]: one row per scored position, each allowing a
+    token."""
     if not words:
         if len(frame):
             raise ProtocolError("decode: a token mask without its width")
         return np.zeros((0, 0), np.uint32)
     if proposals or run > 1:
-        raise ProtocolError("decode: token masks only go with a verify step (not a run or a proposal)")
+        raise ProtocolError(
+            "decode: token masks only go with a verify step (not a run or a proposal)"
+        )
     if words > MAX_MASK_WORDS:
         raise ProtocolError(f"decode: token mask of {words} words per row is too wide")
     mask = array_of(frame, np.uint32, rows * words, "token mask").reshape(rows, words)

@@ -1,15 +1,15 @@
-"""Provides the last stage's token choice: greedy and distribution-preserving speculative sampling (pure numpy).
+"""Provides the last stage's token choice: greedy and distribution-preserving speculative sampling
+(pure numpy).
 
-The rules implement `protocol.Decode`: position j of the scored logits judges draft token j, the first
-rejected draft is replaced by a correction token and, when every draft is accepted, position K yields a bonus
-token. Sampling uses the standard speculative rule (accept x with probability min(1, p(x)/q(x)), on
-rejection sample from normalize(max(0, p - q))), so the emitted tokens follow the target distribution p
-exactly whatever the draft proposed. All randomness comes from the uniforms the coordinator sends, so a
-seed reproduces a run.
+The rules implement `protocol.Decode`: position j of the scored logits judges draft token j, the
+first rejected draft is replaced by a correction token and, when every draft is accepted, position K
+yields a bonus token. Sampling uses the standard speculative rule (accept x with probability min(1,
+p(x)/q(x)), on rejection sample from normalize(max(0, p - q))), so the emitted tokens follow the
+target distribution p exactly whatever the draft proposed. All randomness comes from the uniforms
+the coordinator sends, so a seed reproduces a run.
 
-A draft that sent no distribution (support 0: a greedy draft or prompt lookup) proposed deterministically,
-so its q is a point mass on the drafted token.
-"""
+A draft that sent no distribution (support 0: a greedy draft or prompt lookup) proposed
+deterministically, so its q is a point mass on the drafted token."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import numpy as np
 
 from remote_worker.protocol import Decode, Step
 
-_CANDIDATES = 1024  # top-p looks at this many most probable ids first, then falls back to a full sort
+_CANDIDATES = (
+    1024  # top-p looks at this many most probable ids first, then falls back to a full sort
+)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -32,7 +34,8 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 def target_distribution(
     logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> np.ndarray:
-    """Probabilities (float64 [V]) after temperature, top-k and top-p filtering; zero outside the kept set."""
+    """Probabilities (float64 [V]) after temperature, top-k and top-p filtering; zero outside the
+    kept set."""
     if temperature <= 0.0:
         raise ValueError("target_distribution needs temperature > 0 (greedy uses argmax)")
     vocab = logits.shape[-1]
@@ -48,7 +51,8 @@ def target_distribution(
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest most-probable prefix whose mass reaches top_p (the token crossing it included)."""
+    """Keep the smallest most-probable prefix whose mass reaches top_p (the token crossing it
+    included)."""
     vocab = probs.shape[0]
     order = None
     if vocab > _CANDIDATES:
@@ -68,23 +72,29 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def sample(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
-    """The id whose cumulative-probability interval contains u (inverse CDF; zero-probability ids never win)."""
+    """The id whose cumulative-probability interval contains u (inverse CDF; zero-probability ids
+    never win)."""
     cumulative = np.cumsum(np.asarray(probs, np.float64))
     total = cumulative[-1]
     if not total > 0.0:
         raise ValueError("sample: the distribution has no mass")
     index = int(np.searchsorted(cumulative, u * total, side="right"))
     index = min(index, len(cumulative) - 1)
-    while probs[index] <= 0.0 and index > 0:  # rounding at the very top edge: step back to a real id
+    while (
+        probs[index] <= 0.0 and index > 0
+    ):  # rounding at the very top edge: step back to a real id
         index -= 1
     return int(ids[index])
 
 
-def propose_distribution(logits: np.ndarray, decode: Decode, support: int) -> tuple[np.ndarray, np.ndarray]:
-    """The draft's proposal: the `support` most probable ids of the filtered distribution, renormalised.
+def propose_distribution(
+    logits: np.ndarray, decode: Decode, support: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's proposal: the `support` most probable ids of the filtered distribution,
+    renormalised.
 
-    Always returns exactly min(support, V) ids (trailing ones may have probability 0), int64 and float32.
-    """
+    Always returns exactly min(support, V) ids (trailing ones may have probability 0), int64 and
+    float32."""
     if support <= 0:
         raise ValueError("propose_distribution: support must be positive when sampling")
     probs = target_distribution(logits, decode.temperature, decode.top_k, decode.top_p)
@@ -96,13 +106,13 @@ def propose_distribution(logits: np.ndarray, decode: Decode, support: int) -> tu
 
 
 def penalize(logits: np.ndarray, decode: Decode) -> np.ndarray:
-    """The scored rows with the penalties applied (a float32 copy; the input itself when there are none).
+    """The scored rows with the penalties applied (a float32 copy; the input itself when there are
+    none).
 
-    Row j sees the context counts of `decode` plus draft tokens 0..j-1, as if they had been emitted: the
-    same logits plain decoding would have penalized at that position, so speculation stays exact. Order as
-    in vLLM: repetition (HF/CTRL: positive / r, negative x r over prompt + reply), then frequency x count
-    and presence (OpenAI, over the reply).
-    """
+    Row j sees the context counts of `decode` plus draft tokens 0..j-1, as if they had been emitted:
+    the same logits plain decoding would have penalized at that position, so speculation stays
+    exact. Order as in vLLM: repetition (HF/CTRL: positive / r, negative x r over prompt + reply),
+    then frequency x count and presence (OpenAI, over the reply)."""
     if not decode.penalized:
         return logits
     vocab = logits.shape[1]
@@ -133,31 +143,38 @@ def penalize(logits: np.ndarray, decode: Decode) -> np.ndarray:
 
 
 def apply_mask(logits: np.ndarray, decode: Decode) -> np.ndarray:
-    """The scored rows with every token the grammar's mask disallows at -inf (the input itself without a
-    mask). Ids past the mask's width are disallowed; a row that allows no id of this vocabulary is an error."""
+    """The scored rows with every token the grammar's mask disallows at -inf (the input itself
+    without a mask). Ids past the mask's width are disallowed; a row that allows no id of this
+    vocabulary is an error."""
     if not decode.constrained:
         return logits
     rows, vocab = logits.shape
     if decode.token_mask.shape[0] != rows:
-        raise ValueError(f"token mask: {decode.token_mask.shape[0]} rows for {rows} scored positions")
+        raise ValueError(
+            f"token mask: {decode.token_mask.shape[0]} rows for {rows} scored positions"
+        )
     bits = np.unpackbits(decode.token_mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     allowed = np.zeros((rows, vocab), bool)
     allowed[:, : bits.shape[1]] = bits.astype(bool)
     empty = np.flatnonzero(~allowed.any(axis=1))
     if len(empty):
-        raise ValueError(f"token mask row {int(empty[0])} allows no token of the vocabulary of {vocab}")
+        raise ValueError(
+            f"token mask row {int(empty[0])} allows no token of the vocabulary of {vocab}"
+        )
     masked: np.ndarray = np.where(allowed, np.asarray(logits, np.float32), np.float32(-np.inf))
     return masked
 
 
 def run_step(decode: Decode) -> Decode:
-    """The Decode of a run's current token: its own two uniforms of the run's 2 per token (greedy: none)."""
+    """The Decode of a run's current token: its own two uniforms of the run's 2 per token
+    (greedy: none)."""
     return decode if len(decode.uniforms) <= 2 else replace(decode, uniforms=decode.uniforms[:2])
 
 
 def run_next(decode: Decode, token: int) -> Decode:
-    """The Decode of a run's next token once `token` was emitted: the uniforms after this token's two, and
-    `token` counted in the penalties' context and reply, as the coordinator would have sent them."""
+    """The Decode of a run's next token once `token` was emitted: the uniforms after this token's
+    two, and `token` counted in the penalties' context and reply, as the coordinator would have sent
+    them."""
     if not decode.penalized:
         return replace(decode, uniforms=decode.uniforms[2:]) if len(decode.uniforms) else decode
     uniforms = decode.uniforms[2:] if len(decode.uniforms) else decode.uniforms
@@ -173,8 +190,8 @@ def run_next(decode: Decode, token: int) -> Decode:
 
 
 def next_run_step(step: Step, token: int, looped: bool = False) -> Step:
-    """A run's next step: `token` fed right after `step`, no masks, one token fewer to go (`looped`: sent back
-    to stage 0 by the last stage of several)."""
+    """A run's next step: `token` fed right after `step`, no masks, one token fewer to go (`looped`:
+    sent back to stage 0 by the last stage of several)."""
     assert step.decode is not None  # the protocol refuses a run without a decode
     return Step(
         step.session,
@@ -197,8 +214,8 @@ def _uniforms(decode: Decode, count: int) -> np.ndarray:
 
 
 def _top(logits: np.ndarray, tokens: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, log-probs) per row of the untempered distribution: the row's emitted token first, then the
-    `count - 1` most probable tokens."""
+    """(ids, log-probs) per row of the untempered distribution: the row's emitted token first, then
+    the `count - 1` most probable tokens."""
     rows = logits.shape[0]
     ids = np.empty((rows, count), np.int64)
     logprobs = np.empty((rows, count), np.float32)
@@ -235,12 +252,11 @@ _NO_TOP_IDS, _NO_TOP_LOGPROBS = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.
 
 
 def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties and the token
-    mask applied first.
+    """Judge the drafts against `logits` ([K+1, V], one row per scored position), penalties and the
+    token mask applied first.
 
-    Returns (tokens int64 [a+1], accepted a, top_ids, top_logprobs); the top arrays have one row per emitted
-    token ([a+1, top_logprobs]) or shape (0, 0) when none were asked for.
-    """
+    Returns (tokens int64 [a+1], accepted a, top_ids, top_logprobs); the top arrays have one row per
+    emitted token ([a+1, top_logprobs]) or shape (0, 0) when none were asked for."""
     drafts = np.asarray(decode.draft_tokens, np.int64)
     k = len(drafts)
     plain = not decode.penalized and not decode.constrained and decode.top_logprobs <= 0
@@ -267,13 +283,17 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     else:
         tokens, accepted = _speculative_sample(logits, decode, drafts)
     if decode.top_logprobs > 0:
-        top_ids, top_logprobs = _top(raw[: accepted + 1], tokens, min(decode.top_logprobs, vocab + 1))
+        top_ids, top_logprobs = _top(
+            raw[: accepted + 1], tokens, min(decode.top_logprobs, vocab + 1)
+        )
     else:
         top_ids, top_logprobs = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
     return tokens, accepted, top_ids, top_logprobs
 
 
-def _speculative_sample(logits: np.ndarray, decode: Decode, drafts: np.ndarray) -> tuple[np.ndarray, int]:
+def _speculative_sample(
+    logits: np.ndarray, decode: Decode, drafts: np.ndarray
+) -> tuple[np.ndarray, int]:
     k = len(drafts)
     vocab = logits.shape[1]
     uniforms = _uniforms(decode, 2 * (k + 1))
@@ -286,7 +306,9 @@ def _speculative_sample(logits: np.ndarray, decode: Decode, drafts: np.ndarray) 
         if q[token] > 0.0 and uniforms[j] < min(1.0, p[token] / q[token]):
             continue
         residual = np.maximum(p - q, 0.0)
-        if not residual.sum() > 0.0:  # p == q (up to rounding): the residual is undefined, p is exact
+        if (
+            not residual.sum() > 0.0
+        ):  # p == q (up to rounding): the residual is undefined, p is exact
             residual = p
         correction = sample(every_id, residual, float(uniforms[k + 1 + j]))
         return np.concatenate([drafts[:j], [correction]]).astype(np.int64), j

@@ -1,12 +1,12 @@
-"""Provides the compute side of a stage: one compiled OpenVINO shard and its per-session KV caches (no sockets).
+"""Provides the compute side of a stage: one compiled OpenVINO shard and its per-session KV caches
+(no sockets).
 
-Sessions are rows of InferRequests of the same compiled model (remote_worker/rows.py): steps of sessions
-that share a request run as one batched inference, so a further session costs its KV cache and little
-compute. The cache is a ReadValue/Assign state that only appends: rejected speculative tokens stay in it
-and are hidden by a per-session attention mask (1 = attend), while positions stay logical. `compact` drops
-the masked slots when the waste grows. With a `cache_dir` a restarted worker loads its compiled model from
-there (remote_worker/compile_cache.py).
-"""
+Sessions are rows of InferRequests of the same compiled model (remote_worker/rows.py): steps of
+sessions that share a request run as one batched inference, so a further session costs its KV cache
+and little compute. The cache is a ReadValue/Assign state that only appends: rejected speculative
+tokens stay in it and are hidden by a per-session attention mask (1 = attend), while positions stay
+logical. `compact` drops the masked slots when the waste grows. With a `cache_dir` a restarted
+worker loads its compiled model from there (remote_worker/compile_cache.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 # Reported as the plugin's effective settings (whatever the device answers of these).
 SHRINK_OUTPUT_BYTES = 4 << 20  # an output buffer above this is released after the step
 _KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "u4": 0.5}
-BATCH_TOKENS = 16  # steps up to this many tokens share inferences; longer ones (prefill chunks) run alone
+BATCH_TOKENS = (
+    16  # steps up to this many tokens share inferences; longer ones (prefill chunks) run alone
+)
 IDLE_ROWS = 3  # a group whose inferences left rows idle this many times in a row splits (rows.py)
 
 
@@ -95,7 +97,8 @@ class StageEngine:
             started = time.perf_counter()
             hashed = verify_stage(self.shard_dir, self.manifest, stage_index, trust=trust_stamps)
             logger.info(
-                "stage %d: files verified in %.1f s (%d of %d hashed, the rest unchanged since their check)",
+                "stage %d: files verified in %.1f s (%d of %d hashed, the rest unchanged since "
+                "their check)",
                 stage_index,
                 time.perf_counter() - started,
                 hashed,
@@ -107,7 +110,8 @@ class StageEngine:
         self._ov = ov
         core = ov.Core()
         model = core.read_model(str(self.shard_dir / self.stage.ir))
-        # the last stage's head projects only the rows asked for (a prefill's last), as GenAI's pipeline does
+        # the last stage's head projects only the rows asked for (a prefill's last), as GenAI's
+        # pipeline does
         self.slices_logits = self.stage.is_last and slice_logits(model)
         self.requested = requested_properties(
             core, device, threads, inference_precision, kv_cache_precision, self.manifest.precision
@@ -123,14 +127,19 @@ class StageEngine:
                 self.stage.ir,
             )
         except RuntimeError as error:
-            raise EngineError(f"compile on {device} failed: {compile_cache.first_line(error)}") from None
+            raise EngineError(
+                f"compile on {device} failed: {compile_cache.first_line(error)}"
+            ) from None
         self.compile_seconds = time.perf_counter() - started
-        index = {name: i for i, port in enumerate(self.compiled.inputs) for name in port.get_names()}
+        index = {
+            name: i for i, port in enumerate(self.compiled.inputs) for name in port.get_names()
+        }
         self.data_input = "input_ids" if self.stage.is_first else "hidden_states"
         for needed in (self.data_input, "attention_mask", "position_ids"):
             if needed not in index:
                 raise ManifestError(f"{self.stage.ir}: input {needed!r} is missing")
-        # input indices, so a step sets its tensors directly (OpenVINO's dict dispatch costs per step)
+        # input indices, so a step sets its tensors directly (OpenVINO's dict dispatch costs per
+        # step)
         self._data_port, self._mask_port = index[self.data_input], index["attention_mask"]
         self._position_port, self._beam_port = index["position_ids"], index.get("beam_idx")
         self.has_beam_idx = self._beam_port is not None
@@ -140,15 +149,23 @@ class StageEngine:
         for optional, kind in ((self._beam_port, "i32"), (self._keep_port, "i64")):
             if optional is not None:
                 wanted[optional] = kind
-        for port, kind in wanted.items():  # a step's arrays are these types, shared with no conversion
+        for (
+            port,
+            kind,
+        ) in wanted.items():  # a step's arrays are these types, shared with no conversion
             found = self.compiled.inputs[port].get_element_type().get_type_name()
             if found != kind:
-                raise ManifestError(f"{self.stage.ir}: input {port} is {found}, the worker feeds {kind}")
+                raise ManifestError(
+                    f"{self.stage.ir}: input {port} is {found}, the worker feeds {kind}"
+                )
         self.sessions: dict[int, Session] = {}
         self._effective: dict[str, str] | None = None
-        # sessions batched per inference at most (1 = each alone); rows leave a batch through beam_idx
+        # sessions batched per inference at most (1 = each alone); rows leave a batch through
+        # beam_idx
         self.batch_max = max_batch if self.has_beam_idx else 1
-        self.regroups = 0  # KV rows copied into new groups (each costs a state read and write per layer)
+        self.regroups = (
+            0  # KV rows copied into new groups (each costs a state read and write per layer)
+        )
         self.warm_up_seconds = 0.0  # set by `warm_up`
         logger.info(
             "stage %d layers %s compiled on %s in %.1f s%s: %s",
@@ -160,9 +177,11 @@ class StageEngine:
             self.effective_properties(),
         )
 
-    # ----------------------------------------------------------------------------------------- setup
+    # -----------------------------------------------------------------------------------------
+    # setup
     def effective_properties(self) -> dict[str, str]:
-        """What the compiled model actually uses (as the plugin reports it; asked once, they never change)."""
+        """What the compiled model actually uses (as the plugin reports it; asked once, they
+        never change)."""
         if self._effective is not None:
             return dict(self._effective)
         found = {}
@@ -186,7 +205,8 @@ class StageEngine:
     def hidden_size(self) -> int:
         return int(self.manifest.hidden_size)
 
-    # -------------------------------------------------------------------------------------- sessions
+    # --------------------------------------------------------------------------------------
+    # sessions
     def has(self, session: int) -> bool:
         return session in self.sessions
 
@@ -209,7 +229,8 @@ class StageEngine:
             state.group.remove(session)
 
     def reset(self, session: int) -> None:
-        """Empty a session's cache (back to the zero-length state initializer), in a group of its own."""
+        """Empty a session's cache (back to the zero-length state initializer), in a group of its
+        own."""
         state = self._session(session, allow_broken=True)
         if len(state.group.members) == 1:
             state.group.request.reset_state()
@@ -239,7 +260,8 @@ class StageEngine:
         return len(self._session(session, allow_broken=True).group.members)
 
     def batch_mates(self, session: int) -> set[int]:
-        """The other sessions whose KV rows share this session's group (empty when it runs alone)."""
+        """The other sessions whose KV rows share this session's group (empty when it runs
+        alone)."""
         state = self.sessions.get(session)
         return set() if state is None else set(state.group.members) - {session}
 
@@ -254,22 +276,27 @@ class StageEngine:
     def warm_up(self) -> float:
         """One 1-token step on a scratch session, discarded; returns its seconds.
 
-        OpenVINO's CPU plugin does its one-time work for a compiled model (weights repacked for the kernels,
-        buffers) at its first inference, whatever the steps' shapes. The worker warms up before it reports
-        ready, so the first answer after a deploy does not pay it (docs/performance.md#startup).
-        """
+        OpenVINO's CPU plugin does its one-time work for a compiled model (weights repacked for the
+        kernels, buffers) at its first inference, whatever the steps' shapes. The worker warms up
+        before it reports ready, so the first answer after a deploy does not pay it
+        (docs/performance.md#startup)."""
         started = time.perf_counter()
         scratch = min(self.sessions, default=0) - 1  # not a session the coordinator has opened
         self.open(scratch)
         try:
-            first = np.zeros(1, np.int64) if self.is_first else np.zeros((1, self.hidden_size), np.float32)
+            first = (
+                np.zeros(1, np.int64)
+                if self.is_first
+                else np.zeros((1, self.hidden_size), np.float32)
+            )
             self.step(scratch, 0, 0, np.zeros((0, 2), np.int64), first, keep_last=1)
         finally:
             self.close(scratch)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 
-    # ------------------------------------------------------------------------------------------ compute
+    # ------------------------------------------------------------------------------------------
+    # compute
     def step(
         self,
         session: int,
@@ -280,7 +307,9 @@ class StageEngine:
         keep_last: int = 0,
     ) -> np.ndarray:
         """One session's step (see `step_many`); raises EngineError when it cannot be served."""
-        (output,) = self.step_many([StepRequest(session, pos0, cache_len, mask_ranges, data, keep_last)])
+        (output,) = self.step_many(
+            [StepRequest(session, pos0, cache_len, mask_ranges, data, keep_last)]
+        )
         if isinstance(output, EngineError):
             raise output
         return output
@@ -288,12 +317,11 @@ class StageEngine:
     def step_many(self, requests: list[StepRequest]) -> list[np.ndarray | EngineError]:
         """Serve steps of distinct sessions, batching those that can share an inference.
 
-        Each step masks its `mask_ranges`, feeds n tokens (int64 [n]) or hidden states ([n, H]) and returns
-        [n, H] hidden states or [n, V] logits (only the last `keep_last` rows when > 0), or the EngineError
-        that step alone failed with. A small result is a view of an output buffer, valid until the next
-        step; a large one is copied out and the buffer shrunk, so a long prefill does not leave its request
-        holding n x vocabulary floats.
-        """
+        Each step masks its `mask_ranges`, feeds n tokens (int64 [n]) or hidden states ([n, H]) and
+        returns [n, H] hidden states or [n, V] logits (only the last `keep_last` rows when > 0), or
+        the EngineError that step alone failed with. A small result is a view of an output buffer,
+        valid until the next step; a large one is copied out and the buffer shrunk, so a long
+        prefill does not leave its request holding n x vocabulary floats."""
         results: list[np.ndarray | EngineError] = []
         items: dict[int, Item] = {}
         for request in requests:
@@ -337,13 +365,18 @@ class StageEngine:
         return Item(session, request.pos0, values, keep)
 
     def _plan(self, items: dict[int, Item]) -> list[tuple[Group, list[int]]]:
-        """Which group runs which items (by group id); moves sessions between groups where that pays.
+        """Which group runs which items (by group id); moves sessions between groups where that
+        pays.
 
-        Small steps of sessions in different groups share one new group when it is larger than any of
-        theirs; a large step (a prefill chunk) or a session with an empty cache runs in a group of its own.
-        """
+        Small steps of sessions in different groups share one new group when it is larger than any
+        of theirs; a large step (a prefill chunk) or a session with an empty cache runs in a group
+        of its own."""
         if self.batch_max > 1:
-            small = [s for s, item in items.items() if item.n <= BATCH_TOKENS and self.sessions[s].cache_len]
+            small = [
+                s
+                for s, item in items.items()
+                if item.n <= BATCH_TOKENS and self.sessions[s].cache_len
+            ]
             alone = [s for s in items if s not in small and len(self.sessions[s].group.members) > 1]
             self._regroup([[s] for s in alone])
             touched = {id(self.sessions[s].group): self.sessions[s].group for s in small}
@@ -367,7 +400,9 @@ class StageEngine:
                 request.set_input_tensor(self._beam_port, tensor(group.rows, shared_memory=True))
             request.set_input_tensor(self._data_port, tensor(inputs.data, shared_memory=True))
             request.set_input_tensor(self._mask_port, tensor(inputs.mask, shared_memory=True))
-            request.set_input_tensor(self._position_port, tensor(inputs.positions, shared_memory=True))
+            request.set_input_tensor(
+                self._position_port, tensor(inputs.positions, shared_memory=True)
+            )
             request.infer()
             output = request.get_output_tensor(0).data
         except RuntimeError as error:
@@ -392,7 +427,9 @@ class StageEngine:
     def _data(self, data: np.ndarray) -> np.ndarray:
         if self.is_first:
             if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-                raise EngineError(f"stage {self.stage_index} is the first stage and takes token ids")
+                raise EngineError(
+                    f"stage {self.stage_index} is the first stage and takes token ids"
+                )
             if int(data.max()) >= self.manifest.vocab_size or int(data.min()) < 0:
                 raise EngineError(f"token id outside the vocabulary of {self.manifest.vocab_size}")
             return np.asarray(data, np.int64)
@@ -403,17 +440,20 @@ class StageEngine:
             )
         return np.asarray(data, np.float32)
 
-    # ---------------------------------------------------------------------------------------- regroup
+    # ----------------------------------------------------------------------------------------
+    # regroup
     def _split_idle(self, group: Group, items: dict[int, Item]) -> None:
-        """A group whose inferences keep leaving rows idle splits into who ran and who did not: pads cost
-        as much compute as tokens, and two halves taking turns is exactly what a pipeline does."""
+        """A group whose inferences keep leaving rows idle splits into who ran and who did not: pads
+        cost as much compute as tokens, and two halves taking turns is exactly what a pipeline
+        does."""
         group.sparse = group.sparse + 1 if len(items) < len(group.members) else 0
         if group.sparse >= IDLE_ROWS:
             ran = [m for m in group.members if m in items]
             self._regroup([ran, [m for m in group.members if m not in items]])
 
     def _regroup(self, groups: list[list[int]]) -> None:
-        """Move each list of sessions into a new group of its own (their KV rows copied, local order kept)."""
+        """Move each list of sessions into a new group of its own (their KV rows copied, local
+        order kept)."""
         groups = [members for members in groups if members]
         if not groups:
             return
@@ -447,10 +487,13 @@ class StageEngine:
             logger.error("regrouping %s failed: %s", sorted(moving), error)
 
     def set_batching(self, max_batch: int) -> int:
-        """Batch at most `max_batch` sessions per inference from now on (1 = each alone); returns it."""
+        """Batch at most `max_batch` sessions per inference from now on (1 = each alone); returns
+        it."""
         self.batch_max = max(1, max_batch) if self.has_beam_idx else 1
         if self.batch_max == 1:
-            shared = {id(s.group): s.group for s in self.sessions.values() if len(s.group.members) > 1}
+            shared = {
+                id(s.group): s.group for s in self.sessions.values() if len(s.group.members) > 1
+            }
             self._regroup([[member] for group in shared.values() for member in group.members])
         return self.batch_max
 
@@ -462,9 +505,9 @@ class StageEngine:
     def compact(self, session: int, cache_len: int) -> int:
         """Drop the masked local slots; returns the new local length.
 
-        A session alone in its group copies its live slots into a fresh state; in a shared group only its
-        slot map shrinks, and the group's state is rewritten once its rows are mostly waste.
-        """
+        A session alone in its group copies its live slots into a fresh state; in a shared group
+        only its slot map shrinks, and the group's state is rewritten once its rows are mostly
+        waste."""
         state = self._session(session)
         if cache_len != state.cache_len:
             raise EngineError(
@@ -485,12 +528,19 @@ class StageEngine:
                 raise EngineError(f"session {session}: {state.broken}")
         return state.cache_len
 
-    # ------------------------------------------------------------------------------------------ memory
+    # ------------------------------------------------------------------------------------------
+    # memory
     def kv_bytes_per_slot(self) -> float:
-        """Bytes one physical slot costs across this stage's KV states (at the effective KV precision)."""
+        """Bytes one physical slot costs across this stage's KV states (at the effective KV
+        precision)."""
         precision = self.effective_properties().get("KV_CACHE_PRECISION", "f32").lower()
         per_value = _KV_BYTES.get(precision, 4)
-        return len(self.stage.state_names) * self.manifest.num_kv_heads * self.manifest.head_dim * per_value
+        return (
+            len(self.stage.state_names)
+            * self.manifest.num_kv_heads
+            * self.manifest.head_dim
+            * per_value
+        )
 
     def session_bytes(self, session: int | None = None) -> int:
         """Logical KV bytes of one session, or of all sessions when `session` is None."""
@@ -502,9 +552,12 @@ class StageEngine:
         return int(sum(state.cache_len for state in states) * self.kv_bytes_per_slot())
 
     def cache_slots(self) -> int:
-        return sum(state.cache_len for state in list(self.sessions.values()))  # read from the control thread
+        return sum(
+            state.cache_len for state in list(self.sessions.values())
+        )  # read from the control thread
 
     def physical_slots(self) -> int:
-        """Slots held by every group's state (pads and masked slots included): what the KV really costs."""
+        """Slots held by every group's state (pads and masked slots included): what the KV really
+        costs."""
         groups = {id(state.group): state.group for state in list(self.sessions.values())}
         return sum(len(group.members) * group.length for group in groups.values())

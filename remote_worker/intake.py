@@ -1,4 +1,5 @@
-"""Provides what a stage worker's I/O thread needs: a byte-bounded inbox and the parsing of control requests."""
+"""Provides what a stage worker's I/O thread needs: a byte-bounded inbox and the parsing of
+control requests."""
 
 from __future__ import annotations
 
@@ -23,25 +24,26 @@ class ControlRequestError(ValueError):
 
 @dataclass(frozen=True)
 class Refusal:
-    """An Error to send down the chain for a request refused at intake (it never reaches the engine)."""
+    """An Error to send down the chain for a request refused at intake (it never reaches the
+    engine)."""
 
     error: protocol.Error
 
 
 @dataclass(frozen=True)
 class RunStep:
-    """A step of a one-stage pipeline's run in the inbox: the first (from the coordinator) or a next one
-    (queued by the compute thread itself, behind what arrived meanwhile)."""
+    """A step of a one-stage pipeline's run in the inbox: the first (from the coordinator) or a next
+    one (queued by the compute thread itself, behind what arrived meanwhile)."""
 
     step: protocol.Step
     first: bool = False
 
 
 class RunStops:
-    """The run each session is in at stage 0, by the seq of its first step (the I/O thread records it as it
-    admits that step). Any control message of the session admitted later ends the run: its next step is
-    dropped wherever it is (queued here, or on its way back from the last stage), so the control's answer
-    follows the run's last Result."""
+    """The run each session is in at stage 0, by the seq of its first step (the I/O thread records
+    it as it admits that step). Any control message of the session admitted later ends the run: its
+    next step is dropped wherever it is (queued here, or on its way back from the last stage), so
+    the control's answer follows the run's last Result."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -61,7 +63,8 @@ class RunStops:
 
 
 class Inbox:
-    """FIFO of received messages bounded in bytes and in count; refusals jump the queue (they are tiny)."""
+    """FIFO of received messages bounded in bytes and in count; refusals jump the queue (they are
+    tiny)."""
 
     def __init__(self, max_bytes: int, max_messages: int = 4096) -> None:
         self.max_bytes = max_bytes
@@ -79,7 +82,8 @@ class Inbox:
         return len(self._items) + len(self._refusals)
 
     def put(self, received: float, message: protocol.Message | RunStep, size: int) -> bool:
-        """Queue a message; False (and nothing queued) when it would exceed the byte or count budget."""
+        """Queue a message; False (and nothing queued) when it would exceed the byte or count
+        budget."""
         with self._condition:
             if self._bytes + size > self.max_bytes or len(self._items) >= self.max_messages:
                 return False
@@ -89,13 +93,15 @@ class Inbox:
             return True
 
     def resume(self, received: float, run: RunStep) -> None:
-        """Queue a run's next step at the back, beyond the budgets: it replaces the step just served."""
+        """Queue a run's next step at the back, beyond the budgets: it replaces the step just
+        served."""
         with self._condition:
             self._items.append((received, run, 0))
             self._condition.notify()
 
     def refuse(self, error: protocol.Error) -> bool:
-        """Queue an Error reply ahead of the waiting work; False when too many are already pending."""
+        """Queue an Error reply ahead of the waiting work; False when too many are already
+        pending."""
         with self._condition:
             if len(self._refusals) >= MAX_REFUSALS:
                 return False
@@ -117,14 +123,15 @@ class Inbox:
             return received, item
 
     def together(self) -> threading.Condition:
-        """Hold the queue while several puts go in (a batch arrives whole: the compute thread sees all)."""
+        """Hold the queue while several puts go in (a batch arrives whole: the compute thread
+        sees all)."""
         return self._condition
 
     def take_steps(
         self, exclude: set[int], limit: int, fits: Callable[[protocol.Step], bool]
     ) -> list[tuple[float, protocol.Step | RunStep]]:
-        """Take up to `limit` queued steps that `fit`, of sessions not in `exclude` and each the first
-        queued message of its session (a session's messages are never reordered)."""
+        """Take up to `limit` queued steps that `fit`, of sessions not in `exclude` and each the
+        first queued message of its session (a session's messages are never reordered)."""
         taken: list[tuple[float, protocol.Step | RunStep]] = []
         with self._condition:
             seen = set(exclude)
@@ -154,7 +161,8 @@ class Inbox:
 
 
 def parse_control(frames: list[bytes]) -> tuple[str, dict[str, Any]]:
-    """(op, request) of one control request; ControlRequestError says, in one line, why it cannot be served."""
+    """(op, request) of one control request; ControlRequestError says, in one line, why it cannot
+    be served."""
     if len(frames) != 1:
         raise ControlRequestError(f"expected a request of one frame, got {len(frames)} frames")
     raw = frames[0]
@@ -172,7 +180,11 @@ def parse_control(frames: list[bytes]) -> tuple[str, dict[str, Any]]:
 def lease_seconds(request: dict[str, Any]) -> float:
     """The `seconds` of a lease request: a number in 0..86400 (0 turns the lease off)."""
     seconds = request.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+    ):
         raise ControlRequestError("lease: 'seconds' must be a number")
     if not 0 <= seconds <= MAX_LEASE_SECONDS:
         raise ControlRequestError(f"lease: seconds {seconds} outside 0..{MAX_LEASE_SECONDS:g}")

@@ -1,4 +1,5 @@
-"""Provides the shard directory contract: the manifest that documents compiled pipeline-stage shards."""
+"""Provides the shard directory contract: the manifest that documents compiled pipeline-stage
+shards."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-COMPILED_FOLDER = "compiled"  # a worker's compiled-model cache inside the shard folder (not in the manifest)
-VERIFIED_FOLDER = "verified"  # each stage's stamp of the files it found intact (not in the manifest either)
+COMPILED_FOLDER = (
+    "compiled"  # a worker's compiled-model cache inside the shard folder (not in the manifest)
+)
+VERIFIED_FOLDER = (
+    "verified"  # each stage's stamp of the files it found intact (not in the manifest either)
+)
 STAMP_FORMAT = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TENSOR_DTYPES = ("i64", "i32", "f32")
@@ -30,10 +35,10 @@ class ManifestError(Exception):
 class LayerRange:
     """Half-open range of decoder layers [start, end): the layers whose KV cache the stage holds.
 
-    A boundary may cut a layer between its attention and its MLP (a *mid cut*, exact: the same ops, only the
-    graph is cut): then the stage before it ends mid layer (`ends_mid`: layer end-1 stops after its attention)
-    and the stage after it starts mid layer (`starts_mid`: it runs the MLP of layer start-1 first).
-    """
+    A boundary may cut a layer between its attention and its MLP (a *mid cut*, exact: the same ops,
+    only the graph is cut): then the stage before it ends mid layer (`ends_mid`: layer end-1 stops
+    after its attention) and the stage after it starts mid layer (`starts_mid`: it runs the MLP of
+    layer start-1 first)."""
 
     start: int
     end: int
@@ -49,7 +54,9 @@ class LayerRange:
             if not isinstance(getattr(self, name), bool):
                 raise ManifestError(f"layer range {name}: expected true or false")
         if self.start < 0 or self.end <= self.start:
-            raise ManifestError(f"layer range [{self.start}, {self.end}): must satisfy 0 <= start < end")
+            raise ManifestError(
+                f"layer range [{self.start}, {self.end}): must satisfy 0 <= start < end"
+            )
         if self.starts_mid and self.start == 0:
             raise ManifestError("layer range starting at 0 cannot start mid layer")
 
@@ -67,11 +74,15 @@ class LayerRange:
         return self.end == num_layers
 
     def __str__(self) -> str:
-        return f"[{format_boundary(self.start, self.starts_mid)}, {format_boundary(self.end, self.ends_mid)})"
+        return (
+            f"[{format_boundary(self.start, self.starts_mid)}, "
+            f"{format_boundary(self.end, self.ends_mid)})"
+        )
 
 
 def format_boundary(layer: int, mid: bool) -> str:
-    """A stage boundary as written in a split: 13, or 12.5 for the cut inside layer 12 (before KV layer 13)."""
+    """A stage boundary as written in a split: 13, or 12.5 for the cut inside layer 12 (before KV
+    layer 13)."""
     return f"{layer - 1}.5" if mid else str(layer)
 
 
@@ -89,7 +100,9 @@ def parse_boundary(text: str) -> tuple[int, bool]:
     """(KV boundary, mid) of a split boundary written as 13 or 12.5; ManifestError otherwise."""
     whole, dot, fraction = text.strip().partition(".")
     if not whole.isdigit() or (dot and fraction != "5"):
-        raise ManifestError(f"boundary {text!r}: expected a layer number, or N.5 to cut inside layer N")
+        raise ManifestError(
+            f"boundary {text!r}: expected a layer number, or N.5 to cut inside layer N"
+        )
     return (int(whole) + 1, True) if dot else (int(whole), False)
 
 
@@ -105,7 +118,8 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if self.dtype not in TENSOR_DTYPES:
             raise ManifestError(
-                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(TENSOR_DTYPES)}"
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of "
+                f"{', '.join(TENSOR_DTYPES)}"
             )
 
 
@@ -160,32 +174,46 @@ class Manifest:
     stages: tuple[StageSpec, ...]
     shared_files: dict[str, str]
     created_at: str
-    synthetic: bool = False  # seeded random weights of a real architecture: for timing only, never chat
+    synthetic: bool = (
+        False  # seeded random weights of a real architecture: for timing only, never chat
+    )
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise ManifestError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise ManifestError(
+                f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}"
+            )
         if not self.stages:
             raise ManifestError("stages: at least one stage is required")
         expected_start = 0
         for position, stage in enumerate(self.stages):
             if stage.index != position:
-                raise ManifestError(f"stages[{position}].index: expected {position}, got {stage.index}")
+                raise ManifestError(
+                    f"stages[{position}].index: expected {position}, got {stage.index}"
+                )
             if stage.layers.start != expected_start:
                 raise ManifestError(
                     f"stages[{position}].layers: {stage.layers} does not start at {expected_start}"
                 )
             if stage.num_layers != self.num_layers:
-                raise ManifestError(f"stages[{position}].num_layers: {stage.num_layers} != {self.num_layers}")
-            if stage.layers.starts_mid != (position > 0 and self.stages[position - 1].layers.ends_mid):
+                raise ManifestError(
+                    f"stages[{position}].num_layers: {stage.num_layers} != {self.num_layers}"
+                )
+            if stage.layers.starts_mid != (
+                position > 0 and self.stages[position - 1].layers.ends_mid
+            ):
                 raise ManifestError(
                     f"stages[{position}].layers: {stage.layers} does not meet the stage before it"
                 )
             expected_start = stage.layers.end
         if self.stages[-1].layers.ends_mid:
-            raise ManifestError(f"stages[{len(self.stages) - 1}].layers: the last stage cannot end mid layer")
+            raise ManifestError(
+                f"stages[{len(self.stages) - 1}].layers: the last stage cannot end mid layer"
+            )
         if expected_start != self.num_layers:
-            raise ManifestError(f"stages: layers end at {expected_start}, the model has {self.num_layers}")
+            raise ManifestError(
+                f"stages: layers end at {expected_start}, the model has {self.num_layers}"
+            )
 
     @property
     def splits(self) -> tuple[int, ...]:
@@ -217,7 +245,8 @@ class Manifest:
         values = _fields(cls, data, origin)
         if values["format_version"] != FORMAT_VERSION:
             raise ManifestError(
-                f"{origin}: format_version {values['format_version']!r} is not supported (expected {FORMAT_VERSION})"
+                f"{origin}: format_version {values['format_version']!r} is not supported (expected "
+                f"{FORMAT_VERSION})"
             )
         values["eos_token_ids"] = tuple(_list(values["eos_token_ids"], f"{origin}: eos_token_ids"))
         values["stages"] = tuple(
@@ -281,17 +310,23 @@ def _hashes(value: Any, origin: str) -> dict[str, str]:
         isinstance(key, str) and isinstance(digest, str) and len(digest) == 64
         for key, digest in value.items()
     ):
-        raise ManifestError(f"{origin}: expected an object mapping relative paths to SHA-256 hex digests")
+        raise ManifestError(
+            f"{origin}: expected an object mapping relative paths to SHA-256 hex digests"
+        )
     for key in value:
         if Path(key).is_absolute() or ".." in Path(key).parts:
-            raise ManifestError(f"{origin}: path {key!r} must be relative and inside the shard directory")
+            raise ManifestError(
+                f"{origin}: path {key!r} must be relative and inside the shard directory"
+            )
     return dict(value)
 
 
 def _tensor(data: Any, origin: str) -> TensorSpec:
     values = _fields(TensorSpec, data, origin)
     values["shape"] = tuple(_list(values["shape"], f"{origin}.shape"))
-    if not all(isinstance(dim, (int, str)) and not isinstance(dim, bool) for dim in values["shape"]):
+    if not all(
+        isinstance(dim, (int, str)) and not isinstance(dim, bool) for dim in values["shape"]
+    ):
         raise ManifestError(f"{origin}.shape: dimensions must be integers or names")
     _check_types(TensorSpec, values, origin)
     try:
@@ -333,7 +368,8 @@ def _plain(value: Any) -> Any:
 
 
 def load_manifest(directory: Path) -> Manifest:
-    """Read and validate DIRECTORY/manifest.json (no file hashes are checked here; see verify_stage)."""
+    """Read and validate DIRECTORY/manifest.json (no file hashes are checked here; see
+    verify_stage)."""
     path = Path(directory) / MANIFEST_NAME
     try:
         text = path.read_text(encoding="utf-8")
@@ -370,19 +406,19 @@ def sha256_file(path: Path) -> str:
 def verify_files(
     directory: Path, hashes: dict[str, str], stamp: Path | None = None, trust: bool = True
 ) -> int:
-    """Check that every listed file exists under DIRECTORY and has the recorded SHA-256; returns how many
-    files were hashed.
+    """Check that every listed file exists under DIRECTORY and has the recorded SHA-256; returns how
+    many files were hashed.
 
-    With a `stamp` (a JSON file) a file whose SHA-256 was checked before and whose size, modification and
-    inode-change times, inode and device are unchanged since is not read again: any write through the file
-    system changes its ctime, which no one can set back. Worth it for a restart of a large model, whose
-    stage files would otherwise be hashed on every relaunch. The stamp lives in the shard
-    folder, so whoever could forge it could as well edit the manifest there. A deploy from the operator
-    reads and writes the same stamp on the host (`fleettui.provision.remote_ops`, `hashes` and `seal`), so
-    the worker's first start after a push hashes nothing the push checked. Writing it is best effort.
-    With `trust` False every file is hashed and the stamp rewritten (`fleettui deploy --recheck`: bit rot
-    leaves a file's metadata alone, which no stamp can see).
-    """
+    With a `stamp` (a JSON file) a file whose SHA-256 was checked before and whose size,
+    modification and inode-change times, inode and device are unchanged since is not read again: any
+    write through the file system changes its ctime, which no one can set back. Worth it for a
+    restart of a large model, whose stage files would otherwise be hashed on every relaunch. The
+    stamp lives in the shard folder, so whoever could forge it could as well edit the manifest
+    there. A deploy from the operator reads and writes the same stamp on the host
+    (`fleettui.provision.remote_ops`, `hashes` and `seal`), so the worker's first start after a push
+    hashes nothing the push checked. Writing it is best effort. With `trust` False every file is
+    hashed and the stamp rewritten (`fleettui deploy --recheck`: bit rot leaves a file's metadata
+    alone, which no stamp can see)."""
     known = _read_stamp(stamp) if stamp is not None and trust else {}
     checked: dict[str, list[Any]] = {}
     hashed = 0
@@ -391,7 +427,14 @@ def verify_files(
         if not path.is_file():
             raise ManifestError(f"{relative}: missing from {directory}")
         info = path.stat()  # before the hash: a write during it changes the ctime the stamp records
-        identity = [expected, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+        identity = [
+            expected,
+            info.st_size,
+            info.st_mtime_ns,
+            info.st_ctime_ns,
+            info.st_ino,
+            info.st_dev,
+        ]
         if known.get(relative) != identity:
             found = sha256_file(path)
             hashed += 1
@@ -410,7 +453,9 @@ def _read_stamp(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    files = data.get("files") if isinstance(data, dict) and data.get("format") == STAMP_FORMAT else None
+    files = (
+        data.get("files") if isinstance(data, dict) and data.get("format") == STAMP_FORMAT else None
+    )
     return files if isinstance(files, dict) else {}
 
 
@@ -418,10 +463,14 @@ def _write_stamp(path: Path, files: dict[str, list[Any]]) -> None:
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as stream:
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False
+        ) as stream:
             temporary = stream.name
             json.dump({"format": STAMP_FORMAT, "files": files}, stream)
-        os.replace(temporary, path)  # whole or not at all: stages sharing the folder each write their own
+        os.replace(
+            temporary, path
+        )  # whole or not at all: stages sharing the folder each write their own
     except OSError:
         if temporary is not None:
             with contextlib.suppress(OSError):
@@ -431,9 +480,9 @@ def _write_stamp(path: Path, files: dict[str, list[Any]]) -> None:
 def verify_stage(
     directory: Path, manifest: Manifest, index: int, stamp: bool = True, trust: bool = True
 ) -> int:
-    """Check every file of stage INDEX against the manifest, raising ManifestError on the first problem;
-    returns how many files were hashed (`stamp`: skip those unchanged since a check unless not `trust`, see
-    `verify_files`)."""
+    """Check every file of stage INDEX against the manifest, raising ManifestError on the first
+    problem; returns how many files were hashed (`stamp`: skip those unchanged since a check unless
+    not `trust`, see `verify_files`)."""
     if not 0 <= index < len(manifest.stages):
         raise ManifestError(f"stage {index}: the manifest has stages 0..{len(manifest.stages) - 1}")
     path = Path(directory) / VERIFIED_FOLDER / f"stage_{index}.json" if stamp else None
@@ -441,8 +490,9 @@ def verify_stage(
 
 
 def verify_all(directory: Path, manifest: Manifest, stamp: bool = False) -> int:
-    """Check the shared (tokenizer) files and every stage's files, raising ManifestError on the first problem;
-    returns how many files were hashed (`stamp`: skip those unchanged since a check, see `verify_files`)."""
+    """Check the shared (tokenizer) files and every stage's files, raising ManifestError on the
+    first problem; returns how many files were hashed (`stamp`: skip those unchanged since a check,
+    see `verify_files`)."""
     shared = Path(directory) / VERIFIED_FOLDER / "shared.json" if stamp else None
     hashed = verify_files(directory, manifest.shared_files, shared)
     return hashed + sum(
@@ -474,12 +524,19 @@ def ranges_from_splits(
     A boundary in `mid_cuts` cuts the layer before it between its attention and its MLP."""
     points = list(splits)
     if len(points) < 2 or points[0] != 0 or points[-1] != num_layers:
-        raise ManifestError(f"split {','.join(map(str, points))}: must start at 0 and end at {num_layers}")
+        raise ManifestError(
+            f"split {','.join(map(str, points))}: must start at 0 and end at {num_layers}"
+        )
     if any(later <= earlier for earlier, later in pairwise(points)):
-        raise ManifestError(f"split {','.join(map(str, points))}: boundaries must strictly increase")
+        raise ManifestError(
+            f"split {','.join(map(str, points))}: boundaries must strictly increase"
+        )
     stray = sorted(set(mid_cuts) - set(points[1:-1]))
     if stray:
-        raise ManifestError(f"mid cut {format_boundary(stray[0], True)}: not a boundary between two stages")
+        raise ManifestError(
+            f"mid cut {format_boundary(stray[0], True)}: not a boundary between two stages"
+        )
     return tuple(
-        LayerRange(start, end, start in mid_cuts, end in mid_cuts) for start, end in pairwise(points)
+        LayerRange(start, end, start in mid_cuts, end in mid_cuts)
+        for start, end in pairwise(points)
     )

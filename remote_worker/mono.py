@@ -1,11 +1,13 @@
-"""Provides the single-PC baseline: the unsplit 1-stage shard in one process, a plain greedy loop, no sockets.
+"""Provides the single-PC baseline: the unsplit 1-stage shard in one process, a plain greedy loop,
+no sockets.
 
-    python -m remote_worker.mono --shard DIR --prompt-ids 1,2,3 --tokens 128 [--threads T] [--cores 0]
+    python -m remote_worker.mono --shard DIR --prompt-ids 1,2,3 --tokens 128 \\
+        [--threads T] [--cores 0]
         [--inference-precision bf16] [--kv-cache-precision u8] [--device CPU] [--wait-for-go] --json
 
-Prints one JSON object: tokens, seconds, ttft_s, tok_s, the generated ids and the precision the plugin
-actually used. A configuration this machine cannot run (device absent, a known plugin crash) prints
-{"skipped": reason} and exits 0; `--probe` prints the OpenVINO version and devices and exits.
+Prints one JSON object: tokens, seconds, ttft_s, tok_s, the generated ids and the precision the
+plugin actually used. A configuration this machine cannot run (device absent, a known plugin crash)
+prints {"skipped": reason} and exits 0; `--probe` prints the OpenVINO version and devices and exits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of token ids"
+        ) from None
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError("at least one non-negative token id is needed")
     return ids
@@ -37,20 +41,38 @@ def _cores(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of CPU cores") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of CPU cores"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m remote_worker.mono", description=__doc__.splitlines()[0])
-    parser.add_argument("--shard", type=Path, help="compiled shard directory with exactly one stage")
+    parser = argparse.ArgumentParser(
+        prog="python -m remote_worker.mono", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--shard", type=Path, help="compiled shard directory with exactly one stage"
+    )
     parser.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens to generate (EOS is ignored)")
-    parser.add_argument("--threads", type=int, default=0, help="inference threads (0 = plugin default)")
-    parser.add_argument("--cores", type=_cores, default=[], help="pin the process to these CPU cores")
+    parser.add_argument(
+        "--tokens", type=int, default=128, help="new tokens to generate (EOS is ignored)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="inference threads (0 = plugin default)"
+    )
+    parser.add_argument(
+        "--cores", type=_cores, default=[], help="pin the process to these CPU cores"
+    )
     parser.add_argument("--device", default="CPU", help="OpenVINO device")
-    parser.add_argument("--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's")
-    parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's")
-    parser.add_argument("--warmup", type=int, default=8, help="tokens of an untimed warm-up generation")
+    parser.add_argument(
+        "--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's"
+    )
+    parser.add_argument(
+        "--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=8, help="tokens of an untimed warm-up generation"
+    )
     parser.add_argument(
         "--wait-for-go",
         action="store_true",
@@ -73,8 +95,11 @@ def probe() -> dict[str, object]:
     return {"openvino": ov.get_version(), "devices": devices, "device_names": names}
 
 
-def greedy(engine: object, session: int, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
-    """Greedy decode `tokens` new ids after `prompt`; returns (ids, seconds, seconds to the first id)."""
+def greedy(
+    engine: object, session: int, prompt: list[int], tokens: int
+) -> tuple[list[int], float, float]:
+    """Greedy decode `tokens` new ids after `prompt`; returns (ids, seconds, seconds to the first
+    id)."""
     step = engine.step  # type: ignore[attr-defined]
     no_mask = np.zeros((0, 2), np.int64)
     started = time.perf_counter()
@@ -95,7 +120,10 @@ def run(arguments: argparse.Namespace) -> dict[str, object]:
     found = probe()
     device = arguments.device.upper()
     if device.split(".")[0] not in {d.split(".")[0] for d in found["devices"]} and device != "AUTO":  # type: ignore[attr-defined]
-        return {"skipped": f"device {device} is not available here (devices: {', '.join(found['devices'])})"}  # type: ignore[arg-type]
+        return {
+            "skipped": f"device {device} is not available here "
+            f"(devices: {', '.join(found['devices'])})"  # type: ignore[arg-type]
+        }
     try:
         engine = StageEngine(
             arguments.shard,
@@ -109,7 +137,8 @@ def run(arguments: argparse.Namespace) -> dict[str, object]:
         return {"skipped": str(error)}
     if len(engine.manifest.stages) != 1:
         raise SystemExit(
-            f"mono: {arguments.shard} has {len(engine.manifest.stages)} stages; the baseline needs 1"
+            f"mono: {arguments.shard} has {len(engine.manifest.stages)} stages; the baseline needs "
+            "1"
         )
     if arguments.warmup > 0:
         engine.open(0)
@@ -127,7 +156,8 @@ def run(arguments: argparse.Namespace) -> dict[str, object]:
         "tokens": len(produced),
         "seconds": seconds,
         "ttft_s": ttft,
-        "started_at": started_at,  # wall clock: copies started together decode in overlapping windows
+        # wall clock: copies started together decode in overlapping windows
+        "started_at": started_at,
         "tok_s": len(produced) / seconds if seconds > 0 else 0.0,
         "token_ids": produced,
         "prompt_tokens": len(arguments.prompt_ids),

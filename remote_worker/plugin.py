@@ -1,4 +1,5 @@
-"""Provides how a stage's shard meets the OpenVINO plugin: compile properties, their report, the logits slice."""
+"""Provides how a stage's shard meets the OpenVINO plugin: compile properties, their report, the
+logits slice."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ REPORTED_PROPERTIES = (
     "PERFORMANCE_HINT",
     "EXECUTION_DEVICES",
 )
-LOGITS_KEEP = "logits_keep"  # the input slice_logits adds: how many of the step's last rows get logits
+LOGITS_KEEP = (
+    "logits_keep"  # the input slice_logits adds: how many of the step's last rows get logits
+)
 
 
 class EngineError(RuntimeError):
@@ -27,10 +30,11 @@ class EngineError(RuntimeError):
 
 
 def slice_logits(model: Any) -> bool:
-    """Give the head only the last LOGITS_KEEP rows of its input: a Slice and an i64 [1] input are put before
-    the MatMul that makes the `logits` output. A prefill of n tokens then projects one row onto the vocabulary,
-    not n (its other rows were thrown away); the kept rows' values are those of the whole projection. False
-    (the model unchanged) when the output is not made that way."""
+    """Give the head only the last LOGITS_KEEP rows of its input: a Slice and an i64 [1] input are
+    put before the MatMul that makes the `logits` output. A prefill of n tokens then projects one
+    row onto the vocabulary, not n (its other rows were thrown away); the kept rows' values are
+    those of the whole projection. False (the model unchanged) when the output is not made that
+    way."""
     import openvino as ov
     from openvino import opset8 as ops
 
@@ -58,7 +62,8 @@ def slice_logits(model: Any) -> bool:
 
 
 def property_text(value: object) -> str:
-    """A property value as plain text: "f32" rather than "<Type: 'float32'>", "CPU" rather than "['CPU']"."""
+    """A property value as plain text: "f32" rather than "<Type: 'float32'>", "CPU" rather than
+    "['CPU']"."""
     if hasattr(value, "get_type_name"):
         return str(value.get_type_name())
     if isinstance(value, (list, tuple)):
@@ -78,7 +83,8 @@ def requested_properties(
     kv_cache_precision: str | None,
     weights: str,
 ) -> dict[str, object]:
-    """The properties to compile with, of those the device supports (the others are logged and left)."""
+    """The properties to compile with, of those the device supports (the others are logged and
+    left)."""
     supported = set(core.get_property(device, "SUPPORTED_PROPERTIES"))
     wanted: dict[str, object] = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
     if inference_precision:

@@ -1,15 +1,17 @@
-"""Provides the calibration run of compiled shards: what a stage really costs per decoded token and per prefill chunk.
+"""Provides the calibration run of compiled shards: what a stage really costs per decoded token and
+per prefill chunk.
 
-    python -m remote_worker.profile --shard DIR [--stages 0,1,2] [--device CPU] [--threads T] [--cores 0]
-        [--inference-precision f32] [--kv-cache-precision f32] [--context 128] [--tokens 24] [--chunk 128]
+    python -m remote_worker.profile --shard DIR [--stages 0,1,2] [--device CPU] [--threads T]
+        [--cores 0] [--inference-precision f32] [--kv-cache-precision f32] [--context 128]
+        [--tokens 24] [--chunk 128]
         [--pipeline S | --pauses-ms P0,P1,...] [--until-stdin-closes]
 
 Prints one JSON object: per stage, its layers, whether it holds the embedding / the head, and the
-milliseconds of a 1-token decode step after CONTEXT cached tokens (the lowest 20th percentile of 4 windows
-0.5 s apart), each step after the pause the stage has live (`time_stages`), and of one CHUNK-token prefill
-(the fastest of 4). Inputs are random (ids or hidden states): cost does not depend on the values. The
-stages run in this process exactly as a worker runs them (same StageEngine, same OpenVINO settings).
-"""
+milliseconds of a 1-token decode step after CONTEXT cached tokens (the lowest 20th percentile of 4
+windows 0.5 s apart), each step after the pause the stage has live (`time_stages`), and of one
+CHUNK-token prefill (the fastest of 4). Inputs are random (ids or hidden states): cost does not
+depend on the values. The stages run in this process exactly as a worker runs them (same
+StageEngine, same OpenVINO settings)."""
 
 from __future__ import annotations
 
@@ -47,23 +49,23 @@ def time_stages(
     pauses_ms: list[float] | None = None,
     pipeline: int = 0,
 ) -> list[dict[str, Any]]:
-    """Per engine: 1-token decode ms after CONTEXT tokens and the ms of a CHUNK prefill, at their quietest.
+    """Per engine: 1-token decode ms after CONTEXT tokens and the ms of a CHUNK prefill, at their
+    quietest.
 
-    A step costs more after a pause (docs/performance.md#tuning-constants), and a stage in a pipeline
-    serving one user pauses while the rest of the pipeline
-    computes its token, so each engine's steps are timed after the pause it will have live: PAUSES_MS[i]
-    before each of engine i's steps when given (the rest of a planned split, predicted), else (PIPELINE-1)/
-    PIPELINE of the whole model's token, measured on these engines, which must then make up the model (the
-    calibration split; PIPELINE <= 1: back to back). Stepping the calibration stages round-robin instead
-    would give each stage a pause unlike its live one and misjudge the head.
+    A step costs more after a pause (docs/performance.md#tuning-constants), and a stage in a
+    pipeline serving one user pauses while the rest of the pipeline computes its token, so each
+    engine's steps are timed after the pause it will have live: PAUSES_MS[i] before each of engine
+    i's steps when given (the rest of a planned split, predicted), else (PIPELINE-1)/ PIPELINE of
+    the whole model's token, measured on these engines, which must then make up the model (the
+    calibration split; PIPELINE <= 1: back to back). Stepping the calibration stages round-robin
+    instead would give each stage a pause unlike its live one and misjudge the head.
 
-    Every engine is timed in the same windows, one block of steps each, so load from other programs slows
-    them alike and does not skew one stage against another. The TOKENS steps are spread over WINDOWS
-    windows GAP seconds apart, and a stage's cost is the lowest of its windows' low percentiles (20th), its
-    prefill the fastest of one per window: other programs only ever make a step slower, and a host timed
-    beside another (each on its own cores) must not come out slower for a half-second burst on its core
-    alone, which would skew the split.
-    """
+    Every engine is timed in the same windows, one block of steps each, so load from other programs
+    slows them alike and does not skew one stage against another. The TOKENS steps are spread over
+    WINDOWS windows GAP seconds apart, and a stage's cost is the lowest of its windows' low
+    percentiles (20th), its prefill the fastest of one per window: other programs only ever make a
+    step slower, and a host timed beside another (each on its own cores) must not come out slower
+    for a half-second burst on its core alone, which would skew the split."""
     generator = np.random.default_rng(0)
     per_window = max(1, -(-tokens // windows))
     for engine in engines:
@@ -108,7 +110,8 @@ def time_stages(
                 "first": bool(stage.is_first),
                 "last": bool(stage.is_last),
                 "decode_ms": 1000.0 * min(lows),
-                "decode_median_ms": 1000.0 * statistics.median(t for window in steps for t in window),
+                "decode_median_ms": 1000.0
+                * statistics.median(t for window in steps for t in window),
                 "decode_windows_ms": [1000.0 * low for low in lows],
                 "pause_ms": 1000.0 * pause,
                 "prefill_ms": 1000.0 * min(prefill),
@@ -120,10 +123,15 @@ def time_stages(
 
 
 def _window(
-    engines: list[Any], pauses: list[float], steps: int, context: int, generator: np.random.Generator
+    engines: list[Any],
+    pauses: list[float],
+    steps: int,
+    context: int,
+    generator: np.random.Generator,
 ) -> list[list[float]]:
-    """One timing window: per engine, STEPS 1-token decode steps after CONTEXT cached tokens, each after
-    that engine's pause (seconds); the two first steps after the prefill (which reallocate) go untimed."""
+    """One timing window: per engine, STEPS 1-token decode steps after CONTEXT cached tokens, each
+    after that engine's pause (seconds); the two first steps after the prefill (which reallocate) go
+    untimed."""
     found: list[list[float]] = []
     for engine, pause in zip(engines, pauses, strict=True):
         engine.reset(1)
@@ -155,7 +163,8 @@ def profile(
     pauses_ms: list[float] | None = None,
     pipeline: int = 0,
 ) -> dict[str, Any]:
-    """Time the requested stages of SHARD_DIR (all by default) in the same windows, with a worker's settings."""
+    """Time the requested stages of SHARD_DIR (all by default) in the same windows, with a
+    worker's settings."""
     from remote_worker.engine import StageEngine
     from remote_worker.manifest import load_manifest
 
@@ -163,7 +172,13 @@ def profile(
     indices = list(range(len(manifest.stages))) if stages is None else stages
     engines = [
         StageEngine(
-            shard_dir, index, device, threads, inference_precision, kv_cache_precision, verify_hashes=False
+            shard_dir,
+            index,
+            device,
+            threads,
+            inference_precision,
+            kv_cache_precision,
+            verify_hashes=False,
         )
         for index in indices
     ]
@@ -176,7 +191,9 @@ def profile(
         "threads": threads,
         "cores": sorted(os.sched_getaffinity(0)),
         "properties": engines[0].effective_properties() if engines else {},
-        "stages": time_stages(engines, context, tokens, chunk, pauses_ms=pauses_ms, pipeline=pipeline),
+        "stages": time_stages(
+            engines, context, tokens, chunk, pauses_ms=pauses_ms, pipeline=pipeline
+        ),
     }
 
 
@@ -184,27 +201,34 @@ def _list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
 
 
 def _pauses(text: str) -> list[float]:
     try:
         found = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of milliseconds") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of milliseconds"
+        ) from None
     if any(not 0.0 <= pause <= 10_000.0 for pause in found):
         raise argparse.ArgumentTypeError(f"{text!r}: each pause must be within [0, 10000] ms")
     return found
 
 
 def _exit_when_stdin_closes() -> None:
-    """End this process when its standard input closes: run over SSH, a dropped or cancelled connection
-    closes it, and a timing nobody waits for must not keep a remote core busy."""
+    """End this process when its standard input closes: run over SSH, a dropped or cancelled
+    connection closes it, and a timing nobody waits for must not keep a remote core busy."""
     import threading
 
     def watch() -> None:
-        while os.read(0, 4096):  # the raw descriptor: a thread blocked in sys.stdin would hold its buffer's
-            pass  # lock, and the interpreter aborts at exit ("could not acquire lock ... at shutdown")
+        while os.read(
+            0, 4096
+        ):  # the raw descriptor: a thread blocked in sys.stdin would hold its buffer's
+            # lock, and the interpreter aborts at exit ("could not acquire lock ... at shutdown")
+            pass
         try:  # (its stderr is closed too when the connection dropped)
             print("profile: standard input closed, stopping", file=sys.stderr, flush=True)
         finally:
@@ -220,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=Path, required=True, help="compiled shard directory")
     parser.add_argument("--stages", type=_list, help="stage indices to time (default: all)")
     parser.add_argument("--device", default="CPU")
-    parser.add_argument("--threads", type=int, default=0, help="inference threads (0 = plugin default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="inference threads (0 = plugin default)"
+    )
     parser.add_argument("--cores", type=_list, default=[], help="pin to these CPU cores first")
     parser.add_argument("--inference-precision", choices=("f32", "f16", "bf16"))
     parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"))
@@ -235,13 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="S",
-        help="the stages make up the model: time each after (S-1)/S of its token, as in an S-stage pipeline",
+        help="the stages make up the model: time each after (S-1)/S of its token, as in an S-stage "
+        "pipeline",
     )
-    pause.add_argument("--pauses-ms", type=_pauses, help="per timed stage: its idle ms before each step")
+    pause.add_argument(
+        "--pauses-ms", type=_pauses, help="per timed stage: its idle ms before each step"
+    )
     parser.add_argument(
         "--until-stdin-closes",
         action="store_true",
-        help="exit as soon as standard input closes (run over SSH: a dropped connection ends the timing)",
+        help="exit as soon as standard input closes (run over SSH: a dropped connection ends the "
+        "timing)",
     )
     arguments = parser.parse_args(argv)
     if arguments.pauses_ms is not None and len(arguments.pauses_ms) != len(arguments.stages or ()):

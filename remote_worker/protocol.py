@@ -1,31 +1,34 @@
-"""Provides the wire contract: versioned frames exchanged between the coordinator, the stages and the draft.
+"""Provides the wire contract: versioned frames exchanged between the coordinator, the stages and
+the draft.
 
-A message is a ZeroMQ multipart: frame 0 is a fixed little-endian header, the other frames are raw numpy
-buffers (never pickle). `encode` turns a message dataclass into frames; `decode` validates every size,
-dtype, range and count before anything is used and raises `ProtocolError` on the first problem, so a
-receiver can count the frame as dropped and carry on.
+A message is a ZeroMQ multipart: frame 0 is a fixed little-endian header, the other frames are raw
+numpy buffers (never pickle). `encode` turns a message dataclass into frames; `decode` validates
+every size, dtype, range and count before anything is used and raises `ProtocolError` on the first
+problem, so a receiver can count the frame as dropped and carry on.
 
 Message flow (daisy chain): coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator.
-Control messages (Hello, Open, Close, Reset, Compact, Cancel) travel the same chain so they stay ordered with
-the steps of their session; the last stage answers them with an Ack. A stage that cannot serve a message
-sends an Error down the chain instead, so the coordinator never waits forever.
+Control messages (Hello, Open, Close, Reset, Compact, Cancel) travel the same chain so they stay
+ordered with the steps of their session; the last stage answers them with an Ack. A stage that
+cannot serve a message sends an Error down the chain instead, so the coordinator never waits
+forever.
 
 Batches: several messages of distinct sessions may travel as one multipart (`encode_batch`): a BATCH
-header whose count is the number of messages, a frame of each message's frame count, then each message's
-own frames. `split` undoes it; every message inside is then decoded and validated on its own, so one bad
-message is refused alone. A stage serves the steps of one batch as one batched inference.
+header whose count is the number of messages, a frame of each message's frame count, then each
+message's own frames. `split` undoes it; every message inside is then decoded and validated on its
+own, so one bad message is refused alone. A stage serves the steps of one batch as one batched
+inference.
 
-Attention-mask deltas: every stage keeps, per session, a mask over its physical KV slots. A Step carries
-only the physical slot ranges to mask from now on (`mask_ranges`, half-open) plus the logical position of
-its first token, never the full mask.
+Attention-mask deltas: every stage keeps, per session, a mask over its physical KV slots. A Step
+carries only the physical slot ranges to mask from now on (`mask_ranges`, half-open) plus the
+logical position of its first token, never the full mask.
 
-Runs: a Step with `run` = R > 1 asks the pipeline to generate R tokens by itself, feeding each token the
-last stage scores back in as the next step, without waiting for the coordinator: a one-stage pipeline queues
-it behind its own work, the last stage of a longer one sends it to stage 0 (`looped`, over its `loop` link).
-Every token comes back as its own Result, all with the run's seq, in order. The run ends after R tokens, or
-earlier when any control message of its session (Cancel, which does nothing else) reaches stage 0: stage 0
-then drops the run's next step, so the Ack of that message follows the run's last Result.
-"""
+Runs: a Step with `run` = R > 1 asks the pipeline to generate R tokens by itself, feeding each token
+the last stage scores back in as the next step, without waiting for the coordinator: a one-stage
+pipeline queues it behind its own work, the last stage of a longer one sends it to stage 0
+(`looped`, over its `loop` link). Every token comes back as its own Result, all with the run's seq,
+in order. The run ends after R tokens, or earlier when any control message of its session (Cancel,
+which does nothing else) reaches stage 0: stage 0 then drops the run's next step, so the Ack of that
+message follows the run's last Result."""
 
 from __future__ import annotations
 
@@ -87,11 +90,11 @@ class Kind(IntEnum):
 
 
 class RequestError(ProtocolError):
-    """A request whose header is sound but whose body is not: it is answered with an Error, not dropped.
+    """A request whose header is sound but whose body is not: it is answered with an Error, not
+    dropped.
 
-    `kind`, `session` and `seq` come from the validated header, so the refusal can travel down the chain to
-    the coordinator and fail the request at once instead of leaving it to time out.
-    """
+    `kind`, `session` and `seq` come from the validated header, so the refusal can travel down the
+    chain to the coordinator and fail the request at once instead of leaving it to time out."""
 
     def __init__(self, reason: str, kind: Kind, session: int, seq: int) -> None:
         super().__init__(reason)
@@ -150,9 +153,8 @@ class Propose:
     """Ask a draft worker to feed `tokens` then propose `k` tokens (sampled per `decode` or greedy).
 
     `decode.uniforms` needs k numbers when sampling; `decode.top_k`/`top_p`/`temperature` shape the
-    proposal distribution, which is truncated to `support` ids and returned so the target can apply the
-    acceptance rule exactly. The draft's cache grows by len(tokens) + k - 1 slots.
-    """
+    proposal distribution, which is truncated to `support` ids and returned so the target can apply
+    the acceptance rule exactly. The draft's cache grows by len(tokens) + k - 1 slots."""
 
     session: int
     seq: int
@@ -176,7 +178,8 @@ class Ack:
 
 @dataclass(frozen=True)
 class Result:
-    """Tokens emitted by a verify/decode step: accepted drafts then one correction or bonus token."""
+    """Tokens emitted by a verify/decode step: accepted drafts then one correction or bonus
+    token."""
 
     session: int
     seq: int
@@ -221,7 +224,9 @@ def _header(
     count_a: int = 0,
     count_b: int = 0,
 ) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+    return HEADER.pack(
+        MAGIC, VERSION, kind, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
+    )
 
 
 def encode(message: Message) -> list[bytes | memoryview]:
@@ -229,19 +234,30 @@ def encode(message: Message) -> list[bytes | memoryview]:
     if isinstance(message, Hello):
         return [_header(Kind.HELLO, seq=message.seq), raw_buffer(message.trace, np.float64)]
     if isinstance(message, Control):
-        return [_header(message.kind, session=message.session, seq=message.seq, cache_len=message.cache_len)]
+        return [
+            _header(
+                message.kind, session=message.session, seq=message.seq, cache_len=message.cache_len
+            )
+        ]
     if isinstance(message, Step):
         if (message.tokens is None) == (message.hidden is None):
             raise ProtocolError("a step carries either tokens or hidden states")
         ranges = raw_buffer(message.mask_ranges.reshape(-1, 2), np.int64)
         if message.tokens is not None:
-            flags, width, data = FLAG_LOOPED if message.looped else 0, 0, raw_buffer(message.tokens, np.int64)
+            flags, width, data = (
+                FLAG_LOOPED if message.looped else 0,
+                0,
+                raw_buffer(message.tokens, np.int64),
+            )
         else:
             hidden = message.hidden
             assert hidden is not None
             # anything that is not float16 travels as float32, as the flag promises
             flags = FLAG_F16 if hidden.dtype == np.float16 else 0
-            width, data = int(hidden.shape[1]), raw_buffer(hidden, np.float16 if flags else np.float32)
+            width, data = (
+                int(hidden.shape[1]),
+                raw_buffer(hidden, np.float16 if flags else np.float32),
+            )
         header = _header(
             Kind.STEP,
             flags,
@@ -254,7 +270,13 @@ def encode(message: Message) -> list[bytes | memoryview]:
             len(message.mask_ranges),
             message.run,
         )
-        return [header, ranges, data, *decode_frames(message.decode), raw_buffer(message.trace, np.float64)]
+        return [
+            header,
+            ranges,
+            data,
+            *decode_frames(message.decode),
+            raw_buffer(message.trace, np.float64),
+        ]
     if isinstance(message, Propose):
         header = _header(
             Kind.PROPOSE,
@@ -276,7 +298,12 @@ def encode(message: Message) -> list[bytes | memoryview]:
         ]
     if isinstance(message, Ack):
         header = _header(
-            Kind.ACK, 0, message.session, message.seq, count_a=int(message.kind), count_b=message.value
+            Kind.ACK,
+            0,
+            message.session,
+            message.seq,
+            count_a=int(message.kind),
+            count_b=message.value,
         )
         return [header, raw_buffer(message.trace, np.float64)]
     if isinstance(message, Result):
@@ -350,7 +377,8 @@ def batch_frames(parts: Sequence[list[bytes | memoryview]]) -> list[bytes | memo
 
 
 def split(frames: Sequence[bytes | memoryview]) -> list[Sequence[bytes | memoryview]]:
-    """The messages in a multipart: those of a Batch container, else the multipart itself as the one."""
+    """The messages in a multipart: those of a Batch container, else the multipart itself as the
+    one."""
     if not frames or len(frames[0]) != HEADER.size or bytes(frames[0][6:7]) != bytes([Kind.BATCH]):
         return [frames]
     magic, version, _, _, _, _, _, _, _, _, count, _ = HEADER.unpack(frames[0])
@@ -360,7 +388,9 @@ def split(frames: Sequence[bytes | memoryview]) -> list[Sequence[bytes | memoryv
         raise ProtocolError(f"batch: {count} messages, expected 1..{MAX_BATCH}")
     counts = array_of(frames[1], np.uint32, count, "batch frame counts")
     if int(counts.min()) < 1 or int(counts.sum()) != len(frames) - 2:
-        raise ProtocolError(f"batch: frame counts sum to {int(counts.sum())}, it has {len(frames) - 2}")
+        raise ProtocolError(
+            f"batch: frame counts sum to {int(counts.sum())}, it has {len(frames) - 2}"
+        )
     ends = np.cumsum(counts) + 2
     return [frames[int(end - size) : int(end)] for end, size in zip(ends, counts, strict=True)]
 
@@ -386,7 +416,9 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     body = frames[1:]
     if kind in _REQUESTS:
         try:
-            return _request(kind, body, flags, session, seq, pos0, cache_len, n, width, count_a, count_b)
+            return _request(
+                kind, body, flags, session, seq, pos0, cache_len, n, width, count_a, count_b
+            )
         except ProtocolError as error:  # the header is sound: say so to whoever sent it
             raise RequestError(str(error), kind, session, seq) from None
     return _reply(kind, body, session, seq, n, count_a, count_b)
@@ -449,7 +481,17 @@ def _request(
         if looped and (tokens is None or n != 1 or count_b < 1):
             raise ProtocolError("step: a looped step carries one token of a run")
         return Step(
-            session, seq, pos0, cache_len, ranges, tokens, hidden, step_decode, trace, count_b, looped
+            session,
+            seq,
+            pos0,
+            cache_len,
+            ranges,
+            tokens,
+            hidden,
+            step_decode,
+            trace,
+            count_b,
+            looped,
         )
     if kind == Kind.PROPOSE:
         expect(2 + DECODE_FRAMES)
@@ -468,7 +510,13 @@ def _request(
 
 
 def _reply(
-    kind: Kind, body: Sequence[bytes | memoryview], session: int, seq: int, n: int, count_a: int, count_b: int
+    kind: Kind,
+    body: Sequence[bytes | memoryview],
+    session: int,
+    seq: int,
+    n: int,
+    count_a: int,
+    count_b: int,
 ) -> Message:
     def expect(count: int) -> None:
         _expect(kind, body, count)
@@ -487,7 +535,9 @@ def _reply(
         tokens = array_of(body[0], np.int64, n, "tokens")
         rows = len(body[1]) // 8 // count_b if count_b else 0
         top_ids = array_of(body[1], np.int64, rows * count_b, "top ids").reshape(rows, count_b)
-        top_logprobs = array_of(body[2], np.float32, rows * count_b, "top logprobs").reshape(rows, count_b)
+        top_logprobs = array_of(body[2], np.float32, rows * count_b, "top logprobs").reshape(
+            rows, count_b
+        )
         return Result(session, seq, tokens, count_a, top_ids, top_logprobs, _trace(body[3]))
     if kind == Kind.PROPOSAL:
         expect(4)
@@ -506,8 +556,9 @@ def _reply(
 
 
 def trace_records(trace: np.ndarray) -> list[list[float]]:
-    """The trace as one [stage, received, started, finished, sent] list per stage (plain floats: a few
-    stages are read on every token's path, where numpy on tiny arrays costs more than it saves)."""
+    """The trace as one [stage, received, started, finished, sent] list per stage (plain floats: a
+    few stages are read on every token's path, where numpy on tiny arrays costs more than it
+    saves)."""
     values = trace.tolist()
     return [values[start : start + TRACE_FIELDS] for start in range(0, len(values), TRACE_FIELDS)]
 

@@ -1,9 +1,10 @@
-"""Provides the typed control plane of the wire contract: a worker's telemetry sample and its ping reply.
+"""Provides the typed control plane of the wire contract: a worker's telemetry sample and its ping
+reply.
 
-Both travel as JSON (telemetry PUB frames, control REP answers); the coordinator side validates them with
-`parse()` like data frames: a wrong type or a missing field raises ReplyError and the message is dropped.
-Fields a newer worker adds are kept in `extra`, so both sides can be upgraded one at a time.
-"""
+Both travel as JSON (telemetry PUB frames, control REP answers); the coordinator side validates them
+with `parse()` like data frames: a wrong type or a missing field raises ReplyError and the message
+is dropped. Fields a newer worker adds are kept in `extra`, so both sides can be upgraded one at a
+time."""
 
 from __future__ import annotations
 
@@ -46,7 +47,11 @@ def _check(kind: str, name: str, annotation: str, value: object) -> object:
             return None
         raise ReplyError(f"{kind}.{name}: null")
     if annotation.startswith(("float", "int")) or annotation.startswith(("float |", "int |")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise ReplyError(f"{kind}.{name}: expected a finite number, got {value!r}")
         return int(value) if annotation.startswith("int") else float(value)
     if annotation.startswith("str") or annotation.startswith(("WorkerState", "Role")):
@@ -66,7 +71,9 @@ def _check(kind: str, name: str, annotation: str, value: object) -> object:
             raise ReplyError(f"{kind}.{name}: expected an object, got {value!r}")
         return {str(key): str(item) for key, item in value.items()}
     if annotation.startswith("tuple"):
-        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+        if not (
+            isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
+        ):
             raise ReplyError(f"{kind}.{name}: expected [start, end], got {value!r}")
         return (value[0], value[1])
     return value
@@ -102,13 +109,16 @@ class TelemetrySample:
         return _parse(TelemetrySample, data)
 
     def to_dict(self) -> dict[str, Any]:
-        values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.name != "extra"}
+        values = {
+            spec.name: getattr(self, spec.name) for spec in fields(self) if spec.name != "extra"
+        }
         return {**self.extra, **values}
 
 
 @dataclass(frozen=True)
 class PingReply:
-    """A worker's answer to `{"op": "ping"}`: who it is, whether it is ready, and how it computes."""
+    """A worker's answer to `{"op": "ping"}`: who it is, whether it is ready, and how it
+    computes."""
 
     state: WorkerState
     stage: int
@@ -116,12 +126,16 @@ class PingReply:
     pid: int
     role: Role
     deployment: str
-    properties: dict[str, str] = field(default_factory=dict)  # the OpenVINO plugin's effective properties
+    properties: dict[str, str] = field(
+        default_factory=dict
+    )  # the OpenVINO plugin's effective properties
     layers: tuple[int, int] | None = None
     is_first: bool | None = None
     is_last: bool | None = None
     security: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # e.g. busy_since, lease_left, urls
+    extra: dict[str, Any] = field(
+        default_factory=dict, compare=False
+    )  # e.g. busy_since, lease_left, urls
 
     @staticmethod
     def parse(data: object) -> PingReply:

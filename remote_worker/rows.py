@@ -1,12 +1,12 @@
 """Provides the batch rows of a stage engine: sessions living as rows of shared InferRequests.
 
-A group is one InferRequest whose KV state has one row per member session; a lone session is a group of
-one. A batched step feeds every row of a group at once: each row's new tokens are right-aligned in the
-step (left pads masked out), and a member that has no step this time is a row of pads. Each session keeps
-its own *local* slots (what the coordinator counts, masks and compacts) and a map from local slot to the
-physical slot of its row, so pads and regrouping never show through the wire protocol. Rows leave a group
-for free (beam_idx omits them at the group's next inference); joining copies the KV rows into a new group.
-"""
+A group is one InferRequest whose KV state has one row per member session; a lone session is a group
+of one. A batched step feeds every row of a group at once: each row's new tokens are right-aligned
+in the step (left pads masked out), and a member that has no step this time is a row of pads. Each
+session keeps its own *local* slots (what the coordinator counts, masks and compacts) and a map from
+local slot to the physical slot of its row, so pads and regrouping never show through the wire
+protocol. Rows leave a group for free (beam_idx omits them at the group's next inference); joining
+copies the KV rows into a new group."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class Group:
 
     request: Any  # openvino.InferRequest
     members: list[int] = field(default_factory=list)
-    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # state row of each member
+    rows: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int32)
+    )  # state row of each member
     length: int = 0  # physical slots in every row of the state
     sparse: int = 0  # inferences in a row that left some member idle
     inputs: tuple[np.ndarray, ...] = ()  # the last step's arrays, which its tensors share
@@ -32,7 +34,8 @@ class Group:
         self.rows = np.append(self.rows, np.int32(len(self.rows))).astype(np.int32)
 
     def remove(self, session: int) -> None:
-        """Drop a member; its row leaves the state at the group's next inference (beam_idx omits it)."""
+        """Drop a member; its row leaves the state at the group's next inference (beam_idx omits
+        it)."""
         index = self.members.index(session)
         del self.members[index]
         self.rows = np.delete(self.rows, index).astype(np.int32)
@@ -44,12 +47,17 @@ class Group:
 
 @dataclass
 class Session:
-    """One session's view of its cache: local slots, their mask and their physical slots in its group."""
+    """One session's view of its cache: local slots, their mask and their physical slots in its
+    group."""
 
     group: Group
     cache_len: int = 0  # local slots, masked ones included
-    mask: np.ndarray = field(default_factory=lambda: np.ones(256, np.int64))  # 1 = attend, per local slot
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))  # physical slot per local
+    mask: np.ndarray = field(
+        default_factory=lambda: np.ones(256, np.int64)
+    )  # 1 = attend, per local slot
+    slots: np.ndarray = field(
+        default_factory=lambda: np.zeros(256, np.int64)
+    )  # physical slot per local
     broken: str = ""  # why the state can no longer be trusted (a failed infer or regrouping)
 
     def reserve(self, length: int) -> None:
@@ -80,7 +88,8 @@ class Item:
 
 @dataclass(frozen=True)
 class BatchInputs:
-    """The arrays of one group inference: data [B, n(, H)], mask [B, L + n], positions [B, n], keep [1]."""
+    """The arrays of one group inference: data [B, n(, H)], mask [B, L + n], positions [B, n],
+    keep [1]."""
 
     data: np.ndarray
     mask: np.ndarray
@@ -90,16 +99,24 @@ class BatchInputs:
 
 
 def batch_inputs(
-    group: Group, sessions: dict[int, Session], items: dict[int, Item], hidden_size: int, first: bool
+    group: Group,
+    sessions: dict[int, Session],
+    items: dict[int, Item],
+    hidden_size: int,
+    first: bool,
 ) -> BatchInputs:
-    """Lay out one inference of `group`: member rows in order, items right-aligned, everything else masked.
+    """Lay out one inference of `group`: member rows in order, items right-aligned, everything else
+    masked.
 
-    A member without an item is fed pads at its next logical position (they attend to its live slots, so
-    no row ever attends to nothing); its pads stay masked forever, like every pad.
-    """
+    A member without an item is fed pads at its next logical position (they attend to its live
+    slots, so no row ever attends to nothing); its pads stay masked forever, like every pad."""
     width = max(item.n for item in items.values())
     rows, length = len(group.members), group.length
-    data = np.zeros((rows, width), np.int64) if first else np.zeros((rows, width, hidden_size), np.float32)
+    data = (
+        np.zeros((rows, width), np.int64)
+        if first
+        else np.zeros((rows, width, hidden_size), np.float32)
+    )
     mask = np.zeros((rows, length + width), np.int64)
     positions = np.zeros((rows, width), np.int64)
     keep = max(item.keep for item in items.values())
@@ -119,8 +136,11 @@ def batch_inputs(
     return BatchInputs(data, mask, positions, np.asarray([keep], np.int64), width)
 
 
-def record_step(group: Group, sessions: dict[int, Session], items: dict[int, Item], width: int) -> None:
-    """After an inference: the items' tokens become local slots of their sessions (pads belong to nobody)."""
+def record_step(
+    group: Group, sessions: dict[int, Session], items: dict[int, Item], width: int
+) -> None:
+    """After an inference: the items' tokens become local slots of their sessions (pads belong to
+    nobody)."""
     length = group.length
     for member in group.members:
         state = sessions[member]
@@ -143,12 +163,14 @@ def item_output(output: np.ndarray, row: int, item: Item) -> np.ndarray:
 
 
 def gather_rows(states: list[np.ndarray], row: int, slots: np.ndarray) -> list[np.ndarray]:
-    """One session's KV out of its group's states: [kv_heads, used, head_dim] per state, local order."""
+    """One session's KV out of its group's states: [kv_heads, used, head_dim] per state, local
+    order."""
     return [np.ascontiguousarray(state[row][:, slots, :]) for state in states]
 
 
 def stack_rows(per_session: list[list[np.ndarray]]) -> tuple[list[np.ndarray], list[int]]:
-    """New group states from each member's local KV, right-aligned to the longest; with each one's start."""
+    """New group states from each member's local KV, right-aligned to the longest; with each
+    one's start."""
     length = max((rows[0].shape[1] for rows in per_session), default=0)
     starts = [length - rows[0].shape[1] for rows in per_session]
     stacked = []

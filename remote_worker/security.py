@@ -1,4 +1,5 @@
-"""Provides CurveZMQ link security for a worker: server sockets, a ZAP allow-list and the client link onward."""
+"""Provides CurveZMQ link security for a worker: server sockets, a ZAP allow-list and the client
+link onward."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ class _AllowList:
         if key in self.allowed:
             return True
         self.refused += 1
-        if self.refused <= 3 or self.refused % 100 == 0:  # a refused peer reconnects ~10 times a second
+        if (
+            self.refused <= 3 or self.refused % 100 == 0
+        ):  # a refused peer reconnects ~10 times a second
             logger.warning(
                 "refused a CURVE client with an unknown key %s… (%d refusals so far)",
                 key[:8].decode("ascii", "replace"),
@@ -61,12 +64,14 @@ class LinkSecurity:
         self._allow: _AllowList | None = None
         if curve is None:
             logger.warning(PLAINTEXT_WARNING)
-            # A ZAP handler that lets every peer in still makes libzmq refuse unversioned (ZMTP/1.0) peers:
-            # raw garbage on a port then fails its handshake instead of parsing as ZMTP/1.0 frames (which
-            # stalled the control socket for seconds).
+            # A ZAP handler that lets every peer in still makes libzmq refuse unversioned (ZMTP/1.0)
+            # peers: raw garbage on a port then fails its handshake instead of parsing as ZMTP/1.0
+            # frames (which stalled the control socket for seconds).
             from zmq.auth.thread import ThreadAuthenticator
 
-            self._authenticator = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
+            self._authenticator = ThreadAuthenticator(
+                context, log=logging.getLogger(f"{__name__}.zap")
+            )
             self._authenticator.start()
             return
         self._public = _key(curve.public_key, "public_key")
@@ -74,14 +79,20 @@ class LinkSecurity:
         if not curve.allowed_clients:
             raise ConfigError("curve.allowed_clients: at least one client key is required")
         allowed = {_key(client, "allowed_clients") for client in curve.allowed_clients}
-        self._next = _key(curve.next_server_key, "next_server_key") if curve.next_server_key else None
-        self._loop = _key(curve.loop_server_key, "loop_server_key") if curve.loop_server_key else None
+        self._next = (
+            _key(curve.next_server_key, "next_server_key") if curve.next_server_key else None
+        )
+        self._loop = (
+            _key(curve.loop_server_key, "loop_server_key") if curve.loop_server_key else None
+        )
         from zmq.auth.thread import ThreadAuthenticator
 
         self._allow = _AllowList(allowed)
         self._authenticator = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
         self._authenticator.start()
-        self._authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self._allow)
+        self._authenticator.configure_curve_callback(
+            domain=ZAP_DOMAIN, credentials_provider=self._allow
+        )
         logger.info("CURVE: encrypted links; %d client key(s) allowed", len(allowed))
 
     @property
@@ -94,7 +105,8 @@ class LinkSecurity:
         return self._allow.refused if self._allow is not None else 0
 
     def server(self, socket: zmq.Socket[bytes]) -> None:
-        """Make a socket that binds a CURVE server guarded by the allow-list (plaintext: ZAP lets all in)."""
+        """Make a socket that binds a CURVE server guarded by the allow-list (plaintext: ZAP lets
+        all in)."""
         socket.zap_domain = ZAP_DOMAIN.encode("ascii")
         if self.curve is None:
             return
@@ -103,8 +115,8 @@ class LinkSecurity:
         socket.curve_server = True
 
     def client(self, socket: zmq.Socket[bytes], loop: bool = False) -> None:
-        """Make the outgoing link a CURVE client of the next stage, or with `loop` of stage 0 (no-op in
-        plaintext)."""
+        """Make the outgoing link a CURVE client of the next stage, or with `loop` of stage 0 (no-op
+        in plaintext)."""
         if self.curve is None:
             return
         server = self._loop if loop else self._next

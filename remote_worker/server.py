@@ -1,20 +1,21 @@
-"""Provides the ZeroMQ side of one stage worker: an I/O thread that receives and answers, a compute loop.
+"""Provides the ZeroMQ side of one stage worker: an I/O thread that receives and answers, a compute
+loop.
 
-Sockets: data PULL (bound; the previous stage or the coordinator pushes into it), an outgoing PUSH (connected
-to the next stage, or bound at `result_port` for the last stage and the draft, where the coordinator pulls),
-a control REP (JSON ping/stats/lease/shutdown) and a telemetry PUB (one JSON sample about once a second).
-Sockets are bound only after the model compiled and ran its warm-up step, so a "ready" answer to ping means
-ready to serve at full speed.
+Sockets: data PULL (bound; the previous stage or the coordinator pushes into it), an outgoing PUSH
+(connected to the next stage, or bound at `result_port` for the last stage and the draft, where the
+coordinator pulls), a control REP (JSON ping/stats/lease/shutdown) and a telemetry PUB (one JSON
+sample about once a second). Sockets are bound only after the model compiled and ran its warm-up
+step, so a "ready" answer to ping means ready to serve at full speed.
 
-Two threads, each socket used by one of them only: the I/O thread owns data, control, telemetry and the
-handshake monitors — it validates every frame as it arrives, queues work in a byte-bounded inbox and answers
-control requests within milliseconds even while a long prefill runs; the compute thread (the caller of
-`serve_forever`) owns the outgoing PUSH and serves the inbox in arrival order, so steps of different sessions
-interleave naturally. A message that cannot be served becomes an `Error` sent down the chain: a failed step,
-a request whose header is sound but whose body, parameters or shape are not, a request refused because the
-inbox is full. Only frames with no header to answer to are dropped (and counted). With a lease the worker
-exits by itself when its coordinator stops talking to it.
-"""
+Two threads, each socket used by one of them only: the I/O thread owns data, control, telemetry and
+the handshake monitors — it validates every frame as it arrives, queues work in a byte-bounded inbox
+and answers control requests within milliseconds even while a long prefill runs; the compute thread
+(the caller of `serve_forever`) owns the outgoing PUSH and serves the inbox in arrival order, so
+steps of different sessions interleave naturally. A message that cannot be served becomes an `Error`
+sent down the chain: a failed step, a request whose header is sound but whose body, parameters or
+shape are not, a request refused because the inbox is full. Only frames with no header to answer to
+are dropped (and counted). With a lease the worker exits by itself when its coordinator stops
+talking to it."""
 
 from __future__ import annotations
 
@@ -51,10 +52,16 @@ from remote_worker.telemetry import StageStats, encode_sample, rss_megabytes
 logger = logging.getLogger(__name__)
 
 MAX_QUEUE = 4096  # messages waiting, whatever their size; beyond this new ones are refused
-MAX_MESSAGE_BYTES = 512 << 20  # larger data messages make ZeroMQ drop the connection; smaller ones over
+MAX_MESSAGE_BYTES = (
+    512 << 20
+)  # larger data messages make ZeroMQ drop the connection; smaller ones over
 # the inbox's byte budget are refused with an Error
-CONTROL_MAX_MESSAGE = 16 << 20  # ZeroMQ drops the connection of a peer sending more (no reply possible)
-SMALL_MAX_MESSAGE = 64 << 10  # telemetry PUB and a bound result PUSH only ever receive subscriptions
+CONTROL_MAX_MESSAGE = (
+    16 << 20
+)  # ZeroMQ drops the connection of a peer sending more (no reply possible)
+SMALL_MAX_MESSAGE = (
+    64 << 10
+)  # telemetry PUB and a bound result PUSH only ever receive subscriptions
 POLL_CEILING_MS = 200  # both loops wake at least this often to notice a stop
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -62,13 +69,13 @@ HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 CONTROL_OPS = ("ping", "stats", "lease", "batching", "shutdown")
-ACTIVE_INFERENCES = (
-    2  # a session counts as generating while it stepped within this many rounds of all open sessions
-)
+# a session counts as generating while it stepped within this many rounds of all open sessions
+ACTIVE_INFERENCES = 2
 
 
 class StageServer(StageCompute):
-    """Serves one engine over ZeroMQ per its StageConfig; `serve_forever()` returns after shutdown."""
+    """Serves one engine over ZeroMQ per its StageConfig; `serve_forever()` returns after
+    shutdown."""
 
     def __init__(self, config: StageConfig, engine: Any) -> None:
         self.config = config
@@ -78,7 +85,9 @@ class StageServer(StageCompute):
         self.stats = StageStats(config.name, config.stage_index, config.role)
         self.inbox = Inbox(config.max_queue_bytes, MAX_QUEUE)
         self.run_stops = RunStops()
-        self.coalescer = Coalescer(config.result_batch_ms / 1e3 if config.result_port is not None else 0.0)
+        self.coalescer = Coalescer(
+            config.result_batch_ms / 1e3 if config.result_port is not None else 0.0
+        )
         self.running = False
         self._stop_requested = False
         self.state = "starting"
@@ -86,7 +95,9 @@ class StageServer(StageCompute):
         self.lease_seconds = float(config.lease_seconds)
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
-        self._wanted_batch = engine.batch_max  # set by the control thread, applied by the compute thread
+        self._wanted_batch = (
+            engine.batch_max
+        )  # set by the control thread, applied by the compute thread
         self._stepped: dict[
             int, int
         ] = {}  # session -> the inference it last stepped in (compute thread only)
@@ -101,13 +112,15 @@ class StageServer(StageCompute):
         self.telemetry: zmq.Socket[bytes] | None = None
         self.loop: zmq.Socket[bytes] | None = None
 
-    # --------------------------------------------------------------------------------------- sockets
+    # ---------------------------------------------------------------------------------------
+    # sockets
     def _socket(self, kind: int, name: str, max_message: int) -> zmq.Socket[bytes]:
         socket = self.context.socket(kind)
         socket.linger = 0
         socket.maxmsgsize = max_message
         self._sockets.append(socket)
-        if name:  # a bound socket: watch for peers whose handshake fails (before ZAP, or not ZeroMQ at all)
+        # a bound socket: watch for peers whose handshake fails (before ZAP, or not ZeroMQ at all)
+        if name:
             self._monitors[socket.get_monitor_socket(HANDSHAKE_FAILURES)] = name
         return socket
 
@@ -139,7 +152,9 @@ class StageServer(StageCompute):
             self.security.server(self.output)
             self.output.bind(self._url(config.result_port))
         self.output.sndtimeo = SEND_TIMEOUT_MS
-        if config.loop is not None:  # the last stage of several: a run's next step goes back to stage 0
+        if (
+            config.loop is not None
+        ):  # the last stage of several: a run's next step goes back to stage 0
             self.loop = self._socket(zmq.PUSH, "", SMALL_MAX_MESSAGE)
             self.security.client(self.loop, loop=True)
             self.loop.connect(config.loop.url())
@@ -174,13 +189,16 @@ class StageServer(StageCompute):
         self._stop_requested = True
         self.running = False
 
-    # ------------------------------------------------------------------------------------- compute loop
+    # ------------------------------------------------------------------------------------- compute
+    # loop
     def serve_forever(self) -> None:
         if self.data is None:
             self.bind()
         self.running = not self._stop_requested
         self._last_control = time.monotonic()
-        self._io = threading.Thread(target=self._io_loop, name=f"{self.config.name}-io", daemon=True)
+        self._io = threading.Thread(
+            target=self._io_loop, name=f"{self.config.name}-io", daemon=True
+        )
         self._io.start()
         try:
             while self.running:
@@ -219,14 +237,17 @@ class StageServer(StageCompute):
                     self._busy_since = None
         finally:
             self.running = False
-            with contextlib.suppress(Exception):  # best effort, never waiting: tokens made are not kept back
+            with contextlib.suppress(
+                Exception
+            ):  # best effort, never waiting: tokens made are not kept back
                 self.flush(block=False)
             self._io.join(10)
 
     def _gather(
         self, first: protocol.Message, run: RunStep | None
     ) -> list[tuple[float, protocol.Step, RunStep | None]]:
-        """Other sessions' small steps waiting in the inbox, to serve in one inference with `first`."""
+        """Other sessions' small steps waiting in the inbox, to serve in one inference with
+        `first`."""
         if not isinstance(first, protocol.Step):
             return []
         self._inferences += 1
@@ -235,7 +256,9 @@ class StageServer(StageCompute):
         if self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
             return []
         work: list[tuple[float, protocol.Step, RunStep | None]] = []
-        mates = self.engine.batch_mates(first.session)  # a formed group runs whole: no KV rows copied
+        mates = self.engine.batch_mates(
+            first.session
+        )  # a formed group runs whole: no KV rows copied
 
         def fits(step: protocol.Step) -> bool:
             return step.n <= BATCH_TOKENS and (not mates or step.session in mates)
@@ -255,23 +278,26 @@ class StageServer(StageCompute):
         return work
 
     def _batch_size(self, now: int) -> int:
-        """Rows per inference: the generating sessions shared out over the pipeline's stages, so that while
-        this stage serves one share the others serve theirs (one batch of all would leave them idle).
+        """Rows per inference: the generating sessions shared out over the pipeline's stages, so
+        that while this stage serves one share the others serve theirs (one batch of all would leave
+        them idle).
 
-        Generating means stepped in the last few rounds, counted in inferences rather than seconds, so a
-        slow or loaded machine (long rounds) sees the same sessions as generating as a fast one.
-        """
+        Generating means stepped in the last few rounds, counted in inferences rather than seconds,
+        so a slow or loaded machine (long rounds) sees the same sessions as generating as a fast
+        one."""
         window = ACTIVE_INFERENCES * max(1, len(self.engine.sessions))
         for session, when in list(self._stepped.items()):
             if now - when > window:
                 del self._stepped[session]
         active, stages = len(self._stepped), max(1, self.config.stages)
-        # shares of 2 on a pipeline lose to pipelining alone: their groups split and re-form as the steps'
-        # arrival order drifts (docs/performance.md#batching-one-inference-for-several-sessions)
+        # shares of 2 on a pipeline lose to pipelining alone: their groups split and re-form as the
+        # steps' arrival order drifts
+        # (docs/performance.md#batching-one-inference-for-several-sessions)
         share = active if stages == 1 else (active // stages if active > 2 * stages else 1)
         return max(1, min(int(self.engine.batch_max), share))
 
-    # ----------------------------------------------------------------------------------------- I/O loop
+    # ----------------------------------------------------------------------------------------- I/O
+    # loop
     def _io_loop(self) -> None:
         assert self.data is not None and self.control is not None
         poller = zmq.Poller()
@@ -309,7 +335,9 @@ class StageServer(StageCompute):
     def _drain(self) -> None:
         data = self.data
         assert data is not None
-        while int(data.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # (cheaper than ending on zmq.Again each time)
+        while (
+            int(data.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+        ):  # (cheaper than ending on zmq.Again each time)
             frames = data.recv_multipart(zmq.NOBLOCK)
             self.stats.received += 1
             try:
@@ -323,7 +351,8 @@ class StageServer(StageCompute):
                     self._admit(received, list(part))  # type: ignore[arg-type]
 
     def _admit(self, received: float, frames: list[bytes]) -> None:
-        """Validate one received message and queue it, refuse it with an Error, or drop it (no header)."""
+        """Validate one received message and queue it, refuse it with an Error, or drop it (no
+        header)."""
         try:
             message = protocol.decode(frames)
         except protocol.RequestError as error:
@@ -346,16 +375,21 @@ class StageServer(StageCompute):
         size = sum(len(frame) for frame in frames)
         queued: protocol.Message | RunStep = message
         if isinstance(message, protocol.Control):
-            self.run_stops.stopped(session)  # before it is queued: the compute thread may serve it at once
+            self.run_stops.stopped(
+                session
+            )  # before it is queued: the compute thread may serve it at once
         elif (
             isinstance(message, protocol.Step)
             and (message.run > 1 or message.looped)
             and self.engine.is_first
         ):
-            # (a run's last step is looped with run = 1: dropped all the same, or it would be computed after
-            # the Cancel and its Result would follow the Ack, one slot the coordinator never learns of)
+            # (a run's last step is looped with run = 1: dropped all the same, or it would be
+            # computed after the Cancel and its Result would follow the Ack, one slot the
+            # coordinator never learns of)
             if message.looped and not self.run_stops.current(session, seq):
-                self.stats.run_ends += 1  # the next step of a run that was ended: expected, not counted
+                self.stats.run_ends += (
+                    1  # the next step of a run that was ended: expected, not counted
+                )
                 return
             if not message.looped:
                 self.run_stops.started(session, seq)
@@ -374,11 +408,17 @@ class StageServer(StageCompute):
             )
 
     def _shape_problem(self, message: protocol.Message) -> str:
-        """Why a well-formed request does not fit this stage (its input kind, width, finite values), or ""."""
+        """Why a well-formed request does not fit this stage (its input kind, width, finite
+        values), or ""."""
         if not isinstance(message, protocol.Step):
             return ""
         here = f"stage {self.config.stage_index}"
-        if message.run > 1 and self.engine.is_last and not self.engine.is_first and self.config.loop is None:
+        if (
+            message.run > 1
+            and self.engine.is_last
+            and not self.engine.is_first
+            and self.config.loop is None
+        ):
             return f"{here}: a run of {message.run} tokens needs the last stage's loop to stage 0"
         if self.engine.is_first:
             return (
@@ -390,9 +430,14 @@ class StageServer(StageCompute):
         if hidden is None:
             return f"{here} takes hidden states, the step carries token ids"
         if hidden.shape[1] != self.engine.hidden_size:
-            return f"{here} takes hidden states of width {self.engine.hidden_size}, got {hidden.shape[1]}"
+            return (
+                f"{here} takes hidden states of width {self.engine.hidden_size}, got "
+                f"{hidden.shape[1]}"
+            )
         if not bool(np.isfinite(hidden).all()):
-            return f"session {message.session}: non-finite hidden states (NaN/Inf) arrived at {here}"
+            return (
+                f"session {message.session}: non-finite hidden states (NaN/Inf) arrived at {here}"
+            )
         return ""
 
     def _refuse(self, session: int, seq: int, reason: str, count: bool = True) -> None:
@@ -400,7 +445,11 @@ class StageServer(StageCompute):
             self.stats.rejected += 1
             if rarely(self.stats.rejected):
                 logger.warning(
-                    "rejected #%d (session %d seq %d): %s", self.stats.rejected, session, seq, reason
+                    "rejected #%d (session %d seq %d): %s",
+                    self.stats.rejected,
+                    session,
+                    seq,
+                    reason,
                 )
         if not self.inbox.refuse(protocol.Error(session, seq, self.config.stage_index, reason)):
             self.stats.unsent += 1
@@ -411,7 +460,8 @@ class StageServer(StageCompute):
             logger.warning("dropped #%d: %s", self.stats.dropped, reason)
 
     def _watch(self, monitor: zmq.Socket[bytes], name: str) -> None:
-        """Count and log peers whose handshake failed (a wrong CURVE key, a refused ZAP, not ZeroMQ)."""
+        """Count and log peers whose handshake failed (a wrong CURVE key, a refused ZAP, not
+        ZeroMQ)."""
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
@@ -439,7 +489,8 @@ class StageServer(StageCompute):
         with contextlib.suppress(zmq.Again):  # no subscriber keeping up: this sample is simply lost
             self.telemetry.send(encode_sample(sample_dict), zmq.NOBLOCK)
 
-    # --------------------------------------------------------------------------------------- control
+    # ---------------------------------------------------------------------------------------
+    # control
     def busy_since(self) -> float | None:
         """Seconds the message being served has been running, or None when idle."""
         started = self._busy_since
@@ -460,7 +511,8 @@ class StageServer(StageCompute):
             self.stop("lease expired")
 
     def describe(self) -> dict[str, Any]:
-        """The ping answer: who this worker is, how it computes and whether it is alive and keeping up."""
+        """The ping answer: who this worker is, how it computes and whether it is alive and
+        keeping up."""
         layers = self.engine.stage.layers
         left = self.lease_left()
         answer = {
@@ -510,7 +562,9 @@ class StageServer(StageCompute):
         try:
             operation, request = parse_control(frames)
             if operation not in CONTROL_OPS:
-                raise ControlRequestError(f"unknown op {operation[:40]!r}; known: {', '.join(CONTROL_OPS)}")
+                raise ControlRequestError(
+                    f"unknown op {operation[:40]!r}; known: {', '.join(CONTROL_OPS)}"
+                )
             if operation == "lease":
                 self.lease_seconds = lease_seconds(request)
             self._last_control = time.monotonic()  # any request of the coordinator renews the lease
@@ -534,7 +588,8 @@ class StageServer(StageCompute):
             return {"error": one_line(error)}
 
     def _batching(self, request: dict[str, Any]) -> int:
-        """Turn batching on (up to max_sessions per inference) or off; served between two compute steps."""
+        """Turn batching on (up to max_sessions per inference) or off; served between two compute
+        steps."""
         wanted = request.get("on")
         if not isinstance(wanted, bool):
             raise ControlRequestError("batching: 'on' must be true or false")
@@ -545,7 +600,9 @@ class StageServer(StageCompute):
 
     def _statistics(self) -> dict[str, Any]:
         sessions = {}
-        for session in sorted(self.engine.sessions):  # sessions may open/close meanwhile: skip those
+        for session in sorted(
+            self.engine.sessions
+        ):  # sessions may open/close meanwhile: skip those
             with contextlib.suppress(Exception):
                 sessions[str(session)] = {
                     "cache_len": self.engine.cache_len(session),

@@ -1,4 +1,5 @@
-"""Provides a stage's running statistics and the about-once-a-second telemetry sample it publishes."""
+"""Provides a stage's running statistics and the about-once-a-second telemetry sample it
+publishes."""
 
 from __future__ import annotations
 
@@ -57,8 +58,12 @@ class StageStats:
     errors: int = 0  # messages whose serving failed (each answered with an Error down the chain)
     dropped: int = 0  # unparseable or unexpected frames (no header to answer to)
     received: int = 0  # multipart messages read from the data socket
-    rejected: int = 0  # requests with a sound header but a bad body or shape (answered with an Error)
-    overflow: int = 0  # requests refused because the queue's byte budget was full (answered with an Error)
+    rejected: int = (
+        0  # requests with a sound header but a bad body or shape (answered with an Error)
+    )
+    overflow: int = (
+        0  # requests refused because the queue's byte budget was full (answered with an Error)
+    )
     refused: int = 0  # peers whose handshake failed (CURVE, ZAP, not ZeroMQ at all)
     control_errors: int = 0  # control requests answered with an error
     unsent: int = 0  # messages that could not be sent downstream
@@ -66,7 +71,9 @@ class StageStats:
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
     handled: Counter[str] = field(default_factory=Counter)  # message kinds served
-    batches: Counter[int] = field(default_factory=Counter)  # inferences by the number of sessions in them
+    batches: Counter[int] = field(
+        default_factory=Counter
+    )  # inferences by the number of sessions in them
     started: float = field(default_factory=time.time)
     _mark: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)
     _next_sample: float = 0.0
@@ -91,7 +98,8 @@ class StageStats:
         return max(0.0, self._next_sample - time.monotonic())
 
     def sample(self, state: str, queue: int, sessions: int, cache_slots: int) -> dict[str, Any]:
-        """The telemetry dict for the interval since the previous sample (and start the next interval)."""
+        """The telemetry dict for the interval since the previous sample (and start the next
+        interval)."""
         now = time.monotonic()
         then, steps, tokens, busy, inferences = self._mark
         elapsed = max(now - then, 1e-6)

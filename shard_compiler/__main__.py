@@ -1,4 +1,5 @@
-"""Provides the command line: python -m shard_compiler --model MODEL --stages N --precision P [--out DIR]."""
+"""Provides the command line: python -m shard_compiler --model MODEL --stages N --precision P
+[--out DIR]."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile an LLM into per-stage OpenVINO pipeline shards.",
     )
     parser.add_argument(
-        "--model", required=True, help="smollm2-135m-instruct, a Hugging Face folder or a .gguf file"
+        "--model",
+        required=True,
+        help="smollm2-135m-instruct, a Hugging Face folder or a .gguf file",
     )
     plan = parser.add_mutually_exclusive_group()
     plan.add_argument("--stages", type=int, help="number of stages (even split, default 1)")
@@ -24,14 +27,20 @@ def _parser() -> argparse.ArgumentParser:
         "--split",
         help="layer boundaries, e.g. 0,10,20,30; N.5 cuts layer N between its attention and MLP",
     )
-    parser.add_argument("--precision", default="int4", help=f"one of {', '.join(PRECISIONS)} (default int4)")
-    parser.add_argument("--out", type=Path, help="output directory (default: the cache, keyed by content)")
+    parser.add_argument(
+        "--precision", default="int4", help=f"one of {', '.join(PRECISIONS)} (default int4)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="output directory (default: the cache, keyed by content)"
+    )
     parser.add_argument(
         "--cache-root",
         type=Path,
         help="cache root (default: the user cache folder, e.g. $XDG_CACHE_HOME/fleettui)",
     )
-    parser.add_argument("--force", action="store_true", help="recompile even if a valid cached result exists")
+    parser.add_argument(
+        "--force", action="store_true", help="recompile even if a valid cached result exists"
+    )
     parser.add_argument("--no-beam-idx", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--verbose", action="store_true", help="log details")
     return parser
@@ -51,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     def show(event: Progress) -> None:
         where = "" if event.stage is None else f"stage {event.stage} "
         detail = f" ({event.message})" if event.message else ""
-        print(f"[{event.fraction * 100:5.1f}%] {where}{event.step}{detail}", file=sys.stderr, flush=True)
+        print(
+            f"[{event.fraction * 100:5.1f}%] {where}{event.step}{detail}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
-        split = [parse_boundary(part) for part in arguments.split.split(",")] if arguments.split else []
+        split = (
+            [parse_boundary(part) for part in arguments.split.split(",")] if arguments.split else []
+        )
         directory = compile_shards(
             arguments.model,
             stages=[layer for layer, _ in split] if split else (arguments.stages or 1),

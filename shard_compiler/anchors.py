@@ -1,13 +1,14 @@
-"""Provides the single-PC anchor: OpenVINO GenAI `LLMPipeline` on the very same 1-stage IR as the fleet.
+"""Provides the single-PC anchor: OpenVINO GenAI `LLMPipeline` on the very same 1-stage IR as the
+fleet.
 
-    python -m shard_compiler.anchors --shard DIR --prompt-ids 1,2,3 --tokens 128 [--threads T] [--cores 0]
+    python -m shard_compiler.anchors --shard DIR --prompt-ids 1,2,3 --tokens 128 \\
+        [--threads T] [--cores 0]
         [--inference-precision bf16] [--kv-cache-precision u8] --json
 
-GenAI wants one folder with openvino_model.xml, the tokenizer/detokenizer IRs and the config files; the
-shard directory keeps the IR in stage_0/ and the rest in tokenizer/, so a folder of symlinks to both is
-assembled. Prints one JSON object (tokens, seconds, ttft_s, tok_s, precision, backend) or, when GenAI
-cannot run the IR, {"skipped": "<exact reason>"} (exit code 0).
-"""
+GenAI wants one folder with openvino_model.xml, the tokenizer/detokenizer IRs and the config files;
+the shard directory keeps the IR in stage_0/ and the rest in tokenizer/, so a folder of symlinks to
+both is assembled. Prints one JSON object (tokens, seconds, ttft_s, tok_s, precision, backend) or,
+when GenAI cannot run the IR, {"skipped": "<exact reason>"} (exit code 0)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def _list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,18 +52,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shard", type=Path, required=True, help="compiled shard directory with exactly one stage"
     )
-    parser.add_argument("--prompt-ids", type=_list, required=True, help="prompt token ids, comma-separated")
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens to generate (EOS is ignored)")
-    parser.add_argument("--threads", type=int, default=0, help="inference threads (0 = plugin default)")
-    parser.add_argument("--cores", type=_list, default=[], help="pin the process to these CPU cores")
+    parser.add_argument(
+        "--prompt-ids", type=_list, required=True, help="prompt token ids, comma-separated"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=128, help="new tokens to generate (EOS is ignored)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="inference threads (0 = plugin default)"
+    )
+    parser.add_argument(
+        "--cores", type=_list, default=[], help="pin the process to these CPU cores"
+    )
     parser.add_argument("--device", default="CPU", help="OpenVINO device")
-    parser.add_argument("--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's")
-    parser.add_argument("--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's")
-    parser.add_argument("--warmup", type=int, default=8, help="tokens of an untimed warm-up generation")
+    parser.add_argument(
+        "--inference-precision", choices=("f32", "f16", "bf16"), help="default: the device's"
+    )
+    parser.add_argument(
+        "--kv-cache-precision", choices=("f32", "f16", "u8"), help="default: the device's"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=8, help="tokens of an untimed warm-up generation"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     parser.add_argument(
         "--scratch",
-        help="folder for the assembled model (default: the system temp dir); a caller that may kill this "
+        help="folder for the assembled model (default: the system temp dir); a caller that may "
+        "kill this "
         "process passes one it removes itself",
     )
     return parser
@@ -70,7 +88,9 @@ def assemble(shard: Path, folder: Path) -> Path:
     """FOLDER with symlinks to the 1-stage IR and the tokenizer files, in the layout GenAI reads."""
     manifest = load_manifest(shard)
     if len(manifest.stages) != 1:
-        raise ValueError(f"{shard} has {len(manifest.stages)} stages; GenAI needs the unsplit 1-stage shard")
+        raise ValueError(
+            f"{shard} has {len(manifest.stages)} stages; GenAI needs the unsplit 1-stage shard"
+        )
     ir = shard / manifest.stages[0].ir
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "openvino_model.xml").symlink_to(ir.resolve())
@@ -103,13 +123,15 @@ def _first_line(error: BaseException) -> str:
 def _pipeline(folder: Path, device: str, properties: dict[str, Any]) -> tuple[Any, str]:
     """The pipeline on the stateful SDPA backend, else on GenAI's default; returns (pipe, backend).
 
-    SDPA first: the shards are stateful with batch fixed at 1, which the default PagedAttention backend
-    (continuous batching, flattened token dimension) cannot run ("Can not clone with new dims").
-    """
+    SDPA first: the shards are stateful with batch fixed at 1, which the default PagedAttention
+    backend (continuous batching, flattened token dimension) cannot run ("Can not clone with new
+    dims")."""
     import openvino_genai
 
     try:
-        return openvino_genai.LLMPipeline(str(folder), device, ATTENTION_BACKEND="SDPA", **properties), "SDPA"
+        return openvino_genai.LLMPipeline(
+            str(folder), device, ATTENTION_BACKEND="SDPA", **properties
+        ), "SDPA"
     except RuntimeError as first:
         try:
             return openvino_genai.LLMPipeline(str(folder), device, **properties), "default"
@@ -138,13 +160,15 @@ def _generate(pipe: Any, prompt: list[int], tokens: int) -> tuple[list[int], Any
 
 
 def _effective(folder: Path, device: str, properties: dict[str, Any]) -> dict[str, str]:
-    """What the plugin resolves these properties to (GenAI does not report it): a plain compile of the IR."""
+    """What the plugin resolves these properties to (GenAI does not report it): a plain compile
+    of the IR."""
     import openvino as ov
 
     try:
         compiled = ov.Core().compile_model(str(folder / "openvino_model.xml"), device, properties)
         return {
-            key: str(compiled.get_property(key)) for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION")
+            key: str(compiled.get_property(key))
+            for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION")
         }
     except RuntimeError:
         return {}
@@ -186,7 +210,9 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
             "inference": effective.get(
                 "INFERENCE_PRECISION_HINT", arguments.inference_precision or "default"
             ),
-            "kv_cache": effective.get("KV_CACHE_PRECISION", arguments.kv_cache_precision or "default"),
+            "kv_cache": effective.get(
+                "KV_CACHE_PRECISION", arguments.kv_cache_precision or "default"
+            ),
         },
         "backend": backend,
         "device": arguments.device.upper(),

@@ -1,4 +1,5 @@
-"""Provides compile_shards: plan, cache lookup, per-stage build/convert/compress/save and the manifest."""
+"""Provides compile_shards: plan, cache lookup, per-stage build/convert/compress/save and the
+manifest."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ IR_NAME = "openvino_model.xml"
 
 @dataclass(frozen=True)
 class Progress:
-    """One progress event: stage index (None for whole-job steps), step name, fraction of the job done."""
+    """One progress event: stage index (None for whole-job steps), step name, fraction of the job
+    done."""
 
     stage: int | None
     step: str
@@ -71,7 +73,9 @@ def _ranges(
 ) -> tuple[LayerRange, ...]:
     try:
         splits = (
-            [0, *(r.end for r in even_split(num_layers, stages))] if isinstance(stages, int) else list(stages)
+            [0, *(r.end for r in even_split(num_layers, stages))]
+            if isinstance(stages, int)
+            else list(stages)
         )
         return ranges_from_splits(splits, num_layers, mid_cuts)
     except ManifestError as error:
@@ -111,9 +115,13 @@ def cached(directory: Path, cache_key: str) -> Manifest | None:
     try:
         manifest = load_manifest(directory)
         if manifest.cache_key != cache_key:
-            logger.info("%s holds another compile (key %s); rebuilding", directory, manifest.cache_key)
+            logger.info(
+                "%s holds another compile (key %s); rebuilding", directory, manifest.cache_key
+            )
             return None
-        verify_all(directory, manifest, stamp=True)  # files intact since their last check are not read again
+        verify_all(
+            directory, manifest, stamp=True
+        )  # files intact since their last check are not read again
         return manifest
     except ManifestError as error:
         logger.warning("cached shards in %s are not valid (%s); rebuilding", directory, error)
@@ -151,7 +159,10 @@ def _tensors(
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     config = plan_.config
     hidden = TensorSpec(
-        "hidden_states", "f32", (1, "n", config.hidden_size), "hidden states from the previous stage"
+        "hidden_states",
+        "f32",
+        (1, "n", config.hidden_size),
+        "hidden states from the previous stage",
     )
     first = TensorSpec("input_ids", "i64", (1, "n"), "token ids of the n new tokens")
     inputs = [
@@ -160,19 +171,25 @@ def _tensors(
             "attention_mask",
             "i64",
             (1, "cache_len + n"),
-            "1 = attend; covers every physical cache slot (0 for rejected ones) then the n new tokens",
+            "1 = attend; covers every physical cache slot (0 for rejected ones) then the n new "
+            "tokens",
         ),
         TensorSpec("position_ids", "i64", (1, "n"), "logical positions of the n new tokens (RoPE)"),
     ]
     if inject_beam_idx:
-        inputs.append(TensorSpec("beam_idx", "i32", (1,), "always [0]; enables the fused KV-cache path"))
+        inputs.append(
+            TensorSpec("beam_idx", "i32", (1,), "always [0]; enables the fused KV-cache path")
+        )
     if layers.is_last_of(config.num_layers):
         output = TensorSpec(
             "logits", "f32", (1, "n", config.vocab_size), "next-token logits for each new token"
         )
     else:
         output = TensorSpec(
-            "output_hidden_states", "f32", (1, "n", config.hidden_size), "hidden states for the next stage"
+            "output_hidden_states",
+            "f32",
+            (1, "n", config.hidden_size),
+            "hidden states for the next stage",
         )
     return tuple(inputs), (output,)
 
@@ -211,11 +228,14 @@ def _build_stage(
     relative = [f"stage_{index}/{IR_NAME}", f"stage_{index}/{Path(IR_NAME).with_suffix('.bin')}"]
     files = {name: sha256_file(directory / name) for name in relative}
     inputs, outputs = _tensors(plan_, layers, plan_.inject_beam_idx)
-    return StageSpec(index, layers, config.num_layers, relative[0], inputs, outputs, state_names, files)
+    return StageSpec(
+        index, layers, config.num_layers, relative[0], inputs, outputs, state_names, files
+    )
 
 
 def _release_memory() -> None:
-    """Hand freed heap back to the OS between stages, so one stage's peak does not carry into the next."""
+    """Hand freed heap back to the OS between stages, so one stage's peak does not carry into the
+    next."""
     gc.collect()
     try:
         import ctypes
@@ -257,10 +277,10 @@ def compile_shards(
 ) -> Path:
     """Compile MODEL into per-stage OpenVINO shards and return the shard directory.
 
-    STAGES is a stage count (even split) or the boundaries (0, 10, 20, 30); a boundary in MID_CUTS cuts the
-    layer before it between its attention and its MLP (13 in MID_CUTS: layer 12 is split). An unchanged request
-    whose output verifies is a no-op. Raises CompileError with a one-line message on bad input.
-    """
+    STAGES is a stage count (even split) or the boundaries (0, 10, 20, 30); a boundary in MID_CUTS
+    cuts the layer before it between its attention and its MLP (13 in MID_CUTS: layer 12 is split).
+    An unchanged request whose output verifies is a no-op. Raises CompileError with a one-line
+    message on bad input."""
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
     notify = progress or (lambda event: None)
@@ -268,9 +288,10 @@ def compile_shards(
     target = Path(out).expanduser() if out is not None else root / "shards" / job.cache_key
     if not force and _hit(target, job.cache_key, out is None, notify):
         return target
-    # One compile at a time per cache: a second command (another terminal, a parallel test) asking for the
-    # same shards waits and then finds them, instead of building a copy and renaming the folder away from
-    # under the first one's stages; two compiles of a big model at once would also double the peak memory.
+    # One compile at a time per cache: a second command (another terminal, a parallel test) asking
+    # for the same shards waits and then finds them, instead of building a copy and renaming the
+    # folder away from under the first one's stages; two compiles of a big model at once would also
+    # double the peak memory.
     with _compile_lock(root, notify):
         if not force and _hit(target, job.cache_key, out is None, notify):
             return target
@@ -314,25 +335,31 @@ def _compile_lock(root: Path, notify: Callable[[Progress], None]) -> Iterator[No
 
 
 def _record_use(target: Path) -> None:
-    """Last use of a shard folder, for `fleettui cache ls|prune`: <folder>/../.used/<name> (outside the folder)."""
+    """Last use of a shard folder, for `fleettui cache ls|prune`: <folder>/../.used/<name>
+    (outside the folder)."""
     with contextlib.suppress(OSError):
         marker = target.parent / ".used" / target.name
         marker.parent.mkdir(exist_ok=True)
         marker.touch()
 
 
-def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None], root: Path) -> None:
+def _compile_into(
+    job: Plan, directory: Path, notify: Callable[[Progress], None], root: Path
+) -> None:
     from .tokenizer import TokenizerInfo, export_tokenizer_cached
 
     count = len(job.ranges)
     fresh = (
-        job.source.kind == "gguf" and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
+        job.source.kind == "gguf"
+        and not (root / "sources" / job.source_hash / "model.safetensors").is_file()
     )
     if fresh:  # a tensor type nothing can read fails the compile before anything is written
         sources.check_gguf_tensors(job.source.path)
     if job.source.synthetic:  # random weights: no tokenizer, no chat template (chat refuses it)
         config = job.config
-        info = TokenizerInfo("", config.bos_token_id, config.eos_token_ids, config.pad_token_id, None)
+        info = TokenizerInfo(
+            "", config.bos_token_id, config.eos_token_ids, config.pad_token_id, None
+        )
     else:
         notify(Progress(None, "tokenizer", 0.0, str(job.source.path)))
         tokenizer_cache = root / "sources" / job.source_hash / f"tokenizer-v{COMPILER_VERSION}"
@@ -341,14 +368,22 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         )
         if info.genai_error:
             logger.warning("GenAI tokenizer IRs missing: %s", info.genai_error)
-    notify(Progress(None, "weights", 0.02, "dequantising the GGUF once into the cache" if fresh else ""))
+    notify(
+        Progress(
+            None, "weights", 0.02, "dequantising the GGUF once into the cache" if fresh else ""
+        )
+    )
     if not job.source.synthetic:
         sources.weights_directory(job.source, root, job.source_hash)  # once, before the stages
     specs = []
     for index in range(count):
 
         def report(step: str, part: float, index: int = index) -> None:
-            notify(Progress(index, step, 0.05 + 0.95 * (index + part) / count, f"layers {job.ranges[index]}"))
+            notify(
+                Progress(
+                    index, step, 0.05 + 0.95 * (index + part) / count, f"layers {job.ranges[index]}"
+                )
+            )
 
         started = time.perf_counter()
         with PeakMemory() as memory:
@@ -358,7 +393,9 @@ def _compile_into(job: Plan, directory: Path, notify: Callable[[Progress], None]
         seconds = time.perf_counter() - started
         _release_memory()
         size = sum((directory / name).stat().st_size for name in specs[-1].files)
-        message = f"{seconds:.1f} s, peak RSS {memory.peak / 2**20:.0f} MiB, IR {size / 2**20:.1f} MiB"
+        message = (
+            f"{seconds:.1f} s, peak RSS {memory.peak / 2**20:.0f} MiB, IR {size / 2**20:.1f} MiB"
+        )
         logger.info("stage %d %s: %s", index, job.ranges[index], message)
         notify(Progress(index, "stage done", 0.05 + 0.95 * (index + 1) / count, message))
     config = job.config

@@ -1,4 +1,5 @@
-"""Provides weight compression with NNCF: int4 symmetric (embedding and lm_head kept int8) or int8."""
+"""Provides weight compression with NNCF: int4 symmetric (embedding and lm_head kept int8) or
+int8."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 def group_size(config: ModelConfig, precision: str) -> int | None:
-    """The int4 group size: 128 when every input-channel size divides by it, else 64 (SmolLM2's 576)."""
+    """The int4 group size: 128 when every input-channel size divides by it, else 64 (SmolLM2's
+    576)."""
     if precision != "int4":
         return None
     channels: tuple[int, ...] = (
@@ -30,27 +32,34 @@ def group_size(config: ModelConfig, precision: str) -> int | None:
 
 
 def _vocabulary_nodes(model: Any, config: ModelConfig) -> list[str]:
-    """Names of the embedding Gather and lm_head MatMul (the ops reading a [vocab, hidden] weight)."""
+    """Names of the embedding Gather and lm_head MatMul (the ops reading a [vocab, hidden]
+    weight)."""
     names = []
     for op in model.get_ops():
         if op.get_type_name() not in ("Gather", "MatMul"):
             continue
         for value in op.input_values():
             shape = value.get_partial_shape()
-            if shape.is_static and list(shape.to_shape()) == [config.vocab_size, config.hidden_size]:
+            if shape.is_static and list(shape.to_shape()) == [
+                config.vocab_size,
+                config.hidden_size,
+            ]:
                 names.append(op.get_friendly_name())
                 break
     return names
 
 
 def compress(model: Any, config: ModelConfig, precision: str, group: int | None) -> Any:
-    """Return MODEL with NNCF-compressed weights for int8/int4; fp32/fp16 models are returned unchanged."""
+    """Return MODEL with NNCF-compressed weights for int8/int4; fp32/fp16 models are returned
+    unchanged."""
     if precision in ("fp32", "fp16"):
         return model
     import nncf
 
     if precision == "int8":
-        return _share_duplicates(nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM))
+        return _share_duplicates(
+            nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        )
     vocabulary = _vocabulary_nodes(model, config)
     ignored = nncf.IgnoredScope(names=vocabulary, validate=False) if vocabulary else None
     model = nncf.compress_weights(

@@ -33,10 +33,15 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    # The per-family departures (families.py) and what they read from the config; defaults are plain Llama.
+    # The per-family departures (families.py) and what they read from the config; defaults are plain
+    # Llama.
     family: Family = FAMILIES["llama"]
-    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
-    sliding_window: int | None = None  # a local layer's query sees keys less than this many positions back
+    layer_types: tuple[
+        str, ...
+    ] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
+    sliding_window: int | None = (
+        None  # a local layer's query sees keys less than this many positions back
+    )
     query_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
     num_experts: int = 0
@@ -44,7 +49,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     expert_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse mixture of experts
-    decoder: Any = field(default=None, compare=False, repr=False)  # transformers' config object (RoPE tables)
+    decoder: Any = field(
+        default=None, compare=False, repr=False
+    )  # transformers' config object (RoPE tables)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

@@ -1,4 +1,5 @@
-"""Provides the sparse mixture-of-experts MLP (Qwen3-MoE): router softmax, top-k experts, optional renormalisation."""
+"""Provides the sparse mixture-of-experts MLP (Qwen3-MoE): router softmax, top-k experts,
+optional renormalisation."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def expert_weights(
     weights: Any, prefix: str, experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate [E, I, H], up [E, I, H], down [E, H, I]) from per-expert checkpoint tensors or transformers'
-    fused ones (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) from per-expert checkpoint tensors or
+    transformers' fused ones (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in weights:
         gate_up = weights.get(fused)
@@ -30,19 +31,21 @@ def expert_weights(
     if f"{prefix}.experts.0.gate_proj.weight" not in weights:
         raise CompileError(f"weights: no experts under {prefix!r}")
     stacks = [
-        torch.stack([weights.get(f"{prefix}.experts.{expert}.{name}.weight") for expert in range(experts)])
+        torch.stack(
+            [weights.get(f"{prefix}.experts.{expert}.{name}.weight") for expert in range(experts)]
+        )
         for name in ("gate_proj", "up_proj", "down_proj")
     ]
     return stacks[0], stacks[1], stacks[2]
 
 
 class SparseExperts(nn.Module):
-    """Every token's top-k experts by router softmax, their outputs summed with the (renormalised) weights.
+    """Every token's top-k experts by router softmax, their outputs summed with the (renormalised)
+    weights.
 
-    All experts are evaluated and weighted by a dense routing matrix that is zero off the top k: the same sum as
-    transformers' per-expert loop (exact), in a graph of fixed shape that OpenVINO traces; the cost is every
-    expert's compute, not only the active ones'.
-    """
+    All experts are evaluated and weighted by a dense routing matrix that is zero off the top k: the
+    same sum as transformers' per-expert loop (exact), in a graph of fixed shape that OpenVINO
+    traces; the cost is every expert's compute, not only the active ones'."""
 
     def __init__(self, config: ModelConfig, weights: Any, prefix: str) -> None:
         super().__init__()
@@ -50,11 +53,17 @@ class SparseExperts(nn.Module):
         self.top_k = config.experts_per_token
         self.normalise = config.norm_topk_prob
         self.activation = config.family.activation
-        self.router = nn.Parameter(weights.get(f"{prefix}.gate.weight"), requires_grad=False)  # (E, H)
+        self.router = nn.Parameter(
+            weights.get(f"{prefix}.gate.weight"), requires_grad=False
+        )  # (E, H)
         gate, up, down = expert_weights(weights, prefix, self.experts)
-        self.gate = nn.Parameter(gate.transpose(1, 2).contiguous(), requires_grad=False)  # (E, H, I)
+        self.gate = nn.Parameter(
+            gate.transpose(1, 2).contiguous(), requires_grad=False
+        )  # (E, H, I)
         self.up = nn.Parameter(up.transpose(1, 2).contiguous(), requires_grad=False)  # (E, H, I)
-        self.down = nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)  # (E, I, H)
+        self.down = nn.Parameter(
+            down.transpose(1, 2).contiguous(), requires_grad=False
+        )  # (E, I, H)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, length, width = hidden.shape
@@ -74,9 +83,10 @@ class SparseExperts(nn.Module):
 
 
 class ClampedExperts(nn.Module):
-    """gpt-oss's experts: router logits (with bias), top-k, softmax over those k; each expert a SwiGLU whose
-    gate and up are clamped (gate <= 7, |up| <= 7), glu = gate * sigmoid(1.702 gate), out = down((up + 1) glu),
-    every projection with a bias. Dense over experts like SparseExperts (exact, fixed shape)."""
+    """gpt-oss's experts: router logits (with bias), top-k, softmax over those k; each expert a
+    SwiGLU whose gate and up are clamped (gate <= 7, |up| <= 7), glu = gate * sigmoid(1.702 gate),
+    out = down((up + 1) glu), every projection with a bias. Dense over experts like SparseExperts
+    (exact, fixed shape)."""
 
     alpha = 1.702
     limit = 7.0
@@ -85,9 +95,13 @@ class ClampedExperts(nn.Module):
         super().__init__()
         self.experts = config.num_experts
         self.top_k = config.experts_per_token
-        self.router = nn.Parameter(weights.get(f"{prefix}.router.weight"), requires_grad=False)  # (E, H)
+        self.router = nn.Parameter(
+            weights.get(f"{prefix}.router.weight"), requires_grad=False
+        )  # (E, H)
         self.router_bias = nn.Parameter(weights.get(f"{prefix}.router.bias"), requires_grad=False)
-        gate_up = weights.get(f"{prefix}.experts.gate_up_proj")  # (E, H, 2I), gate and up interleaved
+        gate_up = weights.get(
+            f"{prefix}.experts.gate_up_proj"
+        )  # (E, H, 2I), gate and up interleaved
         gate_up_bias = weights.get(f"{prefix}.experts.gate_up_proj_bias")  # (E, 2I)
         self.gate = nn.Parameter(gate_up[..., ::2].contiguous(), requires_grad=False)  # (E, H, I)
         self.up = nn.Parameter(gate_up[..., 1::2].contiguous(), requires_grad=False)
@@ -95,9 +109,12 @@ class ClampedExperts(nn.Module):
             gate_up_bias[:, None, ::2].contiguous(), requires_grad=False
         )  # (E, 1, I)
         self.up_bias = nn.Parameter(gate_up_bias[:, None, 1::2].contiguous(), requires_grad=False)
-        self.down = nn.Parameter(weights.get(f"{prefix}.experts.down_proj"), requires_grad=False)  # (E, I, H)
+        self.down = nn.Parameter(
+            weights.get(f"{prefix}.experts.down_proj"), requires_grad=False
+        )  # (E, I, H)
         self.down_bias = nn.Parameter(
-            weights.get(f"{prefix}.experts.down_proj_bias")[:, None, :].contiguous(), requires_grad=False
+            weights.get(f"{prefix}.experts.down_proj_bias")[:, None, :].contiguous(),
+            requires_grad=False,
         )  # (E, 1, H)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -105,7 +122,9 @@ class ClampedExperts(nn.Module):
         tokens = hidden.reshape(-1, width)  # (T, H)
         logits = nn.functional.linear(tokens, self.router, self.router_bias)  # (T, E)
         top_values, top_indices = torch.topk(logits, self.top_k, dim=-1)
-        routing = torch.zeros_like(logits).scatter(1, top_indices, torch.softmax(top_values, dim=-1))
+        routing = torch.zeros_like(logits).scatter(
+            1, top_indices, torch.softmax(top_values, dim=-1)
+        )
         each = tokens[None].expand(self.experts, -1, -1)  # (E, T, H)
         gate = (torch.bmm(each, self.gate) + self.gate_bias).clamp(max=self.limit)  # (E, T, I)
         up = (torch.bmm(each, self.up) + self.up_bias).clamp(min=-self.limit, max=self.limit)

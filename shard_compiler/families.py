@@ -1,4 +1,5 @@
-"""Provides the per-family table: how each supported architecture differs from the one decoder trace.py builds."""
+"""Provides the per-family table: how each supported architecture differs from the one decoder
+trace.py builds."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from dataclasses import dataclass
 class Family:
     """One decoder family's departures from a Llama layer; every field off is plain Llama.
 
-    The weights are read by Hugging Face name; a fused projection is split on load, so the traced graph is
-    the same for every family and only these switches change it.
-    """
+    The weights are read by Hugging Face name; a fused projection is split on load, so the traced
+    graph is the same for every family and only these switches change it."""
 
     model_type: str  # the config.json model_type the decoder is read from
-    architectures: tuple[str, ...]  # Hugging Face class names accepted in config.json "architectures"
+    architectures: tuple[
+        str, ...
+    ]  # Hugging Face class names accepted in config.json "architectures"
     gguf: str  # general.architecture of a GGUF of this family ("": not read from GGUF)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
@@ -26,11 +28,15 @@ class Family:
     native_rope: bool = (
         False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
     )
-    experts: bool = False  # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
+    experts: bool = (
+        False  # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
+    )
     attention_sinks: bool = (
         False  # a learned per-head logit in every softmax that attends to nothing (gpt-oss)
     )
-    clamped_experts: bool = False  # gpt-oss experts: router top-k then softmax, clamped SwiGLU with biases
+    clamped_experts: bool = (
+        False  # gpt-oss experts: router top-k then softmax, clamped SwiGLU with biases
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -62,8 +68,8 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
-# config.json model_types that name a family by another name: Gemma 3's multimodal checkpoints keep the text
-# decoder's config under "text_config".
+# config.json model_types that name a family by another name: Gemma 3's multimodal checkpoints keep
+# the text decoder's config under "text_config".
 ALIASES = {"gemma3": "gemma3_text"}
 GGUF_FAMILIES = {family.gguf: family for family in FAMILIES.values() if family.gguf}
 
@@ -76,5 +82,6 @@ def family_of(model_type: str | None) -> Family | None:
 
 
 def supported_architectures() -> list[str]:
-    """The model_types the compiler builds, in table order (the README's list comes from the harness)."""
+    """The model_types the compiler builds, in table order (the README's list comes from the
+    harness)."""
     return list(FAMILIES)

@@ -1,4 +1,5 @@
-"""Provides the ModelConfig of the newer families, read through transformers' own config classes, and their RoPE."""
+"""Provides the ModelConfig of the newer families, read through transformers' own config classes,
+and their RoPE."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ from typing import Any
 from .decoder_config import CompileError, ModelConfig
 from .families import Family
 
-# RoPE types taken from transformers' own tables (dynamic NTK depends on each call's length: not traced)
+# RoPE types taken from transformers' own tables (dynamic NTK depends on each call's length: not
+# traced)
 TRANSFORMERS_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def decoder_config(family: Family, data: dict[str, Any]) -> Any:
-    """transformers' config object of the text decoder in DATA, with every default the model class applies."""
+    """transformers' config object of the text decoder in DATA, with every default the model
+    class applies."""
     from transformers import CONFIG_MAPPING
 
     values = {key: value for key, value in data.items() if key != "model_type"}
     if data.get("model_type") == "gemma3" and isinstance(data.get("text_config"), dict):
-        values = dict(data["text_config"])  # a multimodal checkpoint: only its text decoder is compiled
+        values = dict(
+            data["text_config"]
+        )  # a multimodal checkpoint: only its text decoder is compiled
         values.pop("model_type", None)
     return CONFIG_MAPPING[family.model_type](**values)
 
@@ -34,7 +39,9 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
     try:
         decoder = decoder_config(family, data)
     except (TypeError, ValueError, KeyError) as error:
-        raise CompileError(f"{origin}: config does not parse as {family.model_type} ({error})") from None
+        raise CompileError(
+            f"{origin}: config does not parse as {family.model_type} ({error})"
+        ) from None
     layers = int(decoder.num_hidden_layers)
     layer_types = tuple(getattr(decoder, "layer_types", None) or ())
     window = getattr(decoder, "sliding_window", None)
@@ -57,7 +64,9 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
     hidden = int(decoder.hidden_size)
     head_dim = int(getattr(decoder, "head_dim", None) or hidden // heads)
     scalar = getattr(decoder, "query_pre_attn_scalar", None)
-    experts = int(getattr(decoder, "num_experts", None) or getattr(decoder, "num_local_experts", 0) or 0)
+    experts = int(
+        getattr(decoder, "num_experts", None) or getattr(decoder, "num_local_experts", 0) or 0
+    )
     experts = experts if family.experts else 0
     expert_layers: tuple[int, ...] = ()
     if experts:
@@ -109,8 +118,9 @@ def family_config(family: Family, data: dict[str, Any], origin: str) -> ModelCon
 
 @dataclass(frozen=True)
 class RopeTable:
-    """Inverse frequencies [rotary_dim / 2] and the cos/sin factor; `long` replaces `short` in a call whose
-    highest position reaches `threshold` (LongRoPE, as transformers switches per forward call)."""
+    """Inverse frequencies [rotary_dim / 2] and the cos/sin factor; `long` replaces `short` in a
+    call whose highest position reaches `threshold` (LongRoPE, as transformers switches per forward
+    call)."""
 
     short: Any
     scaling: float
@@ -119,7 +129,8 @@ class RopeTable:
 
 
 def rope_table(config: ModelConfig, layer_type: str | None) -> RopeTable:
-    """transformers' own RoPE tables for LAYER_TYPE (None: the model's one table), computed as it does."""
+    """transformers' own RoPE tables for LAYER_TYPE (None: the model's one table), computed as it
+    does."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -128,14 +139,17 @@ def rope_table(config: ModelConfig, layer_type: str | None) -> RopeTable:
     rope_type = parameters.get("rope_type", "default")
     extra = (
         {"layer_type": layer_type}
-        if layer_type is not None and isinstance((decoder.rope_parameters or {}).get(layer_type), dict)
+        if layer_type is not None
+        and isinstance((decoder.rope_parameters or {}).get(layer_type), dict)
         else {}
     )
     if rope_type == "default":
         partial = float(parameters.get("partial_rotary_factor", 1.0))
         dim = int(config.head_dim * partial)
         base = parameters["rope_theta"]
-        inverse = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        inverse = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
+        )
         return RopeTable(inverse, 1.0)
     initialise = ROPE_INIT_FUNCTIONS[rope_type]
     inverse, scaling = initialise(decoder, None, **extra)

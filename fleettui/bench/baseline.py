@@ -1,4 +1,5 @@
-"""Provides the baseline rows: mono (`remote_worker.mono`) or GenAI (`shard_compiler.anchors`) in a child process."""
+"""Provides the baseline rows: mono (`remote_worker.mono`) or GenAI (`shard_compiler.anchors`) in
+a child process."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from fleettui.errors import child_failure
 ROW_TIMEOUT = 900.0
 
 
-async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens: int, fleet: Fleet) -> Row:
-    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process; a pinned mono with
-    `copies` > 1 runs that many children at once, one per core, and sums their rates."""
+async def run_baseline(
+    spec: RowSpec, shard_dir: Path, prompt: list[int], tokens: int, fleet: Fleet
+) -> Row:
+    """mono (remote_worker.mono) or GenAI (shard_compiler.anchors) in a child process; a pinned mono
+    with `copies` > 1 runs that many children at once, one per core, and sums their rates."""
     row = new_row(spec)
     row.details["device"] = spec.device
     module = "remote_worker.mono" if spec.kind == "mono" else "shard_compiler.anchors"
@@ -49,20 +52,24 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     if spec.pinned:
         command += ["--threads", "1"]
     witness = CpuWitness()
-    # GenAI assembles a model folder; a child killed (a timeout, a SIGTERM to the bench) cannot remove it
+    # GenAI assembles a model folder; a child killed (a timeout, a SIGTERM to the bench) cannot
+    # remove it
     folder = tempfile.TemporaryDirectory(prefix="fleettui-genai-") if spec.kind != "mono" else None
     with folder or contextlib.nullcontext() as scratch:
         if scratch is not None:
             command += ["--scratch", scratch]
         if spec.copies > 1:
             commands = [
-                command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"] for i in range(spec.copies)
+                command + ["--cores", str(cores[i % len(cores)]), "--wait-for-go"]
+                for i in range(spec.copies)
             ]
             outputs = await asyncio.wait_for(run_children(commands, together=True), ROW_TIMEOUT)
         else:
             command += ["--cores", str(cores[0])] if spec.pinned else []
             outputs = await asyncio.wait_for(run_children([command]), ROW_TIMEOUT)
-    row.details["others_cpu"] = witness.others()  # over the whole child run (compile and warm-up too)
+    row.details["others_cpu"] = (
+        witness.others()
+    )  # over the whole child run (compile and warm-up too)
     results = []
     for returncode, stdout, stderr in outputs:
         if returncode != 0:
@@ -74,7 +81,8 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
             return row
         results.append(result)
     first = results[0]
-    # the middle of its timed decode, wall clock (its pairs are taken at the same time: `paired_rates`)
+    # the middle of its timed decode, wall clock (its pairs are taken at the same time:
+    # `paired_rates`)
     middles = [r["started_at"] + r["seconds"] / 2 for r in results if "started_at" in r]
     row.details["at"] = sum(middles) / len(middles) if middles else None
     row.precision = short_precisions(first["precision"])
@@ -94,10 +102,13 @@ async def run_baseline(spec: RowSpec, shard_dir: Path, prompt: list[int], tokens
     return row
 
 
-async def run_children(commands: list[list[str]], together: bool = False) -> list[tuple[int, str, str]]:
-    """Run the children to their end; (returncode, stdout, stderr) each. `together`: they are `--wait-for-go`
-    children, let compile and warm up, then released at once (a line on each stdin) so their timed decodes
-    overlap. Every child is killed if this is cancelled (a SIGTERM to the bench) or times out."""
+async def run_children(
+    commands: list[list[str]], together: bool = False
+) -> list[tuple[int, str, str]]:
+    """Run the children to their end; (returncode, stdout, stderr) each. `together`: they are
+    `--wait-for-go` children, let compile and warm up, then released at once (a line on each stdin)
+    so their timed decodes overlap. Every child is killed if this is cancelled (a SIGTERM to the
+    bench) or times out."""
     children: list[asyncio.subprocess.Process] = []
     try:
         for command in commands:

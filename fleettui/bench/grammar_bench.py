@@ -1,8 +1,8 @@
 """Provides the grammar group's constraint: the JSON schema its constrained rows answer under.
 
-The schema asks for a list of records long enough for a steady rate (up to about 250 tokens), with the
-features that cost the matcher most per token: free strings, bounded integers, enums and a fixed-length array.
-"""
+The schema asks for a list of records long enough for a steady rate (up to about 250 tokens), with
+the features that cost the matcher most per token: free strings, bounded integers, enums and a
+fixed-length array."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Provides the per-hop overhead budget: a 1-stage fleet against the in-process engine on the same IR.
+"""Provides the per-hop overhead budget: a 1-stage fleet against the in-process engine on the same
+IR.
 
     python -m fleettui.bench.hop_budget [MODEL] [--tokens 300] [--rounds 3] [--shards DIR]
 
-Interleaved rounds (fleet, then `remote_worker.mono` on the very shard the fleet serves), decode ms per
-token after the first token for each, their difference (what one hop — ZeroMQ, CURVE, asyncio, the worker's
-Python path — adds per token) and the coordinator process's own CPU ms per token. MODEL defaults to the
-synthetic tiny Llama, where fixed overhead dominates compute; any model name the fleet file takes works.
-"""
+Interleaved rounds (fleet, then `remote_worker.mono` on the very shard the fleet serves), decode ms
+per token after the first token for each, their difference (what one hop — ZeroMQ, CURVE, asyncio,
+the worker's Python path — adds per token) and the coordinator process's own CPU ms per token. MODEL
+defaults to the synthetic tiny Llama, where fixed overhead dominates compute; any model name the
+fleet file takes works."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from pathlib import Path
 PROMPT = list(range(3, 43))
 
 
-async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> list[dict[str, float]]:
+async def measure(
+    model: str, tokens: int, rounds: int, shards: Path | None
+) -> list[dict[str, float]]:
     from fleettui.bench.baseline import run_children
     from fleettui.config.fleet import DEFAULT_FLEET, Host, load_fleet
     from fleettui.control.controller import FleetController
@@ -54,9 +57,17 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
             await coordinator.close_session(session)
             count = len(generation.token_ids)
             command = [
-                sys.executable, "-m", "remote_worker.mono", "--shard", shard, "--prompt-ids",
-                ",".join(map(str, PROMPT)), "--tokens", str(tokens), "--json",
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "remote_worker.mono",
+                "--shard",
+                shard,
+                "--prompt-ids",
+                ",".join(map(str, PROMPT)),
+                "--tokens",
+                str(tokens),
+                "--json",
+            ]
             [(code, out, err)] = await run_children([command])  # killed with this task (a signal)
             if code != 0:
                 raise RuntimeError(f"remote_worker.mono failed: {child_failure(err, code)}")
@@ -73,7 +84,8 @@ async def measure(model: str, tokens: int, rounds: int, shards: Path | None) -> 
                 }
             )
             print(
-                f"fleet {fleet_ms:.2f} ms/token (coordinator CPU {coordinator_ms:.2f}), in-process {mono_ms:.2f}: "
+                f"fleet {fleet_ms:.2f} ms/token (coordinator CPU {coordinator_ms:.2f}), in-process "
+                f"{mono_ms:.2f}: "
                 f"the hop adds {fleet_ms - mono_ms:+.2f} ms/token",
                 flush=True,
             )
@@ -101,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as error:
         return error.code
     extra = sorted(r["extra_ms"] for r in results)
-    print(f"median extra per token over {len(extra)} interleaved rounds: {extra[len(extra) // 2]:+.2f} ms")
+    print(
+        f"median extra per token over {len(extra)} interleaved rounds: "
+        f"{extra[len(extra) // 2]:+.2f} ms"
+    )
     return 0
 
 

@@ -1,14 +1,15 @@
-"""Provides a user-space one-way link delay: TCP forwarding proxies that hold every chunk for D ms, in order.
+"""Provides a user-space one-way link delay: TCP forwarding proxies that hold every chunk for D ms,
+in order.
 
 `tc netem` is not available on the machines this project is measured on, so a WAN hop is emulated by
 putting a proxy between two ZeroMQ peers. The proxy is a plain byte pipe (transparent to ZMTP and
 CurveZMQ): each chunk read from one side is written to the other side D ms after it arrived. Chunks
-are queued, so a slow hop delays but never reorders, and a stream of chunks is pipelined (the delay is
-latency, not a bandwidth cap). Both directions are delayed; ZeroMQ PUSH/PULL data flows one way, so a
-message crossing one proxy pays D once.
+are queued, so a slow hop delays but never reorders, and a stream of chunks is pipelined (the delay
+is latency, not a bandwidth cap). Both directions are delayed; ZeroMQ PUSH/PULL data flows one way,
+so a message crossing one proxy pays D once.
 
-The proxies run on their own event loop in a daemon thread, so the coordinator's loop cannot stall them.
-"""
+The proxies run on their own event loop in a daemon thread, so the coordinator's loop cannot stall
+them."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ T = TypeVar("T")
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-    """Copy reader → writer, releasing each chunk `delay` seconds after it was read, in arrival order."""
+    """Copy reader → writer, releasing each chunk `delay` seconds after it was read, in arrival
+    order."""
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
     async def release() -> None:
@@ -58,7 +60,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
 
 
 class DelayProxy:
-    """Listens on a loopback port and forwards each connection to `target`, delaying both directions."""
+    """Listens on a loopback port and forwards each connection to `target`, delaying both
+    directions."""
 
     def __init__(self, target: Endpoint, delay_ms: float, listen_port: int = 0) -> None:
         self.target = target
@@ -77,7 +80,9 @@ class DelayProxy:
         self.listen_port = int(self._server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
         return self.endpoint
 
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         self.connections += 1
         try:
             target_reader, target_writer = await asyncio.open_connection(
@@ -112,16 +117,19 @@ class DelayProxy:
 
 
 class HopDelay:
-    """A set of delay proxies on a background event loop; `route(endpoint)` gives the delayed endpoint.
+    """A set of delay proxies on a background event loop; `route(endpoint)` gives the delayed
+    endpoint.
 
-    Use as `endpoint_map` for `FleetController.start`: every link the map is asked about gets its own proxy.
-    """
+    Use as `endpoint_map` for `FleetController.start`: every link the map is asked about gets its
+    own proxy."""
 
     def __init__(self, delay_ms: float) -> None:
         self.delay_ms = float(delay_ms)
         self.proxies: list[DelayProxy] = []
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hop-delay", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="hop-delay", daemon=True
+        )
         self._thread.start()
 
     def _call(self, coroutine: Awaitable[T]) -> T:

@@ -1,4 +1,5 @@
-"""Provides what the bench says about its machine: CPU, memory, versions, devices, and how busy others kept it."""
+"""Provides what the bench says about its machine: CPU, memory, versions, devices, and how busy
+others kept it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from typing import Any
 
 
 class CpuWitness:
-    """How much of the machine other programs used during a measurement (this bench's process tree excluded).
+    """How much of the machine other programs used during a measurement (this bench's process tree
+    excluded).
 
-    The bench often shares its machine; a row measured while something else ran is slower for that reason
-    alone, so every row reports the share of all CPUs that was busy outside this bench.
-    """
+    The bench often shares its machine; a row measured while something else ran is slower for that
+    reason alone, so every row reports the share of all CPUs that was busy outside this bench."""
 
     def __init__(self) -> None:
         self.busy, self.ours, self.started = self._read()
@@ -27,7 +28,8 @@ class CpuWitness:
 
         times = psutil.cpu_times()
         busy = sum(
-            getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal")
+            getattr(times, name, 0.0)
+            for name in ("user", "nice", "system", "irq", "softirq", "steal")
         )
         me = psutil.Process()
         own = me.cpu_times()
@@ -45,7 +47,9 @@ class CpuWitness:
         busy, ours, now = self._read()
         capacity = (now - self.started) * len(os.sched_getaffinity(0))
         return (
-            max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity)) if capacity > 0 else 0.0
+            max(0.0, min(1.0, ((busy - self.busy) - (ours - self.ours)) / capacity))
+            if capacity > 0
+            else 0.0
         )
 
 
@@ -67,11 +71,20 @@ def machine_info() -> dict[str, Any]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next(
-            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.splitlines()
+                if line.startswith("model name")
+            ),
             platform.processor(),
         )
         flags = next(
-            (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+            (
+                line.split(":", 1)[1].split()
+                for line in cpuinfo.splitlines()
+                if line.startswith("flags")
+            ),
+            [],
         )
         info["cpu_flags"] = [
             f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
@@ -79,7 +92,14 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         info["cpu"] = platform.processor()
     versions: dict[str, str | None] = {}
-    for package in ("fleettui", "openvino", "openvino-genai", "openvino-tokenizers", "pyzmq", "numpy"):
+    for package in (
+        "fleettui",
+        "openvino",
+        "openvino-genai",
+        "openvino-tokenizers",
+        "pyzmq",
+        "numpy",
+    ):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -88,7 +108,9 @@ def machine_info() -> dict[str, Any]:
     probe = subprocess.run(
         [sys.executable, "-m", "remote_worker.mono", "--probe"], capture_output=True, text=True
     )
-    info["openvino_devices"] = json.loads(probe.stdout)["devices"] if probe.returncode == 0 else ["CPU"]
+    info["openvino_devices"] = (
+        json.loads(probe.stdout)["devices"] if probe.returncode == 0 else ["CPU"]
+    )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
         capture_output=True,

@@ -1,12 +1,14 @@
-"""Provides the rebalance measurement: tok/s before and after one stage is slowed, then after auto rebalance.
+"""Provides the rebalance measurement: tok/s before and after one stage is slowed, then after auto
+rebalance.
 
-`fleettui bench FLEET --rebalance` runs `rebalance_bench()` on a local fleet of two or more stages, in
-three adjacent phases of the same load (`users` sessions of `tokens` tokens, EOS ignored):
+`fleettui bench FLEET --rebalance` runs `rebalance_bench()` on a local fleet of two or more stages,
+in three adjacent phases of the same load (`users` sessions of `tokens` tokens, EOS ignored):
 1. before: as deployed;
-2. slowed: the last stage's worker held to `share` of its CPU time (`Throttle`: a hot PC), rebalance off;
-3. rebalanced: `rebalance = "auto"` on; the load runs until the fleet has compiled and switched to a split
-   away from the slow stage, then the same load is measured again (the slowdown follows the host).
-The report gives each phase's tok/s, the ratios, both splits and how long the switch took.
+2. slowed: the last stage's worker held to `share` of its CPU time (`Throttle`: a hot PC), rebalance
+   off;
+3. rebalanced: `rebalance = "auto"` on; the load runs until the fleet has compiled and switched to a
+   split away from the slow stage, then the same load is measured again (the slowdown follows the
+   host). The report gives each phase's tok/s, the ratios, both splits and how long the switch took.
 """
 
 from __future__ import annotations
@@ -46,17 +48,22 @@ class RebalanceReport:
 
     def summary(self) -> str:
         lines = [
-            f"rebalance: {self.users} users x {self.tokens} tokens, last stage held to {self.share:.0%} of its CPU"
+            f"rebalance: {self.users} users x {self.tokens} tokens, last stage held to "
+            f"{self.share:.0%} of its CPU"
         ]
         for phase, rate in self.rates.items():
-            lines.append(f"  {phase:<10} {rate:7.1f} tok/s  ({self.ratio(phase, 'before'):.2f}x before)")
+            lines.append(
+                f"  {phase:<10} {rate:7.1f} tok/s  ({self.ratio(phase, 'before'):.2f}x before)"
+            )
         if "rebalanced" in self.rates:
             lines.append(f"  rebalanced / slowed: {self.ratio('rebalanced', 'slowed'):.2f}x")
         lines.append(f"  split {self.split_before} -> {self.split_after or 'unchanged'}")
         if self.switch is not None:
             lines.append(
-                f"  proposed after {self.proposed_after:.1f} s of slowed load, serving the new split after "
-                f"{self.applied_after:.1f} s (switch {self.switch.relaunch:.2f} s, replay {self.switch.replay:.2f} s)"
+                f"  proposed after {self.proposed_after:.1f} s of slowed load, serving the new "
+                "split after "
+                f"{self.applied_after:.1f} s (switch {self.switch.relaunch:.2f} s, replay "
+                f"{self.switch.replay:.2f} s)"
             )
         return "\n".join(lines)
 
@@ -92,7 +99,10 @@ async def rebalance_bench(
             started = time.perf_counter()
             try:
                 answers = await asyncio.gather(
-                    *(coordinator.chat(s, PROMPTS[i % len(PROMPTS)], params) for i, s in enumerate(sessions))
+                    *(
+                        coordinator.chat(s, PROMPTS[i % len(PROMPTS)], params)
+                        for i, s in enumerate(sessions)
+                    )
                 )
             finally:
                 for session in sessions:
@@ -119,7 +129,9 @@ async def rebalance_bench(
                 else:
                     await asyncio.sleep(0.2)  # compiling in the background, then switching
             report.applied_after = time.monotonic() - started
-            report.switch = next((e for e in reversed(events) if isinstance(e, RecoveryReport)), None)
+            report.switch = next(
+                (e for e in reversed(events) if isinstance(e, RecoveryReport)), None
+            )
             report.split_after = controller.deployment.ranges()
             rebalancer.mode = "off"
             await load()  # warm-up of the new split

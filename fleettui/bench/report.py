@@ -1,7 +1,7 @@
 """Provides the bench's report: the table, the targets' lines, the plot and the JSON document.
 
-Rows and the time split live in `bench.results`, ratios and targets in `bench.targets` (re-exported here).
-"""
+Rows and the time split live in `bench.results`, ratios and targets in `bench.targets` (re-exported
+here)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,21 @@ from fleettui.bench.results import JSON_FIELDS, Row, Trip, stage_breakdown
 from fleettui.bench.targets import add_ratios, baseline, targets
 
 __all__ = [
-    "JSON_FIELDS", "Row", "Trip", "add_ratios", "baseline", "document", "dumps", "format_table", "format_targets",
-    "plot", "short_precision", "short_precisions", "stage_breakdown", "targets",
-]  # fmt: skip
+    "JSON_FIELDS",
+    "Row",
+    "Trip",
+    "add_ratios",
+    "baseline",
+    "document",
+    "dumps",
+    "format_table",
+    "format_targets",
+    "plot",
+    "short_precision",
+    "short_precisions",
+    "stage_breakdown",
+    "targets",
+]
 
 
 # -------------------------------------------------------------------------------------------- text
@@ -36,7 +48,8 @@ _PRECISION_NAMES = {
 
 
 def short_precision(value: object) -> str:
-    """'bf16' for OpenVINO's "<Type: 'bfloat16'>" (and the like); other text unchanged, lower case."""
+    """'bf16' for OpenVINO's "<Type: 'bfloat16'>" (and the like); other text unchanged, lower
+    case."""
     text = str(value).strip().lower()
     if text.startswith("<type:"):
         text = text[len("<type:") :].strip(" '>\"")
@@ -45,7 +58,9 @@ def short_precision(value: object) -> str:
 
 def short_precisions(precision: dict[str, Any]) -> dict[str, str]:
     return {
-        key: ",".join(short_precision(v) for v in str(value).split(",")) if key != "weights" else str(value)
+        key: ",".join(short_precision(v) for v in str(value).split(","))
+        if key != "weights"
+        else str(value)
         for key, value in precision.items()
     }
 
@@ -53,7 +68,9 @@ def short_precisions(precision: dict[str, Any]) -> dict[str, str]:
 def precision_text(precision: dict[str, str]) -> str:
     if not precision:
         return "-"
-    return "/".join(str(precision.get(key, "?")).lower() for key in ("weights", "inference", "kv_cache"))
+    return "/".join(
+        str(precision.get(key, "?")).lower() for key in ("weights", "inference", "kv_cache")
+    )
 
 
 def _number(value: float | None, digits: int = 1, scale: float = 1.0, suffix: str = "") -> str:
@@ -66,7 +83,8 @@ def breakdown_text(breakdown: list[dict[str, float]] | None) -> str:
     if not breakdown:
         return "-"
     return " | ".join(
-        f"{part['compute_ms']:.1f}/{part['wire_ms']:.1f}/{part['queue_ms']:.1f}" for part in breakdown
+        f"{part['compute_ms']:.1f}/{part['wire_ms']:.1f}/{part['queue_ms']:.1f}"
+        for part in breakdown
     )
 
 
@@ -150,7 +168,8 @@ def table_cells(row: Row) -> list[str]:
 
 
 def paired_text(row: Row) -> str:
-    """'1.23x ±4% vs genai': the median per-round ratio to the paired row and the ratio's own spread."""
+    """'1.23x ±4% vs genai': the median per-round ratio to the paired row and the ratio's own
+    spread."""
     ratio = row.paired_ratio
     if ratio is None:
         return "-"
@@ -198,7 +217,9 @@ def format_table(rows: Sequence[Row]) -> str:
             for i, (c, w) in enumerate(zip(line, widths, strict=True))
         ]
         if number and not line[6].isdigit():
-            parts = parts[:6] + [line[6]]  # a skip or failure reason: it runs to the end of the line
+            parts = parts[:6] + [
+                line[6]
+            ]  # a skip or failure reason: it runs to the end of the line
         rendered.append("  ".join(parts).rstrip())
         if number == 0:
             rendered.append("  ".join("-" * w for w in widths))
@@ -209,22 +230,28 @@ def format_targets(found: Sequence[dict[str, Any]]) -> str:
     lines = []
     for item in found:
         ratio = "n/a (rows missing)" if item["ratio"] is None else f"{item['ratio']:.2f}x"
-        verdict = {True: "met", False: "NOT met", None: "(no target)" if item["goal"] is None else "-"}[
-            item["met"]
-        ]
+        verdict = {
+            True: "met",
+            False: "NOT met",
+            None: "(no target)" if item["goal"] is None else "-",
+        }[item["met"]]
         spread_of_ratio = item.get("ratio_spread")
-        moved = f" (ratio moved {spread_of_ratio:.0%} over rounds)" if spread_of_ratio is not None else ""
+        moved = (
+            f" (ratio moved {spread_of_ratio:.0%} over rounds)"
+            if spread_of_ratio is not None
+            else ""
+        )
         top = item.get("ceiling")
         if top and item["ratio"] is not None:
-            moved += (
-                f"; ceiling here {top:.2f}x (independent monos, one per PC): {item['ratio'] / top:.0%} of it"
-            )
+            share = item["ratio"] / top
+            moved += f"; ceiling here {top:.2f}x (independent monos, one per PC): {share:.0%} of it"
         lines.append(f"  {item['target']:<62} {ratio:>10}  {verdict}{moved}")
     return "\n".join(lines)
 
 
 def plot(rows: Sequence[Row], width: int = 100) -> str:
-    """A horizontal bar chart of aggregate tok/s per measured row (plotext; plain text if that fails)."""
+    """A horizontal bar chart of aggregate tok/s per measured row (plotext; plain text if that
+    fails)."""
     measured = [row for row in rows if row.ok]
     if not measured:
         return ""
@@ -252,7 +279,9 @@ def plot(rows: Sequence[Row], width: int = 100) -> str:
         )
 
 
-def document(rows: Sequence[Row], machine: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+def document(
+    rows: Sequence[Row], machine: dict[str, Any], settings: dict[str, Any]
+) -> dict[str, Any]:
     """The JSON document: settings, the machine and versions, every row, and the targets."""
     return {
         "settings": settings,

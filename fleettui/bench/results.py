@@ -48,15 +48,21 @@ class Row:
     acceptance_rate: float | None = None
     mean_k: float | None = None
     stage_breakdown: list[dict[str, float]] | None = None
-    layers: list[list[float]] | None = None  # 12.5: a boundary inside layer 12 (after its attention)
+    layers: list[list[float]] | None = (
+        None  # 12.5: a boundary inside layer 12 (after its attention)
+    )
     vs_mono: float | None = None
     vs_genai: float | None = None
     status: str = "ok"  # ok | skipped: reason | failed: reason
     details: dict[str, Any] = field(default_factory=dict)
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
     group: str = ""  # the bench group (--only)
-    versus: str = ""  # the row this one is paired with: measured in the same rounds, adjacent windows
-    copies: int = 1  # a pinned mono run as n copies at once, one per core (the n-PC ceiling); rates summed
+    versus: str = (
+        ""  # the row this one is paired with: measured in the same rounds, adjacent windows
+    )
+    copies: int = (
+        1  # a pinned mono run as n copies at once, one per core (the n-PC ceiling); rates summed
+    )
 
     @property
     def paired_ratio(self) -> float | None:
@@ -66,7 +72,8 @@ class Row:
 
     @property
     def ratio_spread(self) -> float | None:
-        """(max - min) / median of the per-round ratios: how far the ratio itself moved between rounds."""
+        """(max - min) / median of the per-round ratios: how far the ratio itself moved between
+        rounds."""
         ratios = self.details.get("paired_ratios") or []
         if len(ratios) < 2:
             return None
@@ -99,12 +106,12 @@ class Trip:
 def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]] | None:
     """Per stage, milliseconds per generated token of compute, queueing and wire.
 
-    compute = finished - started, queue = started - received, and wire = the rest of the round trip: the
-    hop into the stage plus the stage's own send time (serialisation); the last stage also carries the
-    hop back to the coordinator (and the coordinator's receive path). The three sum to the round trips. A
-    run's Result held back at the last stage (sent in a burst, `remote_worker.coalesce`) is not on the
-    token's path (the run went on meanwhile): its wait is `held_ms`, apart.
-    """
+    compute = finished - started, queue = started - received, and wire = the rest of the round trip:
+    the hop into the stage plus the stage's own send time (serialisation); the last stage also
+    carries the hop back to the coordinator (and the coordinator's receive path). The three sum to
+    the round trips. A run's Result held back at the last stage (sent in a burst,
+    `remote_worker.coalesce`) is not on the token's path (the run went on meanwhile): its wait is
+    `held_ms`, apart."""
     totals: dict[int, list[float]] = {}
     held: dict[int, float] = {}
     order: list[int] = []
@@ -145,18 +152,24 @@ def stage_breakdown(trips: Iterable[Trip], tokens: int) -> list[dict[str, float]
 
 
 def paired_rates(
-    rates: list[float], times: list[float | None], base_rates: list[float], base_times: list[float | None]
+    rates: list[float],
+    times: list[float | None],
+    base_rates: list[float],
+    base_times: list[float | None],
 ) -> list[tuple[float, float]]:
-    """(row rate, its pair's rate) per measurement of a row. Where every measurement has its time (the middle
-    of its window), the pair's rate is taken at the row's own time, interpolated between the pair's measurements
-    before and after it (the nearest one outside them): a shared machine drifts within a group, and a row
-    measured half a minute after its pair in every round would carry that drift as a ratio. Without times,
-    measurement i goes with i."""
-    points = sorted((t, b) for t, b in zip(base_times, base_rates, strict=False) if t is not None and b > 0)
+    """(row rate, its pair's rate) per measurement of a row. Where every measurement has its time
+    (the middle of its window), the pair's rate is taken at the row's own time, interpolated between
+    the pair's measurements before and after it (the nearest one outside them): a shared machine
+    drifts within a group, and a row measured half a minute after its pair in every round would
+    carry that drift as a ratio. Without times, measurement i goes with i."""
+    points = sorted(
+        (t, b) for t, b in zip(base_times, base_rates, strict=False) if t is not None and b > 0
+    )
     if not points or len(times) != len(rates) or any(t is None for t in times):
         return [(a, b) for a, b in zip(rates, base_rates, strict=False) if a > 0 and b > 0]
     base_at, base = np.array(points, np.float64).T
-    # linear between the pair's measurements around it, the nearest one before the first or after the last
+    # linear between the pair's measurements around it, the nearest one before the first or after
+    # the last
     return [
         (rate, float(np.interp(at, base_at, base)))
         for rate, at in zip(rates, times, strict=True)

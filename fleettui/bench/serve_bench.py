@@ -1,9 +1,10 @@
-"""Provides the `serve` bench group: HTTP streaming vs the direct controller, and the prefix-reuse TTFT gain.
+"""Provides the `serve` bench group: HTTP streaming vs the direct controller, and the prefix-reuse
+TTFT gain.
 
-Usable on its own: `python -m fleettui.bench.serve_bench [FLEET] [--exact] [--max-tokens N] [--json FILE]`.
-One fleet, one asyncio loop: the coordinator, the uvicorn server and the streaming HTTP client (httpx)
-share it, as they would share a machine; the client's own parsing is counted as server overhead.
-"""
+Usable on its own: `python -m fleettui.bench.serve_bench [FLEET] [--exact] [--max-tokens N] [--json
+FILE]`. One fleet, one asyncio loop: the coordinator, the uvicorn server and the streaming HTTP
+client (httpx) share it, as they would share a machine; the client's own parsing is counted as
+server overhead."""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ async def _direct(fleet: Any, prompt: str, tokens: int) -> tuple[int, float, flo
     session = await fleet.open_session(0)
     try:
         ids = fleet.encode_chat([ChatMessage("user", prompt)])
-        generation = await fleet.generate(session, ids, GenerationParams(max_tokens=tokens), on_tokens)
+        generation = await fleet.generate(
+            session, ids, GenerationParams(max_tokens=tokens), on_tokens
+        )
     finally:
         await fleet.close_session(session)
     return generation.stats.tokens, time.perf_counter() - started, first[0] if first else 0.0
@@ -112,7 +115,8 @@ async def _stream(
 
 
 async def run_serve_bench(fleet_config: Any, tokens: int = 128, repeats: int = 2) -> dict[str, Any]:
-    """Start the fleet, put two servers in front (no pool / pool), measure both tables; stops the fleet."""
+    """Start the fleet, put two servers in front (no pool / pool), measure both tables; stops the
+    fleet."""
     import httpx
 
     from fleettui.control.controller import FleetController
@@ -129,8 +133,10 @@ async def run_serve_bench(fleet_config: Any, tokens: int = 128, repeats: int = 2
         model = fleet.model_info().name
         urls: dict[str, str] = {}
         both_ready = asyncio.Event()
-        servers = {"cold": FleetServer(fleet, max_sessions=4, max_idle=0),
-                   "pooled": FleetServer(fleet, max_sessions=4, max_idle=8)}  # fmt: skip
+        servers = {
+            "cold": FleetServer(fleet, max_sessions=4, max_idle=0),
+            "pooled": FleetServer(fleet, max_sessions=4, max_idle=8),
+        }
         for name, server in servers.items():
 
             def ready(url: str, name: str = name) -> None:
@@ -178,7 +184,8 @@ async def run_serve_bench(fleet_config: Any, tokens: int = 128, repeats: int = 2
 
 
 async def _reuse_rows(pooled_url: str, cold_url: str, model: str) -> list[ReuseRow]:
-    """A 4-turn conversation on the pooled server, each turn replayed on the cold one (fresh session)."""
+    """A 4-turn conversation on the pooled server, each turn replayed on the cold one (fresh
+    session)."""
     import httpx
 
     rows = []
@@ -193,26 +200,36 @@ async def _reuse_rows(pooled_url: str, cold_url: str, model: str) -> list[ReuseR
             text, usage, _, ttft = await _stream(pooled, model, messages, 32)
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
             rows.append(
-                ReuseRow(turn, int(usage.get("prompt_tokens", 0)), cached, ttft * 1000, cold_ttft * 1000)
+                ReuseRow(
+                    turn, int(usage.get("prompt_tokens", 0)), cached, ttft * 1000, cold_ttft * 1000
+                )
             )
             messages.append({"role": "assistant", "content": text})
     return rows
 
 
 def format_tables(result: dict[str, Any]) -> str:
-    lines = ["HTTP streaming vs direct controller (same prompts, greedy, fresh session each)",
-             f"{'prompt':<44} {'tokens':>6} {'direct tok/s':>12} {'http tok/s':>10} {'ratio':>6} "
-             f"{'direct TTFT':>11} {'http TTFT':>9}"]  # fmt: skip
+    lines = [
+        "HTTP streaming vs direct controller (same prompts, greedy, fresh session each)",
+        f"{'prompt':<44} {'tokens':>6} {'direct tok/s':>12} {'http tok/s':>10} {'ratio':>6} "
+        f"{'direct TTFT':>11} {'http TTFT':>9}",
+    ]
     for row in result["overhead"]:
         lines.append(
-            f"{row['prompt'][:44]:<44} {row['tokens']:>6} {row['direct_tok_s']:>12.1f} {row['http_tok_s']:>10.1f} "
+            f"{row['prompt'][:44]:<44} {row['tokens']:>6} {row['direct_tok_s']:>12.1f} "
+            f"{row['http_tok_s']:>10.1f} "
             f"{row['ratio']:>6.3f} {row['direct_ttft_ms']:>9.0f}ms {row['http_ttft_ms']:>7.0f}ms"
         )
-    lines += ["", "prefix reuse across requests: 4-turn chat, TTFT of turn N with the pool vs a cold session",
-              f"{'turn':>4} {'prompt tok':>10} {'cached':>6} {'reuse TTFT':>10} {'cold TTFT':>9} {'gain':>6}"]  # fmt: skip
+    lines += [
+        "",
+        "prefix reuse across requests: 4-turn chat, TTFT of turn N with the pool vs a cold session",
+        f"{'turn':>4} {'prompt tok':>10} {'cached':>6} {'reuse TTFT':>10} {'cold TTFT':>9} "
+        f"{'gain':>6}",
+    ]
     for row in result["reuse"]:
         lines.append(
-            f"{row['turn']:>4} {row['prompt_tokens']:>10} {row['cached_tokens']:>6} {row['reuse_ttft_ms']:>8.0f}ms "
+            f"{row['turn']:>4} {row['prompt_tokens']:>10} {row['cached_tokens']:>6} "
+            f"{row['reuse_ttft_ms']:>8.0f}ms "
             f"{row['cold_ttft_ms']:>7.0f}ms {row['gain']:>5.2f}x"
         )
     return "\n".join(lines)
@@ -224,9 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     from fleettui.control.running import run as run_loop
     from fleettui.errors import Interrupted
 
-    parser = argparse.ArgumentParser(prog="python -m fleettui.bench.serve_bench", description=__doc__)
-    parser.add_argument("fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)")
-    parser.add_argument("--exact", action="store_true", help="fp32 weights, f32 inference and KV cache")
+    parser = argparse.ArgumentParser(
+        prog="python -m fleettui.bench.serve_bench", description=__doc__
+    )
+    parser.add_argument(
+        "fleet", nargs="?", help="fleet TOML file (default: the embedded fleets/local.toml)"
+    )
+    parser.add_argument(
+        "--exact", action="store_true", help="fp32 weights, f32 inference and KV cache"
+    )
     parser.add_argument("--draft", help="draft override: self-int4 | prompt-lookup | none | PATH")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per overhead prompt")
     parser.add_argument(
@@ -234,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
-    fleet = with_overrides(load_fleet(resolve_fleet(args.fleet)), exact=args.exact, draft=args.draft)
+    fleet = with_overrides(
+        load_fleet(resolve_fleet(args.fleet)), exact=args.exact, draft=args.draft
+    )
     started = time.perf_counter()
     try:  # a signal stops the fleet and the server before the exit
         result = run_loop(lambda: run_serve_bench(fleet, args.max_tokens, args.repeats))

@@ -1,10 +1,11 @@
-"""Provides the soak: many sessions answering for minutes while a random stage is killed at intervals.
+"""Provides the soak: many sessions answering for minutes while a random stage is killed at
+intervals.
 
-`fleettui bench --soak` runs `soak()`: `sessions` users ask prompts in a loop (a fresh session per answer)
-on an exact fleet; every `kill_every` seconds a random worker (a stage or the draft) gets SIGKILL. Every
-answer must complete and equal the fault-free answer to the same prompt; the coordinator's and workers'
-memory is sampled so growth shows. The report lists each recovery with its detect / relaunch / replay time.
-"""
+`fleettui bench --soak` runs `soak()`: `sessions` users ask prompts in a loop (a fresh session per
+answer) on an exact fleet; every `kill_every` seconds a random worker (a stage or the draft) gets
+SIGKILL. Every answer must complete and equal the fault-free answer to the same prompt; the
+coordinator's and workers' memory is sampled so growth shows. The report lists each recovery with
+its detect / relaunch / replay time."""
 
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ class SoakReport:
 
     def summary(self) -> str:
         lines = [
-            f"soak: {self.seconds:.0f} s, {self.sessions} sessions, {self.answers} answers, {self.tokens} tokens, "
+            f"soak: {self.seconds:.0f} s, {self.sessions} sessions, {self.answers} answers, "
+            f"{self.tokens} tokens, "
             f"{len(self.kills)} kills, {len(self.recoveries)} recoveries, {self.lost} lost"
         ]
         for report in self.recoveries:
             lines.append(
-                f"  {report.action:<9} {','.join(report.stages):<16} detect {report.detect:5.2f} s  "
+                f"  {report.action:<9} {','.join(report.stages):<16} detect {report.detect:5.2f} s "
+                " "
                 f"relaunch {report.relaunch:5.2f} s  replay {report.replay:5.2f} s  "
                 f"({report.sessions} sessions, {report.replayed_tokens} tokens)"
             )
@@ -68,11 +71,14 @@ class SoakReport:
                 ("relaunch", [r.relaunch for r in self.recoveries]),
                 ("replay", [r.replay for r in self.recoveries]),
             ):
-                lines.append(f"  {name}: median {statistics.median(values):.2f} s, max {max(values):.2f} s")
+                lines.append(
+                    f"  {name}: median {statistics.median(values):.2f} s, max {max(values):.2f} s"
+                )
         if self.rss_mb:
             first, last = self.rss_mb[0], self.rss_mb[-1]
             lines.append(
-                f"  RSS coordinator {first[1]:.0f} -> {last[1]:.0f} MB, workers {first[2]:.0f} -> {last[2]:.0f} MB "
+                f"  RSS coordinator {first[1]:.0f} -> {last[1]:.0f} MB, workers {first[2]:.0f} -> "
+                f"{last[2]:.0f} MB "
                 f"(max {max(r[2] for r in self.rss_mb):.0f} MB)"
             )
         lines.extend(f"  error: {e}" for e in self.errors[:5])
@@ -107,7 +113,9 @@ async def soak(
     from fleettui.runtime.generation import GenerationParams
 
     say = on_line or (lambda line: None)
-    admitted = max(fleet.sessions.max_sessions, sessions)  # every user holds a session on every stage
+    admitted = max(
+        fleet.sessions.max_sessions, sessions
+    )  # every user holds a session on every stage
     fleet = replace(fleet, sessions=replace(fleet.sessions, max_sessions=admitted))
     controller = FleetController(fleet, on_event=on_event)
     report = SoakReport(seconds, sessions)
@@ -143,12 +151,16 @@ async def soak(
                         await coordinator.close_session(session)
                 except Exception as error:  # counted: the soak's verdict is that nothing is lost
                     report.errors.append(f"user {index}: {type(error).__name__}: {error}")
-                    await asyncio.sleep(0.5)  # as a client would: a failing fleet is not asked again at once
+                    await asyncio.sleep(
+                        0.5
+                    )  # as a client would: a failing fleet is not asked again at once
                     continue
                 report.answers += 1
                 report.tokens += len(generation.token_ids)
                 if generation.token_ids != expected[prompt]:
-                    report.mismatches.append(f"user {index}, {prompt!r}: {generation.token_ids[:8]}...")
+                    report.mismatches.append(
+                        f"user {index}, {prompt!r}: {generation.token_ids[:8]}..."
+                    )
 
         async def killer() -> None:
             while True:

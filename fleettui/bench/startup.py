@@ -1,15 +1,14 @@
 """Provides the startup measurement: each stage worker's start to ready, compile cache off and on.
 
-`fleettui bench FLEET --startup [ROUNDS]` compiles (or finds) the fleet's shards, then for every stage, in
-ROUNDS interleaved rounds, starts `python -m remote_worker` on a private folder of links to the stage's files
-three times: with the compile cache off, on with an empty cache (the first start after a deploy), and on
-again (a relaunch after a crash, a PC that rebooted: its compiled model cached, its files' checks stamped,
-see `remote_worker.manifest.verify_files`). Each start is timed from the process launch to its READY line and
-the worker's ping says how it got its compiled model and how long its warm-up step took, so the report shows
-their shares too. Then, on a fleet of local hosts, each round starts the whole fleet and asks two questions:
-the first answer's time to first token against the next one's is what a user pays for a cold pipeline right
-after a deploy.
-"""
+`fleettui bench FLEET --startup [ROUNDS]` compiles (or finds) the fleet's shards, then for every
+stage, in ROUNDS interleaved rounds, starts `python -m remote_worker` on a private folder of links
+to the stage's files three times: with the compile cache off, on with an empty cache (the first
+start after a deploy), and on again (a relaunch after a crash, a PC that rebooted: its compiled
+model cached, its files' checks stamped, see `remote_worker.manifest.verify_files`). Each start is
+timed from the process launch to its READY line and the worker's ping says how it got its compiled
+model and how long its warm-up step took, so the report shows their shares too. Then, on a fleet of
+local hosts, each round starts the whole fleet and asks two questions: the first answer's time to
+first token against the next one's is what a user pays for a cold pipeline right after a deploy."""
 
 from __future__ import annotations
 
@@ -49,7 +48,9 @@ class StartupReport:
     model: str
     split: list[tuple[int, int]]
     starts: list[Start] = field(default_factory=list)
-    answers: list[tuple[float, float]] = field(default_factory=list)  # (first, next) answer's TTFT, seconds
+    answers: list[tuple[float, float]] = field(
+        default_factory=list
+    )  # (first, next) answer's TTFT, seconds
 
     def median(self, stage: int, mode: str, attribute: str = "seconds") -> float:
         values = [getattr(s, attribute) for s in self.starts if s.stage == stage and s.mode == mode]
@@ -57,17 +58,23 @@ class StartupReport:
 
     def summary(self) -> str:
         rounds = sum(1 for s in self.starts if s.stage == 0 and s.mode == "off")
-        lines = [f"startup: {self.model}, split {self.split}, {rounds} interleaved round(s); launch to READY"]
+        lines = [
+            f"startup: {self.model}, split {self.split}, {rounds} interleaved round(s); launch to "
+            "READY"
+        ]
         for stage, layers in enumerate(self.split):
             cells = []
             for mode in MODES:
                 cells.append(
-                    f"{mode} {self.median(stage, mode):5.2f} s (compile {self.median(stage, mode, 'compile_seconds'):4.2f},"
+                    f"{mode} {self.median(stage, mode):5.2f} s (compile "
+                    f"{self.median(stage, mode, 'compile_seconds'):4.2f},"
                     f" warm-up {self.median(stage, mode, 'warm_up_seconds'):4.2f})"
                 )
             off, again = self.median(stage, "off"), self.median(stage, "again")
             ratio = f"{again / off:.2f}x" if off else "-"
-            cached = all(s.from_cache for s in self.starts if s.stage == stage and s.mode == "again")
+            cached = all(
+                s.from_cache for s in self.starts if s.stage == stage and s.mode == "again"
+            )
             lines.append(
                 f"  stage {stage} {str(layers):<9} "
                 + "  ".join(cells)
@@ -77,7 +84,8 @@ class StartupReport:
             first = statistics.median(a[0] for a in self.answers)
             following = statistics.median(a[1] for a in self.answers)
             lines.append(
-                f"first answer after the fleet started ({len(self.answers)} round(s)): time to first token "
+                f"first answer after the fleet started ({len(self.answers)} round(s)): time to "
+                "first token "
                 f"{1000 * first:.0f} ms, the next answer's {1000 * following:.0f} ms "
                 f"(first/next {first / following if following else 0:.2f}x)"
             )
@@ -94,7 +102,9 @@ async def startup_bench(
     plan = FleetController(fleet).layer_plan()
     ranges = list(plan.ranges)
     model = fleet.model
-    compiled = await compile_model(model.name, ranges, model.precision, model.shards, say, plan.mid_cuts)
+    compiled = await compile_model(
+        model.name, ranges, model.precision, model.shards, say, plan.mid_cuts
+    )
     report = StartupReport(fleet.model.name, ranges)
     deployed = build_deployment(fleet, ranges, lambda host: str(compiled.directory)).placements
     for stage in range(len(ranges)):
@@ -110,8 +120,10 @@ async def startup_bench(
                     start = await _start(deployed[stage].config, folder, stage, mode, Path(work))
                     report.starts.append(start)
                     say(
-                        f"stage {stage} round {round_index + 1} {mode}: ready in {start.seconds:.2f} s "
-                        f"(compile {start.compile_seconds:.2f} s{', from the cache' if start.from_cache else ''},"
+                        f"stage {stage} round {round_index + 1} {mode}: ready in "
+                        f"{start.seconds:.2f} s "
+                        f"(compile {start.compile_seconds:.2f} "
+                        f"s{', from the cache' if start.from_cache else ''},"
                         f" warm-up {start.warm_up_seconds:.2f} s)"
                     )
     if all(host.is_local for host in fleet.hosts):
@@ -119,15 +131,20 @@ async def startup_bench(
             report.answers.append(await _first_answers(fleet))
             first, following = report.answers[-1]
             say(
-                f"fleet round {round_index + 1}: first answer's first token {1000 * first:.0f} ms, next {1000 * following:.0f} ms"
+                f"fleet round {round_index + 1}: first answer's first token {1000 * first:.0f} ms, "
+                f"next {1000 * following:.0f} ms"
             )
     else:
-        say("first answers: not measured (the fleet has SSH hosts; this group starts local workers only)")
+        say(
+            "first answers: not measured (the fleet has SSH hosts; this group starts local workers "
+            "only)"
+        )
     return report
 
 
 async def _first_answers(fleet: Fleet) -> tuple[float, float]:
-    """Start the fleet afresh (fresh ports, never attached nor recorded), ask twice; both answers' TTFT.
+    """Start the fleet afresh (fresh ports, never attached nor recorded), ask twice; both answers'
+    TTFT.
 
     The question goes in as token ids: the chat template's for a real model, seeded random ids for a
     synthetic one (no tokenizer)."""
@@ -162,9 +179,12 @@ async def _first_answers(fleet: Fleet) -> tuple[float, float]:
 
 
 def _link_tree(source: Path, target: Path, names: tuple[str, ...]) -> None:
-    """Hard links to NAMES under SOURCE (copies across file systems): the stage's files, none of its cache."""
+    """Hard links to NAMES under SOURCE (copies across file systems): the stage's files, none of
+    its cache."""
     for name in names:
-        for path in [source / name] if (source / name).is_file() else sorted((source / name).rglob("*")):
+        for path in (
+            [source / name] if (source / name).is_file() else sorted((source / name).rglob("*"))
+        ):
             if path.is_dir():
                 continue
             destination = target / path.relative_to(source)
@@ -181,7 +201,8 @@ async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, wor
     from fleettui.runtime.transport import control_request
 
     base = free_port_block()
-    config = replace(  # as deployed (device, threads, precisions), alone: no links, plaintext, fresh ports
+    # as deployed (device, threads, precisions), alone: no links, plaintext, fresh ports
+    config = replace(
         deployed,
         name=f"startup-{stage}",
         shard_dir=str(folder),
@@ -216,7 +237,9 @@ async def _start(deployed: StageConfig, folder: Path, stage: int, mode: str, wor
             raise RuntimeError(
                 f"stage {stage}: the worker exited ({await process.wait()}) before it was ready"
             )
-        answer = await control_request(f"tcp://127.0.0.1:{base + 1}", {"op": "ping"}, timeout=10.0) or {}
+        answer = (
+            await control_request(f"tcp://127.0.0.1:{base + 1}", {"op": "ping"}, timeout=10.0) or {}
+        )
     finally:
         with contextlib.suppress(ProcessLookupError):
             process.terminate()

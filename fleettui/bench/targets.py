@@ -1,4 +1,5 @@
-"""Provides the bench's ratios: each row against its baseline, and the goals of `targets.toml` met or not."""
+"""Provides the bench's ratios: each row against its baseline, and the goals of `targets.toml`
+met or not."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def load_goals(path: Path = GOALS_FILE) -> Goals:
 
 # ------------------------------------------------------------------------------------------- ratios
 def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> Row | None:
-    """The CPU mono/GenAI row a configuration is compared with: pinned rows with the pinned baseline."""
+    """The CPU mono/GenAI row a configuration is compared with: pinned rows with the pinned
+    baseline."""
     for row in rows:
         if (
             row.kind == kind
@@ -64,17 +66,20 @@ def baseline(rows: Sequence[Row], kind: str, pinned: bool, model: str = "") -> R
 
 
 def ratio_of(over: Row | None, under: Row | None) -> tuple[float | None, float | None]:
-    """`over` against `under` and the spread of that ratio: per round in adjacent windows when `over` was
-    measured against `under`, else best over best (spread unknown)."""
+    """`over` against `under` and the spread of that ratio: per round in adjacent windows when
+    `over` was measured against `under`, else best over best (spread unknown)."""
     if over and under and over.versus == under.name and over.paired_ratio is not None:
         return over.paired_ratio, over.ratio_spread
     return (
-        over.aggregate_tok_s / under.aggregate_tok_s if over and under and under.aggregate_tok_s else None
+        over.aggregate_tok_s / under.aggregate_tok_s
+        if over and under and under.aggregate_tok_s
+        else None
     ), None
 
 
 def ceiling_ratio(rows: Sequence[Row], copies: int, model: str = "") -> float | None:
-    """What COPIES monos at once (one per core) gave against one: the most that many PCs can give here."""
+    """What COPIES monos at once (one per core) gave against one: the most that many PCs can give
+    here."""
     return ratio_of(
         _find(rows, kind="mono", copies=copies, model=model), baseline(rows, "mono", True, model)
     )[0]
@@ -86,7 +91,9 @@ def add_ratios(rows: Sequence[Row]) -> None:
             continue
         mono = baseline(rows, "mono", row.pinned, row.model)
         genai = baseline(rows, "genai", row.pinned, row.model)
-        row.vs_mono = row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
+        row.vs_mono = (
+            row.aggregate_tok_s / mono.aggregate_tok_s if mono and mono.aggregate_tok_s else None
+        )
         row.vs_genai = (
             row.aggregate_tok_s / genai.aggregate_tok_s if genai and genai.aggregate_tok_s else None
         )
@@ -101,14 +108,18 @@ def _find(rows: Sequence[Row], **wanted: Any) -> Row | None:
 
 
 def targets(rows: Sequence[Row], goals: Goals | None = None) -> list[dict[str, Any]]:
-    """The bench's targets, each with the measured ratio (None when the rows to compare are missing); the
-    goals are `targets.toml`'s unless given."""
+    """The bench's targets, each with the measured ratio (None when the rows to compare are
+    missing); the goals are `targets.toml`'s unless given."""
     goals = goals or load_goals()
     slow = goals.slow_hop_delay_ms
     found: list[dict[str, Any]] = []
 
     def check(
-        name: str, goal: float | None, over: Row | None, under: Row | None, ceiling: float | None = None
+        name: str,
+        goal: float | None,
+        over: Row | None,
+        under: Row | None,
+        ceiling: float | None = None,
     ) -> None:
         ratio, spread_of_ratio = ratio_of(over, under)
         met = None if ratio is None or goal is None else ratio >= goal
@@ -120,7 +131,8 @@ def targets(rows: Sequence[Row], goals: Goals | None = None) -> list[dict[str, A
                 "ratio_spread": spread_of_ratio,
                 "met": met,
                 "rows": [over.name if over else None, under.name if under else None],
-                "ceiling": ceiling,  # the same ratio for independent monos, one per PC (upper bound here)
+                # the same ratio for independent monos, one per PC (upper bound here)
+                "ceiling": ceiling,
             }
         )
 
@@ -133,7 +145,8 @@ def targets(rows: Sequence[Row], goals: Goals | None = None) -> list[dict[str, A
     pcs = max((r.stages for r in rows if r.kind == "fleet" and r.pinned and r.ok), default=0)
     if pcs >= 2:
         check(
-            f"{pcs} emulated PCs x 2 users >= {goals.emulated_pcs_two_users_vs_mono:g}x mono (1 core)",
+            f"{pcs} emulated PCs x 2 users >= {goals.emulated_pcs_two_users_vs_mono:g}x mono (1 "
+            "core)",
             goals.emulated_pcs_two_users_vs_mono,
             _find(rows, kind="fleet", stages=pcs, users=2, spec_k=0, pinned=True),
             baseline(rows, "mono", True),
@@ -185,15 +198,20 @@ def targets(rows: Sequence[Row], goals: Goals | None = None) -> list[dict[str, A
             where = ", emulated PCs" if row.pinned else ""
             lan = goals.adaptive_speculation_lan_vs_none
             check(
-                f"adaptive spec >= {lan:g}x no spec ({row.stages} st, {row.users} users, LAN{where}{draft})",
+                f"adaptive spec >= {lan:g}x no spec ({row.stages} st, {row.users} users, "
+                f"LAN{where}{draft})",
                 lan,
                 row,
                 plain,
             )
-    stages = max((r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == slow and r.ok), default=0)
+    stages = max(
+        (r.stages for r in rows if r.kind == "fleet" and r.hop_delay_ms == slow and r.ok), default=0
+    )
     delays = sorted({r.hop_delay_ms for r in rows if r.kind == "fleet" and r.ok and not r.pinned})
     for delay in delays if stages else []:
-        naive = _find(rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False)
+        naive = _find(
+            rows, kind="fleet", stages=stages, users=1, spec_k=0, hop_delay_ms=delay, pinned=False
+        )
         for label, candidate in (
             (
                 "fleet's draft",
@@ -260,8 +278,11 @@ def _most(rows: Sequence[Row]) -> int:
     return max((r.stages for r in rows if r.kind == "fleet" and not r.model), default=0)
 
 
-def _name(rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False) -> str | None:
-    """The name of the adaptive-spec row with the fleet's draft (or prompt lookup) for these settings."""
+def _name(
+    rows: Sequence[Row], stages: int, users: int, delay: float, lookup: bool = False
+) -> str | None:
+    """The name of the adaptive-spec row with the fleet's draft (or prompt lookup) for these
+    settings."""
     for row in rows:
         if (
             row.kind == "fleet"

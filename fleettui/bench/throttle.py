@@ -1,14 +1,15 @@
-"""Provides an injected slowdown of one worker: SIGSTOP / SIGCONT in a short duty cycle, like a throttled CPU.
+"""Provides an injected slowdown of one worker: SIGSTOP / SIGCONT in a short duty cycle, like a
+throttled CPU.
 
-`Throttle(pid_of, share)` lets the process run `share` of every `period` (default 20 ms) and holds it
-stopped for the rest, so its compute takes about 1 / share as long while it never stops long enough to be
-declared lost. `pid_of()` is asked every cycle, so the slowdown follows the host's stage through a
-relaunch or a new split (a hot PC stays hot whatever runs on it).
+`Throttle(pid_of, share)` lets the process run `share` of every `period` (default 20 ms) and holds
+it stopped for the rest, so its compute takes about 1 / share as long while it never stops long
+enough to be declared lost. `pid_of()` is asked every cycle, so the slowdown follows the host's
+stage through a relaunch or a new split (a hot PC stays hot whatever runs on it).
 
-The duty cycle runs in a small helper process fed the current pid through a pipe: when this process ends in
-any way (even SIGKILL) the pipe closes, and the helper continues the worker and exits. A worker left
-stopped could not even run out its lease. Stopping always leaves the process running (SIGCONT).
-"""
+The duty cycle runs in a small helper process fed the current pid through a pipe: when this process
+ends in any way (even SIGKILL) the pipe closes, and the helper continues the worker and exits. A
+worker left stopped could not even run out its lease. Stopping always leaves the process running
+(SIGCONT)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-# The helper: reads pids (one per line, 0 = none) without blocking the cycle; on EOF continues the last one.
+# The helper: reads pids (one per line, 0 = none) without blocking the cycle; on EOF continues the
+# last one.
 _HELPER = r"""
 import os, select, signal, sys, time
 running, stopped = float(sys.argv[1]), float(sys.argv[2])
@@ -53,9 +55,12 @@ finally:
 
 
 class Throttle:
-    """Slows whichever process `pid_of()` names to `share` of the CPU time (a helper process does the cycle)."""
+    """Slows whichever process `pid_of()` names to `share` of the CPU time (a helper process does
+    the cycle)."""
 
-    def __init__(self, pid_of: Callable[[], int | None], share: float, period: float = 0.02) -> None:
+    def __init__(
+        self, pid_of: Callable[[], int | None], share: float, period: float = 0.02
+    ) -> None:
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share {share} outside (0, 1]")
         self.pid_of = pid_of
@@ -69,8 +74,10 @@ class Throttle:
         running, stopped = self.period * self.share, self.period * (1.0 - self.share)
         self._helper = subprocess.Popen(
             [sys.executable, "-c", _HELPER, repr(running), repr(stopped)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._thread = threading.Thread(target=self._follow, name="throttle", daemon=True)
         self._thread.start()
         return self

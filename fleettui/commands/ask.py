@@ -1,4 +1,5 @@
-"""Provides `fleettui ask FLEET PROMPT|-`: one answer, through the deployed fleet when it runs, else a fresh one."""
+"""Provides `fleettui ask FLEET PROMPT|-`: one answer, through the deployed fleet when it runs,
+else a fresh one."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help="the question; - reads it from stdin")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
     parser.add_argument(
-        "--raw", action="store_true", help="continue PROMPT as plain text, no chat template (base models)"
+        "--raw",
+        action="store_true",
+        help="continue PROMPT as plain text, no chat template (base models)",
     )
     parser.add_argument(
         "--encoding",
@@ -35,12 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_settings(parser)
     options.add_sampling(parser)
     parser.add_argument(
-        "--json", nargs="?", const="-", metavar="FILE", help="print JSON (token_ids, stats) instead of text"
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print JSON (token_ids, stats) instead of text",
     )
     parser.add_argument(
         "--json-schema",
         metavar="FILE",
-        help="answer with a JSON object valid under the JSON schema in FILE (grammar-constrained decoding)",
+        help="answer with a JSON object valid under the JSON schema in FILE (grammar-constrained "
+        "decoding)",
     )
 
 
@@ -68,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _schema(path: str) -> dict[str, Any]:
-    """The JSON schema of `--json-schema FILE`, checked (as JSON Schema and by the grammar compiler) before
-    anything starts: a FleetError (exit 2) names the file and the problem."""
+    """The JSON schema of `--json-schema FILE`, checked (as JSON Schema and by the grammar compiler)
+    before anything starts: a FleetError (exit 2) names the file and the problem."""
     import jsonschema
 
     from fleettui.runtime.constraint import (
@@ -91,7 +99,9 @@ def _schema(path: str) -> dict[str, Any]:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as error:
         where = "/".join(str(part) for part in error.path) or "the top level"
-        raise FleetError(f"--json-schema {path}: invalid schema at {where}: {error.message}") from None
+        raise FleetError(
+            f"--json-schema {path}: invalid schema at {where}: {error.message}"
+        ) from None
     try:
         check_constraint(ConstraintSpec(json_schema_grammar(schema), "json_schema"), None)
     except ConstraintError as error:
@@ -100,7 +110,11 @@ def _schema(path: str) -> dict[str, Any]:
 
 
 async def _ask(
-    fleet: Fleet, settings: Settings, prompt: str, args: argparse.Namespace, schema: dict[str, Any] | None
+    fleet: Fleet,
+    settings: Settings,
+    prompt: str,
+    args: argparse.Namespace,
+    schema: dict[str, Any] | None,
 ) -> int:
     from fleettui.commands.progress import ProgressReporter
     from fleettui.control.controller import ControllerError, FleetController
@@ -108,9 +122,13 @@ async def _ask(
     from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, json_schema_grammar
     from fleettui.runtime.limits import RequestError
 
-    reporter = ProgressReporter()  # compile, worker start (and SSH deploys): bars on a terminal, else lines
+    reporter = (
+        ProgressReporter()
+    )  # compile, worker start (and SSH deploys): bars on a terminal, else lines
     controller = FleetController(fleet, on_event=reporter, settings=settings)
-    streaming = args.json is None and schema is None and sys.stdout.isatty()  # (an object prints once valid)
+    streaming = (
+        args.json is None and schema is None and sys.stdout.isatty()
+    )  # (an object prints once valid)
 
     def show(_tokens: list[int], delta: str) -> None:
         if streaming and delta:
@@ -136,7 +154,8 @@ async def _ask(
         RequestError,
         ChatTemplateError,
         ConstraintError,
-    ) as error:  # too long for the context; no (or a refusing) template; a schema the tokenizer cannot serve
+        # too long for the context; no (or a refusing) template; a schema the tokenizer cannot serve
+    ) as error:
         print(f"fleettui: {error}", file=sys.stderr)
         return 2
     finally:
@@ -148,7 +167,10 @@ async def _ask(
                     print(f"fleettui: {line}", file=sys.stderr)
     stats = generation.stats
     info = controller.model_info()
-    if schema is not None and (failure := _check_answer(generation.text, stats, schema, args)) is not None:
+    if (
+        schema is not None
+        and (failure := _check_answer(generation.text, stats, schema, args)) is not None
+    ):
         print(f"fleettui: {failure}", file=sys.stderr)
         return 1
     if args.json is not None:
@@ -192,21 +214,31 @@ async def _ask(
         print(generation.text)
     rate = stats.acceptance_rate
     print(
-        f"[{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, first token {stats.ttft * 1000:.0f} ms, "
+        f"[{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, first token "
+        f"{stats.ttft * 1000:.0f} ms, "
         f"acceptance {'n/a' if rate is None else f'{rate:.0%}'}, mean K {stats.mean_k:.1f}]",
         file=sys.stderr,
     )
     return 0
 
 
-def _check_answer(text: str, stats: Any, schema: dict[str, Any], args: argparse.Namespace) -> str | None:
-    """Why a constrained answer is not a valid object (None when it is): cut by --max-tokens, or invalid."""
+def _check_answer(
+    text: str, stats: Any, schema: dict[str, Any], args: argparse.Namespace
+) -> str | None:
+    """Why a constrained answer is not a valid object (None when it is): cut by --max-tokens, or
+    invalid."""
     import jsonschema
 
     if stats.constraint_complete is not True:
         if stats.finish_reason == "length":
-            return f"the answer was cut by --max-tokens at {stats.tokens} tokens, before its JSON object was complete"
-        return f"the answer ended ({stats.finish_reason or 'stopped'}) before its JSON object was complete"
+            return (
+                f"the answer was cut by --max-tokens at {stats.tokens} tokens, before its JSON "
+                "object was complete"
+            )
+        return (
+            f"the answer ended ({stats.finish_reason or 'stopped'}) before its JSON object was "
+            "complete"
+        )
     try:
         jsonschema.validate(json.loads(text), schema)
     except (json.JSONDecodeError, jsonschema.ValidationError) as error:

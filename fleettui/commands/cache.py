@@ -1,9 +1,9 @@
-"""Provides `fleettui cache ls|prune`: the compiled shard folders of the local cache, and removing old ones.
+"""Provides `fleettui cache ls|prune`: the compiled shard folders of the local cache, and removing
+old ones.
 
-`ls` lists every shard folder with its model, precision, split, size and age, marking those that recorded
-deployments use. `prune` keeps the N most recently used folders and every folder a recorded deployment uses,
-and removes the rest (and leftovers of interrupted compiles).
-"""
+`ls` lists every shard folder with its model, precision, split, size and age, marking those that
+recorded deployments use. `prune` keeps the N most recently used folders and every folder a recorded
+deployment uses, and removes the rest (and leftovers of interrupted compiles)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from remote_worker.manifest import format_boundary
 NAME = "cache"
 HELP = "list (ls) or prune the local cache of compiled shard folders"
 DEFAULT_KEEP = 2
-INCOMPLETE_GRACE = 86400.0  # seconds: a folder without a manifest younger than this may still be compiling
+INCOMPLETE_GRACE = (
+    86400.0  # seconds: a folder without a manifest younger than this may still be compiling
+)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class ShardFolder:
     path: Path
     model: str
     precision: str
-    split: tuple[str, ...]  # layer boundaries, e.g. (0, 23, 30); 12.5 cuts layer 12 between attention and MLP
+    split: tuple[
+        str, ...
+    ]  # layer boundaries, e.g. (0, 23, 30); 12.5 cuts layer 12 between attention and MLP
     size: int
     used: float  # last use: written, or a cache hit (shards/.used/<name>), seconds since the epoch
     in_use: bool  # a recorded deployment points at it
@@ -57,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _size(path: Path) -> int:
-    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file() and not item.is_symlink())
+    return sum(
+        item.stat().st_size for item in path.rglob("*") if item.is_file() and not item.is_symlink()
+    )
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -72,11 +78,12 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def recorded_paths(folders: list[Path]) -> set[Path]:
-    """The local shard folders the deployment records in `folders` use (fleettui.control.store records).
+    """The local shard folders the deployment records in `folders` use (fleettui.control.store
+    records).
 
-    A record of this version names its target, draft and each local stage's shard folder; from a record it
-    cannot read (another version) every absolute path counts, so pruning never takes a deployed folder.
-    """
+    A record of this version names its target, draft and each local stage's shard folder; from a
+    record it cannot read (another version) every absolute path counts, so pruning never takes a
+    deployed folder."""
     from fleettui.control.store import DeploymentRecord
 
     found: set[Path] = set()
@@ -90,7 +97,9 @@ def recorded_paths(folders: list[Path]) -> set[Path]:
                 record = DeploymentRecord.from_json(text)
             except (ValueError, KeyError, TypeError):
                 with contextlib.suppress(ValueError):
-                    found.update(Path(item) for item in _strings(json.loads(text)) if item.startswith("/"))
+                    found.update(
+                        Path(item) for item in _strings(json.loads(text)) if item.startswith("/")
+                    )
                 continue
             named = [record.target_dir, record.draft_dir]
             named += [stage.config.shard_dir for stage in record.stages if stage.local]
@@ -99,7 +108,8 @@ def recorded_paths(folders: list[Path]) -> set[Path]:
 
 
 def deployment_records() -> list[Path]:
-    """Where deployments are recorded: the state folder (and the cache folder of earlier versions)."""
+    """Where deployments are recorded: the state folder (and the cache folder of earlier
+    versions)."""
     from fleettui.config import paths
 
     return [paths.deployments_dir(), paths.cache_dir() / "deployments"]
@@ -131,10 +141,17 @@ def shard_folders(root: Path, in_use: set[Path]) -> list[ShardFolder]:
             model, precision, split, complete, used = "?", "?", (), False, path.stat().st_mtime
         resolved = path.resolve()
         folders.append(
-            ShardFolder(path, model, precision, split, _size(path), used, any(
-                resolved == other or resolved in other.parents for other in in_use
-            ), complete)
-        )  # fmt: skip
+            ShardFolder(
+                path,
+                model,
+                precision,
+                split,
+                _size(path),
+                used,
+                any(resolved == other or resolved in other.parents for other in in_use),
+                complete,
+            )
+        )
     return sorted(folders, key=lambda folder: folder.used, reverse=True)
 
 
@@ -147,9 +164,12 @@ def _age(seconds: float) -> str:
 
 def format_listing(root: Path, folders: list[ShardFolder], now: float) -> str:
     lines = [
-        f"{root / 'shards'}: {len(folders)} shard folder(s), {sum(f.size for f in folders) / 1e9:.2f} GB"
+        f"{root / 'shards'}: {len(folders)} shard folder(s), "
+        f"{sum(f.size for f in folders) / 1e9:.2f} GB"
     ]
-    lines.append(f"{'folder':<18} {'model':<28} {'prec':<5} {'split':<16} {'size':>9} {'age':>7}  use")
+    lines.append(
+        f"{'folder':<18} {'model':<28} {'prec':<5} {'split':<16} {'size':>9} {'age':>7}  use"
+    )
     for folder in folders:
         split = ",".join(map(str, folder.split)) or "-"
         mark = "deployed" if folder.in_use else ("" if folder.complete else "incomplete")
@@ -164,7 +184,8 @@ def format_listing(root: Path, folders: list[ShardFolder], now: float) -> str:
 
 
 def prune(folders: list[ShardFolder], keep: int, dry_run: bool = False) -> list[ShardFolder]:
-    """Remove all but the `keep` most recent complete folders and those in use; returns what went."""
+    """Remove all but the `keep` most recent complete folders and those in use; returns what
+    went."""
     if keep < 0:
         raise FleetError(f"cache prune: --keep {keep} must be 0 or more")
     recent = [folder for folder in folders if folder.complete][:keep]
@@ -192,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
     removed = prune(folders, args.keep, args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for folder in removed:
-        print(f"{verb} {folder.path} ({folder.model} {folder.precision}, {folder.size / 1e6:.0f} MB)")
+        print(
+            f"{verb} {folder.path} ({folder.model} {folder.precision}, {folder.size / 1e6:.0f} MB)"
+        )
     kept = len(folders) - len(removed)
-    print(f"{verb} {len(removed)} folder(s), {sum(f.size for f in removed) / 1e9:.2f} GB; kept {kept}")
+    print(
+        f"{verb} {len(removed)} folder(s), {sum(f.size for f in removed) / 1e9:.2f} GB; kept {kept}"
+    )
     return 0

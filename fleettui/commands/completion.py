@@ -1,7 +1,8 @@
-"""Provides `fleettui completion bash|zsh`: a shell completion script built from the parser (no extra package).
+"""Provides `fleettui completion bash|zsh`: a shell completion script built from the parser (no
+extra package).
 
-Install with `eval "$(fleettui completion bash)"` in ~/.bashrc (zsh: `autoload bashcompinit; bashcompinit` first).
-"""
+Install with `eval "$(fleettui completion bash)"` in ~/.bashrc (zsh: `autoload bashcompinit;
+bashcompinit` first)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ _fleettui() {
         *) if [[ "$current" == -* ]]; then
                COMPREPLY=($(compgen -W "%(global)s" -- "$current"))
            else
-               COMPREPLY=($(compgen -W "%(commands)s" -- "$current") $(compgen -f -X '!*.toml' -- "$current"))
+               COMPREPLY=($(compgen -W "%(commands)s" -- "$current")
+                          $(compgen -f -X '!*.toml' -- "$current"))
            fi ;;
     esac
 }
@@ -30,7 +32,9 @@ complete -o default -o filenames -F _fleettui fleettui
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("shell", nargs="?", default="bash", choices=("bash", "zsh"), help="the shell")
+    parser.add_argument(
+        "shell", nargs="?", default="bash", choices=("bash", "zsh"), help="the shell"
+    )
 
 
 def script(parser: argparse.ArgumentParser) -> str:
@@ -40,7 +44,8 @@ def script(parser: argparse.ArgumentParser) -> str:
     for name, sub in subparsers.choices.items():
         flags = " ".join(flag for action in sub._actions for flag in action.option_strings)  # noqa: SLF001
         cases.append(
-            f'        {name}) if [[ "$current" == -* ]]; then COMPREPLY=($(compgen -W "{flags}" -- "$current")); '
+            f'        {name}) if [[ "$current" == -* ]]; then COMPREPLY=($(compgen -W "{flags}" -- '
+            '"$current")); '
             f"else COMPREPLY=($(compgen -f -X '!*.toml' -- \"$current\")); fi ;;"
         )
     global_flags = " ".join(flag for action in parser._actions for flag in action.option_strings)  # noqa: SLF001

@@ -1,4 +1,5 @@
-"""Provides `fleettui deploy FLEET`: bring every stage up (SSH hosts too), record the deployment, leave it running."""
+"""Provides `fleettui deploy FLEET`: bring every stage up (SSH hosts too), record the deployment,
+leave it running."""
 
 from __future__ import annotations
 
@@ -8,19 +9,24 @@ import sys
 from fleettui.commands import options
 
 NAME = "deploy"
-HELP = "deploy the fleet (SSH hosts too) and leave it running for ask, the TUI, status, logs and stop"
+HELP = (
+    "deploy the fleet (SSH hosts too) and leave it running for ask, the TUI, status, logs and stop"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser)
     options.add_settings(parser)
     parser.add_argument(
-        "--prune", action="store_true", help="remove other (older) shard folders on the SSH hosts once pushed"
+        "--prune",
+        action="store_true",
+        help="remove other (older) shard folders on the SSH hosts once pushed",
     )
     parser.add_argument(
         "--recheck",
         action="store_true",
-        help="read every stage file again, here and on each host, instead of trusting the stamps of earlier "
+        help="read every stage file again, here and on each host, instead of trusting the stamps "
+        "of earlier "
         "checks (finds bit rot that left a file's size and times alone)",
     )
 
@@ -46,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{event.source}] {event.text}", file=sys.stderr, flush=True)
 
     controller = FleetController(
-        fleet, on_event=show, settings=options.settings(args), prune=args.prune, recheck=args.recheck
+        fleet,
+        on_event=show,
+        settings=options.settings(args),
+        prune=args.prune,
+        recheck=args.recheck,
     )
 
     async def main() -> int:

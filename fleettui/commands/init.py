@@ -1,11 +1,11 @@
-"""Provides `fleettui init [OUT.toml] [user@host[:port] ...]`: probe the PCs, write a fleet file, show its plan.
+"""Provides `fleettui init [OUT.toml] [user@host[:port] ...]`: probe the PCs, write a fleet file,
+show its plan.
 
-Hosts come from the arguments or, when none is given, are asked one per line. Each SSH host is reached
-with its host key checked (known_hosts, or trust on first use with `--tofu`), measured (OS, CPU, Python,
-memory, disk; OpenVINO devices with `--install`), and written with `memory_gb`, `threads` and `device`
-filled from the measurements. The file is written with tomli-w, one table at a time with comment lines
-saying what was measured, validated by loading it back, and planned.
-"""
+Hosts come from the arguments or, when none is given, are asked one per line. Each SSH host is
+reached with its host key checked (known_hosts, or trust on first use with `--tofu`), measured (OS,
+CPU, Python, memory, disk; OpenVINO devices with `--install`), and written with `memory_gb`,
+`threads` and `device` filled from the measurements. The file is written with tomli-w, one table at
+a time with comment lines saying what was measured, validated by loading it back, and planned."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from fleettui.errors import FleetError
 
 NAME = "init"
 HELP = (
-    "probe PCs over SSH (reachability, host key, OS, Python, cores, memory, OpenVINO devices with --install), "
+    "probe PCs over SSH (reachability, host key, OS, Python, cores, memory, OpenVINO devices with "
+    "--install), "
     "write a fleet file with what was measured, and print its stage plan"
 )
 DEFAULT_OUT = "fleet.toml"
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "targets",
         nargs="*",
         metavar="OUT.toml|user@host[:port]",
-        help=f"the file to write (default {DEFAULT_OUT}) and the hosts, in pipeline order ('local' = this "
+        help=f"the file to write (default {DEFAULT_OUT}) and the hosts, in pipeline order ('local' "
+        "= this "
         "machine); without hosts they are asked one per line",
     )
     parser.add_argument(
@@ -50,12 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trust a host key seen for the first time (and add it to known_hosts)",
     )
-    parser.add_argument("--python", default="python3", help="the hosts' Python interpreter (default python3)")
+    parser.add_argument(
+        "--python", default="python3", help="the hosts' Python interpreter (default python3)"
+    )
     parser.add_argument(
         "--workdir", default="~/.fleettui", help="the hosts' work folder (default ~/.fleettui)"
     )
-    parser.add_argument("--model", default=ModelSettings.name, help="model to plan for (default %(default)s)")
-    parser.add_argument("--precision", default=ModelSettings.precision, help="weights: fp32|fp16|int8|int4")
+    parser.add_argument(
+        "--model", default=ModelSettings.name, help="model to plan for (default %(default)s)"
+    )
+    parser.add_argument(
+        "--precision", default=ModelSettings.precision, help="weights: fp32|fp16|int8|int4"
+    )
     parser.add_argument(
         "--shards", type=Path, help="shard cache root to write as [model] shards (default: unset)"
     )
@@ -66,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--force", action="store_true", help="overwrite OUT.toml if it exists")
     parser.add_argument(
-        "--skip-failed", action="store_true", help="write the hosts that answered even if others did not"
+        "--skip-failed",
+        action="store_true",
+        help="write the hosts that answered even if others did not",
     )
 
 
@@ -119,7 +129,9 @@ def hosts_from(addresses: list[str], args: argparse.Namespace) -> list[Host]:
                 address=address.host,
                 ssh_port=address.port,
                 user=address.user,
-                identity_file=args.identity_file.expanduser().resolve() if args.identity_file else None,
+                identity_file=args.identity_file.expanduser().resolve()
+                if args.identity_file
+                else None,
                 host_key_policy="tofu" if args.tofu else "verify",
                 known_hosts=args.known_hosts.expanduser().resolve(),
                 python=args.python,
@@ -155,7 +167,11 @@ def _host_table(host: Host) -> dict[str, Any]:
 
 
 def fleet_text(
-    model: str, precision: str, probes: list[Any], when: datetime.datetime, shards: Path | None = None
+    model: str,
+    precision: str,
+    probes: list[Any],
+    when: datetime.datetime,
+    shards: Path | None = None,
 ) -> str:
     """The fleet file: tomli-w tables, each host preceded by comments on what was measured."""
     import tomli_w
@@ -163,19 +179,28 @@ def fleet_text(
     from fleettui.control.probe import describe
 
     parts = [
-        f"# Fleet file written by `fleettui init` on {when:%Y-%m-%d %H:%M} UTC from {len(probes)} host(s).",
+        f"# Fleet file written by `fleettui init` on {when:%Y-%m-%d %H:%M} UTC from {len(probes)} "
+        "host(s).",
         "# Every key and its default is documented in fleets/office.toml of the fleettui sources.",
-        "# `fleettui plan THIS_FILE` shows the stage plan; `fleettui THIS_FILE` deploys it and opens the TUI.",
+        "# `fleettui plan THIS_FILE` shows the stage plan; `fleettui THIS_FILE` deploys it and "
+        "opens the TUI.",
         "",
         tomli_w.dumps(
-            {"model": {"name": model, "precision": precision, **({"shards": str(shards)} if shards else {})}}
+            {
+                "model": {
+                    "name": model,
+                    "precision": precision,
+                    **({"shards": str(shards)} if shards else {}),
+                }
+            }
         ).rstrip(),
         "",
     ]
     for probe in probes:
         parts.extend(f"# {line}" for line in describe(probe))
         # tomli-w writes a short array of tables inline; a [[hosts]] table per host reads better and
-        # leaves room for the comments: dump it as the table [hosts] and make the header an array entry.
+        # leaves room for the comments: dump it as the table [hosts] and make the header an array
+        # entry.
         table = tomli_w.dumps({"hosts": _host_table(probe.proposed())}).rstrip()
         assert table.startswith("[hosts]\n")
         parts.append("[[hosts]]" + table[len("[hosts]") :])
@@ -184,10 +209,13 @@ def fleet_text(
 
 
 def run(args: argparse.Namespace) -> int:
-    """`fleettui init`: 0 written and planned, 1 a host failed or the model does not fit, 2 bad input."""
+    """`fleettui init`: 0 written and planned, 1 a host failed or the model does not fit, 2 bad
+    input."""
     out, addresses = split_targets(args.targets)
     if args.precision not in PRECISIONS:
-        raise FleetError(f"init: --precision {args.precision!r} is not one of {' | '.join(PRECISIONS)}")
+        raise FleetError(
+            f"init: --precision {args.precision!r} is not one of {' | '.join(PRECISIONS)}"
+        )
     model = Path(args.model).expanduser()
     if model.exists():  # a local model: absolute, so the file works from any folder
         args.model = str(model.resolve())
@@ -202,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
     from fleettui.control.probe import probe_hosts, summary
     from fleettui.control.running import run as run_loop
 
-    with ProgressReporter() as reporter:  # a signal closes the SSH connections (and an install) cleanly
+    with (
+        ProgressReporter() as reporter
+    ):  # a signal closes the SSH connections (and an install) cleanly
         probes = run_loop(lambda: probe_hosts(hosts, args.install, reporter.provision))
     for probe in probes:
         print(f"{'ok' if probe.ok else 'FAILED'} {summary(probe)}", file=sys.stderr)
@@ -225,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
 def _validated(path: Path) -> Fleet:
     from fleettui.config.fleet import load_fleet
 
-    return load_fleet(path)  # what init writes must load; a FleetConfigError here is a bug worth seeing
+    return load_fleet(
+        path
+    )  # what init writes must load; a FleetConfigError here is a bug worth seeing
 
 
 def _print_plan(fleet: Fleet) -> int:

@@ -1,4 +1,5 @@
-"""Provides `fleettui logs FLEET`: the last lines of every worker's log of the recorded deployment."""
+"""Provides `fleettui logs FLEET`: the last lines of every worker's log of the recorded
+deployment."""
 
 from __future__ import annotations
 

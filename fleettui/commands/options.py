@@ -1,4 +1,5 @@
-"""Provides the argument groups the subcommands share and the one way they load a fleet with its overrides."""
+"""Provides the argument groups the subcommands share and the one way they load a fleet with its
+overrides."""
 
 from __future__ import annotations
 
@@ -23,17 +24,22 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exact",
         action="store_true",
-        help="exact arithmetic: fp32 weights, f32 inference and f32 KV cache on every stage and the draft",
+        help="exact arithmetic: fp32 weights, f32 inference and f32 KV cache on every stage and "
+        "the draft",
     )
     spec = parser.add_mutually_exclusive_group()
-    spec.add_argument("--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)")
+    spec.add_argument(
+        "--spec-k", type=int, metavar="K", help="speculate K tokens per verify (0..16)"
+    )
     spec.add_argument("--no-spec", action="store_true", help="no speculative decoding")
     parser.add_argument("--draft", help="draft override: self-int4 | prompt-lookup | none | PATH")
 
 
 def add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="stop after this many new tokens")
-    parser.add_argument("--temperature", type=float, help="0 = greedy (default from the fleet file)")
+    parser.add_argument(
+        "--temperature", type=float, help="0 = greedy (default from the fleet file)"
+    )
     parser.add_argument("--top-p", type=float, help="nucleus sampling threshold")
     parser.add_argument("--seed", type=int, help="sampling seed")
 
@@ -45,7 +51,8 @@ def load(args: argparse.Namespace) -> Fleet:
 
 
 def load_for_chat(args: argparse.Namespace) -> Fleet:
-    """The fleet of a command that chats (ask, serve, tui): a synthetic model is refused before any compile."""
+    """The fleet of a command that chats (ask, serve, tui): a synthetic model is refused before
+    any compile."""
     from fleettui.model.shape import SYNTHETIC_PREFIX, SYNTHETIC_REFUSAL
 
     fleet = load(args)
@@ -84,9 +91,14 @@ def sampling(fleet: Fleet, args: argparse.Namespace) -> GenerationParams:
 
     max_tokens = tokens(args, None)
     params = generation_params(
-        fleet, max_tokens, getattr(args, "temperature", None), getattr(args, "top_p", None),
-        getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
-    )  # fmt: skip
+        fleet,
+        max_tokens,
+        getattr(args, "temperature", None),
+        getattr(args, "top_p", None),
+        getattr(args, "seed", None),
+        getattr(args, "no_spec", False),
+        getattr(args, "spec_k", None),
+    )
     try:
         validate_params(params)  # the request's own range checks, before anything starts
     except RequestError as error:

@@ -1,4 +1,5 @@
-"""Provides `fleettui plan FLEET [--json|--profile]`: the stage plan (layer ranges, memory per host) without starting anything."""
+"""Provides `fleettui plan FLEET [--json|--profile]`: the stage plan (layer ranges, memory per
+host) without starting anything."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-config",
         type=Path,
-        help="a Hugging Face config.json to plan for, or a published one by name (qwen3-8b, gemma-3-27b, ...)",
+        help="a Hugging Face config.json to plan for, or a published one by name (qwen3-8b, "
+        "gemma-3-27b, ...)",
     )
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="calibrate the hosts (cached; SSH hosts on themselves) and show measured vs predicted per stage",
+        help="calibrate the hosts (cached; SSH hosts on themselves) and show measured vs predicted "
+        "per stage",
     )
 
 
@@ -51,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(format_plan(plan))
         if fleet != written:
-            shares = ", ".join(f"{name} on CPU {','.join(map(str, each))}" for name, each in cores.items())
+            shares = ", ".join(
+                f"{name} on CPU {','.join(map(str, each))}" for name, each in cores.items()
+            )
             print(
-                f"\nlocal stages on their own CPUs: {shares} (a host's `cores` or `threads` keeps them as written)"
+                f"\nlocal stages on their own CPUs: {shares} (a host's `cores` or `threads` keeps "
+                "them as written)"
             )
         return 0
     document = {
@@ -70,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
                 "host": stage.host,
                 "cores": cores.get(stage.host, []),  # [] = every CPU of its host
                 "layers": list(stage.layers),
-                "span": stage.span,  # [0, 12.5): the boundary cuts layer 12 between attention and MLP
+                # [0, 12.5): the boundary cuts layer 12 between attention and MLP
+                "span": stage.span,
                 "weight_bytes": stage.weight_bytes,
                 "kv_bytes": stage.kv_bytes,
                 "total_bytes": stage.total_bytes,
@@ -84,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config_path(given: Path) -> Path:
-    """GIVEN as a file, else the published config of that name (one line naming both when neither)."""
+    """GIVEN as a file, else the published config of that name (one line naming both when
+    neither)."""
     from fleettui.errors import FleetError
     from fleettui.model.builtin import published_config, published_names
 
@@ -93,6 +101,7 @@ def _config_path(given: Path) -> Path:
     found = published_config(str(given))
     if found is None:
         raise FleetError(
-            f"--model-config {given}: no such file, and not a published config ({', '.join(published_names())})"
+            f"--model-config {given}: no such file, and not a published config "
+            f"({', '.join(published_names())})"
         )
     return found

@@ -1,10 +1,11 @@
-"""Provides the progress reporter of the headless commands: compile, wheelhouse, SFTP push and worker start.
+"""Provides the progress reporter of the headless commands: compile, wheelhouse, SFTP push and
+worker start.
 
-It consumes the controller's typed events (fleettui.control.states: `ProvisionEvent` for compile and every
-provisioning step, `StageChanged` for worker start, `LogLine`): on a terminal it draws rich.progress bars on
-stderr; otherwise (a pipe, a log file, CI) it prints plain lines, one when a step starts, one when it ends, and
-at most one every `interval` seconds in between, so a long compile is never silent and a log stays short.
-"""
+It consumes the controller's typed events (fleettui.control.states: `ProvisionEvent` for compile and
+every provisioning step, `StageChanged` for worker start, `LogLine`): on a terminal it draws
+rich.progress bars on stderr; otherwise (a pipe, a log file, CI) it prints plain lines, one when a
+step starts, one when it ends, and at most one every `interval` seconds in between, so a long
+compile is never silent and a log stays short."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ TRANSFER_STEPS = ("wheelhouse", "shard")
 
 
 def compiler_fraction(line: str) -> tuple[float | None, str]:
-    """(fraction, text) of one shard_compiler progress line `[ 42.0%] stage 1 trace (layers ...)`."""
+    """(fraction, text) of one shard_compiler progress line `[ 42.0%] stage 1 trace (layers
+    ...)`."""
     match = _COMPILER_LINE.match(line.strip())
     if not match:
         return None, line.strip()
@@ -33,7 +35,8 @@ def compiler_fraction(line: str) -> tuple[float | None, str]:
 
 @dataclass
 class _Task:
-    """One step being reported: a compile, a transfer to a host, a wheelhouse build, the worker start."""
+    """One step being reported: a compile, a transfer to a host, a wheelhouse build, the worker
+    start."""
 
     label: str
     done: float = 0.0
@@ -52,7 +55,8 @@ def _size(value: float) -> str:
 
 
 class ProgressReporter:
-    """Shows long steps while a command runs; use as a context manager, pass it as the `on_event` callback."""
+    """Shows long steps while a command runs; use as a context manager, pass it as the `on_event`
+    callback."""
 
     def __init__(
         self,
@@ -69,11 +73,14 @@ class ProgressReporter:
         self._rich: Any = None
         self._compiles = 0
         self.closed = False
-        self._lock = threading.RLock()  # events arrive on the event loop, the heartbeat ticks on its thread
+        self._lock = (
+            threading.RLock()
+        )  # events arrive on the event loop, the heartbeat ticks on its thread
         self._stopped = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- lifecycle
+    # ----------------------------------------------------------------------------------
     def __enter__(self) -> ProgressReporter:
         return self
 
@@ -92,7 +99,8 @@ class ProgressReporter:
             self._rich.stop()
             self._rich = None
 
-    # -- inputs -------------------------------------------------------------------------------------
+    # -- inputs
+    # -------------------------------------------------------------------------------------
     def __call__(self, event: Any) -> None:
         """A controller event (other kinds are ignored)."""
         with self._lock:
@@ -101,14 +109,17 @@ class ProgressReporter:
 
     def _event(self, event: Any) -> None:
         if isinstance(event, ProvisionEvent):
-            self._progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
+            self._progress(
+                event.host, event.step, event.bytes_done, event.bytes_total, event.message
+            )
         elif isinstance(event, StageChanged):
             self._stage(event.name, event.state)
         elif isinstance(event, LogLine) and event.source == "shard_compiler":
             pass  # the same lines arrive as ProvisionEvent("compiler", "compile", ...)
 
     def provision(self, event: ProvisionEvent) -> None:
-        """A provisioning event straight from fleettui.provision (e.g. `init`'s probes): the same as a call."""
+        """A provisioning event straight from fleettui.provision (e.g. `init`'s probes): the same
+        as a call."""
         self(event)
 
     def compiler_line(self, line: str) -> None:
@@ -118,7 +129,8 @@ class ProgressReporter:
                 self._progress("compiler", "compile", 0.0, 0.0, line)
 
     def _beat(self) -> None:
-        """Plain mode: a running step that reports nothing still gets a line every `interval` seconds."""
+        """Plain mode: a running step that reports nothing still gets a line every `interval`
+        seconds."""
         while not self._stopped.wait(self.interval / 2):
             with self._lock:
                 now = self.clock()
@@ -127,12 +139,15 @@ class ProgressReporter:
                         task.printed = now
                         self._line(self._plain(task))
 
-    # -- mapping events to tasks --------------------------------------------------------------------
+    # -- mapping events to tasks
+    # --------------------------------------------------------------------
     def _progress(self, name: str, step: str, done: float, total: float, message: str) -> None:
         if step == "compile":
             fraction, text = compiler_fraction(message)
             key = f"compile{self._compiles}"
-            if key in self.tasks and self.tasks[key].finished:  # the next model (the draft) compiles
+            if (
+                key in self.tasks and self.tasks[key].finished
+            ):  # the next model (the draft) compiles
                 self._compiles += 1
                 key = f"compile{self._compiles}"
             label = "compile shards" if self._compiles == 0 else "compile draft"
@@ -179,14 +194,20 @@ class ProgressReporter:
                 task.extra.add(name)
                 task.total = float(len(task.extra))
                 self._update("workers", task.done, f"waiting for {name}", False)
-        elif isinstance(state, Ready) and task is not None and name in task.extra and not task.finished:
+        elif (
+            isinstance(state, Ready)
+            and task is not None
+            and name in task.extra
+            and not task.finished
+        ):
             done = task.done + 1
             self._update("workers", done, f"{name} ready", finished=done >= (task.total or 0))
         elif isinstance(state, Failed) and task is not None and name in task.extra:
             # the reason itself is the command's error line (or a provision event's)
             self._finish_key("workers", f"{name} failed", failed=True)
 
-    # -- drawing ------------------------------------------------------------------------------------
+    # -- drawing
+    # ------------------------------------------------------------------------------------
     def _task(self, key: str, label: str, total: float | None = None, unit: str = "") -> _Task:
         task = self.tasks.get(key)
         if task is None:
@@ -195,7 +216,9 @@ class ProgressReporter:
             if self.tty:
                 task.handle = self._bars().add_task(label, total=total or None, detail="")
             elif self._heartbeat is None and self.interval > 0:
-                self._heartbeat = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
+                self._heartbeat = threading.Thread(
+                    target=self._beat, name="progress-heartbeat", daemon=True
+                )
                 self._heartbeat.start()
         return task
 
@@ -214,7 +237,12 @@ class ProgressReporter:
                 task.done = task.total
         if self.tty:
             bars = self._bars()
-            bars.update(task.handle, completed=task.done, total=task.total or None, detail=self._detail(task))
+            bars.update(
+                task.handle,
+                completed=task.done,
+                total=task.total or None,
+                detail=self._detail(task),
+            )
             if finished:
                 bars.stop_task(task.handle)
             return
@@ -254,7 +282,13 @@ class ProgressReporter:
     def _bars(self) -> Any:
         if self._rich is None:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             console = Console(file=self.stream, force_terminal=True)
             self._rich = Progress(
@@ -267,7 +301,8 @@ class ProgressReporter:
                 console=console,
                 transient=False,
                 redirect_stdout=False,
-                redirect_stderr=self.stream is sys.stderr,  # other stderr lines print above the bars
+                redirect_stderr=self.stream
+                is sys.stderr,  # other stderr lines print above the bars
             )
             self._rich.start()
         return self._rich

@@ -1,4 +1,5 @@
-"""Provides how a command reads its prompt: the argument itself, or standard input for "-" (decoded by text_input)."""
+"""Provides how a command reads its prompt: the argument itself, or standard input for "-"
+(decoded by text_input)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from fleettui.errors import FleetError
 from fleettui.text_input import check_text, decode
 
 
-def read_prompt(value: str, stdin: BinaryIO | TextIO | None = None, encoding: str | None = None) -> str:
-    """The prompt: `value`, or all of standard input when `value` is "-" (a trailing newline dropped).
+def read_prompt(
+    value: str, stdin: BinaryIO | TextIO | None = None, encoding: str | None = None
+) -> str:
+    """The prompt: `value`, or all of standard input when `value` is "-" (a trailing newline
+    dropped).
 
-    Standard input is read as bytes and decoded by the one text rule (UTF-8 unless `encoding`); an argument
-    is checked for the undecodable bytes the shell passed through."""
+    Standard input is read as bytes and decoded by the one text rule (UTF-8 unless `encoding`); an
+    argument is checked for the undecodable bytes the shell passed through."""
     if value != "-":
         return check_text(value, "the prompt argument")
     stream = stdin or sys.stdin

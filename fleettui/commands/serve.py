@@ -1,4 +1,5 @@
-"""Provides `fleettui serve [FLEET]`: the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet)."""
+"""Provides `fleettui serve [FLEET]`: the fleet as an OpenAI-compatible HTTP API (attaches to a
+deployed fleet)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,33 @@ from fleettui.commands import options
 from fleettui.errors import FleetError
 
 NAME = "serve"
-HELP = "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts one)"
-SERVING_SOURCES = ("recovery", "rebalance")  # what a serving fleet tells its operator, one line each
+HELP = (
+    "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts "
+    "one)"
+)
+SERVING_SOURCES = (
+    "recovery",
+    "rebalance",
+)  # what a serving fleet tells its operator, one line each
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_fleet(parser)
     options.add_settings(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    parser.add_argument("--api-key-file", type=Path, help="file of bearer API keys, one per line, mode 0600")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)"
+    )
+    parser.add_argument(
+        "--api-key-file", type=Path, help="file of bearer API keys, one per line, mode 0600"
+    )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate: serve HTTPS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    parser.add_argument("--max-queued", type=int, default=16, help="requests that may wait for a slot")
+    parser.add_argument(
+        "--max-queued", type=int, default=16, help="requests that may wait for a slot"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,12 +60,15 @@ def run(args: argparse.Namespace) -> int:
         reporter = ProgressReporter()  # compile and worker start until the server listens
 
         def on_event(event: object) -> None:
-            """The start's progress, then one line per recovery or rebalancing for whoever watches the server."""
+            """The start's progress, then one line per recovery or rebalancing for whoever
+            watches the server."""
             if not reporter.closed:
                 reporter(event)
             elif isinstance(event, LogLine) and event.source in SERVING_SOURCES:
                 print(
-                    f"{time.strftime('%H:%M:%S')} {event.source}: {event.text}", file=sys.stderr, flush=True
+                    f"{time.strftime('%H:%M:%S')} {event.source}: {event.text}",
+                    file=sys.stderr,
+                    flush=True,
                 )
 
         def ready(url: str) -> None:
@@ -63,9 +81,17 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             await serve_fleet(
-                fleet, settings, args.host, args.port, args.api_key_file, args.tls_cert, args.tls_key, ready,
-                max_queued=args.max_queued, on_event=on_event,
-            )  # fmt: skip
+                fleet,
+                settings,
+                args.host,
+                args.port,
+                args.api_key_file,
+                args.tls_cert,
+                args.tls_key,
+                ready,
+                max_queued=args.max_queued,
+                on_event=on_event,
+            )
         except ControllerError as error:
             reporter.close()
             print(f"fleettui: {error}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Provides `fleettui status FLEET`: the recorded deployment's workers, whether each is alive, and if the record is stale."""
+"""Provides `fleettui status FLEET`: the recorded deployment's workers, whether each is alive,
+and if the record is stale."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Provides `fleettui stop FLEET`: stop exactly the recorded deployment of this fleet file (and its SSH stages)."""
+"""Provides `fleettui stop FLEET`: stop exactly the recorded deployment of this fleet file (and
+its SSH stages)."""
 
 from __future__ import annotations
 

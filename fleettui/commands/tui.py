@@ -1,4 +1,5 @@
-"""Provides `fleettui [tui] [FLEET]`: the TUI; it attaches to the fleet's deployment when one runs."""
+"""Provides `fleettui [tui] [FLEET]`: the TUI; it attaches to the fleet's deployment when one
+runs."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="with --serve: address to bind (default: loopback)"
     )
-    serve.add_argument("--port", type=int, default=8000, help="with --serve: TCP port (0 = any free port)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="with --serve: TCP port (0 = any free port)"
+    )
     serve.add_argument(
         "--api-key-file", type=Path, help="with --serve: bearer API keys, one per line, mode 0600"
     )
@@ -32,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleettui.ui.app import run_app
 
-    if not args.serve and (args.api_key_file is not None or args.host != "127.0.0.1" or args.port != 8000):
+    if not args.serve and (
+        args.api_key_file is not None or args.host != "127.0.0.1" or args.port != 8000
+    ):
         raise FleetError("--host, --port and --api-key-file apply only with --serve")
     fleet = options.load_for_chat(args)
     return run_app(fleet, options.settings(args), args)

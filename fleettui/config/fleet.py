@@ -1,4 +1,5 @@
-"""The fleet file: load and validate a fleet TOML into frozen, typed settings (errors name file:line: key)."""
+"""The fleet file: load and validate a fleet TOML into frozen, typed settings (errors name
+file:line: key)."""
 
 from __future__ import annotations
 
@@ -54,12 +55,21 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = field(default_factory=lambda: paths.cache_dir())  # cache root: <root>/shards/<key>
+    shards: Path = field(
+        default_factory=lambda: paths.cache_dir()
+    )  # cache root: <root>/shards/<key>
 
 
-RUNTIME_KEYS: tuple[str, ...] = ("inference_precision", "kv_cache_precision", "wire_dtype", "encryption")
+RUNTIME_KEYS: tuple[str, ...] = (
+    "inference_precision",
+    "kv_cache_precision",
+    "wire_dtype",
+    "encryption",
+)
 RUNTIME_KEYS += ("exact", "compile_cache", "result_batch_ms")
-DEFAULT_RESULT_BATCH_MS = 40.0  # a 25 Hz stream: the coordinator wakes once per burst, not once per token
+DEFAULT_RESULT_BATCH_MS = (
+    40.0  # a 25 Hz stream: the coordinator wakes once per burst, not once per token
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,9 @@ class RuntimeSettings:
     wire_dtype: str = "f16"  # f16 | f32 (f32 when exact)
     encryption: str = "curve"  # curve | plaintext
     exact: bool = False
-    compile_cache: bool = True  # each worker keeps its compiled model in its shard folder (fast restarts)
+    compile_cache: bool = (
+        True  # each worker keeps its compiled model in its shard folder (fast restarts)
+    )
     # a run's tokens leave the last stage together at most this often (0: each at once)
     result_batch_ms: float = DEFAULT_RESULT_BATCH_MS
 
@@ -92,7 +104,8 @@ class SpeculationSettings:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Chat sessions: how many at once and the sampling defaults (None: the model's recommended sampling)."""
+    """Chat sessions: how many at once and the sampling defaults (None: the model's recommended
+    sampling)."""
 
     max_sessions: int = 4
     max_tokens: int = 256
@@ -103,7 +116,8 @@ class SessionSettings:
 
 @dataclass(frozen=True)
 class Host:
-    """One PC of the fleet; it serves one pipeline stage on four consecutive ports from base_port."""
+    """One PC of the fleet; it serves one pipeline stage on four consecutive ports from
+    base_port."""
 
     name: str
     transport: str = "local"  # local | ssh
@@ -174,7 +188,8 @@ class Fleet:
 
 
 def resolve_fleet(arg: str | None) -> Path:
-    """The fleet file for a CLI argument: None → the embedded default; a bare name → fleets/NAME.toml."""
+    """The fleet file for a CLI argument: None → the embedded default; a bare name →
+    fleets/NAME.toml."""
     if arg is None:
         return DEFAULT_FLEET
     path = Path(arg).expanduser()
@@ -224,7 +239,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def load_fleet(path: Path) -> Fleet:
@@ -237,7 +252,9 @@ def load_fleet(path: Path) -> Fleet:
     except IsADirectoryError:
         raise FleetConfigError(path, 0, "fleet", _folder_hint(path)) from None
     except OSError as error:
-        raise FleetConfigError(path, 0, "fleet", f"cannot read: {error.strerror or error}") from None
+        raise FleetConfigError(
+            path, 0, "fleet", f"cannot read: {error.strerror or error}"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -246,7 +263,10 @@ def load_fleet(path: Path) -> Fleet:
         line = int(match.group(1)) if match else 0
         if "(at end of document)" in message:
             line = max(1, len(text.splitlines()))
-        reason = re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)", "", message) or "invalid TOML"
+        reason = (
+            re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)", "", message)
+            or "invalid TOML"
+        )
         if reason.startswith("Invalid value"):
             reason += _unquoted_hint(text, line)
         raise FleetConfigError(path, line, "toml", reason) from None
@@ -260,10 +280,14 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     top.reject_unknown(("model", "runtime", "speculation", "sessions", "resilience", "hosts"))
     for table in ("model", "runtime", "speculation", "sessions", "resilience"):
         if table in data and not isinstance(data[table], Mapping):
-            raise FleetConfigError(path, lines.line("", 0, table), table, "expected a table [" + table + "]")
+            raise FleetConfigError(
+                path, lines.line("", 0, table), table, "expected a table [" + table + "]"
+            )
 
     runtime = _runtime(Section(path, lines, "runtime", 0, "runtime", data.get("runtime", {})))
-    model = _model(Section(path, lines, "model", 0, "model", data.get("model", {})), base, runtime.exact)
+    model = _model(
+        Section(path, lines, "model", 0, "model", data.get("model", {})), base, runtime.exact
+    )
     speculation = _speculation(
         Section(path, lines, "speculation", 0, "speculation", data.get("speculation", {})), base
     )
@@ -280,13 +304,19 @@ def _validate(path: Path, text: str, data: dict[str, Any]) -> Fleet:
     sections = []
     for index, raw in enumerate(raw_hosts):
         name = raw.get("name") if isinstance(raw, Mapping) else None
-        label = f"hosts[{key_name(name)}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
+        label = (
+            f"hosts[{key_name(name)}]" if isinstance(name, str) and name else f"hosts[#{index + 1}]"
+        )
         sections.append(Section(path, lines, "hosts", index, label, raw))
     hosts = _hosts(sections, base)
     if runtime.exact:
-        logger.info("%s: exact = true: fp32 weights, f32 inference, f32 KV cache and f32 wire", path)
+        logger.info(
+            "%s: exact = true: fp32 weights, f32 inference, f32 KV cache and f32 wire", path
+        )
     if runtime.encryption == "plaintext":
-        logger.warning("%s: encryption = plaintext: stage links are NOT encrypted or authenticated", path)
+        logger.warning(
+            "%s: encryption = plaintext: stage links are NOT encrypted or authenticated", path
+        )
     fleet = Fleet(hosts, model, runtime, speculation, sessions, path, resilience)
     _check_manual_split(fleet, sections)
     return fleet
@@ -300,7 +330,9 @@ def _model(section: Section, base: Path, exact: bool) -> ModelSettings:
     name = section.get("name", str, ModelSettings.name)
     if not name:
         raise section.error("name", "must not be empty")
-    if name.startswith(SYNTHETIC_PREFIX):  # seeded random weights of a real architecture (bench only)
+    if name.startswith(
+        SYNTHETIC_PREFIX
+    ):  # seeded random weights of a real architecture (bench only)
         try:
             synthetic_shape(name)
         except PlanError as error:
@@ -337,7 +369,13 @@ def _runtime(section: Section) -> RuntimeSettings:
         "result_batch_ms", float, DEFAULT_RESULT_BATCH_MS, lambda v: 0 <= v <= 1000, "0..1000 ms"
     )
     return RuntimeSettings(
-        inference, kv_cache, wire, encryption, exact, section.get("compile_cache", bool, True), batch
+        inference,
+        kv_cache,
+        wire,
+        encryption,
+        exact,
+        section.get("compile_cache", bool, True),
+        batch,
     )
 
 
@@ -348,7 +386,8 @@ def _speculation(section: Section, base: Path) -> SpeculationSettings:
         candidate = _local_path(draft, base)
         if not candidate.exists():
             raise section.error(
-                "draft", f"{show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path"
+                "draft",
+                f"{show(draft)} is neither {' | '.join(BUILTIN_DRAFTS)} nor an existing path",
             )
         draft = str(candidate)
     max_k = section.number("max_k", int, DEFAULT_MAX_K, lambda v: 1 <= v <= MAX_K, f"1..{MAX_K}")
@@ -364,7 +403,9 @@ def _sessions(section: Section) -> SessionSettings:
     section.reject_unknown(("max_sessions", "max_tokens", "temperature", "top_p", "seed"))
     return SessionSettings(
         max_sessions=section.number("max_sessions", int, 4, lambda v: 1 <= v <= 64, "1..64"),
-        max_tokens=section.number("max_tokens", int, 256, lambda v: 1 <= v <= 1_000_000, "1..1000000"),
+        max_tokens=section.number(
+            "max_tokens", int, 256, lambda v: 1 <= v <= 1_000_000, "1..1000000"
+        ),
         temperature=section.number(
             "temperature", float, None, lambda v: v is None or 0.0 <= v <= 10.0, "0..10"
         ),
@@ -376,9 +417,24 @@ def _sessions(section: Section) -> SessionSettings:
 
 
 _HOST_KEYS = (
-    "name", "transport", "address", "ssh_port", "user", "identity_file", "host_key_policy", "known_hosts",
-    "python", "workdir", "device", "memory_gb", "speed", "threads", "cores", "base_port", "layers",
-)  # fmt: skip
+    "name",
+    "transport",
+    "address",
+    "ssh_port",
+    "user",
+    "identity_file",
+    "host_key_policy",
+    "known_hosts",
+    "python",
+    "workdir",
+    "device",
+    "memory_gb",
+    "speed",
+    "threads",
+    "cores",
+    "base_port",
+    "layers",
+)
 
 
 def _host(section: Section, base: Path) -> tuple[Host, bool]:
@@ -394,11 +450,17 @@ def _host(section: Section, base: Path) -> tuple[Host, bool]:
     if not address:
         raise section.error("address", "must not be empty")
     if transport == "local" and not _is_loopback(address):
-        raise section.error("address", f'{show(address)} is not this machine: use transport = "ssh"')
+        raise section.error(
+            "address", f'{show(address)} is not this machine: use transport = "ssh"'
+        )
     identity = section.get("identity_file", str, None)
     cores = section.get("cores", list, [])
-    if not all(isinstance(core, int) and not isinstance(core, bool) and core >= 0 for core in cores):
-        raise section.error("cores", f"expected a list of CPU numbers (integers >= 0), got {show(cores)}")
+    if not all(
+        isinstance(core, int) and not isinstance(core, bool) and core >= 0 for core in cores
+    ):
+        raise section.error(
+            "cores", f"expected a list of CPU numbers (integers >= 0), got {show(cores)}"
+        )
     if len(set(cores)) != len(cores):
         raise section.error("cores", f"repeats a CPU number: {show(cores)}")
     layers = section.get("layers", list, None)
@@ -422,7 +484,11 @@ def _host(section: Section, base: Path) -> tuple[Host, bool]:
         threads=section.number("threads", int, 0, lambda v: 0 <= v <= 4096, "0..4096"),
         cores=tuple(cores),
         base_port=section.number(
-            "base_port", int, FIRST_BASE_PORT, lambda v: 1024 <= v <= 65536 - PORTS_PER_HOST, "1024..65532"
+            "base_port",
+            int,
+            FIRST_BASE_PORT,
+            lambda v: 1024 <= v <= 65536 - PORTS_PER_HOST,
+            "1024..65532",
         ),
         layers=(layers[0], layers[1]) if layers is not None else None,
     )
@@ -444,7 +510,8 @@ def _hosts(sections: list[Section], base: Path) -> tuple[Host, ...]:
             first = sections[seen[host.name]]
             raise section.error(
                 "name",
-                f'duplicate host name "{host.name}" (first at line {first.lines.line("hosts", first.index, "name")})',
+                f'duplicate host name "{host.name}" (first at line '
+                f"{first.lines.line('hosts', first.index, 'name')})",
             )
         seen[host.name] = len(hosts)
         hosts.append(host)
@@ -459,7 +526,8 @@ def _hosts(sections: list[Section], base: Path) -> tuple[Host, ...]:
                 other = hosts[other_index]
                 raise sections[index].error(
                     "base_port",
-                    f"ports {host.base_port}-{host.base_port + PORTS_PER_HOST - 1} overlap host {other.name}'s "
+                    f"ports {host.base_port}-{host.base_port + PORTS_PER_HOST - 1} overlap host "
+                    f"{other.name}'s "
                     f"{other_base}-{other_base + PORTS_PER_HOST - 1} on the same address "
                     f"(each host uses {PORTS_PER_HOST} ports)",
                 )
@@ -493,7 +561,8 @@ def _hosts(sections: list[Section], base: Path) -> tuple[Host, ...]:
 
 
 def _check_manual_split(fleet: Fleet, sections: list[Section]) -> None:
-    """A manual split must cover the model's layers exactly (checked when the shape is known cheaply)."""
+    """A manual split must cover the model's layers exactly (checked when the shape is known
+    cheaply)."""
     if not fleet.manual_layers:
         return
     from fleettui.model.builtin import shape_for_model

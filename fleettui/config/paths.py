@@ -1,12 +1,14 @@
-"""Provides where fleettui keeps its files, by the platform's convention (platformdirs; XDG_* on Linux).
+"""Provides where fleettui keeps its files, by the platform's convention (platformdirs; XDG_* on
+Linux).
 
 - cache (rebuildable): compiled shards `<cache>/shards/<key>`, the wheelhouse `<cache>/wheelhouse`;
-- state (must survive, private): deployment records with CurveZMQ secret keys `<state>/deployments` (0700/0600);
+- state (must survive, private): deployment records with CurveZMQ secret keys `<state>/deployments`
+  (0700/0600);
 - logs: worker logs of local stages and the TUI's persistent log `<log>`;
 - runtime (ephemeral, per process): run folders of workers started for one command, removed on exit.
 
-Read once at the edge like the fleet file: functions, not module constants, so a test's XDG_* applies.
-"""
+Read once at the edge like the fleet file: functions, not module constants, so a test's XDG_*
+applies."""
 
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def private_dir(path: Path) -> Path:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, mode 0600 from the first byte (it may hold a secret key)."""
+    """Write `text` to `path` atomically, mode 0600 from the first byte (it may hold a secret
+    key)."""
     private_dir(path.parent)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

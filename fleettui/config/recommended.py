@@ -1,10 +1,10 @@
-"""Provides each model's recommended chat sampling (from its model card), used when the fleet file sets none.
+"""Provides each model's recommended chat sampling (from its model card), used when the fleet file
+sets none.
 
-Greedy decoding makes small chat models loop ("A symphony of light and sound, A symphony of light and
-sound, ..."); their authors publish the sampling that reads well. These are the only per-model defaults:
-the fleet file's `[sessions]` keys and the command line override them, `--exact` stays greedy, and the seed
-stays fixed (`[sessions] seed`, default 0) so an answer can be reproduced.
-"""
+Greedy decoding makes small chat models loop ("A symphony of light and sound, A symphony of light
+and sound, ..."); their authors publish the sampling that reads well. These are the only per-model
+defaults: the fleet file's `[sessions]` keys and the command line override them, `--exact` stays
+greedy, and the seed stays fixed (`[sessions] seed`, default 0) so an answer can be reproduced."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ class RecommendedSampling:
 
 GREEDY = RecommendedSampling(0.0, 1.0, 0, "greedy")
 
-# Keys are matched against the model name with its folder, file extension and GGUF quantisation removed,
-# lower-cased: "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf" and the builtin
-# "smollm2-135m-instruct" all give "smollm2-135m-instruct".
+# Keys are matched against the model name with its folder, file extension and GGUF quantisation
+# removed, lower-cased: "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf" and
+# the builtin "smollm2-135m-instruct" all give "smollm2-135m-instruct".
 RECOMMENDED: dict[str, RecommendedSampling] = {
-    # SmolLM2 model card ("temperature=0.2, top_p=0.9" in its transformers example), all three sizes; the
-    # 135M model still loops on a line ("A symphony of light and sound, ...") at that temperature; a mild
-    # repetition penalty (1.1) ends the loop.
+    # SmolLM2 model card ("temperature=0.2, top_p=0.9" in its transformers example), all three
+    # sizes; the 135M model still loops on a line ("A symphony of light and sound, ...") at that
+    # temperature; a mild repetition penalty (1.1) ends the loop.
     "smollm2-": RecommendedSampling(0.2, 0.9, 0, "SmolLM2 model card", repetition_penalty=1.1),
     # generation_config.json of meta-llama/Llama-3.1-*-Instruct.
     "llama-3.1-": RecommendedSampling(0.6, 0.9, 0, "Llama-3.1 generation_config.json"),
@@ -42,7 +42,8 @@ RECOMMENDED: dict[str, RecommendedSampling] = {
 
 
 def model_key(name: str) -> str:
-    """The part of a model name that identifies the model (no folder, extension or GGUF quantisation)."""
+    """The part of a model name that identifies the model (no folder, extension or GGUF
+    quantisation)."""
     stem = name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
     stem = re.sub(r"\.gguf$", "", stem)
     return re.sub(r"[.-](q\d\w*|f16|f32|bf16|fp16|fp32)$", "", stem)
@@ -70,7 +71,8 @@ def _from_generation_config(folder: Path) -> RecommendedSampling | None:
 
 
 def recommended_sampling(model: str) -> RecommendedSampling:
-    """The model's recommended chat sampling: its folder's generation_config.json, the table, else greedy."""
+    """The model's recommended chat sampling: its folder's generation_config.json, the table,
+    else greedy."""
     folder = Path(model).expanduser()
     if folder.is_dir():
         found = _from_generation_config(folder)

@@ -1,4 +1,5 @@
-"""Provides the `[resilience]` table of a fleet file: heartbeats, loss detection, grace, rebalancing."""
+"""Provides the `[resilience]` table of a fleet file: heartbeats, loss detection, grace,
+rebalancing."""
 
 from __future__ import annotations
 
@@ -12,28 +13,43 @@ CALIBRATE_MODES = ("auto", "off")
 
 @dataclass(frozen=True)
 class ResilienceSettings:
-    """Fault handling: how fast a lost stage is declared, how long a host may stay away, rebalancing."""
+    """Fault handling: how fast a lost stage is declared, how long a host may stay away,
+    rebalancing."""
 
     heartbeat_seconds: float = 0.5  # ping every stage's control socket this often
-    detect_seconds: float = 2.0  # a stage silent this long is lost (workers answer pings while computing)
+    detect_seconds: float = (
+        2.0  # a stage silent this long is lost (workers answer pings while computing)
+    )
     grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
     rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
     throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
-    calibrate: str = "auto"  # auto: a deploy times hosts with no cost profile for its settings first | off
+    calibrate: str = (
+        "auto"  # auto: a deploy times hosts with no cost profile for its settings first | off
+    )
     rejoin_seconds: float = (
         10.0  # a host planned around is tried this often; back, the model moves onto it (0: never)
     )
-    hold_seconds: float = 60.0  # answers of a degraded fleet wait this long for it to be whole again (0: end)
+    hold_seconds: float = (
+        60.0  # answers of a degraded fleet wait this long for it to be whole again (0: end)
+    )
 
 
 def parse_resilience(section: Section) -> ResilienceSettings:
     section.reject_unknown(
         (
-            "heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "throttle_ratio", "calibrate",
-            "rejoin_seconds", "hold_seconds",
+            "heartbeat_seconds",
+            "detect_seconds",
+            "grace_seconds",
+            "rebalance",
+            "throttle_ratio",
+            "calibrate",
+            "rejoin_seconds",
+            "hold_seconds",
         )
-    )  # fmt: skip
-    heartbeat = section.number("heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10")
+    )
+    heartbeat = section.number(
+        "heartbeat_seconds", float, 0.5, lambda v: 0.05 <= v <= 10.0, "0.05..10"
+    )
     detect = section.number("detect_seconds", float, 2.0, lambda v: 0.1 <= v <= 600.0, "0.1..600")
     if detect < 2 * heartbeat:
         raise section.error(
@@ -42,7 +58,9 @@ def parse_resilience(section: Section) -> ResilienceSettings:
     return ResilienceSettings(
         heartbeat_seconds=heartbeat,
         detect_seconds=detect,
-        grace_seconds=section.number("grace_seconds", float, 30.0, lambda v: 0.0 <= v <= 86400.0, "0..86400"),
+        grace_seconds=section.number(
+            "grace_seconds", float, 30.0, lambda v: 0.0 <= v <= 86400.0, "0..86400"
+        ),
         rebalance=section.choice("rebalance", REBALANCE_MODES, "propose"),
         throttle_ratio=section.number(
             "throttle_ratio", float, 1.5, lambda v: 1.0 < v <= 100.0, "over 1, at most 100"
@@ -51,5 +69,7 @@ def parse_resilience(section: Section) -> ResilienceSettings:
         rejoin_seconds=section.number(
             "rejoin_seconds", float, 10.0, lambda v: v == 0 or 1.0 <= v <= 3600.0, "0 or 1..3600"
         ),
-        hold_seconds=section.number("hold_seconds", float, 60.0, lambda v: 0.0 <= v <= 3600.0, "0..3600"),
+        hold_seconds=section.number(
+            "hold_seconds", float, 60.0, lambda v: 0.0 <= v <= 3600.0, "0..3600"
+        ),
     )

@@ -1,4 +1,5 @@
-"""Line numbers of keys in a TOML text (tomllib has none) and typed table access raising FleetConfigError."""
+"""Line numbers of keys in a TOML text (tomllib has none) and typed table access raising
+FleetConfigError."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def decoded(path: Path, data: bytes) -> str:
     try:
         return decode(data, str(path), hint="a TOML file is UTF-8")
     except TextError as error:
-        raise FleetConfigError(path, data[: error.offset].count(b"\n") + 1, "fleet", error.reason) from None
+        raise FleetConfigError(
+            path, data[: error.offset].count(b"\n") + 1, "fleet", error.reason
+        ) from None
 
 
 class LineIndex:
@@ -49,7 +52,9 @@ class LineIndex:
                 if key:
                     self.keys.setdefault((table, index, key.group(1).strip("\"'")), number)
             code = _STRING.sub('""', line).split("#", 1)[0]
-            depth = max(0, depth + code.count("[") + code.count("{") - code.count("]") - code.count("}"))
+            depth = max(
+                0, depth + code.count("[") + code.count("{") - code.count("]") - code.count("}")
+            )
 
     def line(self, table: str, index: int = 0, key: str | None = None) -> int:
         if key is not None and (table, index, key) in self.keys:
@@ -57,14 +62,16 @@ class LineIndex:
         return self.headers.get((table, index), 1 if not table else 0)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Validation helpers: each returns the typed value or raises FleetConfigError at the key's line.
 
 
 class Section:
     """One table of the fleet file being validated, with what is needed to point at its lines."""
 
-    def __init__(self, path: Path, lines: LineIndex, table: str, index: int, label: str, data: Any) -> None:
+    def __init__(
+        self, path: Path, lines: LineIndex, table: str, index: int, label: str, data: Any
+    ) -> None:
         self.path, self.lines, self.table, self.index, self.label = path, lines, table, index, label
         if not isinstance(data, Mapping):
             raise FleetConfigError(path, lines.line(table, index), label, "expected a table")
@@ -72,7 +79,9 @@ class Section:
 
     def error(self, key: str | None, reason: str) -> FleetConfigError:
         name = f"{self.label}.{key_name(key)}" if key else self.label
-        return FleetConfigError(self.path, self.lines.line(self.table, self.index, key), name, reason)
+        return FleetConfigError(
+            self.path, self.lines.line(self.table, self.index, key), name, reason
+        )
 
     def reject_unknown(self, known: tuple[str, ...]) -> None:
         for key in self.data:
@@ -98,14 +107,18 @@ class Section:
                     raise self.error(key, error.reason) from None
         return value
 
-    def choice(self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False) -> str:
+    def choice(
+        self, key: str, choices: tuple[str, ...], default: str, *, upper: bool = False
+    ) -> str:
         value = self.get(key, str, default)
         value = value.upper() if upper else value
         if value not in choices:
             raise self.error(key, f"{show(value)} is not one of: {' | '.join(choices)}")
         return str(value)
 
-    def number(self, key: str, kind: type, default: Any, check: Callable[[Any], bool], rule: str) -> Any:
+    def number(
+        self, key: str, kind: type, default: Any, check: Callable[[Any], bool], rule: str
+    ) -> Any:
         value = self.get(key, kind, default)
         if not check(value):
             raise self.error(key, f"{show(value)} is out of range: {rule}")
@@ -113,12 +126,19 @@ class Section:
 
 
 def _kind_name(kinds: tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list"}
+    names = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        list: "a list",
+    }
     return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
 
 
 def key_name(key: str) -> str:
-    """A key or name as written, or quoted with escapes when it holds a newline, a NUL or another control."""
+    """A key or name as written, or quoted with escapes when it holds a newline, a NUL or another
+    control."""
     return key if key.isprintable() else json.dumps(key, ensure_ascii=False)
 
 

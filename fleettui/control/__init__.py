@@ -1,1 +1,2 @@
-"""Provides the control layer: the controller, deployments and their store, launchers, stage states."""
+"""Provides the control layer: the controller, deployments and their store, launchers, stage
+states."""

@@ -1,7 +1,8 @@
-"""Provides FleetControl, the seam under the UI (and any script): what a fleet can be asked to do, typed.
+"""Provides FleetControl, the seam under the UI (and any script): what a fleet can be asked to do,
+typed.
 
-`FleetController` implements it over real workers; the TUI tests' fake implements it without a model.
-"""
+`FleetController` implements it over real workers; the TUI tests' fake implements it without a
+model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class Answer(Protocol):
 
 
 class FleetControl(Protocol):
-    """Start or attach, chat in sessions, watch, detach or stop: everything the UI does to a fleet."""
+    """Start or attach, chat in sessions, watch, detach or stop: everything the UI does to a
+    fleet."""
 
     @property
     def fleet(self) -> Fleet: ...
@@ -57,7 +59,8 @@ class FleetControl(Protocol):
         """Stop this deployment's workers; one line per worker."""
 
     async def detach(self) -> list[str]:
-        """Leave the workers running for the record (`fleettui stop` or a later attach finds them)."""
+        """Leave the workers running for the record (`fleettui stop` or a later attach finds
+        them)."""
 
     async def open_session(self, seed: int = 0) -> SessionHandle: ...
 
@@ -67,7 +70,8 @@ class FleetControl(Protocol):
         text: str,
         params: GenerationParams,
         on_tokens: TokenCallback | None = None,
-        raw: bool = False,  # completion mode: continue the session's text (a base model has no template)
+        # completion mode: continue the session's text (a base model has no template)
+        raw: bool = False,
     ) -> Answer: ...
 
     async def close_session(self, session: SessionHandle) -> None: ...

@@ -1,11 +1,11 @@
-"""Provides slow/hot stage detection and rebalancing: pure decisions from measured per-stage step times.
+"""Provides slow/hot stage detection and rebalancing: pure decisions from measured per-stage step
+times.
 
-`throttle_reason` compares a stage's recent step time with its own baseline and reads its temperature and
-clock; `propose_split` turns measured per-stage compute into per-layer costs (the last stage's lm_head
-counted separately, in layer equivalents) and finds the contiguous split that minimises the slowest stage;
-`Balancer` feeds both from result traces and says when one stage has stayed the bottleneck long enough
-to propose (or, with `rebalance = "auto"`, apply) a new split.
-"""
+`throttle_reason` compares a stage's recent step time with its own baseline and reads its
+temperature and clock; `propose_split` turns measured per-stage compute into per-layer costs (the
+last stage's lm_head counted separately, in layer equivalents) and finds the contiguous split that
+minimises the slowest stage; `Balancer` feeds both from result traces and says when one stage has
+stayed the bottleneck long enough to propose (or, with `rebalance = "auto"`, apply) a new split."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def stage_costs(
     head_layers: float = 0.0,
     moved: Sequence[float] = (),
 ) -> list[float]:
-    """Per-layer cost of each stage's host; the last stage's time also pays `head_layers` of lm_head, and a
-    stage of a split that cuts inside layers `moved[i]` layers more (+ the MLP it starts with, - the one after
-    its last attention)."""
+    """Per-layer cost of each stage's host; the last stage's time also pays `head_layers` of
+    lm_head, and a stage of a split that cuts inside layers `moved[i]` layers more (+ the MLP it
+    starts with, - the one after its last attention)."""
     costs = []
     for index, ((start, end), spent) in enumerate(zip(ranges, seconds, strict=True)):
         layers = (end - start) + (moved[index] if moved else 0.0)
@@ -61,11 +61,11 @@ def best_split(
     head_layers: float = 0.0,
     capacity: Sequence[int] | None = None,
 ) -> list[tuple[int, int]]:
-    """The contiguous split (≥ 1 layer per host, ≤ capacity) minimising the slowest stage's time (pure).
+    """The contiguous split (≥ 1 layer per host, ≤ capacity) minimising the slowest stage's time
+    (pure).
 
-    Stage time = layers × host cost (+ the head on the last host). Adding layers one at a time to the host
-    whose time grows least is optimal for this separable min-max problem.
-    """
+    Stage time = layers × host cost (+ the head on the last host). Adding layers one at a time to
+    the host whose time grows least is optimal for this separable min-max problem."""
     count = len(costs)
     if count == 0 or num_layers < count:
         raise ValueError(f"cannot split {num_layers} layers over {count} hosts")
@@ -90,7 +90,10 @@ def best_split(
 
 
 def bottleneck_time(
-    ranges: Sequence[tuple[int, int]], costs: Sequence[float], head_layers: float, moved: Sequence[float] = ()
+    ranges: Sequence[tuple[int, int]],
+    costs: Sequence[float],
+    head_layers: float,
+    moved: Sequence[float] = (),
 ) -> float:
     last = len(ranges) - 1
     return max(
@@ -107,8 +110,9 @@ def propose_split(
     capacity: Sequence[int] | None = None,
     moved: Sequence[float] = (),
 ) -> tuple[list[tuple[int, int]], float] | None:
-    """A better split of whole layers and its expected gain (fraction of the bottleneck saved), or None if
-    < min_gain. `moved`: what a running split that cuts inside layers moves per stage (`stage_costs`)."""
+    """A better split of whole layers and its expected gain (fraction of the bottleneck saved), or
+    None if < min_gain. `moved`: what a running split that cuts inside layers moves per stage
+    (`stage_costs`)."""
     costs = stage_costs(ranges, seconds, head_layers, moved)
     if any(cost <= 0 for cost in costs):
         return None
@@ -129,14 +133,16 @@ RECENT = 32  # steps in the running comparison
 def relative_slowdown(
     baseline: Sequence[Sequence[float]], recent: Sequence[Sequence[float]], stage: int
 ) -> float:
-    """How much more of the pipeline's compute STAGE takes now than in the baseline, against the other stages
-    (1.0 = unchanged; pure). Rows are steps, each with every stage's time for that same step, so a machine
-    slowing down as a whole cancels out, and a slowdown that hits only some steps (a duty-cycle throttle, a
-    noisy neighbour) counts with its full weight, which a median of step times would miss.
+    """How much more of the pipeline's compute STAGE takes now than in the baseline, against the
+    other stages (1.0 = unchanged; pure). Rows are steps, each with every stage's time for that same
+    step, so a machine slowing down as a whole cancels out, and a slowdown that hits only some steps
+    (a duty-cycle throttle, a noisy neighbour) counts with its full weight, which a median of step
+    times would miss.
 
-    Each step's share counts once, whatever its length: a prefill's shares differ from a decode's (the last
-    stage's head scores only the last position), and a sum over a baseline of long prefills would weigh them
-    so much that the decodes after it read as the last stage slowing down."""
+    Each step's share counts once, whatever its length: a prefill's shares differ from a decode's
+    (the last stage's head scores only the last position), and a sum over a baseline of long
+    prefills would weigh them so much that the decodes after it read as the last stage slowing
+    down."""
 
     def share(rows: Sequence[Sequence[float]]) -> float:
         shares = [row[stage] / others for row in rows if (others := sum(row) - row[stage]) > 0]
@@ -147,10 +153,11 @@ def relative_slowdown(
 
 
 class Balancer:
-    """Per-stage step times from result traces; throttle flags and a split proposal when one stage lags.
+    """Per-stage step times from result traces; throttle flags and a split proposal when one stage
+    lags.
 
-    `window` steps make one comparison; a proposal needs the same bottleneck in `patience` windows running.
-    """
+    `window` steps make one comparison; a proposal needs the same bottleneck in `patience` windows
+    running."""
 
     def __init__(
         self,
@@ -169,12 +176,16 @@ class Balancer:
         self.window = window
         self.patience = patience
         self.min_gain = min_gain
-        self.baseline_rows: list[tuple[float, ...]] = []  # the first `window` steps, every stage's time
+        self.baseline_rows: list[
+            tuple[float, ...]
+        ] = []  # the first `window` steps, every stage's time
         self.recent_rows: deque[tuple[float, ...]] = deque(maxlen=RECENT)
         self.sums = [0.0] * len(ranges)
         self.steps = 0
         self.streak: tuple[int, int] = (-1, 0)  # (bottleneck stage, windows in a row)
-        self.hints: dict[int, tuple[float | None, float | None]] = {}  # stage -> (temp_c, freq_ratio)
+        self.hints: dict[
+            int, tuple[float | None, float | None]
+        ] = {}  # stage -> (temp_c, freq_ratio)
 
     def observe(self, result: protocol.Result, _received: float = 0.0) -> None:
         trace = result.trace.reshape(-1, protocol.TRACE_FIELDS)
@@ -197,9 +208,10 @@ class Balancer:
     def throttled(self) -> dict[int, tuple[float, str]]:
         """Stages that count as throttled now: stage -> (ratio, reason).
 
-        The ratio is the larger of two readings: the median step time against the stage's own baseline median
-        (every step slower: a lowered clock, a hot CPU, also when all stages slow down together) and, with two
-        or more stages, the stage's share of the compute against the others (`relative_slowdown`)."""
+        The ratio is the larger of two readings: the median step time against the stage's own
+        baseline median (every step slower: a lowered clock, a hot CPU, also when all stages slow
+        down together) and, with two or more stages, the stage's share of the compute against the
+        others (`relative_slowdown`)."""
         flagged = {}
         full = len(self.baseline_rows) >= self.window
         enough = len(self.recent_rows) >= RECENT // 2
@@ -216,7 +228,8 @@ class Balancer:
         return flagged
 
     def proposal(self) -> tuple[list[tuple[int, int]], float] | None:
-        """At the end of each window: a new split once the same stage was the bottleneck `patience` times."""
+        """At the end of each window: a new split once the same stage was the bottleneck
+        `patience` times."""
         if self.steps < self.window:
             return None
         seconds = list(self.sums)
@@ -227,7 +240,9 @@ class Balancer:
         self.streak = (slowest, run + 1 if stage == slowest else 1)
         if self.streak[1] < self.patience:
             return None
-        proposed = propose_split(self.ranges, seconds, self.head_layers, self.min_gain, moved=self.moved)
+        proposed = propose_split(
+            self.ranges, seconds, self.head_layers, self.min_gain, moved=self.moved
+        )
         if proposed is not None:
             self.streak = (-1, 0)
         return proposed

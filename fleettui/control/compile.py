@@ -1,4 +1,5 @@
-"""Provides the shard compile step: the shard compiler runs in a child process (torch stays out of fleettui)."""
+"""Provides the shard compile step: the shard compiler runs in a child process (torch stays out
+of fleettui)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ async def compile_model(
     on_progress: Callable[[str], None] | None = None,
     mid_cuts: Collection[int] = (),
 ) -> CompiledModel:
-    """Run the shard compiler in a child process (it needs torch; the operator side must not import it).
+    """Run the shard compiler in a child process (it needs torch; the operator side must not import
+    it).
 
     A boundary in `mid_cuts` cuts the layer before it between its attention and its MLP."""
     split = ",".join(format_bounds([ranges[0][0], *(end for _, end in ranges)], mid_cuts))
@@ -88,7 +90,8 @@ async def compile_model(
 async def compile_fleet(
     fleet: Fleet, plan: Plan, on_progress: Callable[[str], None] | None = None
 ) -> tuple[CompiledModel, CompiledModel | None]:
-    """The target shards of the planned split and the draft model the fleet speculates with (None without one)."""
+    """The target shards of the planned split and the draft model the fleet speculates with (None
+    without one)."""
     from fleettui.control.model_package import ensure_model_package
 
     model = fleet.model

@@ -1,4 +1,5 @@
-"""Provides the connection to a running deployment: data links, drafter, coordinator, hop times and telemetry feed."""
+"""Provides the connection to a running deployment: data links, drafter, coordinator, hop times
+and telemetry feed."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Connection:
         return link if isinstance(link, ZmqLink) else None
 
     def block(self, error: StageLost, draft: bool) -> None:
-        """A stage was lost: its chain's pending requests fail now, new ones until `unblock()`; sessions replay."""
+        """A stage was lost: its chain's pending requests fail now, new ones until `unblock()`;
+        sessions replay."""
         if draft:
             self.coordinator.draft_epoch += 1
         else:
@@ -50,7 +52,8 @@ class Connection:
                 link.unblock()
 
     async def retarget(self, deployment: Deployment) -> None:
-        """Link the coordinator to a new chain (a new split) and check it with Hello; the old link closes."""
+        """Link the coordinator to a new chain (a new split) and check it with Hello; the old
+        link closes."""
         head, tail = deployment.stages[0], deployment.stages[-1]
         head_url = Endpoint(head.connect_address, head.config.data_port).url()
         link = ZmqLink(head_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
@@ -65,7 +68,9 @@ class Connection:
         await self.feed.retarget(_telemetry_urls(deployment))
         stages = await self.coordinator.hello()
         if stages != len(deployment.stages):
-            raise RuntimeError(f"handshake crossed {stages} stages, expected {len(deployment.stages)}")
+            raise RuntimeError(
+                f"handshake crossed {stages} stages, expected {len(deployment.stages)}"
+            )
 
     async def close(self) -> None:
         await self.feed.stop()
@@ -81,7 +86,8 @@ async def connect(
     endpoint_map: Callable[[Endpoint], Endpoint] | None,
     on_sample: Callable[[TelemetrySample], None],
 ) -> Connection:
-    """Link to the chain's head and tail (and the draft) and follow telemetry; `handshake` then checks the chain."""
+    """Link to the chain's head and tail (and the draft) and follow telemetry; `handshake` then
+    checks the chain."""
     from fleettui.runtime.chat_format import ChatFormat
 
     head, tail = deployment.stages[0], deployment.stages[-1]
@@ -110,7 +116,9 @@ async def connect(
     hops: dict[str, float] = {}
 
     def sample_with_hop(sample: TelemetrySample) -> None:
-        on_sample(replace(sample, hop_ms=round(hops[sample.name], 2)) if sample.name in hops else sample)
+        on_sample(
+            replace(sample, hop_ms=round(hops[sample.name], 2)) if sample.name in hops else sample
+        )
 
     feed = TelemetryFeed(_telemetry_urls(deployment), deployment.keys, sample_with_hop)
     connection = Connection(coordinator, links, feed, deployment, hops)
@@ -124,9 +132,9 @@ async def connect(
 async def handshake(
     connection: Connection, recovered: Callable[[], Awaitable[object]], attempts: int = 3
 ) -> None:
-    """Check the chain end to end with Hello. A stage lost meanwhile (declared by the recovery, which fails the
-    Hello at once) is awaited with `recovered()` and the Hello sent again: a stage that dies while a command
-    connects is relaunched like one that dies mid-answer."""
+    """Check the chain end to end with Hello. A stage lost meanwhile (declared by the recovery,
+    which fails the Hello at once) is awaited with `recovered()` and the Hello sent again: a stage
+    that dies while a command connects is relaunched like one that dies mid-answer."""
     coordinator = connection.coordinator
     for attempt in range(1, attempts + 1):
         try:
@@ -145,9 +153,11 @@ async def handshake(
 
 
 def run_limit(deployment: Deployment) -> int:
-    """Tokens the chain may generate on its own per run: a one-stage chain feeds its tokens back itself, the
-    last stage of a longer one over its loop to stage 0."""
-    return protocol.MAX_RUN if len(deployment.stages) == 1 or deployment.stages[-1].config.loop else 0
+    """Tokens the chain may generate on its own per run: a one-stage chain feeds its tokens back
+    itself, the last stage of a longer one over its loop to stage 0."""
+    return (
+        protocol.MAX_RUN if len(deployment.stages) == 1 or deployment.stages[-1].config.loop else 0
+    )
 
 
 def _telemetry_urls(deployment: Deployment) -> list[tuple[str, str | None]]:
@@ -164,7 +174,11 @@ def _drafter(fleet: Fleet, deployment: Deployment, links: list[ZmqLink]) -> Draf
         raise RuntimeError(f"draft {draft!r} has no draft worker in deployment {deployment.id}")
     placement = deployment.draft
     link = ZmqLink(
-        placement.data_url, placement.result_url, deployment.keys, placement.server_key, placement.server_key
+        placement.data_url,
+        placement.result_url,
+        deployment.keys,
+        placement.server_key,
+        placement.server_key,
     )
     links.append(link)
     return ModelDrafter(link, name=draft)
@@ -173,12 +187,15 @@ def _drafter(fleet: Fleet, deployment: Deployment, links: list[ZmqLink]) -> Draf
 def _observe_hops(
     deployment: Deployment, hops: dict[str, float], result: protocol.Result, received: float
 ) -> None:
-    """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in ms."""
+    """Wire time from each stage to the next (the last stage: to the coordinator), smoothed, in
+    ms."""
     records = protocol.trace_records(result.trace)
     if len(records) != len(deployment.stages):
         return
     arrivals = [record[1] for record in records[1:]] + [received]
-    for (stage, _received, _started, _finished, sent), arrival in zip(records, arrivals, strict=True):
+    for (stage, _received, _started, _finished, sent), arrival in zip(
+        records, arrivals, strict=True
+    ):
         name = deployment.stages[int(stage)].config.name
         sample = (arrival - sent) * 1000.0
         previous = hops.get(name)
@@ -186,15 +203,16 @@ def _observe_hops(
 
 
 class Lease:
-    """Workers started for one command live on a lease this process renews; they exit when it lapses.
+    """Workers started for one command live on a lease this process renews; they exit when it
+    lapses.
 
-    They are launched on it (their config names it, counted from when each is ready), and the renewals
-    start before the launch, so a controller killed at any point — even mid-launch or mid-relaunch — leaves
-    no worker behind for longer than the lease. Any control request renews it, so the watcher pings every
-    few seconds; `end()` sets 0 (no lease) when the workers are handed to a deployment record, and has each
-    worker confirm it. Workers that predate the op answer an error: ignored.
-    `current()` gives the deployment as it is now, so workers of a new split (a re-plan) are leased too.
-    """
+    They are launched on it (their config names it, counted from when each is ready), and the
+    renewals start before the launch, so a controller killed at any point — even mid-launch or
+    mid-relaunch — leaves no worker behind for longer than the lease. Any control request renews it,
+    so the watcher pings every few seconds; `end()` sets 0 (no lease) when the workers are handed to
+    a deployment record, and has each worker confirm it. Workers that predate the op answer an
+    error: ignored. `current()` gives the deployment as it is now, so workers of a new split (a
+    re-plan) are leased too."""
 
     RENEW_SECONDS = 5.0
 
@@ -204,7 +222,8 @@ class Lease:
         self._task: asyncio.Task[None] | None = None
 
     async def _send(self, seconds: float, attempts: int = 1) -> list[str]:
-        """Set the lease of every worker; the names of those that did not confirm it in `attempts` tries."""
+        """Set the lease of every worker; the names of those that did not confirm it in
+        `attempts` tries."""
         deployment = self.current()
         if deployment is None:
             return []
@@ -223,7 +242,9 @@ class Lease:
             *(confirmed(p) for p in deployment.placements), return_exceptions=True
         )
         return [
-            p.config.name for p, ok in zip(deployment.placements, outcomes, strict=True) if ok is not True
+            p.config.name
+            for p, ok in zip(deployment.placements, outcomes, strict=True)
+            if ok is not True
         ]
 
     async def _renew(self) -> None:
@@ -232,11 +253,13 @@ class Lease:
             await asyncio.sleep(self.RENEW_SECONDS)
 
     def start(self) -> None:
-        """Renew from now on, every few seconds (workers launched on a lease are pinged while others start)."""
+        """Renew from now on, every few seconds (workers launched on a lease are pinged while
+        others start)."""
         self._task = asyncio.get_running_loop().create_task(self._renew(), name="lease-watcher")
 
     async def cancel(self) -> None:
-        """Stop renewing (the lease then lapses unless the workers are stopped or handed over first)."""
+        """Stop renewing (the lease then lapses unless the workers are stopped or handed over
+        first)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -244,12 +267,17 @@ class Lease:
             self._task = None
 
     async def end(self) -> list[str]:
-        """No lease any more: the workers stay until stopped. Returns a warning per worker that did not confirm
-        it (retried for a few seconds: a lost request would let a deployed worker exit once the lease ran out)."""
+        """No lease any more: the workers stay until stopped. Returns a warning per worker that did
+        not confirm it (retried for a few seconds: a lost request would let a deployed worker exit
+        once the lease ran out)."""
         await self.cancel()
-        then = f": it exits within {self.seconds:g} s unless a fleettui command attaches to the fleet first"
+        then = (
+            f": it exits within {self.seconds:g} s unless a fleettui command attaches to the fleet "
+            "first"
+        )
         return [
-            f"warning: {name} did not confirm that it runs on no lease{then if self.seconds else ''}"
+            f"warning: {name} did not confirm that it runs on no "
+            f"lease{then if self.seconds else ''}"
             for name in await self._send(0, attempts=5)
         ]
 
@@ -259,15 +287,24 @@ async def answers_ping(placement: Placement, deployment: Deployment) -> bool:
     reply = await control_request(
         placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=3.0
     )
-    return reply is not None and reply.get("deployment") == deployment.id and reply.get("state") == "ready"
+    return (
+        reply is not None
+        and reply.get("deployment") == deployment.id
+        and reply.get("state") == "ready"
+    )
 
 
 async def set_batching(deployment: Deployment, on: bool) -> list[str]:
-    """Turn batched inference on or off on every worker; the names of those that did not confirm it."""
+    """Turn batched inference on or off on every worker; the names of those that did not confirm
+    it."""
 
     async def confirmed(placement: Placement) -> bool:
         reply = await control_request(
-            placement.control_url, {"op": "batching", "on": on}, deployment.keys, placement.server_key, 3.0
+            placement.control_url,
+            {"op": "batching", "on": on},
+            deployment.keys,
+            placement.server_key,
+            3.0,
         )
         return reply is not None and isinstance(reply.get("max_batch"), int)
 

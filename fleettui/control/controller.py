@@ -1,10 +1,11 @@
-"""Provides the fleet controller: the one path from a fleet file to running stages (plan, launch, connect, serve).
+"""Provides the fleet controller: the one path from a fleet file to running stages (plan, launch,
+connect, serve).
 
-`start()` attaches to the fleet's live recorded deployment, or calibrates hosts whose costs are unknown,
-compiles, launches every stage (local and SSH behind one launcher interface), hand-shakes, records the
-deployment and connects. A fleet started for one command holds its workers on a lease the controller renews;
-`detach()` hands them to the record (`fleettui stop` finds them), `stop()` stops this deployment's workers.
-"""
+`start()` attaches to the fleet's live recorded deployment, or calibrates hosts whose costs are
+unknown, compiles, launches every stage (local and SSH behind one launcher interface), hand-shakes,
+records the deployment and connects. A fleet started for one command holds its workers on a lease
+the controller renews; `detach()` hands them to the record (`fleettui stop` finds them), `stop()`
+stops this deployment's workers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from fleettui.control import store
 from fleettui.control.api import SessionHandle
 from fleettui.control.calibration import calibrate_on_deploy
 from fleettui.control.compile import CompiledModel, CompileError, compile_fleet, compile_model
-from fleettui.control.connection import Connection, Lease, answers_ping, connect, handshake, set_batching
+from fleettui.control.connection import (
+    Connection,
+    Lease,
+    answers_ping,
+    connect,
+    handshake,
+    set_batching,
+)
 from fleettui.control.deployment import Deployment, Placement, build_deployment, rerouted
 from fleettui.control.launcher import (
     Launched,
@@ -34,7 +42,7 @@ from fleettui.control.launcher import (
     remove_folders,
     stop_local,
     stop_remote,
-)  # fmt: skip
+)
 from fleettui.control.recovery import Recovery
 from fleettui.control.settings import apply, generation_params, with_overrides
 from fleettui.control.states import (
@@ -52,7 +60,7 @@ from fleettui.control.states import (
     Telemetry,
     next_state,
     provision_state,
-)  # fmt: skip
+)
 from fleettui.control.store import DeploymentRecord, Settings
 from fleettui.provision.events import ProvisionEvent, Step
 from fleettui.runtime.chat_format import ChatMessage
@@ -66,10 +74,18 @@ from remote_worker.replies import PingReply, TelemetrySample
 if TYPE_CHECKING:
     from fleettui.planning.planner import Plan
 
-__all__ = ["ControllerError", "FleetController", "compile_model", "generation_params", "with_overrides"]
+__all__ = [
+    "ControllerError",
+    "FleetController",
+    "compile_model",
+    "generation_params",
+    "with_overrides",
+]
 
 log = logging.getLogger(__name__)
-LEASE_SECONDS = 30.0  # a worker started for one command exits this long after its controller vanished
+LEASE_SECONDS = (
+    30.0  # a worker started for one command exits this long after its controller vanished
+)
 
 
 class ControllerError(RuntimeError):
@@ -77,7 +93,8 @@ class ControllerError(RuntimeError):
 
 
 class FleetController:
-    """Owns one fleet for one process: its deployment (launched or attached), links, coordinator and states."""
+    """Owns one fleet for one process: its deployment (launched or attached), links, coordinator
+    and states."""
 
     def __init__(
         self,
@@ -106,7 +123,8 @@ class FleetController:
         self._lease: Lease | None = None
         self.recovery: Recovery | None = None  # watches the workers, recovers lost stages
 
-    # -- events -------------------------------------------------------------------------------------
+    # -- events
+    # -------------------------------------------------------------------------------------
     def emit(self, event: ControllerEvent) -> None:
         try:
             self._on_event(event)
@@ -119,7 +137,8 @@ class FleetController:
             self.emit(StageChanged(name, state))
 
     def adopt(self, record: DeploymentRecord) -> None:
-        """Take charge of a recorded deployment without attaching to it: to stop it or read its logs."""
+        """Take charge of a recorded deployment without attaching to it: to stop it or read its
+        logs."""
         self.record = record
         self.deployment = record.deployment(self.base_fleet)
 
@@ -135,7 +154,8 @@ class FleetController:
             self.set_state(name, next_state(self.states[name], sample))
         self.emit(Telemetry(name, sample))
 
-    # -- what the UI and scripts read ---------------------------------------------------------------
+    # -- what the UI and scripts read
+    # ---------------------------------------------------------------
     @property
     def coordinator(self) -> Coordinator | None:
         return self._connection.coordinator if self._connection else None
@@ -148,23 +168,28 @@ class FleetController:
         return self.samples
 
     def worker_pids(self) -> dict[str, int]:
-        """Local worker processes of the fleet (launched here or recorded by the one that launched them)."""
+        """Local worker processes of the fleet (launched here or recorded by the one that
+        launched them)."""
         if self.record is not None:
             return self.record.pids()
         return {
-            each.placement.config.name: each.process.pid for each in self.launched if each.process is not None
+            each.placement.config.name: each.process.pid
+            for each in self.launched
+            if each.process is not None
         }
 
     @property
     def worker_lease(self) -> float:
-        """The lease a worker started now runs on: this controller's while it renews one, else none."""
+        """The lease a worker started now runs on: this controller's while it renews one, else
+        none."""
         return self.lease if self._lease is not None else 0.0
 
     def model_info(self) -> ModelInfo | None:
         return None if self.target is None else ModelInfo.of(self.fleet, self.target.manifest)
 
     def layer_ranges(self) -> list[tuple[float, float]]:
-        """Each stage's layers as planned, for display: (0, 12.5) ends inside layer 12, after its attention."""
+        """Each stage's layers as planned, for display: (0, 12.5) ends inside layer 12, after its
+        attention."""
         return [stage.edges for stage in self.layer_plan().stages]
 
     def layer_plan(self) -> Plan:
@@ -172,9 +197,11 @@ class FleetController:
 
         return plan_fleet(self.fleet)
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- lifecycle
+    # ----------------------------------------------------------------------------------
     async def prepare(self) -> None:
-        """Calibrate hosts whose costs are unknown (`control.calibration`), then compile the target and draft."""
+        """Calibrate hosts whose costs are unknown (`control.calibration`), then compile the
+        target and draft."""
         for host in self.fleet.hosts:
             self.set_state(host.name, Provisioning("compile"))
 
@@ -182,7 +209,9 @@ class FleetController:
             self.emit(LogLine("shard_compiler" if source == "compiler" else source, line))
             self.emit(Progress(source, step, message=line))
 
-        await calibrate_on_deploy(self.fleet, lambda line: progress(line, "calibration", "calibrate"))
+        await calibrate_on_deploy(
+            self.fleet, lambda line: progress(line, "calibration", "calibrate")
+        )
         try:
             self.target, self.draft = await compile_fleet(self.fleet, self.layer_plan(), progress)
         except CompileError as error:
@@ -200,9 +229,11 @@ class FleetController:
     ) -> Coordinator:
         """Attach to the fleet's live deployment, or launch one; returns the connected coordinator.
 
-        `endpoint_map` reroutes every data link of the chain (e.g. through the bench's hop-delay proxies);
-        such a fleet is never attached to nor recorded."""
-        if self.coordinator is not None:  # connected already (a failed stage is recovery's business)
+        `endpoint_map` reroutes every data link of the chain (e.g. through the bench's hop-delay
+        proxies); such a fleet is never attached to nor recorded."""
+        if (
+            self.coordinator is not None
+        ):  # connected already (a failed stage is recovery's business)
             return self.coordinator
         if attach and endpoint_map is None and await self.attach():
             assert self.coordinator is not None
@@ -210,7 +241,8 @@ class FleetController:
         return await self._launch(ready_timeout, endpoint_map, record and endpoint_map is None)
 
     async def attach(self) -> bool:
-        """Connect to the recorded deployment of this fleet file; False when none is alive (a stale one is cleared)."""
+        """Connect to the recorded deployment of this fleet file; False when none is alive (a
+        stale one is cleared)."""
         found = store.load(self.base_fleet)
         if found is None:
             return False
@@ -227,10 +259,13 @@ class FleetController:
                 raise ControllerError(conflict)
             deployment = found.deployment(apply(self.base_fleet, found.settings))
             replies = await asyncio.gather(
-                *(answers_ping(p, deployment) for p in deployment.placements), return_exceptions=True
+                *(answers_ping(p, deployment) for p in deployment.placements),
+                return_exceptions=True,
             )
             silent = [
-                p.config.name for p, r in zip(deployment.placements, replies, strict=True) if r is not True
+                p.config.name
+                for p, r in zip(deployment.placements, replies, strict=True)
+                if r is not True
             ]
             if silent:
                 reason = f"deployment {found.id} is stale: {', '.join(silent)} does not answer"
@@ -249,14 +284,21 @@ class FleetController:
         self.record = store.held_by(found, os.getpid())
         store.save(self.record)
         self.attached = True
-        self.emit(LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)"))
-        for line in await Lease(lambda: deployment, 0.0).end():  # handed over: no lease (nor a lost end's)
+        self.emit(
+            LogLine("fleet", f"attached to deployment {found.id} ({len(found.stages)} workers)")
+        )
+        for line in await Lease(
+            lambda: deployment, 0.0
+        ).end():  # handed over: no lease (nor a lost end's)
             self.emit(LogLine("fleet", line))
         await self._connect(deployment, None)
         return True
 
     async def _launch(
-        self, ready_timeout: float, endpoint_map: Callable[[Endpoint], Endpoint] | None, record: bool
+        self,
+        ready_timeout: float,
+        endpoint_map: Callable[[Endpoint], Endpoint] | None,
+        record: bool,
     ) -> Coordinator:
         local_hosts = [host for host in self.fleet.hosts if host.is_local]
         try:
@@ -276,14 +318,18 @@ class FleetController:
             lambda host: str(target_dir),
             str(self.draft.directory) if self.draft else None,
         )
-        if endpoint_map is not None:  # every stage's downstream link too, not only the coordinator's ends
+        if (
+            endpoint_map is not None
+        ):  # every stage's downstream link too, not only the coordinator's ends
             deployment = rerouted(deployment, endpoint_map)
         self.deployment = deployment
         if self.lease > 0:  # renewed from now on: a worker ready early waits for the others on it
             self._lease = Lease(lambda: self.deployment, self.lease)
             self._lease.start()
         local = [p for p in deployment.placements if p.host.is_local]
-        local_launcher = LocalLauncher(deployment.keys, lease=self.worker_lease, recheck=self.recheck)
+        local_launcher = LocalLauncher(
+            deployment.keys, lease=self.worker_lease, recheck=self.recheck
+        )
         for placement in local:
             self.set_state(placement.config.name, Loading())
             self.launched.append(await local_launcher.start(placement))
@@ -291,9 +337,15 @@ class FleetController:
             self.record = self._record(deployment, owner=os.getpid())
             store.save(self.record)
         remote = SshLauncher(
-            self.fleet, target_dir, deployment.keys, self._on_provision, ready_timeout, prune=self.prune,
-            recheck=self.recheck, lease=self.worker_lease,
-        )  # fmt: skip
+            self.fleet,
+            target_dir,
+            deployment.keys,
+            self._on_provision,
+            ready_timeout,
+            prune=self.prune,
+            recheck=self.recheck,
+            lease=self.worker_lease,
+        )
         jobs = [self._bring_up(local_launcher, each, ready_timeout) for each in list(self.launched)]
         jobs += [self._bring_up_remote(remote, p) for p in deployment.stages if not p.host.is_local]
         outcomes = await asyncio.gather(*jobs, return_exceptions=True)
@@ -310,7 +362,9 @@ class FleetController:
             await self.stop()
             raise ControllerError("; ".join(failures))
         if self.record is not None:
-            self.record = self._record(deployment, owner=os.getpid())  # SSH configs name the pushed shards
+            self.record = self._record(
+                deployment, owner=os.getpid()
+            )  # SSH configs name the pushed shards
             store.save(self.record)
         await self._connect(deployment, endpoint_map)
         assert self._connection is not None
@@ -344,11 +398,18 @@ class FleetController:
     def _record(self, deployment: Deployment, owner: int | None) -> DeploymentRecord:
         assert self.target is not None
         running = {
-            each.placement.config.name: (each.placement.config, each.process) for each in self.launched
+            each.placement.config.name: (each.placement.config, each.process)
+            for each in self.launched
         }
         draft = str(self.draft.directory) if self.draft else None
         return store.record_of(
-            self.base_fleet, self.settings, deployment, running, str(self.target.directory), draft, owner
+            self.base_fleet,
+            self.settings,
+            deployment,
+            running,
+            str(self.target.directory),
+            draft,
+            owner,
         )
 
     async def _connect(
@@ -359,7 +420,9 @@ class FleetController:
             self._connection = await connect(
                 self.fleet, deployment, self.target, endpoint_map, self._on_sample
             )
-            self.recovery = Recovery(self, compile_model)  # heartbeats and recovery, the handshake's too
+            self.recovery = Recovery(
+                self, compile_model
+            )  # heartbeats and recovery, the handshake's too
             self.recovery.start()
             await handshake(self._connection, self.recovery.idle.wait)
         except (RuntimeError, ValueError) as error:
@@ -369,7 +432,8 @@ class FleetController:
             self.set_state(placement.config.name, Ready())
 
     async def _release(self) -> None:
-        """Stop recovery and the lease watcher, close the telemetry feed and every link (workers untouched)."""
+        """Stop recovery and the lease watcher, close the telemetry feed and every link (workers
+        untouched)."""
         if self.recovery is not None:  # stop watching before the workers go away
             await self.recovery.stop()
             self.recovery = None
@@ -381,7 +445,8 @@ class FleetController:
             self._connection = None
 
     async def stop(self) -> list[str]:
-        """Stop exactly this deployment's workers (launched here or recorded), forget its record and folders."""
+        """Stop exactly this deployment's workers (launched here or recorded), forget its record
+        and folders."""
         await self._release()
         report: list[str] = []
         if self.record is not None:
@@ -400,7 +465,9 @@ class FleetController:
         jobs = []
         for each in self.launched:
             if each.placement.host.is_local:
-                jobs.append(stop_local(each.placement, each.process, deployment.keys, popen=each.popen))
+                jobs.append(
+                    stop_local(each.placement, each.process, deployment.keys, popen=each.popen)
+                )
         jobs += [stop_remote(self.fleet, p) for p in deployment.stages if not p.host.is_local]
         report = [str(line) for line in await asyncio.gather(*jobs)]
         remove_folders(deployment.id)
@@ -413,7 +480,9 @@ class FleetController:
         for stage in found.stages:
             placement = stage.placement(hosts)
             if stage.local:
-                jobs.append(stop_local(placement, stage.process, found.keys, popen=popens.get(stage.name)))
+                jobs.append(
+                    stop_local(placement, stage.process, found.keys, popen=popens.get(stage.name))
+                )
             else:
                 jobs.append(stop_remote(self.base_fleet, placement))
         report = [str(line) for line in await asyncio.gather(*jobs)]
@@ -422,18 +491,22 @@ class FleetController:
         return report
 
     async def detach(self) -> list[str]:
-        """Leave every worker running for the record (lease off); `fleettui stop` or an attach finds them."""
+        """Leave every worker running for the record (lease off); `fleettui stop` or an attach
+        finds them."""
         if self.deployment is None:
             return []
         lines = await self._lease.end() if self._lease is not None else []
         await self._release()
         if self.record is not None:
             self.record = (
-                store.handed_over(self.record) if not self.attached else store.held_by(self.record, None)
+                store.handed_over(self.record)
+                if not self.attached
+                else store.held_by(self.record, None)
             )
             path = store.save(self.record)
             lines.append(
-                f"deployment {self.record.id} left running ({len(self.record.stages)} workers), record {path}"
+                f"deployment {self.record.id} left running ({len(self.record.stages)} workers), "
+                f"record {path}"
             )
         else:
             lines.append(f"deployment {self.deployment.id} left running, unrecorded")
@@ -449,7 +522,8 @@ class FleetController:
         return ["already deployed", *lines] if was_attached else lines
 
     def kill(self) -> None:
-        """Synchronous last resort (a crash, a second signal): kill every local worker this controller started."""
+        """Synchronous last resort (a crash, a second signal): kill every local worker this
+        controller started."""
         kill_now(self.launched)
         if self.deployment is not None and self.launched:
             remove_folders(self.deployment.id)
@@ -457,7 +531,8 @@ class FleetController:
             store.remove(self.record)
         self.launched.clear()
 
-    # -- sessions -----------------------------------------------------------------------------------
+    # -- sessions
+    # -----------------------------------------------------------------------------------
     def _coordinator(self) -> Coordinator:
         if self.coordinator is None:
             raise ControllerError("the fleet is not running")
@@ -478,7 +553,9 @@ class FleetController:
         on_tokens: TokenCallback | None = None,
         raw: bool = False,
     ) -> Generation:
-        assert isinstance(session, Session)  # RAW: continue the session's text (a base model), no template
+        assert isinstance(
+            session, Session
+        )  # RAW: continue the session's text (a base model), no template
         return await self._coordinator().chat(session, text, params, on_tokens, raw)
 
     async def generate(
@@ -499,7 +576,8 @@ class FleetController:
         system: str | None = None,
         raw: bool = False,
     ) -> Generation:
-        """One prompt through the whole fleet in a fresh session (after a system message; RAW: no template)."""
+        """One prompt through the whole fleet in a fresh session (after a system message; RAW: no
+        template)."""
         if self.coordinator is None:
             await self.start()
         session = await self.open_session(params.seed)
@@ -511,7 +589,8 @@ class FleetController:
             await self.close_session(session)
 
     async def set_batching(self, on: bool) -> None:
-        """Run each stage's sessions as one inference (on) or one inference per session (off), e.g. for A/B."""
+        """Run each stage's sessions as one inference (on) or one inference per session (off),
+        e.g. for A/B."""
         if self.deployment is None:
             raise ControllerError("batching: no fleet is running")
         silent = await set_batching(self.deployment, on)

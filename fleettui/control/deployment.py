@@ -1,4 +1,5 @@
-"""Provides the deployment: per-stage worker configurations, ports, endpoints and CurveZMQ keys of one run."""
+"""Provides the deployment: per-stage worker configurations, ports, endpoints and CurveZMQ keys
+of one run."""
 
 from __future__ import annotations
 
@@ -26,18 +27,20 @@ def generate_keypair() -> tuple[str, str]:
     return public.decode(), secret.decode()
 
 
-def free_port_block(count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: Iterable[int] = ()) -> int:
-    """A base port whose next `count` ports are free on `host` right now and overlap no block given before.
+def free_port_block(
+    count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: Iterable[int] = ()
+) -> int:
+    """A base port whose next `count` ports are free on `host` right now and overlap no block given
+    before.
 
-    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
-    taken as the source port of any outgoing connection before the worker binds it ("Address already in
-    use" on a busy machine). A block is only free until its worker binds it, so this process remembers
-    the blocks it handed out and never hands out an overlapping one (a fleet's hosts and its draft are
-    chosen before any of them binds); `avoid` adds ports known to be meant for something else. Another
-    process may draw the same block in that window too: each process draws first from its own stripe of
-    the range (by process id, one of `PORT_STRIPES`), so two commands or test workers at once collide
-    only when their ids share a stripe.
-    """
+    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    can be taken as the source port of any outgoing connection before the worker binds it ("Address
+    already in use" on a busy machine). A block is only free until its worker binds it, so this
+    process remembers the blocks it handed out and never hands out an overlapping one (a fleet's
+    hosts and its draft are chosen before any of them binds); `avoid` adds ports known to be meant
+    for something else. Another process may draw the same block in that window too: each process
+    draws first from its own stripe of the range (by process id, one of `PORT_STRIPES`), so two
+    commands or test workers at once collide only when their ids share a stripe."""
     low, high = _ephemeral_range()
     first, last = (1024, low) if low - 1024 > 1000 else (high + 1, 65535)
     width = (last - first) // PORT_STRIPES
@@ -55,7 +58,9 @@ def free_port_block(count: int = PORTS_PER_HOST, host: str = LOCALHOST, avoid: I
 
 
 PORT_STRIPES = 16
-_HANDED_OUT: deque[range] = deque(maxlen=512)  # the blocks this process handed out last (long bound)
+_HANDED_OUT: deque[range] = deque(
+    maxlen=512
+)  # the blocks this process handed out last (long bound)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -204,7 +209,9 @@ def build_deployment(
     draft = None
     if draft_dir is not None:
         taken = [
-            port for each in fleet.hosts for port in range(each.base_port, each.base_port + PORTS_PER_HOST)
+            port
+            for each in fleet.hosts
+            for port in range(each.base_port, each.base_port + PORTS_PER_HOST)
         ]
         host = draft_host or Host(name="draft", base_port=free_port_block(avoid=taken))
         curve = None
@@ -238,7 +245,8 @@ def build_deployment(
 
 
 def rerouted(deployment: Deployment, route: Callable[[Endpoint], Endpoint]) -> Deployment:
-    """Every stage's downstream links (`next`, `loop`) sent through `route` (e.g. the bench's hop-delay proxies)."""
+    """Every stage's downstream links (`next`, `loop`) sent through `route` (e.g. the bench's
+    hop-delay proxies)."""
     stages = []
     for placement in deployment.stages:
         config = placement.config

@@ -1,10 +1,11 @@
-"""Provides the launchers behind one interface: start a stage (local process or SSH host), hand-shake, stop it.
+"""Provides the launchers behind one interface: start a stage (local process or SSH host),
+hand-shake, stop it.
 
-`LocalLauncher` starts `python -m remote_worker` in its own session, with its config (0600) and pid file
-in the deployment's run folder (`state/runs/<deployment>`) and its log in `log/<deployment>`; both folders
-go when the fleet stops. `SshLauncher` deploys one SSH host (push, install, launch) through
-`fleettui.provision.deploy`. Every stop checks the deployment id and the process start time first.
-"""
+`LocalLauncher` starts `python -m remote_worker` in its own session, with its config (0600) and pid
+file in the deployment's run folder (`state/runs/<deployment>`) and its log in `log/<deployment>`;
+both folders go when the fleet stops. `SshLauncher` deploys one SSH host (push, install, launch)
+through `fleettui.provision.deploy`. Every stop checks the deployment id and the process start time
+first."""
 
 from __future__ import annotations
 
@@ -34,18 +35,22 @@ log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
-    """A worker that did not come up, or a port held by someone else; the message says which and why."""
+    """A worker that did not come up, or a port held by someone else; the message says which and
+    why."""
 
 
 @dataclass
 class Launched:
-    """A stage this process brought up: its placement (with the config it really runs) and its process."""
+    """A stage this process brought up: its placement (with the config it really runs) and its
+    process."""
 
     placement: Placement
     process: ProcessId | None  # None on SSH hosts (their pid file lives there)
     popen: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
-    log_start: int = 0  # the log's size when this process started (a relaunch appends to the stage's log)
+    log_start: int = (
+        0  # the log's size when this process started (a relaunch appends to the stage's log)
+    )
 
 
 class StageLauncher(Protocol):
@@ -64,9 +69,12 @@ async def handshake(
     timeout: float,
     failure: Callable[[], str | None] = lambda: None,
 ) -> PingReply:
-    """The one handshake: ping the stage's control socket until it says ready (CurveZMQ when keyed)."""
+    """The one handshake: ping the stage's control socket until it says ready (CurveZMQ when
+    keyed)."""
     try:
-        return await wait_until_ready(placement.control_url, keys, placement.server_key, timeout, failure)
+        return await wait_until_ready(
+            placement.control_url, keys, placement.server_key, timeout, failure
+        )
     except LinkError as error:
         raise LaunchError(f"{placement.config.name}: {error}") from None
 
@@ -80,7 +88,11 @@ def port_holder(port: int) -> str | None:
     except (psutil.Error, OSError):
         return None
     for connection in connections:
-        if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+        if (
+            connection.status == psutil.CONN_LISTEN
+            and connection.laddr
+            and connection.laddr.port == port
+        ):
             if connection.pid is None:
                 return "another process"
             try:
@@ -131,23 +143,27 @@ def log_tail(path: Path | None, lines: int = 8, start: int = 0) -> list[str]:
 
 @dataclass
 class LocalLauncher:
-    """Starts workers on this machine, each in its own session so a terminal's signals do not reach them."""
+    """Starts workers on this machine, each in its own session so a terminal's signals do not
+    reach them."""
 
     keys: ClientKeys | None
     python: str = sys.executable
     lease: float = 0.0  # > 0: the worker exits by itself this long after its last control request
-    recheck: bool = False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
+    recheck: bool = (
+        False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
+    )
 
     async def start(self, placement: Placement) -> Launched:
-        # the worker hashes its files itself: a stamp another process writes meanwhile cannot stand in
+        # the worker hashes its files itself: a stamp another process writes meanwhile cannot stand
+        # in
         if self.recheck:
             placement = replace(placement, config=replace(placement.config, trust_stamps=False))
         return spawn(leased(placement, self.lease), self.python)
 
     async def handshake(self, launched: Launched, timeout: float, restarts: int = 1) -> PingReply:
-        """Wait until the worker is ready. One killed by a signal before that (the OOM killer, a stray
-        `kill`, a crash) is started again, `restarts` times, within `timeout`; one that exits with an error
-        code (a bad shard, a bad config) fails at once with the end of its log."""
+        """Wait until the worker is ready. One killed by a signal before that (the OOM killer, a
+        stray `kill`, a crash) is started again, `restarts` times, within `timeout`; one that exits
+        with an error code (a bad shard, a bad config) fails at once with the end of its log."""
         deadline = asyncio.get_running_loop().time() + timeout
 
         def exited() -> str | None:
@@ -164,34 +180,49 @@ class LocalLauncher:
                 return await handshake(launched.placement, self.keys, left, exited)
             except LaunchError as error:
                 killed = launched.popen is not None and (launched.popen.returncode or 0) < 0
-                if not (killed and restarts > 0 and deadline - asyncio.get_running_loop().time() > 1.0):
-                    tail = " | ".join(dict.fromkeys(log_tail(launched.log_path, 4, launched.log_start)))
+                if not (
+                    killed and restarts > 0 and deadline - asyncio.get_running_loop().time() > 1.0
+                ):
+                    tail = " | ".join(
+                        dict.fromkeys(log_tail(launched.log_path, 4, launched.log_start))
+                    )
                     raise LaunchError(f"{error}: {tail}" if tail else str(error)) from None
             restarts -= 1
             log.warning(
-                "%s: %s before it was ready; starting it again", launched.placement.config.name, exited()
+                "%s: %s before it was ready; starting it again",
+                launched.placement.config.name,
+                exited(),
             )
             again = await self.start(launched.placement)
-            launched.process, launched.popen, launched.log_start = again.process, again.popen, again.log_start
+            launched.process, launched.popen, launched.log_start = (
+                again.process,
+                again.popen,
+                again.log_start,
+            )
 
     async def stop(self, launched: Launched, grace: float = 5.0) -> str:
-        """Shut the worker down (control request, then TERM, then KILL) if it is still the one started."""
-        return await stop_local(launched.placement, launched.process, self.keys, grace, launched.popen)
+        """Shut the worker down (control request, then TERM, then KILL) if it is still the one
+        started."""
+        return await stop_local(
+            launched.placement, launched.process, self.keys, grace, launched.popen
+        )
 
 
 def leased(placement: Placement, seconds: float) -> Placement:
-    """The placement whose worker starts on a lease of `seconds` (0: none), counted from when it is ready.
+    """The placement whose worker starts on a lease of `seconds` (0: none), counted from when it is
+    ready.
 
-    A controller that dies while launching (or relaunching) must not leave workers forever: its renewals
-    stop, and each worker it started exits `seconds` after the last renewal, even one it never received.
-    """
+    A controller that dies while launching (or relaunching) must not leave workers forever: its
+    renewals stop, and each worker it started exits `seconds` after the last renewal, even one it
+    never received."""
     if placement.config.lease_seconds == seconds:
         return placement
     return replace(placement, config=replace(placement.config, lease_seconds=seconds))
 
 
 def spawn(placement: Placement, python: str = sys.executable) -> Launched:
-    """Start one worker process now (config and pid in the deployment's run folder, output to its log)."""
+    """Start one worker process now (config and pid in the deployment's run folder, output to its
+    log)."""
     deployment = placement.config.deployment
     config_path = write_config(placement, run_folder(deployment))
     log_path = log_folder(deployment) / f"{placement.config.name}.log"
@@ -200,9 +231,12 @@ def spawn(placement: Placement, python: str = sys.executable) -> Launched:
         start = output.tell()
         process = subprocess.Popen(
             [python, "-m", "remote_worker", "--config", str(config_path)],
-            stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True, env=environment,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=environment,
+        )
     log.info("started %s (pid %d), log %s", placement.config.name, process.pid, log_path)
     return Launched(placement, ProcessId.of(process.pid), process, log_path, start)
 
@@ -214,7 +248,8 @@ async def stop_local(
     grace: float = 5.0,
     popen: subprocess.Popen[bytes] | None = None,
 ) -> str:
-    """Stop one local worker of a deployment; never signals a process that is not exactly that worker."""
+    """Stop one local worker of a deployment; never signals a process that is not exactly that
+    worker."""
     import psutil
 
     name = placement.config.name
@@ -228,10 +263,19 @@ async def stop_local(
     except psutil.Error:
         command = ""
     if f"{os.sep}runs{os.sep}{placement.config.deployment}{os.sep}" not in command:
-        return f"{name}: pid {process.pid} is not a worker of deployment {placement.config.deployment}; left alone"
-    await control_request(placement.control_url, {"op": "shutdown"}, keys, placement.server_key, timeout=1.0)
+        return (
+            f"{name}: pid {process.pid} is not a worker of deployment "
+            f"{placement.config.deployment}; left alone"
+        )
+    await control_request(
+        placement.control_url, {"op": "shutdown"}, keys, placement.server_key, timeout=1.0
+    )
     how = "exited"
-    for sig, action in ((None, "exited"), (signal.SIGTERM, "terminated"), (signal.SIGKILL, "killed")):
+    for sig, action in (
+        (None, "exited"),
+        (signal.SIGTERM, "terminated"),
+        (signal.SIGKILL, "killed"),
+    ):
         if sig is not None:
             how = action
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -261,7 +305,8 @@ def _reap(popen: subprocess.Popen[bytes] | None) -> None:
 
 
 def kill_now(launched: list[Launched]) -> None:
-    """Synchronous last resort (a crash, a signal during the shutdown): SIGKILL every worker started here."""
+    """Synchronous last resort (a crash, a signal during the shutdown): SIGKILL every worker
+    started here."""
     for each in launched:
         if each.process is not None and each.process.alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -271,14 +316,17 @@ def kill_now(launched: list[Launched]) -> None:
 
 @dataclass
 class SshLauncher:
-    """Deploys one SSH host per stage: push the shard (and the worker), write the config, launch, hand-shake."""
+    """Deploys one SSH host per stage: push the shard (and the worker), write the config, launch,
+    hand-shake."""
 
     fleet: Fleet
     shard_dir: Path
     keys: ClientKeys | None
     on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
-    prune: bool = False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
+    prune: bool = (
+        False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
+    )
     recheck: bool = False  # as LocalLauncher.recheck, on both sides of the push
     lease: float = 0.0  # as LocalLauncher.lease
     reports: dict[str, HostDeployment] = field(default_factory=dict)
@@ -305,7 +353,9 @@ class SshLauncher:
             ShardAssignment(self.shard_dir, placement.config.stage_index),
             config,
             placement.config.deployment,
-            DeployOptions(deployment=placement.config.deployment, prune=self.prune, recheck=self.recheck),
+            DeployOptions(
+                deployment=placement.config.deployment, prune=self.prune, recheck=self.recheck
+            ),
             self.on_event,
             ready,
         )
@@ -325,11 +375,14 @@ class SshLauncher:
         remote = [p for p in deployment.stages if not p.host.is_local]
         await asyncio.gather(*(self.start(p) for p in remote), return_exceptions=True)
         missing = HostDeployment("?", False, "unknown", error="no outcome")
-        return DeployReport(deployment.id, tuple(self.reports.get(p.host.name, missing) for p in remote))
+        return DeployReport(
+            deployment.id, tuple(self.reports.get(p.host.name, missing) for p in remote)
+        )
 
 
 async def stop_remote(fleet: Fleet, placement: Placement) -> str:
-    """Stop the stage of this deployment on its SSH host (the host's pid file names the deployment)."""
+    """Stop the stage of this deployment on its SSH host (the host's pid file names the
+    deployment)."""
     from fleettui.provision.deploy import DeployOptions, stop_host
 
     outcome = await stop_host(placement.host, placement.config.deployment, DeployOptions())
@@ -340,7 +393,8 @@ async def stop_remote(fleet: Fleet, placement: Placement) -> str:
 
 
 async def fetch_logs(fleet: Fleet, deployment: Deployment, lines: int = 20) -> dict[str, list[str]]:
-    """The last lines of every worker's log: local files of the deployment, and remote logs over SSH."""
+    """The last lines of every worker's log: local files of the deployment, and remote logs over
+    SSH."""
     logs: dict[str, list[str]] = {}
     for placement in deployment.placements:
         if placement.host.is_local:
@@ -352,6 +406,8 @@ async def fetch_logs(fleet: Fleet, deployment: Deployment, lines: int = 20) -> d
 
         texts = await asyncio.gather(*(fetch_log(host) for host in remote), return_exceptions=True)
         for host, text in zip(remote, texts, strict=False):
-            message = f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
+            message = (
+                f"cannot fetch the log: {text}" if isinstance(text, BaseException) else str(text)
+            )
             logs[host.name] = message.splitlines()[-lines:]
     return logs

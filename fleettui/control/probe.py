@@ -1,10 +1,10 @@
-"""Provides host probing for `fleettui init`: reach a host, check its key, measure it, and size its fleet entry.
+"""Provides host probing for `fleettui init`: reach a host, check its key, measure it, and size its
+fleet entry.
 
-A probe is the first steps of a deployment and nothing more: connect (host key per the host's policy),
-preflight (OS, CPU, Python, memory, disk), and, when asked, the offline install of the worker so that
-OpenVINO can list the host's devices. From what it measured it proposes the host's `memory_gb`, `threads`
-and `device` for the fleet file.
-"""
+A probe is the first steps of a deployment and nothing more: connect (host key per the host's
+policy), preflight (OS, CPU, Python, memory, disk), and, when asked, the offline install of the
+worker so that OpenVINO can list the host's devices. From what it measured it proposes the host's
+`memory_gb`, `threads` and `device` for the fleet file."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def parse_address(text: str) -> Address:
     """`[user@]host[:port]` (IPv6 in brackets); ValueError with a one-line reason otherwise."""
     match = _ADDRESS.match(text.strip())
     if not match:
-        raise ValueError(f"{text!r} is not an address: expected [user@]host[:port], e.g. fleet@192.168.1.20")
+        raise ValueError(
+            f"{text!r} is not an address: expected [user@]host[:port], e.g. fleet@192.168.1.20"
+        )
     port = int(match.group("port") or 22)
     if not 1 <= port <= 65535:
         raise ValueError(f"{text!r}: port {port} is out of range 1..65535")
@@ -85,7 +87,9 @@ class HostProbe:
         memory = max(0.1, round(preflight.memory_total / GIB * USABLE_MEMORY, 1))
         devices = [device.split(".")[0] for device in preflight.devices]
         device = "CPU" if not devices or "CPU" in devices else devices[0]
-        return replace(self.host, memory_gb=memory, threads=max(0, preflight.cpu_count), device=device)
+        return replace(
+            self.host, memory_gb=memory, threads=max(0, preflight.cpu_count), device=device
+        )
 
 
 async def _probe_ssh(
@@ -95,7 +99,8 @@ async def _probe_ssh(
     from fleettui.provision.ssh import _is_known
     from fleettui.provision.wheelhouse import Target, build_wheelhouse
 
-    # memory_gb stays tiny while probing: the preflight refuses a host with less memory than the file asks.
+    # memory_gb stays tiny while probing: the preflight refuses a host with less memory than the
+    # file asks.
     session = HostSession(replace(host, memory_gb=0.001), on_event)
     step = "connect"
     try:
@@ -112,7 +117,8 @@ async def _probe_ssh(
         if install:
             step = "wheelhouse"
             wheelhouse = await build_wheelhouse(
-                Target.from_preflight(preflight), on_step=lambda text: session.emit("wheelhouse", text)
+                Target.from_preflight(preflight),
+                on_step=lambda text: session.emit("wheelhouse", text),
             )
             step = "install"
             await session.install(wheelhouse)
@@ -129,7 +135,8 @@ async def _probe_ssh(
 
 
 class LocalRunner:
-    """Runs the remote operations on this machine (same interface as an asyncssh connection's ``run``)."""
+    """Runs the remote operations on this machine (same interface as an asyncssh connection's
+    ``run``)."""
 
     async def run(self, command: str, *, input: str, check: bool = False) -> Any:  # noqa: A002
         process = await asyncio.create_subprocess_shell(
@@ -139,7 +146,9 @@ class LocalRunner:
             stderr=asyncio.subprocess.PIPE,
         )
         stdout, stderr = await process.communicate(input.encode())
-        return SimpleNamespace(stdout=stdout.decode(), stderr=stderr.decode(), exit_status=process.returncode)
+        return SimpleNamespace(
+            stdout=stdout.decode(), stderr=stderr.decode(), exit_status=process.returncode
+        )
 
 
 async def _probe_local(host: Host) -> HostProbe:
@@ -147,16 +156,23 @@ async def _probe_local(host: Host) -> HostProbe:
 
     try:
         answer = await run_operation(
-            LocalRunner(), PosixShell(), sys.executable, "preflight", {"workdir": host.workdir, "venv": ""},
-            host=host.name, step="preflight",
-        )  # fmt: skip
+            LocalRunner(),
+            PosixShell(),
+            sys.executable,
+            "preflight",
+            {"workdir": host.workdir, "venv": ""},
+            host=host.name,
+            step="preflight",
+        )
     except ProvisionError as error:
         return HostProbe(host, False, error=error.reason, step=error.step)
     return HostProbe(host, True, Preflight.from_answer(answer), "", "this machine (no SSH)")
 
 
 async def probe_hosts(
-    hosts: list[Host], install: bool = False, on_event: Callable[[ProvisionEvent], None] | None = None
+    hosts: list[Host],
+    install: bool = False,
+    on_event: Callable[[ProvisionEvent], None] | None = None,
 ) -> list[HostProbe]:
     """Probe every host concurrently; a host that fails is reported, the others go on."""
 
@@ -167,15 +183,18 @@ async def probe_hosts(
 
 
 def describe(probe: HostProbe) -> list[str]:
-    """Comment lines (without '#') saying what was measured on a host and how its keys were filled."""
+    """Comment lines (without '#') saying what was measured on a host and how its keys were
+    filled."""
     preflight = probe.preflight
     if preflight is None:
         return []
     python = ".".join(map(str, preflight.python))
     lines = [
-        f"measured by `fleettui init`: {preflight.os} {preflight.machine}, {preflight.cpu} x{preflight.cpu_count}, "
+        f"measured by `fleettui init`: {preflight.os} {preflight.machine}, {preflight.cpu} "
+        f"x{preflight.cpu_count}, "
         f"Python {python} ({preflight.python_executable})",
-        f"memory {preflight.memory_total / GIB:.1f} GB total, {preflight.memory_available / GIB:.1f} GB free; "
+        f"memory {preflight.memory_total / GIB:.1f} GB total, "
+        f"{preflight.memory_available / GIB:.1f} GB free; "
         f"disk {preflight.disk_free / GIB:.1f} GB free in {preflight.workdir}",
     ]
     if probe.host_key:
@@ -184,14 +203,18 @@ def describe(probe: HostProbe) -> list[str]:
         lines.append(probe.key_trust)
     if preflight.openvino:
         names = ", ".join(f"{name}: {full}" for name, full in preflight.device_names.items())
-        lines.append(f"OpenVINO {preflight.openvino} devices: {names or ', '.join(preflight.devices)}")
+        lines.append(
+            f"OpenVINO {preflight.openvino} devices: {names or ', '.join(preflight.devices)}"
+        )
     else:
         lines.append(
-            "OpenVINO devices not probed (`fleettui init --install` installs the worker and lists them)"
+            "OpenVINO devices not probed (`fleettui init --install` installs the worker and lists "
+            "them)"
         )
     host = probe.proposed()
     lines.append(
-        f"memory_gb = {USABLE_MEMORY:.0%} of the memory measured; threads = the {preflight.cpu_count} CPUs "
+        f"memory_gb = {USABLE_MEMORY:.0%} of the memory measured; threads = the "
+        f"{preflight.cpu_count} CPUs "
         f"measured; device = {host.device}"
     )
     return lines
@@ -203,4 +226,7 @@ def summary(probe: HostProbe) -> str:
         return f"{probe.host.name}: {probe.step}: {probe.error}"
     assert probe.preflight is not None
     host = probe.proposed()
-    return f"{probe.host.name}: {probe.preflight.summary()} -> memory_gb {host.memory_gb:g}, threads {host.threads}, {host.device}"
+    return (
+        f"{probe.host.name}: {probe.preflight.summary()} -> memory_gb {host.memory_gb:g}, threads "
+        f"{host.threads}, {host.device}"
+    )

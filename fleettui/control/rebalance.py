@@ -1,10 +1,11 @@
-"""Provides the rebalancer: watches per-stage step times, flags throttled stages, proposes or applies a split.
+"""Provides the rebalancer: watches per-stage step times, flags throttled stages, proposes or
+applies a split.
 
 Fed by the coordinator's result traces (compute per stage and step) and by telemetry samples (CPU
-temperature; the local CPU clock where psutil exposes it), it emits `Throttled` and `RebalanceProposal`
-events. With `rebalance = "auto"` it compiles the proposed split in the background while serving, then
-switches at a safe point between rounds through the recovery's replay path, so no session loses anything.
-"""
+temperature; the local CPU clock where psutil exposes it), it emits `Throttled` and
+`RebalanceProposal` events. With `rebalance = "auto"` it compiles the proposed split in the
+background while serving, then switches at a safe point between rounds through the recovery's replay
+path, so no session loses anything."""
 
 from __future__ import annotations
 
@@ -28,14 +29,16 @@ THROTTLE_CHECK_EVERY = 4  # results between two throttle verdicts (and proposal 
 
 
 def head_layers(fleet: Fleet) -> float:
-    """The lm_head's cost in layer equivalents: measured on the last host when it has a cost profile (its
-    head after the pause it has live, against its layer), else by weight size; 0 when neither is known
-    offline."""
+    """The lm_head's cost in layer equivalents: measured on the last host when it has a cost profile
+    (its head after the pause it has live, against its layer), else by weight size; 0 when neither
+    is known offline."""
     from fleettui.errors import PlanError
     from fleettui.model.builtin import shape_for_model
     from fleettui.planning.profiles import nearest_costs
 
-    measured = nearest_costs(fleet, fleet.hosts[-1])  # (after a re-plan: its profile of another stage count)
+    measured = nearest_costs(
+        fleet, fleet.hosts[-1]
+    )  # (after a re-plan: its profile of another stage count)
     if measured is not None and measured.layer_ms > 0 and measured.head_ms > 0:
         return measured.head_ms / measured.layer_ms
     try:
@@ -48,8 +51,9 @@ def head_layers(fleet: Fleet) -> float:
 
 
 def moved_layers(manifest: Manifest, fleet: Fleet) -> list[float]:
-    """Per stage of a split that cuts inside layers: the MLP share of a layer it starts with, minus the one
-    it leaves to the next stage (0 for whole layers). The share is the MLP's part of the layer's weights."""
+    """Per stage of a split that cuts inside layers: the MLP share of a layer it starts with, minus
+    the one it leaves to the next stage (0 for whole layers). The share is the MLP's part of the
+    layer's weights."""
     from fleettui.errors import PlanError
     from fleettui.model.builtin import shape_for_model
 
@@ -59,7 +63,9 @@ def moved_layers(manifest: Manifest, fleet: Fleet) -> list[float]:
         shape = shape_for_model(fleet.model.name)
     except PlanError:
         shape = None
-    share = shape.mlp_share(fleet.model.precision) if shape is not None else 0.8  # Llama-like, unknown
+    share = (
+        shape.mlp_share(fleet.model.precision) if shape is not None else 0.8
+    )  # Llama-like, unknown
     return [share * (s.layers.starts_mid - s.layers.ends_mid) for s in manifest.stages]
 
 
@@ -77,7 +83,8 @@ def local_clock_ratio() -> float | None:
 
 
 class Rebalancer:
-    """Turns measurements into throttle flags and split proposals; `apply` switches to a proposal."""
+    """Turns measurements into throttle flags and split proposals; `apply` switches to a
+    proposal."""
 
     def __init__(
         self,
@@ -113,7 +120,9 @@ class Rebalancer:
         moved: Sequence[float] = (),
     ) -> None:
         """A new split is running: measure it from scratch (`moved`: see `moved_layers`)."""
-        self.balancer = Balancer(ranges, self.head, self.ratio_limit, self.window, self.patience, moved=moved)
+        self.balancer = Balancer(
+            ranges, self.head, self.ratio_limit, self.window, self.patience, moved=moved
+        )
         if names is not None:
             self.names = list(names)
         self.flagged.clear()
@@ -146,13 +155,17 @@ class Rebalancer:
         self.emit(proposal)
         self.emit(LogLine("rebalance", f"proposed split {ranges} (bottleneck {gain:.0%} shorter)"))
         if self.mode == "auto":
-            self.task = asyncio.get_running_loop().create_task(self._apply(proposal), name="rebalance")
+            self.task = asyncio.get_running_loop().create_task(
+                self._apply(proposal), name="rebalance"
+            )
 
     async def _apply(self, proposal: RebalanceProposal) -> None:
         started = time.monotonic()
         try:
             await self.apply([tuple(r) for r in proposal.ranges])  # type: ignore[misc]
-        except Exception as error:  # a failed switch is reported; the recovery keeps the fleet serving
+        except (
+            Exception
+        ) as error:  # a failed switch is reported; the recovery keeps the fleet serving
             log.exception("rebalance failed")
             self.emit(LogLine("rebalance", f"switching to {list(proposal.ranges)} failed: {error}"))
             return
@@ -160,5 +173,8 @@ class Rebalancer:
         self.proposals.append(applied)
         self.emit(applied)
         self.emit(
-            LogLine("rebalance", f"switched to {list(proposal.ranges)} in {time.monotonic() - started:.1f} s")
+            LogLine(
+                "rebalance",
+                f"switched to {list(proposal.ranges)} in {time.monotonic() - started:.1f} s",
+            )
         )

@@ -1,14 +1,15 @@
-"""Provides the recovery of a running fleet: relaunch a lost stage, replay every session, or re-plan without it.
+"""Provides the recovery of a running fleet: relaunch a lost stage, replay every session, or re-plan
+without it.
 
-The `Recovery` is given a started `FleetController`. Its `Watcher` declares a stage lost; the recovery then
-pauses every session (the coordinator's `resume` event), fails the lost link's pending requests at once,
-relaunches the worker on the same host (control/relaunch.py: local through the `LocalLauncher`, SSH through
-the `SshLauncher`, which re-pushes only what changed; the deployment record follows), rebuilds every open session's KV cache by replaying its token history,
-and lets the sessions retry the round that was in flight. A host that does not come back within
-`grace_seconds` is planned around: the remaining hosts get a new split (compiled on this machine with the
-usual compile path), or the fleet is `Degraded` with the memory it lacks. Each step is timed in a
-`RecoveryReport`.
-"""
+The `Recovery` is given a started `FleetController`. Its `Watcher` declares a stage lost; the
+recovery then pauses every session (the coordinator's `resume` event), fails the lost link's pending
+requests at once, relaunches the worker on the same host (control/relaunch.py: local through the
+`LocalLauncher`, SSH through the `SshLauncher`, which re-pushes only what changed; the deployment
+record follows), rebuilds every open session's KV cache by replaying its token history, and lets the
+sessions retry the round that was in flight. A host that does not come back within `grace_seconds`
+is planned around: the remaining hosts get a new split (compiled on this machine with the usual
+compile path), or the fleet is `Degraded` with the memory it lacks. Each step is timed in a
+`RecoveryReport`."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from fleettui.control.states import (
     Ready,
     Recovering,
     RecoveryReport,
-)  # fmt: skip
+)
 from fleettui.runtime.transport import StageLost
 from fleettui.runtime.watch import Target, Watcher, WatchSettings
 from remote_worker.replies import TelemetrySample
@@ -57,7 +58,8 @@ class Recovery:
         compile_model: Callable[..., Awaitable[CompiledModel]],
         settings: ResilienceSettings | None = None,
     ) -> None:
-        """`controller` is a started `FleetController`; `compile_model` its compile path (for re-plans)."""
+        """`controller` is a started `FleetController`; `compile_model` its compile path (for
+        re-plans)."""
         self.controller = controller
         self.compile_model = compile_model
         self.settings = settings or controller.fleet.resilience
@@ -70,18 +72,25 @@ class Recovery:
         )
         self.reports: list[RecoveryReport] = []
         self.replies: dict[str, dict[str, Any]] = {}
-        self._lost: dict[str, tuple[str, float]] = {}  # name -> (reason, seconds silent when declared)
+        self._lost: dict[
+            str, tuple[str, float]
+        ] = {}  # name -> (reason, seconds silent when declared)
         self._task: asyncio.Task[None] | None = None
         self._exclusive = asyncio.Lock()  # one recovery or split switch at a time
         self.rebalancer: Rebalancer | None = None
         self.idle = asyncio.Event()
         self.idle.set()
         self.python = sys.executable  # the interpreter local workers are relaunched with
-        self.away: list[str] = []  # hosts a re-plan left out, tried every `rejoin_seconds` (`_watch_away`)
-        self.down: list[str] = []  # stages of a degraded fleet whose hosts are gone: relaunched when back
+        self.away: list[
+            str
+        ] = []  # hosts a re-plan left out, tried every `rejoin_seconds` (`_watch_away`)
+        self.down: list[
+            str
+        ] = []  # stages of a degraded fleet whose hosts are gone: relaunched when back
         self._rejoining: asyncio.Task[None] | None = None
 
-    # -- watching -----------------------------------------------------------------------------------
+    # -- watching
+    # -----------------------------------------------------------------------------------
     def start(self) -> None:
         controller = self.controller
         assert controller.deployment is not None and controller.coordinator is not None
@@ -96,7 +105,9 @@ class Recovery:
             head_layers(controller.fleet),
             controller.emit,
             self.switch_split,
-            moved=moved_layers(controller.target.manifest, controller.fleet) if controller.target else (),
+            moved=moved_layers(controller.target.manifest, controller.fleet)
+            if controller.target
+            else (),
         )
         controller.coordinator.result_observers.append(self.rebalancer.observe)
 
@@ -114,13 +125,17 @@ class Recovery:
         self.replies[name] = reply
 
     def _hold(self, action: str) -> None:
-        """A degraded fleet that may be whole again (its hosts are tried every `rejoin_seconds`): answers wait."""
+        """A degraded fleet that may be whole again (its hosts are tried every `rejoin_seconds`):
+        answers wait."""
         coordinator, seconds = self.controller.coordinator, self.settings.hold_seconds
         if action == "degraded" and self.settings.rejoin_seconds > 0 and seconds > 0:
             assert coordinator is not None, "recovery runs on a connected fleet"
             coordinator.hold.begin(seconds)
             self.controller.emit(
-                LogLine("recovery", f"answers wait up to {seconds:g} s for {', '.join(self.down)} to be back")
+                LogLine(
+                    "recovery",
+                    f"answers wait up to {seconds:g} s for {', '.join(self.down)} to be back",
+                )
             )
 
     async def stop(self) -> None:
@@ -134,7 +149,8 @@ class Recovery:
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping
                     await task
 
-    # -- declaring a loss ---------------------------------------------------------------------------
+    # -- declaring a loss
+    # ---------------------------------------------------------------------------
     def _on_lost(self, name: str, reason: str, silent: float) -> None:
         controller, coordinator = self.controller, self.controller.coordinator
         controller.set_state(name, Lost(reason))
@@ -148,7 +164,8 @@ class Recovery:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._recover(), name="recovery")
 
-    # -- recovering ---------------------------------------------------------------------------------
+    # -- recovering
+    # ---------------------------------------------------------------------------------
     async def _recover(self) -> None:
         coordinator = self.controller.coordinator
         assert coordinator is not None
@@ -174,10 +191,13 @@ class Recovery:
             self.idle.set()
         watching = self._rejoining is not None and not self._rejoining.done()
         if (self.away or self.down) and self.settings.rejoin_seconds > 0 and not watching:
-            self._rejoining = asyncio.get_running_loop().create_task(self._watch_away(), name="rejoin")
+            self._rejoining = asyncio.get_running_loop().create_task(
+                self._watch_away(), name="rejoin"
+            )
 
     async def _recover_all(self) -> RecoveryReport:
-        """Relaunch (or plan around) everything lost, then replay; losses during either join this recovery."""
+        """Relaunch (or plan around) everything lost, then replay; losses during either join this
+        recovery."""
         coordinator = self.controller.coordinator
         assert coordinator is not None
         batch: dict[str, tuple[str, float]] = {}
@@ -225,7 +245,8 @@ class Recovery:
             try:
                 tokens += await coordinator.rebuild_all()
             except StageLost:
-                continue  # lost again while replaying: relaunch it, then replay what is still missing
+                # lost again while replaying: relaunch it, then replay what is still missing
+                continue
             replay = time.monotonic() - replay_started
             for name in batch:
                 if name not in gone_all:
@@ -244,7 +265,8 @@ class Recovery:
         )
 
     async def _relaunch(self, name: str) -> None:
-        """Start the lost worker again on its host, retrying until `grace_seconds`; HostGone after that."""
+        """Start the lost worker again on its host, retrying until `grace_seconds`; HostGone
+        after that."""
         deployment = self.controller.deployment
         assert deployment is not None
         placement = next(p for p in deployment.placements if p.config.name == name)
@@ -268,11 +290,13 @@ class Recovery:
                     raise HostGone(f"{name}: {error}") from None
                 await asyncio.sleep(RETRY_SECONDS)
 
-    # -- switching the split (rebalance) -------------------------------------------------------------
+    # -- switching the split (rebalance)
+    # -------------------------------------------------------------
     async def switch_split(
         self, ranges: list[tuple[int, int]], compiled: CompiledModel | None = None
     ) -> None:
-        """Compile `ranges` while serving (unless given), then switch to it between rounds and replay."""
+        """Compile `ranges` while serving (unless given), then switch to it between rounds and
+        replay."""
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None
         model = controller.fleet.model
@@ -288,13 +312,16 @@ class Recovery:
 
         started, switched, tokens = await self._switch_between_rounds(split_fleet, ranges, compiled)
         names = tuple(h.name for h in controller.fleet.hosts)
-        self._publish_switch(names, "rebalance", "rebalance", started, switched, tokens, f"split {ranges}")
+        self._publish_switch(
+            names, "rebalance", "rebalance", started, switched, tokens, f"split {ranges}"
+        )
 
     async def _switch_between_rounds(
         self, fleet_of: Callable[[], Fleet], ranges: list[tuple[int, int]], compiled: CompiledModel
     ) -> tuple[float, float, int]:
-        """Under the recovery lock, once every session's round in flight has finished: switch to `ranges` of
-        `compiled` on `fleet_of()` and replay every session. (started, switched, replayed tokens)."""
+        """Under the recovery lock, once every session's round in flight has finished: switch to
+        `ranges` of `compiled` on `fleet_of()` and replay every session. (started, switched,
+        replayed tokens)."""
         coordinator = self.controller.coordinator
         assert coordinator is not None
         async with self._exclusive:
@@ -313,11 +340,17 @@ class Recovery:
         return started, switched, tokens
 
     def _publish_switch(
-        self, names: tuple[str, ...], reason: str, action: str, started: float, switched: float, tokens: int,
+        self,
+        names: tuple[str, ...],
+        reason: str,
+        action: str,
+        started: float,
+        switched: float,
+        tokens: int,
         message: str,
-    ) -> None:  # fmt: skip
-        """Publish a switch made on purpose (no loss to detect): `started`..`switched` the switch itself, then
-        the replay of `tokens` until now."""
+    ) -> None:
+        """Publish a switch made on purpose (no loss to detect): `started`..`switched` the switch
+        itself, then the replay of `tokens` until now."""
         coordinator = self.controller.coordinator
         sessions = len(coordinator.sessions) if coordinator is not None else 0
         replay = time.monotonic() - switched
@@ -341,19 +374,24 @@ class Recovery:
         self.controller.emit(report)
         self.controller.emit(LogLine("recovery", _describe(report)))
 
-    # -- a host planned around comes back ------------------------------------------------------------
+    # -- a host planned around comes back
+    # ------------------------------------------------------------
     async def _watch_away(self) -> None:
-        """Try the hosts a re-plan left out every `rejoin_seconds` (a PC that slept or rebooted); those back
-        get the model moved onto them again, as the fleet file plans it with them."""
+        """Try the hosts a re-plan left out every `rejoin_seconds` (a PC that slept or rebooted);
+        those back get the model moved onto them again, as the fleet file plans it with them."""
         written = {host.name: host for host in self.controller.base_fleet.hosts}
         while self.away or self.down:
             await asyncio.sleep(self.settings.rejoin_seconds)
-            if self.down:  # a degraded fleet: every lost host must be back before it can serve again
+            if (
+                self.down
+            ):  # a degraded fleet: every lost host must be back before it can serve again
                 down = [written[name] for name in self.down if name in written]
                 if all(await asyncio.gather(*(relaunch.host_back(host) for host in down))):
                     try:
                         await self.revive()
-                    except Exception as error:  # (still gone after all): stay degraded, try again later
+                    except (
+                        Exception
+                    ) as error:  # (still gone after all): stay degraded, try again later
                         log.warning("revive of %s failed: %s", ", ".join(self.down), error)
                 continue
             away = [written[name] for name in self.away if name in written]
@@ -362,15 +400,18 @@ class Recovery:
             if back:
                 try:
                     await self.rejoin(back)
-                except Exception as error:  # (a compile or a launch failed): keep serving, try again later
+                except (
+                    Exception
+                ) as error:  # (a compile or a launch failed): keep serving, try again later
                     log.warning("rejoin of %s failed: %s", ", ".join(back), error)
                     self.controller.emit(
                         LogLine("recovery", f"{', '.join(back)} back, rejoin failed: {error}")
                     )
 
     async def revive(self) -> None:
-        """A degraded fleet whose lost hosts are all back: their stages are started again as they were, the
-        degraded state ends (new requests are served again) and sessions still open are replayed."""
+        """A degraded fleet whose lost hosts are all back: their stages are started again as they
+        were, the degraded state ends (new requests are served again) and sessions still open are
+        replayed."""
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.connection is not None
         started = time.monotonic()
@@ -378,7 +419,8 @@ class Recovery:
             await asyncio.gather(*(self._relaunch(name) for name in self.down))
             controller.connection.unblock()
             coordinator.fatal = None
-            coordinator.hold.end()  # held answers go on: each is replayed, then resumes where it stopped
+            # held answers go on: each is replayed, then resumes where it stopped
+            coordinator.hold.end()
             switched = time.monotonic()
             tokens = await coordinator.rebuild_all()
         names, self.down = tuple(self.down), []
@@ -389,15 +431,18 @@ class Recovery:
         )
 
     async def rejoin(self, back: list[str]) -> None:
-        """Move the model onto the fleet's hosts again with BACK among them: planned, compiled while serving,
-        then switched to between rounds (sessions paused and replayed, as a split switch)."""
+        """Move the model onto the fleet's hosts again with BACK among them: planned, compiled while
+        serving, then switched to between rounds (sessions paused and replayed, as a split
+        switch)."""
         from fleettui.planning.planner import plan_fleet
 
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None
         fleet = controller.fleet
         present = {host.name for host in fleet.hosts} | set(back)
-        hosts = tuple(replace(h, layers=None) for h in controller.base_fleet.hosts if h.name in present)
+        hosts = tuple(
+            replace(h, layers=None) for h in controller.base_fleet.hosts if h.name in present
+        )
         bigger = share_local_cores(replace(fleet, hosts=hosts, path=None))
         plan = plan_fleet(bigger)
         ranges = [(stage.start, stage.end) for stage in plan.stages]
@@ -412,10 +457,17 @@ class Recovery:
         self.away = [name for name in self.away if name not in back]
         split = ", ".join(f"{s.host} {s.span}" for s in plan.stages)
         self._publish_switch(
-            tuple(back), "back", "rejoin", started, switched, tokens, f"with {', '.join(back)}: {split}"
+            tuple(back),
+            "back",
+            "rejoin",
+            started,
+            switched,
+            tokens,
+            f"with {', '.join(back)}: {split}",
         )
 
-    # -- re-planning without a host -----------------------------------------------------------------
+    # -- re-planning without a host
+    # -----------------------------------------------------------------
     async def _replan(self, gone: list[str]) -> tuple[str, str]:
         """Move the model onto the hosts that are left: ("replan", summary) or ("degraded", why)."""
         from fleettui.errors import PlanError
@@ -424,13 +476,17 @@ class Recovery:
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.deployment is not None
         fleet = controller.fleet
-        written = {host.name: host for host in controller.base_fleet.hosts}  # before the CPUs were shared out
+        written = {
+            host.name: host for host in controller.base_fleet.hosts
+        }  # before the CPUs were shared out
         rest = tuple(
             replace(written.get(host.name, host), layers=None)
             for host in fleet.hosts
             if host.name not in gone
         )
-        smaller = share_local_cores(replace(fleet, hosts=rest, path=None))  # the local survivors share anew
+        smaller = share_local_cores(
+            replace(fleet, hosts=rest, path=None)
+        )  # the local survivors share anew
         try:
             if not rest:
                 raise PlanError("no host is left")
@@ -458,20 +514,26 @@ class Recovery:
         split += " by measured costs" if plan.costs is not None else " by parameter bytes"
         launch_seconds = time.monotonic() - clock
         return "replan", (
-            f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch {launch_seconds:.2f} s)"
+            f"without {', '.join(gone)}: {split} (compile {compile_seconds:.2f} s, launch "
+            f"{launch_seconds:.2f} s)"
         )
 
-    async def _switch(self, fleet: Fleet, ranges: list[tuple[int, int]], compiled: CompiledModel) -> None:
-        """Replace every stage worker by the split `ranges` of `compiled` on `fleet`'s hosts (sessions paused).
+    async def _switch(
+        self, fleet: Fleet, ranges: list[tuple[int, int]], compiled: CompiledModel
+    ) -> None:
+        """Replace every stage worker by the split `ranges` of `compiled` on `fleet`'s hosts
+        (sessions paused).
 
-        The caller bumps nothing: the coordinator's target epoch moves on here, so every session replays.
-        """
+        The caller bumps nothing: the coordinator's target epoch moves on here, so every session
+        replays."""
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.deployment is not None
         old = controller.deployment
         for placement in old.stages:  # the old split's survivors hold the wrong layers: they go
             self.watcher.forget(placement.config.name)
-        deployment = _rekeyed(build_deployment(fleet, ranges, lambda host: str(compiled.directory)), old)
+        deployment = _rekeyed(
+            build_deployment(fleet, ranges, lambda host: str(compiled.directory)), old
+        )
         controller.fleet, controller.target = fleet, compiled
         await relaunch.launch_split(controller, fleet, old, deployment)
         assert controller.connection is not None, "a switch runs on a connected fleet"
@@ -485,7 +547,8 @@ class Recovery:
 
 
 def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:
-    """The new split keeps the coordinator's key pair (its draft link stays valid) and the old draft."""
+    """The new split keeps the coordinator's key pair (its draft link stays valid) and the old
+    draft."""
     if old.keys is None or deployment.keys is None:
         return replace(deployment, draft=old.draft, id=old.id)
     fresh, kept = deployment.keys.public_key, old.keys.public_key
@@ -494,7 +557,9 @@ def _rekeyed(deployment: Deployment, old: Deployment) -> Deployment:
         curve = placement.config.curve
         assert curve is not None
         allowed = tuple(kept if key == fresh else key for key in curve.allowed_clients)
-        config = replace(placement.config, curve=replace(curve, allowed_clients=allowed), deployment=old.id)
+        config = replace(
+            placement.config, curve=replace(curve, allowed_clients=allowed), deployment=old.id
+        )
         stages.append(replace(placement, config=config))
     return replace(deployment, stages=tuple(stages), draft=old.draft, keys=old.keys, id=old.id)
 
@@ -514,9 +579,13 @@ def missing_memory(fleet: Fleet, rest: tuple[Any, ...]) -> str:
 
 
 def _describe(report: RecoveryReport) -> str:
-    what = ", ".join(f"{name} ({reason})" for name, reason in zip(report.stages, report.reasons, strict=True))
+    what = ", ".join(
+        f"{name} ({reason})" for name, reason in zip(report.stages, report.reasons, strict=True)
+    )
     line = (
-        f"{report.action} after losing {what}: detect {report.detect:.2f} s, relaunch {report.relaunch:.2f} s, "
-        f"replay {report.replay:.2f} s ({report.sessions} sessions, {report.replayed_tokens} tokens)"
+        f"{report.action} after losing {what}: detect {report.detect:.2f} s, relaunch "
+        f"{report.relaunch:.2f} s, "
+        f"replay {report.replay:.2f} s ({report.sessions} sessions, {report.replayed_tokens} "
+        "tokens)"
     )
     return f"{line}; {report.message}" if report.message else line

@@ -1,9 +1,10 @@
-"""Provides the worker side of a recovery: stop a lost worker, start it again (or a new split) through the launchers.
+"""Provides the worker side of a recovery: stop a lost worker, start it again (or a new split)
+through the launchers.
 
-Every worker brought up here replaces its entry in the controller's `launched` list, and the deployment
-record (control/store.py) is rewritten with the new pid and start time, so `fleettui stop` and a later
-attach find the relaunched workers. Works for an attached fleet too: the record's configs are relaunched.
-"""
+Every worker brought up here replaces its entry in the controller's `launched` list, and the
+deployment record (control/store.py) is rewritten with the new pid and start time, so `fleettui
+stop` and a later attach find the relaunched workers. Works for an attached fleet too: the record's
+configs are relaunched."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ READY_TIMEOUT = 300.0
 def local_worker(
     controller: FleetOwner, name: str
 ) -> tuple[ProcessId | None, subprocess.Popen[bytes] | None]:
-    """The local process of stage `name`: launched here (with its Popen) or recorded by who launched it."""
+    """The local process of stage `name`: launched here (with its Popen) or recorded by who
+    launched it."""
     for each in controller.launched:
         if each.placement.config.name == name and each.process is not None:
             return each.process, each.popen
@@ -61,7 +63,8 @@ def process_status(controller: FleetOwner, placement: Placement) -> ProcessStatu
 
 
 async def kill_local(controller: FleetOwner, name: str) -> None:
-    """SIGKILL the stage's old worker (stopped or hung: it must let go of its ports) and wait for it."""
+    """SIGKILL the stage's old worker (stopped or hung: it must let go of its ports) and wait for
+    it."""
     process, popen = local_worker(controller, name)
     if process is not None and process.alive():
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -75,23 +78,37 @@ async def kill_local(controller: FleetOwner, name: str) -> None:
             await asyncio.sleep(0.1)
 
 
-def track(controller: FleetOwner, launched: Sequence[Launched], deployment: Deployment | None = None) -> None:
-    """Replace the controller's entries of `launched` (all stages for a new split) and rewrite the record."""
+def track(
+    controller: FleetOwner, launched: Sequence[Launched], deployment: Deployment | None = None
+) -> None:
+    """Replace the controller's entries of `launched` (all stages for a new split) and rewrite
+    the record."""
     if deployment is not None:  # a new split replaces every stage (the draft stays)
         controller.deployment = deployment
         controller.launched = [e for e in controller.launched if e.placement.config.role == "draft"]
     names = {each.placement.config.name for each in launched}
     kept = [each for each in controller.launched if each.placement.config.name not in names]
     controller.launched = kept + list(launched)
-    if controller.record is not None and controller.target is not None and controller.deployment is not None:
-        running = {e.placement.config.name: (e.placement.config, e.process) for e in controller.launched}
+    if (
+        controller.record is not None
+        and controller.target is not None
+        and controller.deployment is not None
+    ):
+        running = {
+            e.placement.config.name: (e.placement.config, e.process) for e in controller.launched
+        }
         directory = str(controller.target.directory)
-        controller.record = store.restaged(controller.record, controller.deployment, running, directory)
+        controller.record = store.restaged(
+            controller.record, controller.deployment, running, directory
+        )
         store.save(controller.record)
 
 
-async def relaunch_local(controller: FleetOwner, placement: Placement, python: str = sys.executable) -> None:
-    """Kill what is left of the stage's worker, start it again from its config, hand-shake, track it."""
+async def relaunch_local(
+    controller: FleetOwner, placement: Placement, python: str = sys.executable
+) -> None:
+    """Kill what is left of the stage's worker, start it again from its config, hand-shake, track
+    it."""
     deployment = controller.deployment
     assert deployment is not None, "relaunch before a deployment"
     await kill_local(controller, placement.config.name)
@@ -108,13 +125,18 @@ async def relaunch_local(controller: FleetOwner, placement: Placement, python: s
 def ssh_launcher(controller: FleetOwner, fleet: Fleet, deployment: Deployment) -> SshLauncher:
     assert controller.target is not None, "an SSH launch before the compile"
     return SshLauncher(
-        fleet, controller.target.directory, deployment.keys, controller.emit, READY_TIMEOUT,
+        fleet,
+        controller.target.directory,
+        deployment.keys,
+        controller.emit,
+        READY_TIMEOUT,
         lease=controller.worker_lease,
-    )  # fmt: skip
+    )
 
 
 async def relaunch_remote(controller: FleetOwner, placement: Placement) -> None:
-    """Stop a stale worker of this deployment on the SSH host, deploy the stage again (re-push only changes)."""
+    """Stop a stale worker of this deployment on the SSH host, deploy the stage again (re-push
+    only changes)."""
     deployment = controller.deployment
     assert deployment is not None, "relaunch before a deployment"
     await stop_remote(controller.fleet, placement)
@@ -122,7 +144,9 @@ async def relaunch_remote(controller: FleetOwner, placement: Placement) -> None:
     track(controller, [launched])
 
 
-async def launch_split(controller: FleetOwner, fleet: Fleet, old: Deployment, deployment: Deployment) -> None:
+async def launch_split(
+    controller: FleetOwner, fleet: Fleet, old: Deployment, deployment: Deployment
+) -> None:
     """Stop every stage worker of `old`, start `deployment`'s (local and SSH) and track them."""
     for placement in old.stages:
         if placement.host.is_local:
@@ -131,7 +155,9 @@ async def launch_split(controller: FleetOwner, fleet: Fleet, old: Deployment, de
             await stop_remote(controller.fleet, placement)
     launcher = LocalLauncher(deployment.keys, lease=controller.worker_lease)
     local = [await launcher.start(p) for p in deployment.stages if p.host.is_local]
-    track(controller, local, deployment)  # tracked before the handshakes: a failure leaves no orphan
+    track(
+        controller, local, deployment
+    )  # tracked before the handshakes: a failure leaves no orphan
     remote = ssh_launcher(controller, fleet, deployment)
     outcomes = await asyncio.gather(
         *(launcher.handshake(each, READY_TIMEOUT) for each in local),
@@ -141,8 +167,8 @@ async def launch_split(controller: FleetOwner, fleet: Fleet, old: Deployment, de
 
 
 async def host_back(host: Host, timeout: float = 5.0) -> bool:
-    """Whether a host the fleet was planned around could run a stage again: an SSH host that accepts a
-    connection, a local one whose ports are free."""
+    """Whether a host the fleet was planned around could run a stage again: an SSH host that accepts
+    a connection, a local one whose ports are free."""
     from fleettui.control.launcher import LaunchError, check_ports
     from fleettui.provision.deploy import HostSession
 

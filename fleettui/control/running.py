@@ -1,4 +1,5 @@
-"""Provides how a command or a bench tool runs its event loop: SIGINT, SIGTERM and SIGHUP stop it cleanly, once."""
+"""Provides how a command or a bench tool runs its event loop: SIGINT, SIGTERM and SIGHUP stop it
+cleanly, once."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ T = TypeVar("T")
 
 
 def run(main: Callable[[], Awaitable[T]]) -> T:
-    """Run `main()`; the first of SIGINT/SIGTERM/SIGHUP cancels it (its `finally` stops the fleet) and any
-    further signal is ignored until that cleanup is over, so two quick Ctrl-C never orphan a worker."""
+    """Run `main()`; the first of SIGINT/SIGTERM/SIGHUP cancels it (its `finally` stops the fleet)
+    and any further signal is ignored until that cleanup is over, so two quick Ctrl-C never orphan a
+    worker."""
 
     async def guarded() -> T:
         loop = asyncio.get_running_loop()
@@ -27,7 +29,11 @@ def run(main: Callable[[], Awaitable[T]]) -> T:
         def on_signal(number: int) -> None:
             received.append(number)
             if len(received) == 1:
-                print(f"\nfleettui: {signal.Signals(number).name}, stopping…", file=sys.stderr, flush=True)
+                print(
+                    f"\nfleettui: {signal.Signals(number).name}, stopping…",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 task.cancel()
 
         for number in SIGNALS:

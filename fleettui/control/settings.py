@@ -1,4 +1,5 @@
-"""Provides the command line's overrides of a fleet file: exactness, draft, K and the sampling settings."""
+"""Provides the command line's overrides of a fleet file: exactness, draft, K and the sampling
+settings."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ def with_overrides(
     """The fleet with command-line overrides applied (`--exact`, `--no-spec`, `--spec-k`)."""
     if exact:
         runtime = replace(
-            fleet.runtime, inference_precision="f32", kv_cache_precision="f32", wire_dtype="f32", exact=True
+            fleet.runtime,
+            inference_precision="f32",
+            kv_cache_precision="f32",
+            wire_dtype="f32",
+            exact=True,
         )
         fleet = replace(fleet, runtime=runtime, model=replace(fleet.model, precision="fp32"))
     if draft is not None or k is not None:
@@ -30,7 +35,8 @@ def with_overrides(
 
 
 def apply(fleet: Fleet, settings: Settings) -> Fleet:
-    """The fleet as it runs: recorded or command-line settings applied, local stages on their own cores."""
+    """The fleet as it runs: recorded or command-line settings applied, local stages on their own
+    cores."""
     fleet = share_local_cores(fleet)
     return with_overrides(fleet, settings.exact, settings.draft, settings.k)
 
@@ -44,13 +50,13 @@ def generation_params(
     no_spec: bool = False,
     spec_k: int | None = None,
 ) -> GenerationParams:
-    """Sampling settings: the command line, else the fleet file's [sessions], else the model's recommended.
+    """Sampling settings: the command line, else the fleet file's [sessions], else the model's
+    recommended.
 
-    The model's recommendation (fleettui.config.recommended) applies only to what neither the command line
-    nor the fleet file sets, and never under exact settings: `--exact` stays greedy, without penalties.
-    Its top_k and repetition penalty follow its temperature: a temperature given here means plain sampling
-    (`--temperature 0` is plain greedy).
-    """
+    The model's recommendation (fleettui.config.recommended) applies only to what neither the
+    command line nor the fleet file sets, and never under exact settings: `--exact` stays greedy,
+    without penalties. Its top_k and repetition penalty follow its temperature: a temperature given
+    here means plain sampling (`--temperature 0` is plain greedy)."""
     from fleettui.config.recommended import GREEDY, recommended_sampling
 
     sessions = fleet.sessions
@@ -60,7 +66,11 @@ def generation_params(
         temperature, top_p = 0.0, 1.0
     model = GREEDY if fleet.runtime.exact else recommended_sampling(fleet.model.name)
     if temperature is None:
-        temperature, top_k, repetition_penalty = model.temperature, model.top_k, model.repetition_penalty
+        temperature, top_k, repetition_penalty = (
+            model.temperature,
+            model.top_k,
+            model.repetition_penalty,
+        )
     else:
         top_k, repetition_penalty = 0, 1.0
     return GenerationParams(

@@ -52,7 +52,8 @@ class Failed:
 
 @dataclass(frozen=True)
 class Lost:
-    """Declared lost by the heartbeat watcher (dead, stopped, unreachable); recovery is under way."""
+    """Declared lost by the heartbeat watcher (dead, stopped, unreachable); recovery is under
+    way."""
 
     reason: str
     label = "lost"
@@ -106,11 +107,12 @@ class Telemetry:
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    """One recovery: which stages were lost and why, what was done, and how long each step took (seconds).
+    """One recovery: which stages were lost and why, what was done, and how long each step took
+    (seconds).
 
-    `detect` runs from the last good heartbeat to the declaration; `relaunch` from the declaration to the
-    new workers' handshakes (or the new split's launch); `replay` is the rebuild of every open session.
-    """
+    `detect` runs from the last good heartbeat to the declaration; `relaunch` from the declaration
+    to the new workers' handshakes (or the new split's launch); `replay` is the rebuild of every
+    open session."""
 
     stages: tuple[str, ...]
     reasons: tuple[str, ...]
@@ -134,7 +136,8 @@ class Throttled:
 
 @dataclass(frozen=True)
 class RebalanceProposal:
-    """A better split computed from measured per-stage costs; `applied` when rebalance = "auto" did it."""
+    """A better split computed from measured per-stage costs; `applied` when rebalance = "auto"
+    did it."""
 
     ranges: tuple[tuple[int, int], ...]
     current: tuple[tuple[int, int], ...]
@@ -180,8 +183,9 @@ NextStep = Literal["launch", "wait", "serve", "recover"]
 
 
 def next_step(states: Mapping[str, StageState]) -> NextStep:
-    """What to do next, from the stages' states alone: launch (all idle), wait (some provisioning or loading),
-    serve (all ready or serving) or recover (a stage failed, was lost or the fleet is degraded)."""
+    """What to do next, from the stages' states alone: launch (all idle), wait (some provisioning or
+    loading), serve (all ready or serving) or recover (a stage failed, was lost or the fleet is
+    degraded)."""
     values = list(states.values())
     if any(isinstance(state, (Failed, Lost, Degraded)) for state in values):
         return "recover"

@@ -1,4 +1,5 @@
-"""Provides the status of a recorded deployment: each worker's process and control answer, and staleness."""
+"""Provides the status of a recorded deployment: each worker's process and control answer, and
+staleness."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ class WorkerStatus:
     ports: tuple[int, ...]
     pid: int | None
     state: str  # the worker's own answer ("ready", "loading") or why there is none
-    compiled: str = ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in …"
+    compiled: str = (
+        ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in …"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,15 @@ class StatusReport:
             ports = ",".join(map(str, w.ports))
             compiled = f" ({w.compiled})" if w.compiled else ""
             rows.append(
-                f"  {w.name:<12} {w.role:<6} {w.address:<15} ports {ports:<24} {pid:<11} {w.state}{compiled}"
+                f"  {w.name:<12} {w.role:<6} {w.address:<15} ports {ports:<24} {pid:<11} "
+                f"{w.state}{compiled}"
             )
         return "\n".join(rows)
 
 
 def answer_seconds(answer: dict[str, object], key: str) -> float | None:
-    """A duration a worker's ping answer reports (compile, warm-up), or None when it does not say."""
+    """A duration a worker's ping answer reports (compile, warm-up), or None when it does not
+    say."""
     value = answer.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -72,9 +77,13 @@ def _compiled(extra: dict[str, object]) -> str:
     seconds = answer_seconds(extra, "compile_seconds")
     if seconds is None:
         return ""
-    how = "loaded from the compile cache" if extra.get("compiled_from_cache") is True else "compiled"
+    how = (
+        "loaded from the compile cache" if extra.get("compiled_from_cache") is True else "compiled"
+    )
     warm = answer_seconds(extra, "warm_up_seconds")
-    return f"{how} in {seconds:.1f} s" + (f", warmed up in {warm:.1f} s" if warm is not None else "")
+    return f"{how} in {seconds:.1f} s" + (
+        f", warmed up in {warm:.1f} s" if warm is not None else ""
+    )
 
 
 async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
@@ -85,7 +94,14 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
         placement = stage.placement(hosts)
         config = stage.config
         ports = tuple(
-            p for p in (config.data_port, config.control_port, config.telemetry_port, config.result_port) if p
+            p
+            for p in (
+                config.data_port,
+                config.control_port,
+                config.telemetry_port,
+                config.result_port,
+            )
+            if p
         )
         pid = stage.process.pid if stage.process else None
         compiled = ""
@@ -115,7 +131,8 @@ async def probe(record: DeploymentRecord, fleet: Fleet) -> StatusReport:
     stale = store.staleness(record, fleet)
     if stale is None and any(w.state not in ("ready", "loading") for w in workers):
         stale = (
-            f"stale: {', '.join(w.name for w in workers if w.state not in ('ready', 'loading'))} not running"
+            f"stale: {', '.join(w.name for w in workers if w.state not in ('ready', 'loading'))} "
+            "not running"
         )
     owner = store.busy_owner(record)
     return StatusReport(record, workers, stale, owner.pid if owner else None)

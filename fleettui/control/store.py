@@ -1,9 +1,10 @@
-"""Provides the deployment store: one private record per running fleet, so any command can attach to it or stop it.
+"""Provides the deployment store: one private record per running fleet, so any command can attach to
+it or stop it.
 
-A record lives in `paths.deployments_dir()/<key>.json` (0600: it holds the coordinator's CurveZMQ secret
-key), keyed by the fleet file's resolved path. It is written as soon as workers are launched (so a crash
-at any later point leaves something `fleettui stop` finds) and removed when the fleet is stopped.
-"""
+A record lives in `paths.deployments_dir()/<key>.json` (0600: it holds the coordinator's CurveZMQ
+secret key), keyed by the fleet file's resolved path. It is written as soon as workers are launched
+(so a crash at any later point leaves something `fleettui stop` finds) and removed when the fleet is
+stopped."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class StageRecord:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the command line changed on top of the fleet file (an attach must not silently differ)."""
+    """What the command line changed on top of the fleet file (an attach must not silently
+    differ)."""
 
     exact: bool = False
     draft: str | None = None
@@ -86,7 +88,8 @@ class Settings:
 
 
 def settings_conflict(wanted: Settings, found: DeploymentRecord) -> str | None:
-    """Why an attach with `wanted` settings would silently differ from the running deployment, or None."""
+    """Why an attach with `wanted` settings would silently differ from the running deployment, or
+    None."""
     running = found.settings
     for name in ("exact", "draft", "k"):
         value = getattr(wanted, name)
@@ -110,7 +113,9 @@ class DeploymentRecord:
     stages: tuple[StageRecord, ...]
     run_dir: str | None
     created: float = field(default_factory=time.time)
-    owner: ProcessId | None = None  # the process that started it and keeps its lease (None: deployed)
+    owner: ProcessId | None = (
+        None  # the process that started it and keeps its lease (None: deployed)
+    )
     holder: ProcessId | None = None  # the process using it now (the owner or an attached one)
 
     def deployment(self, fleet: Fleet) -> Deployment:
@@ -238,12 +243,18 @@ def handed_over(record: DeploymentRecord) -> DeploymentRecord:
 
 
 def staleness(record: DeploymentRecord, fleet: Fleet) -> str | None:
-    """Why the record no longer describes a running fleet of this file, or None when it does (local check)."""
-    dead = [s.name for s in record.stages if s.local and s.process is not None and not s.process.alive()]
+    """Why the record no longer describes a running fleet of this file, or None when it does
+    (local check)."""
+    dead = [
+        s.name for s in record.stages if s.local and s.process is not None and not s.process.alive()
+    ]
     if dead:
         return f"deployment {record.id} is stale: {', '.join(dead)} no longer running"
     if record.owner is not None and not record.owner.alive():  # its workers' lease is lapsing
-        return f"deployment {record.id} is stale: the process that started it (pid {record.owner.pid}) exited"
+        return (
+            f"deployment {record.id} is stale: the process that started it (pid "
+            f"{record.owner.pid}) exited"
+        )
     if record.fleet_hash and fleet_hash(fleet) != record.fleet_hash:
         return f"deployment {record.id} is stale: {record.fleet_path} changed since it was deployed"
     return None
@@ -266,13 +277,18 @@ def record_of(
     draft_dir: str | None,
     owner: int | None,
 ) -> DeploymentRecord:
-    """The record of `deployment`; `running` gives each launched worker's real config and process."""
+    """The record of `deployment`; `running` gives each launched worker's real config and
+    process."""
     stages = []
     for placement in deployment.placements:
         config, process = running.get(placement.config.name, (placement.config, None))
         stages.append(
             StageRecord(
-                placement.host.name, placement.host.is_local, placement.connect_address, config, process
+                placement.host.name,
+                placement.host.is_local,
+                placement.connect_address,
+                config,
+                process,
             )
         )
     return DeploymentRecord(
@@ -296,12 +312,15 @@ def restaged(
     running: Mapping[str, tuple[StageConfig, ProcessId | None]],
     target_dir: str,
 ) -> DeploymentRecord:
-    """The record after a recovery: relaunched workers (`running`) or a new split; the rest as recorded."""
+    """The record after a recovery: relaunched workers (`running`) or a new split; the rest as
+    recorded."""
     known = {stage.name: (stage.config, stage.process) for stage in record.stages}
     stages = []
     for placement in deployment.placements:
         name = placement.config.name
         config, process = running.get(name) or known.get(name) or (placement.config, None)
         host = placement.host
-        stages.append(StageRecord(host.name, host.is_local, placement.connect_address, config, process))
+        stages.append(
+            StageRecord(host.name, host.is_local, placement.connect_address, config, process)
+        )
     return replace(record, stages=tuple(stages), target_dir=target_dir)

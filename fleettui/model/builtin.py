@@ -1,4 +1,5 @@
-"""Provides a model name's shape: a builtin, a Hugging Face folder or config.json, or a GGUF file's header."""
+"""Provides a model name's shape: a builtin, a Hugging Face folder or config.json, or a GGUF
+file's header."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from fleettui.model.shape import BUILTIN_SHAPES, SYNTHETIC_PREFIX, ModelShape, s
 def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
     """The shape of a builtin name, a HF folder, a config.json, a .gguf file or (online) a hub id.
 
-    A hub id gives None unless `online`: then its config.json is fetched with huggingface_hub (PlanError
-    with one line when offline). Loading a fleet file never goes online; planning does.
+    A hub id gives None unless `online`: then its config.json is fetched with huggingface_hub
+    (PlanError with one line when offline). Loading a fleet file never goes online; planning does.
     """
     if model.startswith(SYNTHETIC_PREFIX):
         return synthetic_shape(model)
@@ -29,7 +30,9 @@ def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
 
         return gguf_shape(path)
     if path.exists():
-        raise PlanError(f"{path}: neither a model folder with config.json, a config.json nor a .gguf file")
+        raise PlanError(
+            f"{path}: neither a model folder with config.json, a config.json nor a .gguf file"
+        )
     from fleettui.model.hub import hub_config, is_hub_id
 
     if online and is_hub_id(model):
@@ -43,7 +46,8 @@ PUBLISHED_DIR = (
 
 
 def published_config(name: str) -> Path | None:
-    """The stored config.json of a published model by NAME (`qwen3-8b`, `gemma-3-27b` ...), or None."""
+    """The stored config.json of a published model by NAME (`qwen3-8b`, `gemma-3-27b` ...), or
+    None."""
     path = PUBLISHED_DIR / f"{name}.json"
     return path if path.is_file() else None
 

@@ -1,4 +1,5 @@
-"""The architecture of a GGUF model from its header (key/value metadata and tensor names; no weights read)."""
+"""The architecture of a GGUF model from its header (key/value metadata and tensor names; no
+weights read)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Any, BinaryIO
 from fleettui.errors import PlanError
 from fleettui.model.shape import ModelShape
 
-# The GGUF architectures shard_compiler compiles (shard_compiler.families.GGUF_FAMILIES; a test keeps the two
-# in step): their GGUF metadata keys all follow "<architecture>.<key>".
+# The GGUF architectures shard_compiler compiles (shard_compiler.families.GGUF_FAMILIES; a test
+# keeps the two in step): their GGUF metadata keys all follow "<architecture>.<key>".
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
-GEMMA3_PATTERN = 6  # every sixth Gemma 3 layer is global; llama.cpp fixes it too (the GGUF does not store it)
+GEMMA3_PATTERN = (
+    6  # every sixth Gemma 3 layer is global; llama.cpp fixes it too (the GGUF does not store it)
+)
 
 _GGUF_SCALARS = {
     0: "<B",
@@ -89,10 +92,14 @@ def gguf_shape(path: Path) -> ModelShape:
             vocab=int(meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"]),
             tied_embeddings="output.weight" not in names,
             sliding_window=window,
-            local_layers=tuple(i for i in range(layers) if (i + 1) % GEMMA3_PATTERN) if window else (),
+            local_layers=tuple(i for i in range(layers) if (i + 1) % GEMMA3_PATTERN)
+            if window
+            else (),
             experts=experts,
             experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0) if experts else 0,
-            expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length") or 0) if experts else 0,
+            expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length") or 0)
+            if experts
+            else 0,
         )
     except KeyError as error:
         raise PlanError(f"{path}: GGUF metadata lacks {error.args[0]}") from None

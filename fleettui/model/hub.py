@@ -1,4 +1,5 @@
-"""Provides a Hugging Face hub id's config.json for planning (fetched with huggingface_hub when online)."""
+"""Provides a Hugging Face hub id's config.json for planning (fetched with huggingface_hub when
+online)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def is_hub_id(name: str) -> bool:
     """`owner/name` that is not a local path."""
-    return bool(HUB_ID.fullmatch(name)) and not name.endswith((".gguf", ".json")) and not Path(name).exists()
+    return (
+        bool(HUB_ID.fullmatch(name))
+        and not name.endswith((".gguf", ".json"))
+        and not Path(name).exists()
+    )
 
 
 def _first_reason(error: BaseException) -> str:
@@ -33,7 +38,8 @@ def _download(repository: str, filename: str) -> str:
 
 
 def hub_config(repository: str, downloader: Callable[[str, str], str] | None = None) -> Path:
-    """The local path of `repository`'s config.json (the hub's own cache; offline: what it already holds).
+    """The local path of `repository`'s config.json (the hub's own cache; offline: what it already
+    holds).
 
     Raises PlanError with one line when it cannot be had (offline, unknown or gated id).
     """
@@ -47,6 +53,7 @@ def hub_config(repository: str, downloader: Callable[[str, str], str] | None = N
         ) from None
     except Exception as error:  # offline, unknown id, gated model: one line for the user
         raise PlanError(
-            f"{repository}: cannot fetch config.json from the Hugging Face hub ({_first_reason(error)}); "
+            f"{repository}: cannot fetch config.json from the Hugging Face hub "
+            f"({_first_reason(error)}); "
             "offline, pass the model's config.json with --model-config or use a local model folder"
         ) from None

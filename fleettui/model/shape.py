@@ -1,4 +1,5 @@
-"""Provides the shape of a decoder (what the planner needs: dense or mixture-of-experts, local/global) and builtins."""
+"""Provides the shape of a decoder (what the planner needs: dense or mixture-of-experts,
+local/global) and builtins."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from remote_worker.config import WEIGHT_PRECISIONS
 
 GIB = 1 << 30
 PRECISION_ORDER = WEIGHT_PRECISIONS  # widest first (the contract's vocabulary)
-KV_BYTES = {"auto": 2.0, "f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0}  # auto: f16 (upper bound of CPU u8)
+KV_BYTES = {
+    "auto": 2.0,
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "u8": 1.0,
+}  # auto: f16 (upper bound of CPU u8)
 
 
 class LayeredHost(Protocol):
@@ -40,7 +47,9 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
-    sliding_window: int = 0  # local layers attend to this many positions (their KV cache still keeps all)
+    sliding_window: int = (
+        0  # local layers attend to this many positions (their KV cache still keeps all)
+    )
     local_layers: tuple[int, ...] = ()  # the sliding-window layers (Gemma 3: five of every six)
     experts: int = 0  # mixture of experts: routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0
@@ -63,7 +72,9 @@ class ModelShape:
             if not isinstance(config.get(key), int)
         ]
         if missing:
-            raise PlanError(f"model config lacks {', '.join(missing)}: not a Llama-style decoder config")
+            raise PlanError(
+                f"model config lacks {', '.join(missing)}: not a Llama-style decoder config"
+            )
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         architectures = config.get("architectures") or [config.get("model_type", "model")]
@@ -82,7 +93,9 @@ class ModelShape:
             local_layers=_local_layers(config),
             experts=experts,
             experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
-            expert_intermediate=int(config.get("moe_intermediate_size") or config["intermediate_size"])
+            expert_intermediate=int(
+                config.get("moe_intermediate_size") or config["intermediate_size"]
+            )
             if experts
             else 0,
         )
@@ -101,7 +114,8 @@ class ModelShape:
 
     @property
     def group_size(self) -> int:
-        """INT4 group size: 128 where every input width divides by it, else 64 or 32 (as the compiler does)."""
+        """INT4 group size: 128 where every input width divides by it, else 64 or 32 (as the
+        compiler does)."""
         widths = (self.hidden, self.intermediate, self.heads * self.head_dim)
         return next((group for group in (128, 64, 32) if all(w % group == 0 for w in widths)), 0)
 
@@ -116,8 +130,12 @@ class ModelShape:
             return count + 3.0 * rows  # u8 weights + f16 scale + u8 zero point per output channel
         if precision == "int4":
             group = self.group_size
-            return count / 2 + (2.0 * count / group if group else 2.0 * rows)  # + f16 scale per group
-        raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
+            return count / 2 + (
+                2.0 * count / group if group else 2.0 * rows
+            )  # + f16 scale per group
+        raise PlanError(
+            f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}"
+        )
 
     def attention_bytes(self, precision: str) -> float:
         """Weights of one decoder layer's attention half (q, k, v, o and its norm)."""
@@ -131,11 +149,13 @@ class ModelShape:
         )
 
     def layer_bytes(self, precision: str) -> float:
-        """Weights of one decoder layer (attention, MLP with every expert, f32 norms): what its stage holds."""
+        """Weights of one decoder layer (attention, MLP with every expert, f32 norms): what its
+        stage holds."""
         return self.attention_bytes(precision) + self.mlp_bytes(precision)
 
     def active_layer_bytes(self, precision: str) -> float:
-        """Weights one token reads in one layer (a MoE layer: the router and its top-k experts only)."""
+        """Weights one token reads in one layer (a MoE layer: the router and its top-k experts
+        only)."""
         return self.attention_bytes(precision) + self.mlp_bytes(precision, active=True)
 
     def _gated_mlp(self, width: int, precision: str) -> float:
@@ -144,23 +164,32 @@ class ModelShape:
         )
 
     def mlp_bytes(self, precision: str, active: bool = False) -> float:
-        """Weights of one decoder layer's MLP half (gate, up, down and its norm; a MoE layer: router + experts)."""
+        """Weights of one decoder layer's MLP half (gate, up, down and its norm; a MoE layer:
+        router + experts)."""
         if not self.experts:
             return self._gated_mlp(self.intermediate, precision) + 4.0 * self.hidden
         count = self.experts_per_token if active else self.experts
         router = 4.0 * self.experts * self.hidden  # kept f32: routing decides which experts run
-        return count * self._gated_mlp(self.expert_intermediate, precision) + router + 4.0 * self.hidden
+        return (
+            count * self._gated_mlp(self.expert_intermediate, precision)
+            + router
+            + 4.0 * self.hidden
+        )
 
     def mlp_share(self, precision: str) -> float:
         """The MLP's part of a layer's weights: what a cut between attention and MLP moves."""
         return self.mlp_bytes(precision) / self.layer_bytes(precision)
 
     def embedding_bytes(self, precision: str) -> float:
-        """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision does)."""
-        return self.matrix_bytes(self.vocab, self.hidden, "int8" if precision == "int4" else precision)
+        """The token embedding (kept int8 when the layers are int4, as NNCF's backup precision
+        does)."""
+        return self.matrix_bytes(
+            self.vocab, self.hidden, "int8" if precision == "int4" else precision
+        )
 
     def head_bytes(self, precision: str) -> float:
-        """Final norm + lm_head (a separate copy of a tied embedding unless the stage also holds it)."""
+        """Final norm + lm_head (a separate copy of a tied embedding unless the stage also holds
+        it)."""
         return self.embedding_bytes(precision) + 4.0 * self.hidden
 
     def kv_bytes_per_token(self, kv_cache_precision: str = "auto") -> float:
@@ -189,7 +218,8 @@ class ModelShape:
 
 
 def _local_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
-    """The sliding-window layers of a config: `layer_types`, else Gemma 3's `sliding_window_pattern`."""
+    """The sliding-window layers of a config: `layer_types`, else Gemma 3's
+    `sliding_window_pattern`."""
     if not config.get("sliding_window") or config.get("use_sliding_window") is False:
         return ()
     layers = int(config["num_hidden_layers"])
@@ -207,7 +237,9 @@ def _gemma3_local(layers: int) -> tuple[int, ...]:
 
 
 BUILTIN_SHAPES: dict[str, ModelShape] = {
-    "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True),
+    "smollm2-135m-instruct": ModelShape(
+        "smollm2-135m-instruct", 30, 576, 1536, 9, 3, 64, 49152, True
+    ),
     "gemma-3-270m": ModelShape(
         "gemma-3-270m", 18, 640, 2048, 4, 1, 256, 262144, True, 512, _gemma3_local(18)
     ),
@@ -216,8 +248,8 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256, False),
 }
 
-# Architectures `synthetic:NAME[@LAYERS]` can take (seeded random weights; shard_compiler.synthetic has the
-# full configs, a test keeps the two in step): the real shapes plus a toy for tests.
+# Architectures `synthetic:NAME[@LAYERS]` can take (seeded random weights; shard_compiler.synthetic
+# has the full configs, a test keeps the two in step): the real shapes plus a toy for tests.
 SYNTHETIC_SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": BUILTIN_SHAPES["llama-3.2-1b"],
     "llama-3.1-8b": BUILTIN_SHAPES["llama-3.1-8b"],
@@ -230,14 +262,16 @@ SYNTHETIC_REFUSAL = (
 
 
 def synthetic_shape(model: str) -> ModelShape:
-    """The shape of `synthetic:NAME[@LAYERS]` (LAYERS keeps the first N layers); PlanError if unknown."""
+    """The shape of `synthetic:NAME[@LAYERS]` (LAYERS keeps the first N layers); PlanError if
+    unknown."""
     import re
 
     match = re.fullmatch(re.escape(SYNTHETIC_PREFIX) + r"([\w.-]+?)(?:@(\d+))?", model)
     if not match or match.group(1) not in SYNTHETIC_SHAPES:
         known = ", ".join(SYNTHETIC_SHAPES)
         raise PlanError(
-            f"model {model!r}: expected synthetic:NAME or synthetic:NAME@LAYERS with NAME in {known}"
+            f"model {model!r}: expected synthetic:NAME or synthetic:NAME@LAYERS with NAME in "
+            f"{known}"
         )
     base = SYNTHETIC_SHAPES[match.group(1)]
     layers = int(match.group(2)) if match.group(2) else base.num_layers
@@ -249,13 +283,17 @@ def synthetic_shape(model: str) -> ModelShape:
 
 
 def layer_range_problem(layers: list[Any], shown: str) -> str | None:
-    """Why a fleet file's `layers = [start, end]` is not a range (N.5 cuts layer N after its attention)."""
+    """Why a fleet file's `layers = [start, end]` is not a range (N.5 cuts layer N after its
+    attention)."""
     if len(layers) != 2 or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) * 2 == int(float(v) * 2)
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and float(v) * 2 == int(float(v) * 2)
         for v in layers
     ):
         return (
-            f"expected [start, end] (two layer numbers; N.5 cuts layer N between its attention and its MLP), "
+            "expected [start, end] (two layer numbers; N.5 cuts layer N between its attention and "
+            "its MLP), "
             f"got {shown}"
         )
     if not 0 <= layers[0] < layers[1]:
@@ -274,7 +312,8 @@ def check_manual_layers(shape: ModelShape, hosts: Sequence[LayeredHost]) -> None
         start, end = host.layers
         if start != expected or end <= start:
             raise PlanError(
-                f"[{start}, {end}) does not continue at layer {expected}: ranges must be contiguous",
+                f"[{start}, {end}) does not continue at layer {expected}: "
+                "ranges must be contiguous",
                 host=host.name,
                 key="layers",
             )

@@ -1,1 +1,2 @@
-"""Provides the stage planner: a split of the model over the fleet's hosts with the memory each stage needs."""
+"""Provides the stage planner: a split of the model over the fleet's hosts with the memory each
+stage needs."""

@@ -1,10 +1,11 @@
-"""Provides placement from measured costs: fit per-layer / head / per-call costs from stage timings, and the
-split that minimises the slowest stage (pure functions; the calibration run is in `planning.profiles`).
+"""Provides placement from measured costs: fit per-layer / head / per-call costs from stage timings,
+and the split that minimises the slowest stage (pure functions; the calibration run is in
+`planning.profiles`).
 
-A stage's decode time per token is modelled as `call + layers x layer + head (last stage only)`: the head
-(final norm + lm_head over the whole vocabulary) is charged as measured, not as a parameter count — on
-SmolLM2 it costs about as much as seven decoder layers, which a byte count underestimates.
-"""
+A stage's decode time per token is modelled as `call + layers x layer + head (last stage only)`: the
+head (final norm + lm_head over the whole vocabulary) is charged as measured, not as a parameter
+count — on SmolLM2 it costs about as much as seven decoder layers, which a byte count
+underestimates."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from fleettui.errors import PlanError
 
 @dataclass(frozen=True)
 class StageTiming:
-    """One measured stage: how many layers it holds, whether it holds the head, and its ms per token."""
+    """One measured stage: how many layers it holds, whether it holds the head, and its ms per
+    token."""
 
     layers: int
     last: bool
@@ -41,29 +43,34 @@ class MeasuredCosts:
 
 
 def fit_costs(timings: Sequence[StageTiming]) -> MeasuredCosts:
-    """Least-squares fit of `call + n x layer + last x head` to at least three stages with different shapes.
+    """Least-squares fit of `call + n x layer + last x head` to at least three stages with different
+    shapes.
 
-    The calibration split [0, 1, L-1, L] gives exactly that: one layer (+ embedding), L-2 layers, and one
-    layer + head, so the three unknowns are determined. Costs are clamped at zero (noise can push a tiny
-    per-call cost below it).
-    """
+    The calibration split [0, 1, L-1, L] gives exactly that: one layer (+ embedding), L-2 layers,
+    and one layer + head, so the three unknowns are determined. Costs are clamped at zero (noise can
+    push a tiny per-call cost below it)."""
     import numpy as np
 
     if len(timings) < 3 or len({(t.layers, t.last) for t in timings}) < 3:
-        raise PlanError("a cost profile needs three stages of different shapes (the [0, 1, L-1, L] split)")
+        raise PlanError(
+            "a cost profile needs three stages of different shapes (the [0, 1, L-1, L] split)"
+        )
     design = np.array([[1.0, t.layers, 1.0 if t.last else 0.0] for t in timings])
     decode = np.array([t.decode_ms for t in timings])
     prefill = np.array([t.prefill_ms for t in timings])
     call, layer, head = _nonnegative_fit(design, decode)
     _, prefill_layer, prefill_head = _nonnegative_fit(design, prefill)
     if layer <= 0:
-        raise PlanError("the profile gives no positive per-layer cost: measure again on a quieter machine")
+        raise PlanError(
+            "the profile gives no positive per-layer cost: measure again on a quieter machine"
+        )
     return MeasuredCosts(layer, head, call, prefill_layer, prefill_head)
 
 
 def _nonnegative_fit(design: Any, times: Any) -> tuple[float, float, float]:
-    """(call, layer, head) >= 0 by least squares; when a term comes out negative (noise on a tiny model),
-    the per-call term is pinned at zero first (then the negative one) and the rest refitted."""
+    """(call, layer, head) >= 0 by least squares; when a term comes out negative (noise on a tiny
+    model), the per-call term is pinned at zero first (then the negative one) and the rest
+    refitted."""
     import numpy as np
 
     free = [0, 1, 2]
@@ -73,20 +80,27 @@ def _nonnegative_fit(design: Any, times: Any) -> tuple[float, float, float]:
         if not negative or len(free) == 1:
             found = dict(zip(free, (max(float(v), 0.0) for v in solution), strict=True))
             return found.get(0, 0.0), found.get(1, 0.0), found.get(2, 0.0)
-        free.remove(0 if 0 in free else negative[0])  # the per-call term goes first: layers must stay
+        free.remove(
+            0 if 0 in free else negative[0]
+        )  # the per-call term goes first: layers must stay
 
 
-def balanced_split(total: int, costs: Sequence[MeasuredCosts], capacity: Sequence[int]) -> list[int]:
-    """Layer counts (each >= 1 and <= its capacity, summing to TOTAL) minimising the slowest stage's time.
+def balanced_split(
+    total: int, costs: Sequence[MeasuredCosts], capacity: Sequence[int]
+) -> list[int]:
+    """Layer counts (each >= 1 and <= its capacity, summing to TOTAL) minimising the slowest stage's
+    time.
 
-    Stage i runs on the host with costs[i]; the last stage also carries the head. Exact (dynamic programming
-    over hosts x layers used; ties go to the split with the smaller sum of squared stage times).
-    """
+    Stage i runs on the host with costs[i]; the last stage also carries the head. Exact (dynamic
+    programming over hosts x layers used; ties go to the split with the smaller sum of squared stage
+    times)."""
     count = len(costs)
     if count == 0 or count != len(capacity):
         raise PlanError("one cost profile and one capacity per host are needed")
     if count > total or sum(min(c, total) for c in capacity) < total or min(capacity) < 1:
-        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
+        raise PlanError(
+            f"{total} layers cannot be split over hosts with capacities {list(capacity)}"
+        )
 
     def options(index: int, used: int) -> Iterator[tuple[int, float]]:
         last, left_after = index == count - 1, count - index - 1  # every later stage needs a layer
@@ -97,16 +111,19 @@ def balanced_split(total: int, costs: Sequence[MeasuredCosts], capacity: Sequenc
 
     found = _min_max_split(count, total, options)
     if found is None:
-        raise PlanError(f"{total} layers cannot be split over hosts with capacities {list(capacity)}")
+        raise PlanError(
+            f"{total} layers cannot be split over hosts with capacities {list(capacity)}"
+        )
     return [stop - start for start, stop in zip((0, *found[:-1]), found, strict=True)]
 
 
 def _min_max_split(
     count: int, total: int, options: Callable[[int, int], Iterable[tuple[int, float]]]
 ) -> tuple[int, ...] | None:
-    """Where each of COUNT stages ends (units of work, the last at TOTAL) minimising the slowest stage; ties
-    go to the smaller sum of squared stage times. `options(i, used)` gives stage i's possible (end, ms) when it
-    starts at `used`. Exact dynamic programming over stages x units used."""
+    """Where each of COUNT stages ends (units of work, the last at TOTAL) minimising the slowest
+    stage; ties go to the smaller sum of squared stage times. `options(i, used)` gives stage i's
+    possible (end, ms) when it starts at `used`. Exact dynamic programming over stages x units
+    used."""
     best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
     for index in range(count):
         reached: dict[int, tuple[float, float, tuple[int, ...]]] = {}
@@ -121,21 +138,23 @@ def _min_max_split(
     return found[2] if found is not None else None
 
 
-MID_CUT_MIN_GAIN = 0.01  # a split that cuts inside layers must beat the best whole-layer one by this much
+MID_CUT_MIN_GAIN = (
+    0.01  # a split that cuts inside layers must beat the best whole-layer one by this much
+)
 
 
 def balanced_cuts(
     total: int, costs: Sequence[MeasuredCosts], capacity: Sequence[int], attention_share: float
 ) -> list[tuple[int, bool]]:
-    """Each stage's end as (layer boundary, mid), minimising the slowest stage's time when a boundary may
-    also cut a layer between its attention (`attention_share` of a layer's cost) and its MLP.
+    """Each stage's end as (layer boundary, mid), minimising the slowest stage's time when a
+    boundary may also cut a layer between its attention (`attention_share` of a layer's cost) and
+    its MLP.
 
-    Whole-layer cuts (`balanced_split`) unless cutting inside layers makes the slowest stage at least
-    `MID_CUT_MIN_GAIN` faster: a mid cut is exact (the same ops, only the graph is cut) but new shards to
-    compile. Exact dynamic programming over half layers: unit 2i is layer i's attention, 2i + 1 its MLP;
-    each stage holds at least one attention (its KV cache), and a stage that starts with the MLP of the
-    layer before it needs room for one more layer's weights.
-    """
+    Whole-layer cuts (`balanced_split`) unless cutting inside layers makes the slowest stage at
+    least `MID_CUT_MIN_GAIN` faster: a mid cut is exact (the same ops, only the graph is cut) but
+    new shards to compile. Exact dynamic programming over half layers: unit 2i is layer i's
+    attention, 2i + 1 its MLP; each stage holds at least one attention (its KV cache), and a stage
+    that starts with the MLP of the layer before it needs room for one more layer's weights."""
     whole = balanced_split(total, costs, capacity)
     ends, reach = [], 0
     for taken in whole:
@@ -152,12 +171,15 @@ def balanced_cuts(
             if attention + used % 2 > capacity[index] or total - (stop + 1) // 2 < left_after:
                 return
             if attention >= 1 and (not last or stop == units):
-                yield stop, costs[index].stage_ms(_compute_layers(used, stop, attention_share), last)
+                yield (
+                    stop,
+                    costs[index].stage_ms(_compute_layers(used, stop, attention_share), last),
+                )
 
     found = _min_max_split(count, units, options)
-    if found is None or max(predicted_cut_ms(found, costs, attention_share)) > (1.0 - MID_CUT_MIN_GAIN) * max(
-        predicted_ms(whole, costs)
-    ):
+    if found is None or max(predicted_cut_ms(found, costs, attention_share)) > (
+        1.0 - MID_CUT_MIN_GAIN
+    ) * max(predicted_ms(whole, costs)):
         return ends
     return [((stop + 1) // 2, stop % 2 == 1) for stop in found]
 
@@ -165,12 +187,14 @@ def balanced_cuts(
 def predicted_cut_ms(
     stops: Sequence[int], costs: Sequence[MeasuredCosts], attention_share: float
 ) -> list[float]:
-    """Each stage's predicted ms of a split whose stages end at STOPS, in half layers (2i + 1: after layer i's
-    attention)."""
+    """Each stage's predicted ms of a split whose stages end at STOPS, in half layers (2i + 1: after
+    layer i's attention)."""
     times, used = [], 0
     for index, stop in enumerate(stops):
         times.append(
-            costs[index].stage_ms(_compute_layers(used, stop, attention_share), index == len(stops) - 1)
+            costs[index].stage_ms(
+                _compute_layers(used, stop, attention_share), index == len(stops) - 1
+            )
         )
         used = stop
     return times
@@ -188,7 +212,8 @@ def _compute_layers(used: int, stop: int, attention_share: float) -> float:
 
 
 def predicted_ms(counts: Sequence[float], costs: Sequence[MeasuredCosts]) -> list[float]:
-    """Each stage's predicted decode ms per token for a split (layer counts; a mid cut moves a fraction)."""
+    """Each stage's predicted decode ms per token for a split (layer counts; a mid cut moves a
+    fraction)."""
     return [
         cost.stage_ms(layers, index == len(counts) - 1)
         for index, (layers, cost) in enumerate(zip(counts, costs, strict=True))

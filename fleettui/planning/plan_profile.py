@@ -1,4 +1,5 @@
-"""Provides `fleettui plan FLEET --profile`: plan from measured costs and show measured vs predicted per stage."""
+"""Provides `fleettui plan FLEET --profile`: plan from measured costs and show measured vs
+predicted per stage."""
 
 from __future__ import annotations
 
@@ -34,24 +35,31 @@ def run_plan_profile(
     out: Any = None,
     remote: Callable[[Children], RemoteTimer] | None = None,
 ) -> int:
-    """`fleettui plan FLEET --profile`: calibrate the hosts' profiles, plan from them, then compile the planned
-    split and time each stage on its host (SSH hosts through `remote(children)`, without it they are neither
-    calibrated nor timed): measured vs predicted per stage."""
+    """`fleettui plan FLEET --profile`: calibrate the hosts' profiles, plan from them, then compile
+    the planned split and time each stage on its host (SSH hosts through `remote(children)`, without
+    it they are neither calibrated nor timed): measured vs predicted per stage."""
     from fleettui.model.builtin import shape_for_model
 
     stream = out or sys.stdout
     shape = shape or shape_for_model(fleet.model.name)
     if shape is None:
-        raise PlanError(f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json")
+        raise PlanError(
+            f"cannot tell the shape of {fleet.model.name!r} offline: pass its config.json"
+        )
     by_bytes = plan_fleet(fleet, shape, use_profile=False)
     children = Children()
     timer = remote(children) if remote is not None else None
-    found = calibrate(fleet, shape.num_layers, None, say, True, None, children, timer)  # measure now
+    found = calibrate(
+        fleet, shape.num_layers, None, say, True, None, children, timer
+    )  # measure now
     planned = plan_fleet(fleet, shape)
     print(format_plan(planned), file=stream)
     if planned.costs is None:
         missing = [host.name for host in fleet.hosts if host.name not in found]
-        print(f"\nno measured costs for {', '.join(missing)}: planned from parameter bytes", file=stream)
+        print(
+            f"\nno measured costs for {', '.join(missing)}: planned from parameter bytes",
+            file=stream,
+        )
         return 0
     costs = list(planned.costs)
     names = [host.name for host in fleet.hosts]
@@ -63,12 +71,20 @@ def run_plan_profile(
     measured: list[float] = []
     if timer is not None or all(host.is_local for host in fleet.hosts):
         splits = planned.bounds
-        say(f"compiling the planned split {splits} (cached) and timing its stages, each after the rest")
+        say(
+            f"compiling the planned split {splits} (cached) and timing its stages, each after the "
+            "rest"
+        )
         shard_dir = compile_split(fleet, splits, children)
         predicted = predicted_ms(counts, costs)
-        pauses = [sum(predicted) - own for own in predicted]  # live, one user: the rest of the pipeline
+        pauses = [
+            sum(predicted) - own for own in predicted
+        ]  # live, one user: the rest of the pipeline
         measured = _time_planned(fleet, shard_dir, pauses, children, timer)
-    print("\nmeasured vs predicted decode ms per token, each stage on its host's settings:", file=stream)
+    print(
+        "\nmeasured vs predicted decode ms per token, each stage on its host's settings:",
+        file=stream,
+    )
     print(format_comparison(names, counts, costs, measured or None), file=stream)
     return 0
 
@@ -78,13 +94,20 @@ def _time_planned(
 ) -> list[float]:
     """Decode ms per token of each planned stage on its own host, after its pause."""
     hosts = fleet.hosts
-    if all(host.is_local for host in hosts) and len({(h.device, h.threads, h.cores) for h in hosts}) == 1:
+    if (
+        all(host.is_local for host in hosts)
+        and len({(h.device, h.threads, h.cores) for h in hosts}) == 1
+    ):
         timed = time_stages(fleet, hosts[0], shard_dir, list(range(len(hosts))), children, pauses)
-        return [float(s["decode_ms"]) for s in timed]  # one process timed every stage: the same windows
+        return [
+            float(s["decode_ms"]) for s in timed
+        ]  # one process timed every stage: the same windows
     measured = {}
     for index, host in enumerate(hosts):  # one stage on each host, after its pause
         if host.is_local:
-            measured[index] = time_stages(fleet, host, shard_dir, [index], children, [pauses[index]])[0]
+            measured[index] = time_stages(
+                fleet, host, shard_dir, [index], children, [pauses[index]]
+            )[0]
         else:  # its own files pushed, timed on the host
             assert timer is not None
             args = profile_arguments(fleet, host, [pauses[index]])

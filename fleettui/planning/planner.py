@@ -1,4 +1,5 @@
-"""The stage planner: split a model's layers over the fleet's hosts by memory and speed, from its config alone."""
+"""The stage planner: split a model's layers over the fleet's hosts by memory and speed, from its
+config alone."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RUNTIME_OVERHEAD = int(0.6 * GIB)  # Python + OpenVINO runtime + ZeroMQ buffers of one stage process
-ROLLBACK_SLACK = 1.5  # physical KV slots per logical token: masked (rejected) slots until compaction
+ROLLBACK_SLACK = (
+    1.5  # physical KV slots per logical token: masked (rejected) slots until compaction
+)
 PREFILL_CHUNK = 512  # tokens per prefill request the activation estimate assumes
 
 
-# --- plans -------------------------------------------------------------------------------------------
+# --- plans
+# -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,9 @@ class StagePlan:
     activation_bytes: float
     overhead_bytes: float
     usable_bytes: float
-    starts_mid: bool = False  # runs the MLP half of layer start-1 first (the boundary cuts that layer)
+    starts_mid: bool = (
+        False  # runs the MLP half of layer start-1 first (the boundary cuts that layer)
+    )
     ends_mid: bool = False  # layer end-1 stops after its attention; the next stage runs its MLP
     mlp_share: float = 0.0  # a layer's MLP share of its cost (what a mid cut moves)
 
@@ -61,13 +67,18 @@ class StagePlan:
 
     @property
     def edges(self) -> tuple[float, float]:
-        """The layers as numbers, for display: (0, 12.5) ends inside layer 12 (after its attention)."""
+        """The layers as numbers, for display: (0, 12.5) ends inside layer 12 (after its
+        attention)."""
         return boundary_value(self.start, self.starts_mid), boundary_value(self.end, self.ends_mid)
 
     @property
     def span(self) -> str:
-        """The layers as written in a split: [0, 12.5) ends inside layer 12 (after its attention)."""
-        return f"[{format_boundary(self.start, self.starts_mid)}, {format_boundary(self.end, self.ends_mid)})"
+        """The layers as written in a split: [0, 12.5) ends inside layer 12 (after its
+        attention)."""
+        return (
+            f"[{format_boundary(self.start, self.starts_mid)}, "
+            f"{format_boundary(self.end, self.ends_mid)})"
+        )
 
     @property
     def count(self) -> int:
@@ -93,7 +104,9 @@ class Plan:
     sessions: int
     stages: tuple[StagePlan, ...]
     manual: bool
-    costs: tuple[MeasuredCosts, ...] | None = None  # measured per-host costs the split was balanced with
+    costs: tuple[MeasuredCosts, ...] | None = (
+        None  # measured per-host costs the split was balanced with
+    )
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -107,7 +120,8 @@ class Plan:
 
     @property
     def bounds(self) -> tuple[str, ...]:
-        """The split as the shard compiler takes it: 0,12.5,16 (12.5 cuts layer 12 after its attention)."""
+        """The split as the shard compiler takes it: 0,12.5,16 (12.5 cuts layer 12 after its
+        attention)."""
         return tuple(format_bounds((0, *(stage.end for stage in self.stages)), self.mid_cuts))
 
     @property
@@ -122,7 +136,9 @@ class Plan:
 class _Budget:
     """Memory of one stage as a function of its layer count and position."""
 
-    def __init__(self, shape: ModelShape, precision: str, kv: str, context: int, sessions: int) -> None:
+    def __init__(
+        self, shape: ModelShape, precision: str, kv: str, context: int, sessions: int
+    ) -> None:
         self.shape = shape
         self.layer = shape.layer_bytes(precision)
         self.active_layer = shape.active_layer_bytes(precision)  # what a token reads: decode cost
@@ -133,7 +149,9 @@ class _Budget:
         self.mlp_share = shape.mlp_share(precision)
         chunk = min(context, PREFILL_CHUNK)
         self.activations = (
-            4.0 * chunk * (4 * shape.hidden + 3 * shape.intermediate + shape.heads * min(context, 4096))
+            4.0
+            * chunk
+            * (4 * shape.hidden + 3 * shape.intermediate + shape.heads * min(context, 4096))
         )
         self.logits = 4.0 * chunk * shape.vocab
 
@@ -157,9 +175,19 @@ class _Budget:
         count = end - start
         weights += count * self.layer + self.mlp * (mids[0] - mids[1])
         return StagePlan(
-            index, host.name, start, end, last, weights, count * self.kv_layer, activations,
-            float(RUNTIME_OVERHEAD), host.memory_gb * GIB, *mids, self.mlp_share,
-        )  # fmt: skip
+            index,
+            host.name,
+            start,
+            end,
+            last,
+            weights,
+            count * self.kv_layer,
+            activations,
+            float(RUNTIME_OVERHEAD),
+            host.memory_gb * GIB,
+            *mids,
+            self.mlp_share,
+        )
 
 
 def _gb(value: float) -> str:
@@ -176,15 +204,18 @@ def plan(
     balance_head: bool = True,
     costs: Sequence[MeasuredCosts] | None = None,
 ) -> Plan:
-    """Split ``shape`` over ``hosts`` (in pipeline order) or raise PlanError explaining why it cannot.
+    """Split ``shape`` over ``hosts`` (in pipeline order) or raise PlanError explaining why it
+    cannot.
 
     Layers go to hosts in proportion to their speed, after charging the last host for the lm_head it
-    also runs (decode reads every weight once per token, so cost ~ weight bytes / speed), within what
-    each host's usable memory holds. With ``costs`` (one measured profile per host) the split instead
-    minimises the slowest stage's measured time per token. A ``layers`` override is validated instead.
-    """
+    also runs (decode reads every weight once per token, so cost ~ weight bytes / speed), within
+    what each host's usable memory holds. With ``costs`` (one measured profile per host) the split
+    instead minimises the slowest stage's measured time per token. A ``layers`` override is
+    validated instead."""
     if precision not in PRECISION_ORDER:
-        raise PlanError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}")
+        raise PlanError(
+            f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}"
+        )
     if not hosts:
         raise PlanError("no hosts to plan for")
     if context_tokens < 1 or sessions < 1:
@@ -209,7 +240,9 @@ def plan(
         return Plan(shape, precision, kv_cache_precision, context_tokens, sessions, stages, True)
 
     if count > shape.num_layers:
-        raise PlanError(f"{count} hosts but {shape.name} has only {shape.num_layers} layers: remove a host")
+        raise PlanError(
+            f"{count} hosts but {shape.name} has only {shape.num_layers} layers: remove a host"
+        )
     _check_total(shape, hosts, precision, kv_cache_precision, context_tokens, sessions)
     per_layer = budget.layer + budget.kv_layer
     capacity = []
@@ -222,7 +255,8 @@ def plan(
             role += " the lm_head," if i == count - 1 else ""
             raise PlanError(
                 f"{_gb(host.memory_gb * GIB)} usable cannot hold{role} one layer and its KV cache "
-                f"({_gb(per_layer)}) plus runtime and activations ({_gb(RUNTIME_OVERHEAD + activations)}): "
+                f"({_gb(per_layer)}) plus runtime and activations "
+                f"({_gb(RUNTIME_OVERHEAD + activations)}): "
                 "give it more memory, move it, or remove it",
                 host=host.name,
                 key="memory_gb",
@@ -230,7 +264,8 @@ def plan(
         capacity.append(layers)
     if sum(capacity) < shape.num_layers:
         raise PlanError(
-            f"the hosts hold {sum(capacity)} of {shape.name}'s {shape.num_layers} layers at {precision} "
+            f"the hosts hold {sum(capacity)} of {shape.name}'s {shape.num_layers} layers at "
+            f"{precision} "
             "once each stage's fixed memory is counted: add a host or use a lower precision"
         )
     head_cost = [0.0] * count
@@ -244,16 +279,25 @@ def plan(
         ends = [(sum(counts[: i + 1]), False) for i in range(count)]
     stages_list, start, starts_mid = [], 0, False
     for i, (host, (end, ends_mid)) in enumerate(zip(hosts, ends, strict=True)):
-        stages_list.append(budget.stage(i, host, start, end, i == count - 1, (starts_mid, ends_mid)))
+        stages_list.append(
+            budget.stage(i, host, start, end, i == count - 1, (starts_mid, ends_mid))
+        )
         start, starts_mid = end, ends_mid
     return Plan(
-        shape, precision, kv_cache_precision, context_tokens, sessions, tuple(stages_list), False,
+        shape,
+        precision,
+        kv_cache_precision,
+        context_tokens,
+        sessions,
+        tuple(stages_list),
+        False,
         tuple(costs) if costs is not None else None,
-    )  # fmt: skip
+    )
 
 
 def _kv_range(layers: tuple[float, float]) -> tuple[int, int]:
-    """The layers whose KV cache a manual range [12.5, 16) holds: [13, 16) (layer 12's attention is before)."""
+    """The layers whose KV cache a manual range [12.5, 16) holds: [13, 16) (layer 12's attention
+    is before)."""
     return math.ceil(layers[0]), math.ceil(layers[1])
 
 
@@ -269,7 +313,11 @@ def _check_total(
     def need(candidate: str) -> float:
         budget = _Budget(shape, candidate, kv, context, sessions)
         fixed = sum(sum(budget.fixed(i == 0, i == len(hosts) - 1)) for i in range(len(hosts)))
-        return fixed + len(hosts) * RUNTIME_OVERHEAD + shape.num_layers * (budget.layer + budget.kv_layer)
+        return (
+            fixed
+            + len(hosts) * RUNTIME_OVERHEAD
+            + shape.num_layers * (budget.layer + budget.kv_layer)
+        )
 
     offered = sum(host.memory_gb for host in hosts) * GIB
     needed = need(precision)
@@ -289,8 +337,11 @@ def _check_total(
     )
 
 
-def _split(total: int, speeds: list[float], capacity: list[int], head_cost: list[float]) -> list[int]:
-    """Integer layer counts ≥ 1 and ≤ capacity, summing to total, balancing (count + head) / speed."""
+def _split(
+    total: int, speeds: list[float], capacity: list[int], head_cost: list[float]
+) -> list[int]:
+    """Integer layer counts ≥ 1 and ≤ capacity, summing to total, balancing (count + head) /
+    speed."""
     count = len(speeds)
     fixed: dict[int, float] = {}
     while True:
@@ -322,12 +373,15 @@ def _split(total: int, speeds: list[float], capacity: list[int], head_cost: list
 
 
 def plan_fleet(
-    fleet: Fleet, shape: ModelShape | None = None, context_tokens: int = 4096, use_profile: bool = True
+    fleet: Fleet,
+    shape: ModelShape | None = None,
+    context_tokens: int = 4096,
+    use_profile: bool = True,
 ) -> Plan:
     """The plan of a loaded fleet with its precision, sessions and KV-cache settings.
 
-    When every host has a cached cost profile (`fleettui plan --profile`), the split balances measured
-    stage times instead of parameter bytes.
+    When every host has a cached cost profile (`fleettui plan --profile`), the split balances
+    measured stage times instead of parameter bytes.
 
     A refusal is a PlanError that points at the fleet file (``path:line: key: reason``).
     """
@@ -344,9 +398,14 @@ def plan_fleet(
 
             costs = fleet_costs(fleet)
         return plan(
-            shape, fleet.hosts, fleet.model.precision, context_tokens, fleet.sessions.max_sessions,
-            fleet.runtime.kv_cache_precision, costs=costs,
-        )  # fmt: skip
+            shape,
+            fleet.hosts,
+            fleet.model.precision,
+            context_tokens,
+            fleet.sessions.max_sessions,
+            fleet.runtime.kv_cache_precision,
+            costs=costs,
+        )
     except PlanError as error:
         if fleet.path is None or error.path is not None:
             raise
@@ -366,7 +425,9 @@ def _located(error: PlanError, fleet: Fleet) -> PlanError:
     if error.host in names:
         index = names.index(error.host)
         key = error.key or "memory_gb"
-        return error.located(fleet.path, lines.line("hosts", index, key), f"hosts[{error.host}].{key}")
+        return error.located(
+            fleet.path, lines.line("hosts", index, key), f"hosts[{error.host}].{key}"
+        )
     if "offline" in error.message:
         return error.located(fleet.path, lines.line("model", 0, "name"), "model.name")
     return error.located(fleet.path, lines.line("hosts", 0), "hosts")
@@ -376,10 +437,12 @@ def format_plan(plan: Plan) -> str:
     """A text table of a plan for the terminal."""
     shape = plan.shape
     lines = [
-        f"{shape.name}: {shape.num_layers} layers, {shape.parameter_count() / 1e9:.2f} B parameters, "
+        f"{shape.name}: {shape.num_layers} layers, {shape.parameter_count() / 1e9:.2f} B "
+        "parameters, "
         f"{plan.precision} weights"
         + (f" (group {shape.group_size})" if plan.precision == "int4" else "")
-        + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} tokens"
+        + f", KV {plan.kv_cache_precision}, {plan.sessions} session(s) x {plan.context_tokens} "
+        "tokens"
         + (" — manual split" if plan.manual else "")
         + (
             " — split from measured costs (cached profiles; plan --profile measures again)"
@@ -387,7 +450,8 @@ def format_plan(plan: Plan) -> str:
             else ""
         )
         + (
-            " — split from parameter bytes (no measured profile yet: the next deploy or plan --profile measures)"
+            " — split from parameter bytes (no measured profile yet: the next deploy or plan "
+            "--profile measures)"
             if not plan.costs and not plan.manual and len(plan.stages) > 1
             else ""
         )
@@ -397,7 +461,8 @@ def format_plan(plan: Plan) -> str:
             else ""
         ),
         "",
-        f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}{'KV cache':>11}{'other':>10}"
+        f"{'stage':<6}{'host':<16}{'layers':<12}{'n':>4}{'weights':>11}"
+        f"{'KV cache':>11}{'other':>10}"
         f"{'total':>11}{'usable':>11}{'use':>6}",
     ]
     local = set(shape.local_layers)
@@ -416,33 +481,42 @@ def format_plan(plan: Plan) -> str:
         f"{'total':<38}{_gb(sum(s.weight_bytes for s in plan.stages)):>11}"
         f"{_gb(sum(s.kv_bytes for s in plan.stages)):>11}"
         f"{_gb(sum(s.activation_bytes + s.overhead_bytes for s in plan.stages)):>10}"
-        f"{_gb(plan.total_bytes):>11}{_gb(plan.usable_bytes):>11}{plan.total_bytes / plan.usable_bytes:>6.0%}"
+        f"{_gb(plan.total_bytes):>11}{_gb(plan.usable_bytes):>11}"
+        f"{plan.total_bytes / plan.usable_bytes:>6.0%}"
     )
     return "\n".join(lines + shape_notes(plan))
 
 
 def shape_notes(plan: Plan) -> list[str]:
-    """What the table does not show: experts (total vs active), local/global layers, a tied embedding's copies."""
+    """What the table does not show: experts (total vs active), local/global layers, a tied
+    embedding's copies."""
     shape, notes = plan.shape, []
     if shape.experts:
         notes.append(
-            f"mixture of experts: {shape.experts} experts per layer, {shape.experts_per_token} active per token; "
-            f"{shape.parameter_count() / 1e9:.2f} B parameters in total (every expert of a stage's layers lives on "
-            f"its host: memory above), {shape.parameter_count(active=True) / 1e9:.2f} B active per token "
+            f"mixture of experts: {shape.experts} experts per layer, {shape.experts_per_token} "
+            "active per token; "
+            f"{shape.parameter_count() / 1e9:.2f} B parameters in total (every expert of a stage's "
+            "layers lives on "
+            f"its host: memory above), {shape.parameter_count(active=True) / 1e9:.2f} B active per "
+            "token "
             f"(what a stage computes: the split's cost)"
         )
     if shape.local_layers:
         notes.append(
-            f"attention: {len(shape.local_layers)} local layers (sliding window {shape.sliding_window}) and "
-            f"{len(shape.global_layers)} global ({', '.join(map(str, shape.global_layers))}); the KV cache of a "
-            "local layer still keeps every position (rollback masks, never trims), so KV is sized by the context"
+            f"attention: {len(shape.local_layers)} local layers (sliding window "
+            f"{shape.sliding_window}) and "
+            f"{len(shape.global_layers)} global ({', '.join(map(str, shape.global_layers))}); the "
+            "KV cache of a "
+            "local layer still keeps every position (rollback masks, never trims), so KV is sized "
+            "by the context"
         )
     if shape.tied_embeddings and len(plan.stages) > 1:
         matrix = shape.embedding_bytes(plan.precision)
         notes.append(
             f"tied embeddings: the first stage (embedding) and the last (lm_head) each hold the "
             f"{shape.vocab} x {shape.hidden} matrix, {_gb(matrix)} at "
-            f"{'int8' if plan.precision == 'int4' else plan.precision}: {_gb(matrix)} more than one copy"
+            f"{'int8' if plan.precision == 'int4' else plan.precision}: {_gb(matrix)} more than "
+            "one copy"
         )
     return [""] + notes if notes else []
 
@@ -453,8 +527,13 @@ def rest_can_run(fleet: Fleet, failed: set[str]) -> str:
     if not rest:
         return "no host is left to run the model"
     try:
-        plan = plan_fleet(replace(fleet, hosts=tuple(replace(host, layers=None) for host in rest), path=None))
+        plan = plan_fleet(
+            replace(fleet, hosts=tuple(replace(host, layers=None) for host in rest), path=None)
+        )
     except PlanError as error:
         return f"without {', '.join(sorted(failed))} the model does not fit: {error}"
     ranges = ", ".join(f"{stage.host} {stage.span}" for stage in plan.stages)
-    return f"without {', '.join(sorted(failed))} the rest can run it: {ranges} (remove the failed hosts and deploy again)"
+    return (
+        f"without {', '.join(sorted(failed))} the rest can run it: {ranges} (remove the failed "
+        "hosts and deploy again)"
+    )

@@ -1,16 +1,17 @@
-"""Provides measured cost profiles per host: the calibration run, its cache, and `fleettui plan --profile`.
+"""Provides measured cost profiles per host: the calibration run, its cache, and `fleettui plan
+--profile`.
 
-Calibration compiles the model with the split [0, 1, L-1, L] (cached like any shards) and times each of its
-three stages with the host's OpenVINO settings (`python -m remote_worker.profile`, a child process: fleettui
-never imports OpenVINO), each after the pause it has in the fleet's pipeline serving one user. `fit_costs`
-turns the three timings into per-layer, head and per-call costs, kept under the cache dir per machine /
-device / threads / cores / model / precisions / stage count (hosts on alike cores of this machine, calibrated
-together, share the mean: `pool_alike`). The planner uses them when every host has one. Local hosts are
-calibrated here, SSH hosts on themselves (the worker installed and the split pushed as a deploy does:
-`fleettui.control.calibration`), keyed by their address; each SSH profile records which PC it timed, so a
-deploy drops it when another PC answers at that address (`replaced_profiles`). A host without a profile of the
-fleet's stage count plans from its profile of the nearest other one (`nearest_costs`: a re-plan).
-"""
+Calibration compiles the model with the split [0, 1, L-1, L] (cached like any shards) and times each
+of its three stages with the host's OpenVINO settings (`python -m remote_worker.profile`, a child
+process: fleettui never imports OpenVINO), each after the pause it has in the fleet's pipeline
+serving one user. `fit_costs` turns the three timings into per-layer, head and per-call costs, kept
+under the cache dir per machine / device / threads / cores / model / precisions / stage count (hosts
+on alike cores of this machine, calibrated together, share the mean: `pool_alike`). The planner uses
+them when every host has one. Local hosts are calibrated here, SSH hosts on themselves (the worker
+installed and the split pushed as a deploy does: `fleettui.control.calibration`), keyed by their
+address; each SSH profile records which PC it timed, so a deploy drops it when another PC answers at
+that address (`replaced_profiles`). A host without a profile of the fleet's stage count plans from
+its profile of the nearest other one (`nearest_costs`: a re-plan)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def _material(fleet: Fleet, host: Host, pipeline: int | None = None) -> dict[str
     }
 
 
-def profile_path(fleet: Fleet, host: Host, root: Path | None = None, pipeline: int | None = None) -> Path:
+def profile_path(
+    fleet: Fleet, host: Host, root: Path | None = None, pipeline: int | None = None
+) -> Path:
     from fleettui.config.paths import cache_dir
 
     material = json.dumps(_material(fleet, host, pipeline), sort_keys=True)
@@ -67,7 +70,8 @@ def profile_path(fleet: Fleet, host: Host, root: Path | None = None, pipeline: i
 def load_costs(
     fleet: Fleet, host: Host, root: Path | None = None, pipeline: int | None = None
 ) -> MeasuredCosts | None:
-    """The cached cost profile of HOST for this fleet's model and settings (and stage count), or None."""
+    """The cached cost profile of HOST for this fleet's model and settings (and stage count), or
+    None."""
     try:
         data = json.loads(profile_path(fleet, host, root, pipeline).read_text(encoding="utf-8"))
         return MeasuredCosts(**data["costs"])
@@ -76,9 +80,10 @@ def load_costs(
 
 
 def nearest_costs(fleet: Fleet, host: Host, root: Path | None = None) -> MeasuredCosts | None:
-    """HOST's profile for this fleet's stage count, else the one measured in the nearest other stage count
-    (same machine, device, threads, cores, model and precisions). A re-plan around a lost host changes the
-    stage count but not what a layer costs on the hosts that are left: their costs plan it, not bytes."""
+    """HOST's profile for this fleet's stage count, else the one measured in the nearest other stage
+    count (same machine, device, threads, cores, model and precisions). A re-plan around a lost host
+    changes the stage count but not what a layer costs on the hosts that are left: their costs plan
+    it, not bytes."""
     count = len(fleet.hosts)
     for distance in range(MAX_PIPELINE):
         for pipeline in dict.fromkeys((count - distance, count + distance)):
@@ -90,7 +95,8 @@ def nearest_costs(fleet: Fleet, host: Host, root: Path | None = None) -> Measure
 
 
 def _records(root: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
-    """Every cached profile record (its file and JSON object), in file-name order; unreadable ones left out."""
+    """Every cached profile record (its file and JSON object), in file-name order; unreadable
+    ones left out."""
     from fleettui.config.paths import cache_dir
 
     records = []
@@ -107,12 +113,14 @@ def _records(root: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
 def shared_differently(
     fleet: Fleet, host: Host, records: list[tuple[Path, dict[str, Any]]]
 ) -> MeasuredCosts | None:
-    """A local HOST's profile among RECORDS measured with another share of this machine's cores (same
-    machine, device, model and precisions; the nearest stage count, then the nearest core count). Local
-    survivors of a re-plan share the cores anew, a setting no calibration timed, but what the head costs
-    against a layer holds."""
+    """A local HOST's profile among RECORDS measured with another share of this machine's cores
+    (same machine, device, model and precisions; the nearest stage count, then the nearest core
+    count). Local survivors of a re-plan share the cores anew, a setting no calibration timed, but
+    what the head costs against a layer holds."""
     wanted = _material(fleet, host)
-    fixed = {key: value for key, value in wanted.items() if key not in ("threads", "cores", "pipeline")}
+    fixed = {
+        key: value for key, value in wanted.items() if key not in ("threads", "cores", "pipeline")
+    }
     best: tuple[tuple[int, int, str], MeasuredCosts] | None = None
     for path, record in records:
         try:
@@ -131,12 +139,15 @@ def shared_differently(
     return None if best is None else best[1]
 
 
-def fleet_costs(fleet: Fleet, root: Path | None = None, nearest: bool = True) -> list[MeasuredCosts] | None:
-    """One cached profile per host, or None when any host has none (then the byte-count estimate plans).
+def fleet_costs(
+    fleet: Fleet, root: Path | None = None, nearest: bool = True
+) -> list[MeasuredCosts] | None:
+    """One cached profile per host, or None when any host has none (then the byte-count estimate
+    plans).
 
-    `nearest`: of the nearest stage count when none of this one; and a fleet all on this machine that has no
-    profile with its share of the cores (the survivors of a re-plan) takes the ones measured with another
-    share, all of them alike, so the hosts' costs stay comparable."""
+    `nearest`: of the nearest stage count when none of this one; and a fleet all on this machine
+    that has no profile with its share of the cores (the survivors of a re-plan) takes the ones
+    measured with another share, all of them alike, so the hosts' costs stay comparable."""
     if nearest:
         found = [nearest_costs(fleet, host, root) for host in fleet.hosts]
         if fleet.hosts and all(c is None for c in found) and all(h.is_local for h in fleet.hosts):
@@ -150,9 +161,10 @@ def fleet_costs(fleet: Fleet, root: Path | None = None, nearest: bool = True) ->
 def replaced_profiles(
     address: str, identity: dict[str, Any], root: Path | None = None
 ) -> tuple[list[Path], str]:
-    """The cached profiles measured on the SSH host at ADDRESS by another PC than the one IDENTITY describes
-    (the operator swapped it behind the same address), and what differs ("cpu: A -> B"). Profiles that
-    recorded no identity (measured before identities were kept) cannot tell and stay."""
+    """The cached profiles measured on the SSH host at ADDRESS by another PC than the one IDENTITY
+    describes (the operator swapped it behind the same address), and what differs ("cpu: A -> B").
+    Profiles that recorded no identity (measured before identities were kept) cannot tell and
+    stay."""
     stale: list[Path] = []
     change = ""
     for path, record in _records(root):
@@ -165,13 +177,16 @@ def replaced_profiles(
         differs = [key for key in identity if measured_on.get(key) != identity[key]]
         if differs:
             stale.append(path)
-            change = ", ".join(f"{key}: {measured_on.get(key)} -> {identity[key]}" for key in differs)
+            change = ", ".join(
+                f"{key}: {measured_on.get(key)} -> {identity[key]}" for key in differs
+            )
     return stale, change
 
 
 class Children:
-    """The child processes (shard compiler, stage timing) of one calibration. `stop()`, from any thread, kills
-    those running and refuses new ones, so a cancelled caller does not wait for a timing it no longer wants."""
+    """The child processes (shard compiler, stage timing) of one calibration. `stop()`, from any
+    thread, kills those running and refuses new ones, so a cancelled caller does not wait for a
+    timing it no longer wants."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -188,11 +203,14 @@ class Children:
         hook()
 
     def run(self, command: list[str], what: str) -> str:
-        """The last line the child printed; PlanError with its last stderr line when it fails or is stopped."""
+        """The last line the child printed; PlanError with its last stderr line when it fails or
+        is stopped."""
         with self._lock:
             if self._stopped:
                 raise PlanError(f"{what}: stopped")
-            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            child = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             self._running.add(child)
         try:
             stdout, stderr = child.communicate(timeout=TIMEOUT)
@@ -219,20 +237,32 @@ class Children:
             hook()
 
 
-def compile_split(fleet: Fleet, splits: Sequence[int | str], children: Children | None = None) -> Path:
-    """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by content;
-    a boundary 12.5 cuts layer 12 between its attention and its MLP)."""
+def compile_split(
+    fleet: Fleet, splits: Sequence[int | str], children: Children | None = None
+) -> Path:
+    """Shards of the fleet's model for SPLITS (the shard compiler in a child process; cached by
+    content; a boundary 12.5 cuts layer 12 between its attention and its MLP)."""
     command = [
-        sys.executable, "-m", "shard_compiler", "--model", fleet.model.name, "--split",
-        ",".join(map(str, splits)), "--precision", fleet.model.precision, "--cache-root", str(fleet.model.shards),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "shard_compiler",
+        "--model",
+        fleet.model.name,
+        "--split",
+        ",".join(map(str, splits)),
+        "--precision",
+        fleet.model.precision,
+        "--cache-root",
+        str(fleet.model.shards),
+    ]
     return Path((children or Children()).run(command, "shard compiler"))
 
 
 def profile_arguments(fleet: Fleet, host: Host, pauses_ms: list[float] | None = None) -> list[str]:
-    """The options of `remote_worker.profile` for HOST's settings (all but `--shard` and `--stages`): each
-    timed stage after PAUSES_MS (per stage) when given, else as the calibration split of the fleet's
-    pipeline (each after the rest of the fleet's token: `remote_worker.profile.time_stages`)."""
+    """The options of `remote_worker.profile` for HOST's settings (all but `--shard` and
+    `--stages`): each timed stage after PAUSES_MS (per stage) when given, else as the calibration
+    split of the fleet's pipeline (each after the rest of the fleet's token:
+    `remote_worker.profile.time_stages`)."""
     arguments = ["--device", host.device]
     if pauses_ms is not None:
         arguments += ["--pauses-ms", ",".join(f"{pause:.3f}" for pause in pauses_ms)]
@@ -264,22 +294,27 @@ def time_stages(
     if stages is not None:
         command += ["--stages", ",".join(map(str, stages))]
     command += profile_arguments(fleet, host, pauses_ms)
-    return list(json.loads((children or Children()).run(command, f"profile of {host.name}"))["stages"])
+    return list(
+        json.loads((children or Children()).run(command, f"profile of {host.name}"))["stages"]
+    )
 
 
 def timings(stages: list[dict[str, Any]]) -> list[StageTiming]:
     return [
         StageTiming(
-            s["layers"][1] - s["layers"][0], bool(s["last"]), float(s["decode_ms"]), float(s["prefill_ms"])
+            s["layers"][1] - s["layers"][0],
+            bool(s["last"]),
+            float(s["decode_ms"]),
+            float(s["prefill_ms"]),
         )
         for s in stages
     ]
 
 
 RemoteTimer = Callable[[list[tuple["Host", list[str]]], Path, list[int]], list[dict[str, Any]]]
-"""Times STAGES of a shard folder on SSH hosts, each with its `profile_arguments`, all at once: per host
-{"stages": the profile's per-stage records, "identity": which PC answered} (`fleettui.control.calibration.
-remote_timer`; planning does not reach hosts)."""
+"""Times STAGES of a shard folder on SSH hosts, each with its `profile_arguments`, all at once: per
+host {"stages": the profile's per-stage records, "identity": which PC answered}
+(`fleettui.control.calibration. remote_timer`; planning does not reach hosts)."""
 
 
 def calibrate(
@@ -292,23 +327,24 @@ def calibrate(
     children: Children | None = None,
     remote: RemoteTimer | None = None,
 ) -> dict[str, MeasuredCosts]:
-    """Measured costs of every host (calibrated once per distinct settings, then cached): local hosts in
-    child processes here, SSH hosts on the host itself through REMOTE (without it they keep the byte-count
-    estimate).
+    """Measured costs of every host (calibrated once per distinct settings, then cached): local
+    hosts in child processes here, SSH hosts on the host itself through REMOTE (without it they keep
+    the byte-count estimate).
 
-    Local hosts pinned to disjoint cores are timed at the same time when the memory allows (one window: noise
-    from other programs then tilts none of them against another); others one after the other. SSH hosts are
-    separate machines: they are timed at the same time, beside the local ones.
+    Local hosts pinned to disjoint cores are timed at the same time when the memory allows (one
+    window: noise from other programs then tilts none of them against another); others one after the
+    other. SSH hosts are separate machines: they are timed at the same time, beside the local ones.
 
     `force` measures again instead of using the cache, once per distinct settings; profiles named in
-    `measured` (those this program already measured, e.g. earlier in one bench run) are not measured twice.
-    `children.stop()` ends the calibration at once (PlanError), its child processes killed.
+    `measured` (those this program already measured, e.g. earlier in one bench run) are not measured
+    twice. `children.stop()` ends the calibration at once (PlanError), its child processes killed.
     """
     children = children or Children()
     say = progress or (lambda text: None)
     if num_layers < 4:
         raise PlanError(
-            f"calibration needs at least 4 layers (the split [0, 1, L-1, L]); the model has {num_layers}"
+            "calibration needs at least 4 layers (the split [0, 1, L-1, L]); the model has "
+            f"{num_layers}"
         )
     found: dict[str, MeasuredCosts] = {}
     done = measured if measured is not None else set()
@@ -321,7 +357,9 @@ def calibrate(
         elif not host.is_local and remote is None:
             say(f"{host.name}: SSH host, not calibrated (the byte-count estimate plans it)")
         else:
-            todo.setdefault(path, []).append(host)  # a second host with the same settings shares the timing
+            todo.setdefault(path, []).append(
+                host
+            )  # a second host with the same settings shares the timing
     if not todo:
         return found
     say("compiling the calibration split [0, 1, L-1, L] (cached)")
@@ -329,17 +367,26 @@ def calibrate(
     timed = [hosts[0] for hosts in todo.values()]
     local = [host for host in timed if host.is_local]
     away = [host for host in timed if not host.is_local]
-    at_once = len(local) > 1 and _disjoint([h.cores for h in local]) and _memory_allows(shard_dir, len(local))
+    at_once = (
+        len(local) > 1
+        and _disjoint([h.cores for h in local])
+        and _memory_allows(shard_dir, len(local))
+    )
     if local:
         say(
-            f"{', '.join(h.name for h in local)}: timing the three calibration stages{AT_ONCE if at_once else ''}"
+            f"{', '.join(h.name for h in local)}: timing the three calibration "
+            f"stages{AT_ONCE if at_once else ''}"
         )
     if away:
         say(
-            f"{', '.join(h.name for h in away)}: installing the worker, pushing the calibration split, timing it"
+            f"{', '.join(h.name for h in away)}: installing the worker, pushing the calibration "
+            "split, timing it"
         )
     identities: dict[str, dict[str, Any]] = {}  # SSH hosts: which PC was timed (`forget_replaced`)
-    with ThreadPoolExecutor(len(local) if at_once else 1) as pool, ThreadPoolExecutor(1) as hosts_away:
+    with (
+        ThreadPoolExecutor(len(local) if at_once else 1) as pool,
+        ThreadPoolExecutor(1) as hosts_away,
+    ):
         try:
             remote_results = (
                 hosts_away.submit(
@@ -348,7 +395,9 @@ def calibrate(
                 if away and remote is not None
                 else None
             )
-            local_results = list(pool.map(lambda h: time_stages(fleet, h, shard_dir, None, children), local))
+            local_results = list(
+                pool.map(lambda h: time_stages(fleet, h, shard_dir, None, children), local)
+            )
             by_host = dict(zip([h.name for h in local], local_results, strict=True))
             if remote_results is not None:
                 for host, answer in zip(away, remote_results.result(), strict=True):
@@ -378,8 +427,8 @@ def calibrate(
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write PATH whole or not at all: two programs calibrating the same settings at once (two deploys, two
-    test workers) each leave a complete profile, the last one wins."""
+    """Write PATH whole or not at all: two programs calibrating the same settings at once (two
+    deploys, two test workers) each leave a complete profile, the last one wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     temporary.write_text(text, encoding="utf-8")
@@ -387,17 +436,22 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCosts]:
-    """Per host, the mean costs of the hosts calibrated with it that differ only by which cores of this
-    machine they use, when those cores are alike (`core_kind`: capacity, top clock, performance or efficient
-    core). Two such hosts differ only by noise, which can be enough to tip the plan; their mean halves that
-    noise. Hosts on unlike cores (a hybrid CPU's P- and E-cores) keep their own costs."""
+    """Per host, the mean costs of the hosts calibrated with it that differ only by which cores of
+    this machine they use, when those cores are alike (`core_kind`: capacity, top clock, performance
+    or efficient core). Two such hosts differ only by noise, which can be enough to tip the plan;
+    their mean halves that noise. Hosts on unlike cores (a hybrid CPU's P- and E-cores) keep their
+    own costs."""
     from fleettui.config.local_cores import core_kind
 
     def key(host: Host) -> tuple[object, ...] | None:
         if not host.is_local or not host.cores:  # (an SSH host's cores are not this machine's)
             return None
         kinds = {core_kind(cpu) for cpu in host.cores}
-        return (host.device, host.threads, len(host.cores), tuple(sorted(kinds))) if len(kinds) == 1 else None
+        return (
+            (host.device, host.threads, len(host.cores), tuple(sorted(kinds)))
+            if len(kinds) == 1
+            else None
+        )
 
     groups: dict[tuple[object, ...], list[int]] = {}
     for index, host in enumerate(hosts):
@@ -418,12 +472,14 @@ def pool_alike(hosts: list[Host], costs: list[MeasuredCosts]) -> list[MeasuredCo
     return pooled
 
 
-AT_ONCE = " at the same time (each on its own cores: one window, so load from other programs skews none)"
+AT_ONCE = (
+    " at the same time (each on its own cores: one window, so load from other programs skews none)"
+)
 
 
 def _memory_allows(shard_dir: Path, copies: int) -> bool:
-    """Whether COPIES calibrations fit in this machine's available memory at once: each loads the whole model
-    (the split's weights, plus half again for the compiled model and the runtime)."""
+    """Whether COPIES calibrations fit in this machine's available memory at once: each loads the
+    whole model (the split's weights, plus half again for the compiled model and the runtime)."""
     import psutil
 
     weights = sum(path.stat().st_size for path in shard_dir.rglob("*.bin"))
@@ -432,7 +488,8 @@ def _memory_allows(shard_dir: Path, copies: int) -> bool:
 
 
 def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:
-    """Whether every host is pinned to cores no other host uses (then their calibrations may run at once)."""
+    """Whether every host is pinned to cores no other host uses (then their calibrations may run
+    at once)."""
     seen: set[int] = set()
     for cores in core_sets:
         if not cores or seen & set(cores):
@@ -442,11 +499,17 @@ def _disjoint(core_sets: list[tuple[int, ...]]) -> bool:
 
 
 def format_comparison(
-    names: list[str], counts: Sequence[float], costs: list[MeasuredCosts], measured: list[float] | None
+    names: list[str],
+    counts: Sequence[float],
+    costs: list[MeasuredCosts],
+    measured: list[float] | None,
 ) -> str:
-    """Per stage: layers, predicted ms/token from the profile, measured ms/token, and the imbalance."""
+    """Per stage: layers, predicted ms/token from the profile, measured ms/token, and the
+    imbalance."""
     predicted = predicted_ms(counts, costs)
-    lines = [f"{'stage':<6}{'host':<16}{'layers':>7}{'predicted ms':>14}{'measured ms':>13}{'error':>8}"]
+    lines = [
+        f"{'stage':<6}{'host':<16}{'layers':>7}{'predicted ms':>14}{'measured ms':>13}{'error':>8}"
+    ]
     for index, (name, layers, guess) in enumerate(zip(names, counts, predicted, strict=True)):
         real = measured[index] if measured else None
         error = f"{(guess - real) / real:+.0%}" if real else "-"

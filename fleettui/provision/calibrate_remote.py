@@ -1,11 +1,12 @@
-"""Times compiled stages on an SSH host: the worker installed as a deploy installs it, the stages pushed to the
-host's content-addressed shard folder, and `python -m remote_worker.profile` run there by the worker's Python.
+"""Times compiled stages on an SSH host: the worker installed as a deploy installs it, the stages
+pushed to the host's content-addressed shard folder, and `python -m remote_worker.profile` run there
+by the worker's Python.
 
-The timing runs in the foreground of the SSH channel with `--until-stdin-closes`: a cancelled calibration or
-a dropped connection closes its standard input and the remote process ends at once, so nothing is left
-computing on the host. The pushed calibration split stays in the host's shard folder (a later calibration
-of the same split pushes nothing; `deploy --prune` removes it with the other unused folders).
-"""
+The timing runs in the foreground of the SSH channel with `--until-stdin-closes`: a cancelled
+calibration or a dropped connection closes its standard input and the remote process ends at once,
+so nothing is left computing on the host. The pushed calibration split stays in the host's shard
+folder (a later calibration of the same split pushes nothing; `deploy --prune` removes it with the
+other unused folders)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ TIMEOUT = 1800.0  # a calibration of a big model's stages on a slow PC still end
 
 
 def calibration_push(shard_dir: Path, stages: Sequence[int]) -> ShardAssignment:
-    """The files a host needs to time STAGES of SHARD_DIR: the manifest and those stages' folders."""
-    return ShardAssignment(shard_dir, stages[0], ("manifest.json", *(f"stage_{index}" for index in stages)))
+    """The files a host needs to time STAGES of SHARD_DIR: the manifest and those stages'
+    folders."""
+    return ShardAssignment(
+        shard_dir, stages[0], ("manifest.json", *(f"stage_{index}" for index in stages))
+    )
 
 
 async def time_remote(
@@ -38,9 +42,9 @@ async def time_remote(
     on_event: EventHandler | None = None,
     timeout: float = TIMEOUT,
 ) -> dict[str, Any]:
-    """STAGES of SHARD_DIR timed on HOST by `remote_worker.profile` with ARGUMENTS (its options other than
-    `--shard` and `--stages`): {"stages": the profile's per-stage records, "identity": which PC answered
-    (`Preflight.identity`)}. PlanError naming the host and step."""
+    """STAGES of SHARD_DIR timed on HOST by `remote_worker.profile` with ARGUMENTS (its options
+    other than `--shard` and `--stages`): {"stages": the profile's per-stage records, "identity":
+    which PC answered (`Preflight.identity`)}. PlanError naming the host and step."""
     options = options or DeployOptions()
     session = HostSession(host, on_event)
     step = "connect"
@@ -60,10 +64,18 @@ async def time_remote(
         remote, _ = await session.push_shard(push)
         step = "calibrate"
         command = [
-            "-m", "remote_worker.profile", "--shard", remote, "--stages", ",".join(map(str, stages)),
-            *arguments, "--until-stdin-closes",
-        ]  # fmt: skip
-        session.emit("calibrate", f"timing stages {', '.join(map(str, stages))} of {shard_dir.name}")
+            "-m",
+            "remote_worker.profile",
+            "--shard",
+            remote,
+            "--stages",
+            ",".join(map(str, stages)),
+            *arguments,
+            "--until-stdin-closes",
+        ]
+        session.emit(
+            "calibrate", f"timing stages {', '.join(map(str, stages))} of {shard_dir.name}"
+        )
         line = await _run_profile(session, python, command, timeout)
         return {"stages": list(json.loads(line)["stages"]), "identity": found.identity()}
     except ProvisionError as error:
@@ -75,22 +87,36 @@ async def time_remote(
         await session.close()
 
 
-async def _run_profile(session: HostSession, python: str, command: list[str], timeout: float) -> str:
-    """The last line the remote profile printed; ProvisionError with its last stderr line when it fails.
-    Its standard input stays open while it runs and closes when this returns or is cancelled."""
+async def _run_profile(
+    session: HostSession, python: str, command: list[str], timeout: float
+) -> str:
+    """The last line the remote profile printed; ProvisionError with its last stderr line when it
+    fails. Its standard input stays open while it runs and closes when this returns or is
+    cancelled."""
     shell = session.shell
     line = " ".join([shell.program(python), *(shell.quote(part) for part in command)])
     process = await session.connection.create_process(line)
     try:
-        completed = await process.wait(check=False, timeout=timeout)  # stdin stays open (no input is sent)
+        completed = await process.wait(
+            check=False, timeout=timeout
+        )  # stdin stays open (no input is sent)
     except asyncssh.TimeoutError:
-        raise ProvisionError(session.host.name, "calibrate", f"no result within {timeout:.0f} s") from None
+        raise ProvisionError(
+            session.host.name, "calibrate", f"no result within {timeout:.0f} s"
+        ) from None
     finally:
-        process.close()  # closes its stdin: a remote profile still running stops (--until-stdin-closes)
+        # closes its stdin: a remote profile still running stops (--until-stdin-closes)
+        process.close()
     stdout, stderr = str(completed.stdout or ""), str(completed.stderr or "")
     if completed.exit_status != 0 or not stdout.strip():
-        status = completed.exit_signal[0] if completed.exit_signal else f"exit status {completed.exit_status}"
+        status = (
+            completed.exit_signal[0]
+            if completed.exit_signal
+            else f"exit status {completed.exit_status}"
+        )
         lines = [line.strip() for line in stderr.splitlines() if line.strip()]
         profile = [line for line in lines if line.startswith("profile: ")]  # its own one-line error
-        raise ProvisionError(session.host.name, "calibrate", (profile or lines or [status])[-1][:300])
+        raise ProvisionError(
+            session.host.name, "calibrate", (profile or lines or [status])[-1][:300]
+        )
     return str(stdout.strip().splitlines()[-1])

@@ -1,8 +1,9 @@
-"""Deploy stages to SSH hosts: connect, preflight, install offline, push shards, write config, launch, stop.
+"""Deploy stages to SSH hosts: connect, preflight, install offline, push shards, write config,
+launch, stop.
 
 ``HostSession`` does each step for one host over one asyncssh connection; ``deploy_fleet`` and
-``stop_fleet`` run it for every SSH host of a fleet concurrently and report per host (a host that fails
-does not stop the others). Local-transport hosts are skipped here: they run on this machine.
+``stop_fleet`` run it for every SSH host of a fleet concurrently and report per host (a host that
+fails does not stop the others). Local-transport hosts are skipped here: they run on this machine.
 """
 
 from __future__ import annotations
@@ -55,16 +56,28 @@ class DeployOptions:
     """Knobs of a deployment; the defaults are what ``fleettui --deploy`` uses."""
 
     wheelhouse_cache: Path | None = None  # None: wheelhouse.default_cache()
-    worker_source: Path | None = None  # remote_worker folder to package (default: the installed one)
-    requirements: tuple[str, ...] | None = None  # default: openvino/numpy/pyzmq/psutil matching ours
-    install: bool = True  # False: the host's `python` already has the worker (pre-provisioned hosts)
+    worker_source: Path | None = (
+        None  # remote_worker folder to package (default: the installed one)
+    )
+    requirements: tuple[str, ...] | None = (
+        None  # default: openvino/numpy/pyzmq/psutil matching ours
+    )
+    install: bool = (
+        True  # False: the host's `python` already has the worker (pre-provisioned hosts)
+    )
     argv: tuple[str, ...] = ("{python}", "-m", "remote_worker", "--config", "{config}")
     env: Mapping[str, str] = field(default_factory=dict)
     connect_timeout: float = 10.0
     stop_timeout: float = 10.0
-    deployment: str | None = None  # identifies the processes this deployment starts (default: random)
-    prune: bool = False  # remove the host's other shard folders once this one is pushed (deploy --prune)
-    recheck: bool = False  # read every stage file on both sides, trusting no stamp (deploy --recheck)
+    deployment: str | None = (
+        None  # identifies the processes this deployment starts (default: random)
+    )
+    prune: bool = (
+        False  # remove the host's other shard folders once this one is pushed (deploy --prune)
+    )
+    recheck: bool = (
+        False  # read every stage file on both sides, trusting no stamp (deploy --recheck)
+    )
 
 
 def _emit(handler: EventHandler | None, event: ProvisionEvent) -> None:
@@ -128,7 +141,8 @@ class HostSession:
             step=step,
         )
 
-    # --- paths -------------------------------------------------------------------------------------
+    # --- paths
+    # -------------------------------------------------------------------------------------
 
     @property
     def workdir(self) -> str:
@@ -153,13 +167,17 @@ class HostSession:
             pidfile=run_file(self.workdir, host.name, host.base_port, ".pid"),
         )
 
-    # --- steps -------------------------------------------------------------------------------------
+    # --- steps
+    # -------------------------------------------------------------------------------------
 
     async def run_preflight(self, needed_disk: int = 0) -> Preflight:
-        """OS, CPU, Python, disk and memory of the host; ProvisionError when it cannot run a stage."""
+        """OS, CPU, Python, disk and memory of the host; ProvisionError when it cannot run a
+        stage."""
         self.emit("preflight")
         answer = await self.operation(
-            "preflight", {"workdir": self.host.workdir, "venv": f"{self.host.workdir}/venv"}, "preflight"
+            "preflight",
+            {"workdir": self.host.workdir, "venv": f"{self.host.workdir}/venv"},
+            "preflight",
         )
         preflight = Preflight.from_answer(answer)
         self.preflight = preflight
@@ -170,26 +188,38 @@ class HostSession:
             )
         if preflight.disk_free < needed_disk:
             raise ProvisionError(
-                self.host.name, "preflight",
-                f"{preflight.disk_free / 2**30:.1f} GB free in {preflight.workdir}, need {needed_disk / 2**30:.1f} GB",
-            )  # fmt: skip
+                self.host.name,
+                "preflight",
+                f"{preflight.disk_free / 2**30:.1f} GB free in {preflight.workdir}, need "
+                f"{needed_disk / 2**30:.1f} GB",
+            )
         if preflight.memory_total and preflight.memory_total < self.host.memory_gb * 2**30 * 0.95:
             raise ProvisionError(
-                self.host.name, "preflight",
+                self.host.name,
+                "preflight",
                 f"memory_gb = {self.host.memory_gb:g} in the fleet file but the host has "
                 f"{preflight.memory_total / 2**30:.1f} GB in total: lower memory_gb and re-plan",
-            )  # fmt: skip
+            )
         self.emit("preflight", preflight.summary())
         return preflight
 
-    async def push(self, files: Sequence[Any], step: Step, stamp: RemoteStamp | None = None) -> PushResult:
+    async def push(
+        self, files: Sequence[Any], step: Step, stamp: RemoteStamp | None = None
+    ) -> PushResult:
         def progress(done: int, total: int, name: str) -> None:
             self.emit(step, name, done, total)
 
         result = await push_files(
-            self.sftp, self.connection, self.shell, self.host.python, files, host=self.host.name, step=step,
-            progress=progress, stamp=stamp,
-        )  # fmt: skip
+            self.sftp,
+            self.connection,
+            self.shell,
+            self.host.python,
+            files,
+            host=self.host.name,
+            step=step,
+            progress=progress,
+            stamp=stamp,
+        )
         self.emit(
             step,
             f"{result.bytes_sent / 1e6:.1f} MB sent ({result.files_sent}/{result.files} files) "
@@ -200,7 +230,8 @@ class HostSession:
         return result
 
     async def install(self, wheelhouse: Wheelhouse) -> tuple[bool, PushResult | None]:
-        """Push the wheelhouse and install the worker into the venv, unless that exact one is installed."""
+        """Push the wheelhouse and install the worker into the venv, unless that exact one is
+        installed."""
         assert self.preflight is not None
         if self.preflight.installed == wheelhouse.digest:
             self.emit("install", "worker already installed from this wheelhouse")
@@ -218,8 +249,9 @@ class HostSession:
         return bool(answer["installed"]), pushed
 
     async def install_worker(self, options: DeployOptions) -> tuple[str, bool, PushResult | None]:
-        """Build (or reuse) the offline wheelhouse for this host, install the worker from it unless that exact
-        one is installed, and check the host's device: (wheelhouse digest, installed now, its push)."""
+        """Build (or reuse) the offline wheelhouse for this host, install the worker from it unless
+        that exact one is installed, and check the host's device: (wheelhouse digest, installed now,
+        its push)."""
         assert self.preflight is not None
         self.emit("wheelhouse", "preparing the offline wheelhouse")
         wheelhouse = await build_wheelhouse(
@@ -234,12 +266,16 @@ class HostSession:
         return wheelhouse.digest, installed, pushed
 
     async def probe_devices(self) -> Preflight:
-        """OpenVINO devices through the worker's interpreter; the host's device must be among them."""
+        """OpenVINO devices through the worker's interpreter; the host's device must be among
+        them."""
         assert self.preflight is not None
         answer = await self.operation("devices", {}, "devices", python=self.venv_python())
         devices = tuple(answer["devices"])
         self.preflight = replace(
-            self.preflight, devices=devices, device_names=dict(answer["names"]), openvino=answer["openvino"]
+            self.preflight,
+            devices=devices,
+            device_names=dict(answer["names"]),
+            openvino=answer["openvino"],
         )
         wanted = self.host.device
         if wanted != "AUTO" and not any(device.split(".")[0] == wanted for device in devices):
@@ -251,20 +287,28 @@ class HostSession:
         self.emit("devices", ", ".join(f"{name}: {full}" for name, full in answer["names"].items()))
         return self.preflight
 
-    async def push_shard(self, shard: ShardAssignment, recheck: bool = False) -> tuple[str, PushResult]:
+    async def push_shard(
+        self, shard: ShardAssignment, recheck: bool = False
+    ) -> tuple[str, PushResult]:
         """Push the stage's files into a content-addressed folder; returns (remote folder, result).
         `recheck`: read every file of the stage on both sides, trusting no stamp."""
         try:
-            remote, files, stamp = await asyncio.to_thread(stage_push, shard, self.paths().shard, recheck)
+            remote, files, stamp = await asyncio.to_thread(
+                stage_push, shard, self.paths().shard, recheck
+            )
         except ManifestError as error:
-            raise ProvisionError(self.host.name, "shard", f"local shard {shard.directory}: {error}") from None
+            raise ProvisionError(
+                self.host.name, "shard", f"local shard {shard.directory}: {error}"
+            ) from None
         return remote, await self.push(files, "shard", stamp)
 
     async def write_config(self, path: str, text: str) -> None:
         """Write the stage config with mode 0600 (it holds the stage's secret CurveZMQ key)."""
         self.emit("config", path)
         directory = path.rsplit("/", 1)[0]
-        await self.sftp.makedirs(directory, attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True)
+        await self.sftp.makedirs(
+            directory, attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True
+        )
         temporary = path + ".tmp"
         async with self.sftp.open(temporary, "w", asyncssh.SFTPAttrs(permissions=0o600)) as stream:
             await stream.write(text)
@@ -296,7 +340,8 @@ class HostSession:
     async def stop(
         self, pidfiles: Sequence[str], deployment: str | None, timeout: float
     ) -> tuple[StoppedProcess, ...]:
-        """Stop exactly the processes recorded in these pid files (and, if given, by this deployment)."""
+        """Stop exactly the processes recorded in these pid files (and, if given, by this
+        deployment)."""
         payload = {"pidfiles": list(pidfiles), "deployment": deployment, "timeout": timeout}
         answer = await self.operation("stop", payload, "stop")
         stopped = tuple(
@@ -311,14 +356,18 @@ class HostSession:
     async def prune_shards(self, keep: Sequence[str]) -> dict[str, Any]:
         """Remove the host's shard folders other than `keep` (remote folder paths or names)."""
         names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in keep]
-        answer = await self.operation("prune", {"folder": f"{self.workdir}/shards", "keep": names}, "prune")
+        answer = await self.operation(
+            "prune", {"folder": f"{self.workdir}/shards", "keep": names}, "prune"
+        )
         removed, size = len(answer["removed"]), answer["bytes"] / 1e6
         if removed:
             self.emit("prune", f"removed {removed} old shard folder(s), {size:.1f} MB")
         return dict(answer)
 
     async def status(self, pidfile: str) -> dict[str, Any]:
-        return dict((await self.operation("status", {"pidfiles": [pidfile]}, "status"))["status"][pidfile])
+        return dict(
+            (await self.operation("status", {"pidfiles": [pidfile]}, "status"))["status"][pidfile]
+        )
 
     async def tail(self, path: str, size: int = 65536, start: int = 0) -> str:
         """The end of a remote file (`size` bytes at most, none before offset `start`)."""
@@ -365,8 +414,13 @@ async def deploy_host(
         text = config(paths) if callable(config) else config
         await session.write_config(paths.config, text)
         result = replace(result, step="launch")
-        await session.stop([paths.pidfile], None, options.stop_timeout)  # a previous run of this stage
-        argv = [part.format(python=python, config=paths.config, shard=paths.shard) for part in options.argv]
+        await session.stop(
+            [paths.pidfile], None, options.stop_timeout
+        )  # a previous run of this stage
+        argv = [
+            part.format(python=python, config=paths.config, shard=paths.shard)
+            for part in options.argv
+        ]
         starting = StageStart(session, argv, paths, deployment, options.stop_timeout)
         pid = await starting.launch({"PYTHONUNBUFFERED": "1", **options.env})
         result = replace(result, pid=pid, step="ready")
@@ -381,7 +435,10 @@ async def deploy_host(
     except (OSError, asyncssh.Error) as error:
         reason = getattr(error, "reason", None) or str(error) or type(error).__name__
         result = replace(result, ok=False, error=reason)
-        _emit(on_event, ProvisionEvent(host.name, "failed", message=f"{host.name}: {result.step}: {reason}"))
+        _emit(
+            on_event,
+            ProvisionEvent(host.name, "failed", message=f"{host.name}: {result.step}: {reason}"),
+        )
     finally:
         await session.close()
     return result
@@ -396,7 +453,8 @@ async def deploy_fleet(
     wait_ready: ReadyHook | None = None,
     options: DeployOptions | None = None,
 ) -> DeployReport:
-    """Deploy every SSH host of ``fleet`` concurrently; local hosts are skipped (launched locally)."""
+    """Deploy every SSH host of ``fleet`` concurrently; local hosts are skipped (launched
+    locally)."""
     options = options or DeployOptions()
     deployment = options.deployment or uuid.uuid4().hex[:12]
     jobs, names = [], []
@@ -404,7 +462,9 @@ async def deploy_fleet(
         if host.is_local:
             _emit(
                 on_event,
-                ProvisionEvent(host.name, "skipped", message="local transport: launched on this machine"),
+                ProvisionEvent(
+                    host.name, "skipped", message="local transport: launched on this machine"
+                ),
             )
             continue
         if host.name not in shards or host.name not in configs:
@@ -413,7 +473,13 @@ async def deploy_fleet(
         names.append(host)
         jobs.append(
             deploy_host(
-                host, shards[host.name], configs[host.name], deployment, options, on_event, wait_ready
+                host,
+                shards[host.name],
+                configs[host.name],
+                deployment,
+                options,
+                on_event,
+                wait_ready,
             )
         )
     outcomes = await asyncio.gather(*jobs, return_exceptions=True)
@@ -455,7 +521,8 @@ async def stop_fleet(
     on_event: EventHandler | None = None,
     options: DeployOptions | None = None,
 ) -> StopReport:
-    """Stop the stage processes fleettui started on every SSH host (only those of ``deployment`` if given)."""
+    """Stop the stage processes fleettui started on every SSH host (only those of ``deployment``
+    if given)."""
     options = options or DeployOptions()
     hosts = [host for host in fleet.hosts if not host.is_local]
     outcomes = await asyncio.gather(
@@ -478,6 +545,7 @@ async def fetch_log(host: Host, size: int = 65536, timeout: float = 10.0) -> str
 
 
 def _remember(fleet: Fleet, report: DeployReport) -> None:
-    """Log the deployment id and pids (``stop_fleet`` works without it: pid files live on the hosts)."""
+    """Log the deployment id and pids (``stop_fleet`` works without it: pid files live on the
+    hosts)."""
     pids = {host.host: host.pid for host in report.hosts if host.ok}
     logger.info("deployment %s of %s: %s", report.deployment, fleet.path, json.dumps(pids))

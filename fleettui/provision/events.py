@@ -6,15 +6,31 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 Step = Literal[
-    "compile", "connect", "preflight", "wheelhouse", "install", "devices", "shard", "config", "launch", "ready",
-    "done", "failed", "skipped", "stop", "logs", "prune", "calibrate",
-]  # fmt: skip
+    "compile",
+    "connect",
+    "preflight",
+    "wheelhouse",
+    "install",
+    "devices",
+    "shard",
+    "config",
+    "launch",
+    "ready",
+    "done",
+    "failed",
+    "skipped",
+    "stop",
+    "logs",
+    "prune",
+    "calibrate",
+]
 STEPS: tuple[Step, ...] = get_args(Step)
 
 
 @dataclass(frozen=True)
 class ProvisionEvent:
-    """The one deploy event: a host's (or the compiler's) step and, for transfers, bytes done / total."""
+    """The one deploy event: a host's (or the compiler's) step and, for transfers, bytes done /
+    total."""
 
     host: str
     step: Step
@@ -45,10 +61,13 @@ class Preflight:
     devices: tuple[str, ...] = ()
     device_names: dict[str, str] = field(default_factory=dict)
     openvino: str | None = None
-    machine_id: str | None = None  # /etc/machine-id (MachineGuid on Windows): which installation answers
+    machine_id: str | None = (
+        None  # /etc/machine-id (MachineGuid on Windows): which installation answers
+    )
 
     def identity(self) -> dict[str, Any]:
-        """What tells one PC from another behind the same address (a calibration profile records it)."""
+        """What tells one PC from another behind the same address (a calibration profile records
+        it)."""
         memory_gb = round(self.memory_total / 2**30, 1)
         return {
             "machine_id": self.machine_id,
@@ -120,9 +139,9 @@ class RemotePaths:
 def run_file(workdir: str, name: str, base_port: int, suffix: str) -> str:
     """A stage's config, log or pid file on its host, named by host name and port block.
 
-    Two fleets may give a host the same name; only one of them can hold a port block, so deploying a stage
-    replaces the previous run on the same ports (which must go to free them) and never another fleet's.
-    """
+    Two fleets may give a host the same name; only one of them can hold a port block, so deploying a
+    stage replaces the previous run on the same ports (which must go to free them) and never another
+    fleet's."""
     return f"{workdir}/run/{name}-{base_port}{suffix}"
 
 

@@ -1,20 +1,26 @@
-"""The remote-command layer: how to start the host's Python through its login shell, and run one operation.
+"""The remote-command layer: how to start the host's Python through its login shell, and run one
+operation.
 
-Every remote action is an operation of ``remote_ops.py`` run by the host's own interpreter: the command
-line is just ``PYTHON -`` and the program, with its arguments as Python literals, goes over stdin. A
-shell class therefore only knows how to name the interpreter: ``PosixShell`` (sh, bash, dash) is used
-and tested; ``PowerShell`` (Windows OpenSSH with PowerShell as its DefaultShell) builds ``& 'python.exe' -``.
+Every remote action is an operation of ``remote_ops.py`` run by the host's own interpreter: the
+command line is just ``PYTHON -`` and the program, with its arguments as Python literals, goes over
+stdin. A shell class therefore only knows how to name the interpreter: ``PosixShell`` (sh, bash,
+dash) is used and tested; ``PowerShell`` (Windows OpenSSH with PowerShell as its DefaultShell)
+builds ``& 'python.exe' -``.
 
 What a Windows host still needs beyond this class (remote_ops already handles venv layout, memory,
 detached creation flags and ``win_amd64`` wheels):
-- SFTP paths: Windows OpenSSH names ``C:/Users/x`` as ``/C:/Users/x``; map preflight's workdir for SFTP.
-- Detach: OpenSSH puts session processes in a job object killed on disconnect; CREATE_BREAKAWAY_FROM_JOB
-  is used, and where the job forbids breakaway, start through ``schtasks`` or WMI ``Win32_Process.Create``.
-- Stop and pid reuse: no SIGTERM; ask the worker's control socket to shut down, then TerminateProcess;
-  the start-time token needs psutil, so run status/stop with the venv's Python there.
-- Config secrecy: NTFS ignores mode 0600; restrict the config with ``icacls /inheritance:r /grant:r USER:F``.
-- Firewall: inbound stage ports need a ``New-NetFirewallRule`` (admin); preflight should test and report it.
-"""
+- SFTP paths: Windows OpenSSH names ``C:/Users/x`` as ``/C:/Users/x``; map preflight's workdir for
+  SFTP.
+- Detach: OpenSSH puts session processes in a job object killed on disconnect;
+  CREATE_BREAKAWAY_FROM_JOB is used, and where the job forbids breakaway, start through ``schtasks``
+  or WMI ``Win32_Process.Create``.
+- Stop and pid reuse: no SIGTERM; ask the worker's control socket to shut down, then
+  TerminateProcess; the start-time token needs psutil, so run status/stop with the venv's Python
+  there.
+- Config secrecy: NTFS ignores mode 0600; restrict the config with ``icacls /inheritance:r /grant:r
+  USER:F``.
+- Firewall: inbound stage ports need a ``New-NetFirewallRule`` (admin); preflight should test and
+  report it."""
 
 from __future__ import annotations
 
@@ -46,9 +52,12 @@ class RemoteShell(ABC):
     def program(self, path: str) -> str:
         """An executable path as the first word of a command (``~/`` expanded by the shell)."""
 
-    def python_operation(self, python: str, operation: str, payload: dict[str, Any]) -> tuple[str, str]:
-        """(command line, stdin) that run one operation of ``remote_ops.py``: the program and its arguments
-        travel on stdin as Python source, so only the interpreter's path meets the shell."""
+    def python_operation(
+        self, python: str, operation: str, payload: dict[str, Any]
+    ) -> tuple[str, str]:
+        """(command line, stdin) that run one operation of ``remote_ops.py``: the program and its
+        arguments travel on stdin as Python source, so only the interpreter's path meets the
+        shell."""
         call = f"\nsys.exit(main(['-', {operation!r}, {json.dumps(payload)!r}]))\n"
         return f"{self.program(python)} -", ops_source() + call
 
@@ -68,7 +77,8 @@ class PosixShell(RemoteShell):
 
 
 class PowerShell(RemoteShell):
-    """Windows OpenSSH with PowerShell as the default shell (command building only; see the module notes)."""
+    """Windows OpenSSH with PowerShell as the default shell (command building only; see the
+    module notes)."""
 
     name = "powershell"
 
@@ -111,10 +121,14 @@ async def run_operation(
     logger.debug("%s: %s (%s)", host, command, operation)
     result = await connection.run(command, input=program, check=False)
     stdout = (
-        result.stdout if isinstance(result.stdout, str) else (result.stdout or b"").decode("utf-8", "replace")
+        result.stdout
+        if isinstance(result.stdout, str)
+        else (result.stdout or b"").decode("utf-8", "replace")
     )
     stderr = (
-        result.stderr if isinstance(result.stderr, str) else (result.stderr or b"").decode("utf-8", "replace")
+        result.stderr
+        if isinstance(result.stderr, str)
+        else (result.stderr or b"").decode("utf-8", "replace")
     )
     for line in reversed(stdout.splitlines()):
         if line.startswith(MARKER):

@@ -1,11 +1,11 @@
-"""Operations run by a host's own Python (sent over SSH stdin): preflight, hashes, seal, install, launch,
-stop, status.
+"""Operations run by a host's own Python (sent over SSH stdin): preflight, hashes, seal, install,
+launch, stop, status.
 
-Stdlib only and Python >= 3.10, POSIX and Windows. The operator runs ``python -`` on the host and sends
-this file on stdin followed by one line ``sys.exit(main(["-", OPERATION, JSON]))``, so no argument
-crosses the remote shell (sh, PowerShell, cmd) and nothing needs quoting there but the interpreter's
-path. The answer is one ``FLEETTUI-RESULT {json}`` line on stdout. It is never imported by the worker.
-"""
+Stdlib only and Python >= 3.10, POSIX and Windows. The operator runs ``python -`` on the host and
+sends this file on stdin followed by one line ``sys.exit(main(["-", OPERATION, JSON]))``, so no
+argument crosses the remote shell (sh, PowerShell, cmd) and nothing needs quoting there but the
+interpreter's path. The answer is one ``FLEETTUI-RESULT {json}`` line on stdout. It is never
+imported by the worker."""
 
 from __future__ import annotations
 
@@ -79,11 +79,15 @@ def _cpu_model() -> str:
 
 
 def _machine_id() -> str | None:
-    """The OS's stable identifier of this installation (systemd / D-Bus machine-id, Windows MachineGuid)."""
+    """The OS's stable identifier of this installation (systemd / D-Bus machine-id, Windows
+    MachineGuid)."""
     if sys.platform == "win32":
         import winreg
 
-        with contextlib.suppress(OSError), winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE, WINDOWS_ID) as key:
+        with (
+            contextlib.suppress(OSError),
+            winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE, WINDOWS_ID) as key,
+        ):
             return str(winreg.QueryValueEx(key, "MachineGuid")[0])
         return None
     for name in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -151,29 +155,37 @@ def _sha256(path: Path) -> str:
 
 
 def _stamp_entries(stamp: dict[str, Any] | None) -> dict[str, Any]:
-    """The entries of a stage's stamp that are still of the worker's format ({} when absent or unreadable).
+    """The entries of a stage's stamp that are still of the worker's format ({} when absent or
+    unreadable).
 
-    The stamp is the worker's own (`remote_worker.manifest.verify_files`, whose format a test holds this
-    copy to): for each file of the stage the SHA-256 it matched, then size, mtime, ctime, inode and device
-    at that check. Any write changes the ctime, which cannot be set back, so an unchanged record spares a
-    read of the file."""
+    The stamp is the worker's own (`remote_worker.manifest.verify_files`, whose format a test holds
+    this copy to): for each file of the stage the SHA-256 it matched, then size, mtime, ctime, inode
+    and device at that check. Any write changes the ctime, which cannot be set back, so an unchanged
+    record spares a read of the file."""
     if not stamp:
         return {}
     try:
         data = json.loads(Path(stamp["file"]).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    files = data.get("files") if isinstance(data, dict) and data.get("format") == stamp["format"] else None
+    files = (
+        data.get("files")
+        if isinstance(data, dict) and data.get("format") == stamp["format"]
+        else None
+    )
     return files if isinstance(files, dict) else {}
 
 
 def _write_stamp(stamp: dict[str, Any], files: dict[str, Any]) -> None:
-    """Replace the stamp whole (best effort: a stamp that cannot be written only costs hashes later)."""
+    """Replace the stamp whole (best effort: a stamp that cannot be written only costs hashes
+    later)."""
     path = Path(stamp["file"])
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps({"format": stamp["format"], "files": files}), encoding="utf-8")
+        temporary.write_text(
+            json.dumps({"format": stamp["format"], "files": files}), encoding="utf-8"
+        )
         os.replace(temporary, path)
     except OSError:
         temporary.unlink(missing_ok=True)
@@ -195,9 +207,9 @@ def _stamp_record(info: os.stat_result, sha: str) -> list[Any]:
 def hashes(args: dict[str, Any]) -> dict[str, Any]:
     """Size and SHA-256 of each path that exists (None for the others).
 
-    With a ``stamp`` ({file, root, format, expected: {relative name: SHA-256}}), a stage file whose stamp
-    record still matches is not read, and the stamp is rewritten with the stage files found intact; with
-    ``recheck`` in it, every file is read (bit rot leaves a file's metadata alone)."""
+    With a ``stamp`` ({file, root, format, expected: {relative name: SHA-256}}), a stage file whose
+    stamp record still matches is not read, and the stamp is rewritten with the stage files found
+    intact; with ``recheck`` in it, every file is read (bit rot leaves a file's metadata alone)."""
     stamp = args.get("stamp")
     known = {} if stamp and stamp.get("recheck") else _stamp_entries(stamp)
     intact: dict[str, Any] = {}
@@ -224,10 +236,12 @@ def hashes(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def seal(args: dict[str, Any]) -> dict[str, Any]:
-    """Move each pushed ``name.part`` into place and check its SHA-256 there; a file that differs is removed.
+    """Move each pushed ``name.part`` into place and check its SHA-256 there; a file that differs is
+    removed.
 
-    ``renamed``: {final path: expected SHA-256}; with a ``stamp`` (as for `hashes`) the stage files found
-    intact are added to the stamp, so neither the next deploy nor the worker's start reads them again."""
+    ``renamed``: {final path: expected SHA-256}; with a ``stamp`` (as for `hashes`) the stage files
+    found intact are added to the stamp, so neither the next deploy nor the worker's start reads
+    them again."""
     stamp = args.get("stamp")
     known = _stamp_entries(stamp)
     mismatched = []
@@ -243,7 +257,9 @@ def seal(args: dict[str, Any]) -> dict[str, Any]:
         if relative:
             known[relative] = _stamp_record(info, expected)
     if stamp:
-        _write_stamp(stamp, {name: record for name, record in known.items() if name in stamp["expected"]})
+        _write_stamp(
+            stamp, {name: record for name, record in known.items() if name in stamp["expected"]}
+        )
     return {"mismatched": mismatched}
 
 
@@ -267,17 +283,26 @@ def install(args: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(venv, ignore_errors=True)
             code, output = _run([sys.executable, "-m", "venv", "--without-pip", venv])
             if code != 0:
-                return {"error": f"cannot create a venv with {sys.executable}: {output.strip()[-400:]}"}
+                return {
+                    "error": f"cannot create a venv with {sys.executable}: {output.strip()[-400:]}"
+                }
     if _run([python, "-m", "pip", "--version"])[0] != 0:
         wheels = sorted(Path(wheelhouse).glob("pip-*.whl"))
         if not wheels:
             return {"error": "the venv has no pip and the wheelhouse has no pip wheel"}
         pip = str(wheels[-1])
-        code, output = _run([python, f"{pip}/pip", "install", "--no-index", "--no-warn-script-location", pip])
+        code, output = _run(
+            [python, f"{pip}/pip", "install", "--no-index", "--no-warn-script-location", pip]
+        )
         if code != 0:
             return {"error": f"cannot bootstrap pip: {output.strip()[-400:]}"}
     command = [python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse]
-    command += ["--disable-pip-version-check", "--no-input", "--no-warn-script-location", args["requirement"]]
+    command += [
+        "--disable-pip-version-check",
+        "--no-input",
+        "--no-warn-script-location",
+        args["requirement"],
+    ]
     code, output = _run(command)
     if code != 0:
         return {"error": "pip install failed: " + " | ".join(output.strip().splitlines()[-6:])}
@@ -299,7 +324,11 @@ def devices(args: dict[str, Any]) -> dict[str, Any]:
             names[device] = str(core.get_property(device, "FULL_DEVICE_NAME"))
         except Exception:  # a device that cannot describe itself is still listed
             names[device] = device
-    return {"devices": list(core.available_devices), "names": names, "openvino": openvino.__version__}
+    return {
+        "devices": list(core.available_devices),
+        "names": names,
+        "openvino": openvino.__version__,
+    }
 
 
 def _start_token(pid: int) -> str | None:
@@ -346,7 +375,8 @@ def _alive(pid: int) -> bool:
 
 
 def launch(args: dict[str, Any]) -> dict[str, Any]:
-    """Start argv detached (own session, output to the log), record pid + start time in the pid file."""
+    """Start argv detached (own session, output to the log), record pid + start time in the pid
+    file."""
     log = Path(args["log"])
     log.parent.mkdir(parents=True, exist_ok=True)
     environment = dict(os.environ)
@@ -360,11 +390,19 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         if cores and hasattr(os, "sched_setaffinity"):
             options["preexec_fn"] = lambda: os.sched_setaffinity(0, cores)
     with open(log, "ab") as output:
-        written = output.tell()  # the log is appended to: an early exit reports only what this run wrote
+        written = (
+            output.tell()
+        )  # the log is appended to: an early exit reports only what this run wrote
         process = subprocess.Popen(
-            args["argv"], cwd=args["cwd"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-            env=environment, close_fds=True, **options,
-        )  # fmt: skip
+            args["argv"],
+            cwd=args["cwd"],
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            close_fds=True,
+            **options,
+        )
     record = {
         "pid": process.pid,
         "start": _start_token(process.pid),
@@ -413,7 +451,8 @@ def status(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _signal(pid: int, number: int) -> None:
-    """Signal the process and, when it leads its own process group (as launched), its children too."""
+    """Signal the process and, when it leads its own process group (as launched), its children
+    too."""
     try:
         if not WINDOWS and os.getpgid(pid) == pid:
             os.killpg(pid, number)
@@ -424,7 +463,8 @@ def _signal(pid: int, number: int) -> None:
 
 
 def stop(args: dict[str, Any]) -> dict[str, Any]:
-    """Terminate exactly the processes recorded in the pid files (TERM, then KILL after the timeout)."""
+    """Terminate exactly the processes recorded in the pid files (TERM, then KILL after the
+    timeout)."""
     timeout = float(args.get("timeout", 10.0))
     result = {}
     for name in args["pidfiles"]:
@@ -471,11 +511,14 @@ def _tail(path: Path, size: int, start: int = 0) -> str:
 
 
 def tail(args: dict[str, Any]) -> dict[str, Any]:
-    return {"text": _tail(_path(args["path"]), int(args.get("bytes", 65536)), int(args.get("start", 0)))}
+    return {
+        "text": _tail(_path(args["path"]), int(args.get("bytes", 65536)), int(args.get("start", 0)))
+    }
 
 
 def prune(args: dict[str, Any]) -> dict[str, Any]:
-    """Remove the subfolders of `folder` not named in `keep` (old shard folders); their names and bytes."""
+    """Remove the subfolders of `folder` not named in `keep` (old shard folders); their names and
+    bytes."""
     folder = _path(args["folder"])
     keep = set(args.get("keep", []))
     removed, freed = [], 0
@@ -513,5 +556,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__" and len(sys.argv) > 2:  # also usable as `python remote_ops.py OPERATION JSON`
+if (
+    __name__ == "__main__" and len(sys.argv) > 2
+):  # also usable as `python remote_ops.py OPERATION JSON`
     sys.exit(main(sys.argv))

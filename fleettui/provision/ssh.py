@@ -1,4 +1,5 @@
-"""SSH connections with the fleet file's host-key policy (verify against known_hosts, or trust on first use)."""
+"""SSH connections with the fleet file's host-key policy (verify against known_hosts, or trust on
+first use)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ from fleettui.errors import ProvisionError
 
 logger = logging.getLogger(__name__)
 
-# AES-GCM first: with AES-NI it pushes shards faster than asyncssh's chacha20 default (docs/performance.md).
+# AES-GCM first: with AES-NI it pushes shards faster than asyncssh's chacha20 default
+# (docs/performance.md).
 CIPHERS = (
-    "aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr",
-)  # fmt: skip
+    "aes128-gcm@openssh.com",
+    "aes256-gcm@openssh.com",
+    "chacha20-poly1305@openssh.com",
+    "aes128-ctr",
+    "aes256-ctr",
+)
 
 
 def _known_host_pattern(host: Host) -> str:
@@ -30,7 +36,9 @@ def _is_known(host: Host) -> bool:
     try:
         entries = asyncssh.read_known_hosts(str(host.known_hosts))
     except (OSError, ValueError) as error:
-        raise ProvisionError(host.name, "connect", f"cannot read {host.known_hosts}: {error}") from None
+        raise ProvisionError(
+            host.name, "connect", f"cannot read {host.known_hosts}: {error}"
+        ) from None
     keys, authorities, revoked = entries.match(host.address, host.address, host.ssh_port)[:3]
     return bool(keys or authorities or revoked)
 
@@ -44,7 +52,8 @@ def _remember_host_key(host: Host, key: Any) -> None:
 
 
 async def connect(host: Host, timeout: float = 10.0) -> Any:
-    """An SSH connection to ``host`` that honours its host-key policy; ProvisionError explains failures."""
+    """An SSH connection to ``host`` that honours its host-key policy; ProvisionError explains
+    failures."""
     user = host.user or getpass.getuser()
     where = f"{user}@{host.address}:{host.ssh_port}"
     options: dict[str, Any] = {"port": host.ssh_port, "username": user, "connect_timeout": timeout}
@@ -52,7 +61,9 @@ async def connect(host: Host, timeout: float = 10.0) -> Any:
     options["encryption_algs"] = list(CIPHERS)
     if host.identity_file is not None:
         if not host.identity_file.is_file():
-            raise ProvisionError(host.name, "connect", f"identity_file {host.identity_file} does not exist")
+            raise ProvisionError(
+                host.name, "connect", f"identity_file {host.identity_file} does not exist"
+            )
         options["client_keys"] = [str(host.identity_file)]
         options["agent_path"] = None
     tofu = host.host_key_policy == "tofu" and not _is_known(host)
@@ -62,17 +73,21 @@ async def connect(host: Host, timeout: float = 10.0) -> Any:
         options["known_hosts"] = str(host.known_hosts)
     else:
         raise ProvisionError(
-            host.name, "connect",
-            f'known_hosts file {host.known_hosts} does not exist: add {host.address}\'s key or set host_key_policy = "tofu"',
-        )  # fmt: skip
+            host.name,
+            "connect",
+            f"known_hosts file {host.known_hosts} does not exist: add {host.address}'s key or set "
+            'host_key_policy = "tofu"',
+        )
     try:
         connection = await asyncssh.connect(host.address, **options)
     except asyncssh.HostKeyNotVerifiable as error:
         raise ProvisionError(
-            host.name, "connect",
-            f"host key of {host.address}:{host.ssh_port} is not trusted by {host.known_hosts} ({error.reason}); "
+            host.name,
+            "connect",
+            f"host key of {host.address}:{host.ssh_port} is not trusted by {host.known_hosts} "
+            f"({error.reason}); "
             'add it with ssh-keyscan or set host_key_policy = "tofu"',
-        ) from None  # fmt: skip
+        ) from None
     except asyncssh.PermissionDenied:
         identity = host.identity_file or "the SSH agent and default keys"
         raise ProvisionError(

@@ -1,12 +1,12 @@
-"""Resumable, verified SFTP push: unchanged files cost 0 bytes, partial ones continue where they stopped.
+"""Resumable, verified SFTP push: unchanged files cost 0 bytes, partial ones continue where they
+stopped.
 
-For each file the host reports size and SHA-256 of ``name`` and ``name.part``. A file whose hash already
-matches is skipped. A remote prefix (a ``.part`` left by an interrupted push, or a truncated file) whose
-hash matches the same prefix of the local file is continued from its end; anything else starts over.
-Data goes to ``name.part``; the host moves it into place and checks its hash there (``seal``), removing a
-file that differs. With a stage's stamp (`RemoteStamp`) the host reads no file that is unchanged since it
-was last found intact, by a deploy or by the worker's own start.
-"""
+For each file the host reports size and SHA-256 of ``name`` and ``name.part``. A file whose hash
+already matches is skipped. A remote prefix (a ``.part`` left by an interrupted push, or a truncated
+file) whose hash matches the same prefix of the local file is continued from its end; anything else
+starts over. Data goes to ``name.part``; the host moves it into place and checks its hash there
+(``seal``), removing a file that differs. With a stage's stamp (`RemoteStamp`) the host reads no
+file that is unchanged since it was last found intact, by a deploy or by the worker's own start."""
 
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ class FileToPush:
 
 @dataclass(frozen=True)
 class RemoteStamp:
-    """A stage's stamp on the host (the worker's `verified/stage_N.json`) and the files it may hold."""
+    """A stage's stamp on the host (the worker's `verified/stage_N.json`) and the files it may
+    hold."""
 
     file: str
     root: str  # the remote shard folder the names are relative to
     expected: dict[str, str]  # relative name -> SHA-256 (the manifest's files of the stage)
     format: int
-    recheck: bool = False  # read every file again, trusting no record (`deploy --recheck`), then stamp
+    recheck: bool = (
+        False  # read every file again, trusting no record (`deploy --recheck`), then stamp
+    )
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -59,7 +62,8 @@ class RemoteStamp:
 
 
 def local_sha256(path: Path, size: int | None = None) -> str:
-    """SHA-256 of a local file (or of its first ``size`` bytes); whole-file hashes are cached by mtime."""
+    """SHA-256 of a local file (or of its first ``size`` bytes); whole-file hashes are cached by
+    mtime."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if size is None and key in _hash_cache:
@@ -82,14 +86,19 @@ def _sha256_of(item: FileToPush) -> str:
     return item.sha256 if item.sha256 is not None else local_sha256(item.local)
 
 
-def tree_files(local_dir: Path, remote_dir: str, relative: Sequence[str] | None = None) -> list[FileToPush]:
-    """Every file under ``local_dir`` (or just the given relative paths / folders) mapped under ``remote_dir``."""
+def tree_files(
+    local_dir: Path, remote_dir: str, relative: Sequence[str] | None = None
+) -> list[FileToPush]:
+    """Every file under ``local_dir`` (or just the given relative paths / folders) mapped under
+    ``remote_dir``."""
     roots = [local_dir / name for name in relative] if relative is not None else [local_dir]
     files: list[FileToPush] = []
     for root in roots:
         if not root.exists():
             raise FileNotFoundError(root)
-        paths = [root] if root.is_file() else sorted(path for path in root.rglob("*") if path.is_file())
+        paths = (
+            [root] if root.is_file() else sorted(path for path in root.rglob("*") if path.is_file())
+        )
         for path in paths:
             remote = PurePosixPath(remote_dir) / path.relative_to(local_dir).as_posix()
             files.append(FileToPush(path, str(remote)))
@@ -174,12 +183,22 @@ async def push_files(
         )
         if answer["mismatched"]:
             name = PurePosixPath(answer["mismatched"][0]).name
-            raise ProvisionError(host, step, f"SHA-256 mismatch after pushing {name}: removed, retry")
+            raise ProvisionError(
+                host, step, f"SHA-256 mismatch after pushing {name}: removed, retry"
+            )
     if progress:
         progress(total, total, "")
     seconds = time.monotonic() - started
-    logger.debug("%s: %s: push took %.2f s, of which %.2f s writing", host, step, seconds, transfer_seconds)
+    logger.debug(
+        "%s: %s: push took %.2f s, of which %.2f s writing", host, step, seconds, transfer_seconds
+    )
     logger.info(
-        "%s: %s: %d of %d files, %d bytes sent (%d resumed)", host, step, len(plan), len(files), sent, resumed
+        "%s: %s: %d of %d files, %d bytes sent (%d resumed)",
+        host,
+        step,
+        len(plan),
+        len(files),
+        sent,
+        resumed,
     )
     return PushResult(len(files), len(plan), sent, total, resumed, transfer_seconds)

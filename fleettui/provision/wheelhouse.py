@@ -1,11 +1,11 @@
-"""The offline wheelhouse: a wheel of only ``remote_worker`` plus its dependencies for one target, built once.
+"""The offline wheelhouse: a wheel of only ``remote_worker`` plus its dependencies for one target,
+built once.
 
 The operator's machine can reach the package registry; the PCs need not. For each target (Python
 version, OS, CPU architecture, glibc) a folder of wheels is prepared with ``pip wheel`` (the worker,
-from a generated pyproject that contains nothing but ``remote_worker``) and ``pip download`` (openvino,
-numpy, pyzmq, psutil and pip itself), cached under a key of the worker's sources, the requirements and
-the target. Hosts install from it with ``pip install --no-index``.
-"""
+from a generated pyproject that contains nothing but ``remote_worker``) and ``pip download``
+(openvino, numpy, pyzmq, psutil and pip itself), cached under a key of the worker's sources, the
+requirements and the target. Hosts install from it with ``pip install --no-index``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ WORKER_DEPENDENCIES = {
 
 
 def default_cache() -> Path:
-    """Where wheelhouses are cached: <user cache>/wheelhouse (XDG_CACHE_HOME/fleettui/wheelhouse on Linux)."""
+    """Where wheelhouses are cached: <user cache>/wheelhouse (XDG_CACHE_HOME/fleettui/wheelhouse
+    on Linux)."""
     from fleettui.config import paths
 
     return paths.cache_dir() / "wheelhouse"
@@ -77,7 +78,9 @@ class Target:
             return tags + [f"manylinux2014_{machine}", f"linux_{machine}"]
         if self.system == "Windows":
             return ["win_amd64" if machine in ("amd64", "x86_64") else f"win_{machine}"]
-        raise ProvisionError("wheelhouse", "target", f"no wheelhouse recipe for {self.system} {self.machine}")
+        raise ProvisionError(
+            "wheelhouse", "target", f"no wheelhouse recipe for {self.system} {self.machine}"
+        )
 
     def key(self) -> str:
         return f"cp{self.python[0]}{self.python[1]}-{self.platforms()[0]}"
@@ -97,7 +100,9 @@ def worker_source() -> Path:
     """The ``remote_worker`` package folder (found without importing it)."""
     spec = importlib.util.find_spec("remote_worker")
     if spec is None or not spec.submodule_search_locations:
-        raise ProvisionError("wheelhouse", "build", "the remote_worker package is not installed here")
+        raise ProvisionError(
+            "wheelhouse", "build", "the remote_worker package is not installed here"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -105,19 +110,24 @@ def _source_files(source: Path) -> list[Path]:
     return sorted(
         path
         for path in source.rglob("*")
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo")
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and path.suffix not in (".pyc", ".pyo")
     )
 
 
 def _tree_digest(source: Path) -> str:
     digest = hashlib.sha256()
     for path in _source_files(source):
-        digest.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(
+            path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes() + b"\0"
+        )
     return digest.hexdigest()
 
 
 def worker_requirements(target: Target) -> list[str]:
-    """openvino pinned to the operator's version; the rest pinned too when the target runs our Python."""
+    """openvino pinned to the operator's version; the rest pinned too when the target runs our
+    Python."""
     same_python = target.python == sys.version_info[:2]
     requirements = []
     for name, spec in WORKER_DEPENDENCIES.items():
@@ -151,13 +161,21 @@ include = ["remote_worker*"]
 
 async def _pip(arguments: list[str], step: str) -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *arguments,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "--no-input",
+        *arguments,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     output, _ = await process.communicate()
     if process.returncode != 0:
         lines = output.decode("utf-8", "replace").strip().splitlines()
-        raise ProvisionError("wheelhouse", step, " | ".join(lines[-4:]) or f"pip exited {process.returncode}")
+        raise ProvisionError(
+            "wheelhouse", step, " | ".join(lines[-4:]) or f"pip exited {process.returncode}"
+        )
 
 
 async def build_wheelhouse(
@@ -167,7 +185,8 @@ async def build_wheelhouse(
     requirements: list[str] | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> Wheelhouse:
-    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share it).
+    """The cached wheelhouse for ``target``, building it first when needed (concurrent callers share
+    it).
 
     ``on_step`` hears what the build is doing ("building the worker wheel", "downloading ...").
     """
@@ -178,7 +197,9 @@ async def build_wheelhouse(
     source_digest = _tree_digest(source)
     identity = json.dumps([source_digest, requirements, target.key(), target.platforms()]).encode()
     key = f"{target.key()}-{hashlib.sha256(identity).hexdigest()[:16]}"
-    lock = _locks.setdefault(f"{id(asyncio.get_running_loop())}-{key}", asyncio.Lock())  # one per event loop
+    lock = _locks.setdefault(
+        f"{id(asyncio.get_running_loop())}-{key}", asyncio.Lock()
+    )  # one per event loop
     async with lock:
         directory = cache / key
         done = directory / "wheelhouse.json"
@@ -196,7 +217,9 @@ async def build_wheelhouse(
         with tempfile.TemporaryDirectory(prefix="fleettui-worker-") as temporary:
             project = Path(temporary)
             shutil.copytree(
-                source, project / "remote_worker", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                source,
+                project / "remote_worker",
+                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
             )
             (project / "pyproject.toml").write_text(
                 _PYPROJECT.format(
@@ -206,7 +229,14 @@ async def build_wheelhouse(
             logger.info("building the %s wheel from %s", WORKER_DISTRIBUTION, source)
             say(f"building the {WORKER_DISTRIBUTION} wheel (1/2)")
             await _pip(
-                ["wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(building), str(project)],
+                [
+                    "wheel",
+                    "--no-deps",
+                    "--no-build-isolation",
+                    "--wheel-dir",
+                    str(building),
+                    str(project),
+                ],
                 "build",
             )
         platforms = [argument for tag in target.platforms() for argument in ("--platform", tag)]
@@ -214,14 +244,27 @@ async def build_wheelhouse(
         logger.info("downloading %s for %s", ", ".join(requirements), target.key())
         say(f"downloading {len(requirements) + 1} packages for {target.key()} (2/2)")
         await _pip(
-            ["download", "--only-binary=:all:", "--dest", str(building), "--python-version", version_tag,
-             "--implementation", "cp", *platforms, "pip", *requirements],
+            [
+                "download",
+                "--only-binary=:all:",
+                "--dest",
+                str(building),
+                "--python-version",
+                version_tag,
+                "--implementation",
+                "cp",
+                *platforms,
+                "pip",
+                *requirements,
+            ],
             "download",
-        )  # fmt: skip
+        )
         names = sorted(path.name for path in building.iterdir() if path.suffix == ".whl")
         digest = hashlib.sha256()
         for name in names:
-            digest.update(name.encode() + b"\0" + hashlib.sha256((building / name).read_bytes()).digest())
+            digest.update(
+                name.encode() + b"\0" + hashlib.sha256((building / name).read_bytes()).digest()
+            )
         requirement = f"{WORKER_DISTRIBUTION}=={version}"
         (building / "wheelhouse.json").write_text(
             json.dumps(
@@ -241,13 +284,15 @@ async def build_wheelhouse(
 
 
 def _require_build_backend() -> None:
-    """The worker wheel is built without isolation (offline-friendly): setuptools must be installed here."""
+    """The worker wheel is built without isolation (offline-friendly): setuptools must be
+    installed here."""
     if importlib.util.find_spec("setuptools") is None:
         raise ProvisionError(
-            "wheelhouse", "build",
+            "wheelhouse",
+            "build",
             f"building the worker wheel needs setuptools in {sys.executable}'s environment: "
             "pip install 'setuptools>=68' (a declared dependency of fleettui)",
-        )  # fmt: skip
+        )
 
 
 def _prune(cache: Path, target: Target, keep: Path) -> None:

@@ -1,33 +1,35 @@
-"""Provides drafting ahead and pipelined verification: the next round starts while this one is on the wires.
+"""Provides drafting ahead and pipelined verification: the next round starts while this one is on
+the wires.
 
-On slow links a speculative round spends most of its wall time between stages, and the cores are idle
-meanwhile. So while round r is verified, the draft proposes round r + 1 on the assumption that round r
-accepts every draft token and that the target's bonus token is the draft's own next guess; as soon as that
-proposal is ready, round r + 1's verify step is sent too (pipelined, PipeInfer-style), planned on a copy of
-the cache ledger that already holds round r's step — the stages serve a session's steps in order, so it
-lands right behind round r. When round r's result arrives:
+On slow links a speculative round spends most of its wall time between stages, and the cores are
+idle meanwhile. So while round r is verified, the draft proposes round r + 1 on the assumption that
+round r accepts every draft token and that the target's bonus token is the draft's own next guess;
+as soon as that proposal is ready, round r + 1's verify step is sent too (pipelined,
+PipeInfer-style), planned on a copy of the cache ledger that already holds round r's step — the
+stages serve a session's steps in order, so it lands right behind round r. When round r's result
+arrives:
 
-- the assumption held (history = assumed + the guessed bonus): round r + 1's result is the next round,
-  already under way or back;
-- it failed: round r + 1's verify is dropped (its slots are committed to the ledger all the same and masked
-  by the next step, like any rejected draft) and the next round starts afresh from the true history.
+- the assumption held (history = assumed + the guessed bonus): round r + 1's result is the next
+  round, already under way or back;
+- it failed: round r + 1's verify is dropped (its slots are committed to the ledger all the same and
+  masked by the next step, like any rejected draft) and the next round starts afresh from the true
+  history.
 
-A proposal ahead asks the draft for `CHUNK` tokens at a time. Once the round it assumed is known to have
-failed (it gave fewer tokens than assumed, or a bonus other than the guess), it ends after its current
-part and sends nothing, so the fresh round waits for one part, not a whole proposal; that is also why a
-round may start ahead when only its first part is hidden by the wires. The round after a reply's opening
-round (which scores the prompt without drafts) starts ahead too: the draft reads the prompt and guesses
-the first token while the stages score the prompt.
+A proposal ahead asks the draft for `CHUNK` tokens at a time. Once the round it assumed is known to
+have failed (it gave fewer tokens than assumed, or a bonus other than the guess), it ends after its
+current part and sends nothing, so the fresh round waits for one part, not a whole proposal; that is
+also why a round may start ahead when only its first part is hidden by the wires. The round after a
+reply's opening round (which scores the prompt without drafts) starts ahead too: the draft reads the
+prompt and guesses the first token while the stages score the prompt.
 
-Rounds ahead chain: once a verify is sent ahead, the draft goes on to the round after it (assuming that
-one holds too), up to `DEPTH` verifies on the wires behind the outstanding one, so on slow links a run of
-well-drafted rounds is paced by the draft, not by the round trip. A round that fails drops every round
-after it.
+Rounds ahead chain: once a verify is sent ahead, the draft goes on to the round after it (assuming
+that one holds too), up to `DEPTH` verifies on the wires behind the outstanding one, so on slow
+links a run of well-drafted rounds is paced by the draft, not by the round trip. A round that fails
+drops every round after it.
 
-The target verifies every token against the true prefix, so neither the draft nor a dropped verify can
-change the output. Greedy only (a sampled round draws the session's RNG in the order of the rounds); the
-verify is sent ahead only without penalties (they depend on the reply so far).
-"""
+The target verifies every token against the true prefix, so neither the draft nor a dropped verify
+can change the output. Greedy only (a sampled round draws the session's RNG in the order of the
+rounds); the verify is sent ahead only without penalties (they depend on the reply so far)."""
 
 from __future__ import annotations
 
@@ -50,17 +52,23 @@ from remote_worker.protocol import trace_records
 log = logging.getLogger(__name__)
 GREEDY = Sampling()
 DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
-KEEP_UP = 8  # history tokens the draft may miss (plain rounds, runs) before it is fed in the background
-KEEP_UP_IDLE = 0.005  # ... when a round leaves at least this many seconds on the wires (not on a LAN)
+KEEP_UP = (
+    8  # history tokens the draft may miss (plain rounds, runs) before it is fed in the background
+)
+KEEP_UP_IDLE = (
+    0.005  # ... when a round leaves at least this many seconds on the wires (not on a LAN)
+)
 HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
-CHUNK = 2  # tokens a proposal ahead asks the draft for at a time: a round that failed stops it in between
+# tokens a proposal ahead asks the draft for at a time: a round that failed stops it in between
+CHUNK = 2
 _NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
 _NOTHING = Feed(0, 0, (), ())  # what a keep-up follows (it sends no verify)
 
 
 @dataclass
 class Sent:
-    """The verify step of the round after the one in flight, sent before that one's result came back."""
+    """The verify step of the round after the one in flight, sent before that one's result came
+    back."""
 
     draft: Draft  # its K drafts (after the guessed bonus)
     feed: Feed
@@ -79,12 +87,17 @@ def _retrieve(future: asyncio.Future[protocol.Message]) -> None:
 
 @dataclass
 class Ahead:
-    """A proposal of K + 1 tokens after `assumed` (a round's history and drafts), and maybe the next verify."""
+    """A proposal of K + 1 tokens after `assumed` (a round's history and drafts), and maybe the
+    next verify."""
 
     assumed: list[int]
     k: int  # the K of the next round (a verify sent ahead checks as many drafts)
-    after: Feed  # that round's step: a verify sent ahead goes right behind it, while it is outstanding
-    remaining: int  # tokens the reply has left when the next round starts (if the rounds before held)
+    after: (
+        Feed  # that round's step: a verify sent ahead goes right behind it, while it is outstanding
+    )
+    remaining: (
+        int  # tokens the reply has left when the next round starts (if the rounds before held)
+    )
     task: asyncio.Future[Draft] = field(init=False)
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # how long the proposal took (set when it is done)
@@ -94,14 +107,16 @@ class Ahead:
     stopped: bool = False  # the round before went otherwise: draft no further, send nothing
 
     def holds(self, history: list[int]) -> bool:
-        """Whether the round went as assumed: every draft accepted, then the draft's guess as the bonus."""
+        """Whether the round went as assumed: every draft accepted, then the draft's guess as the
+        bonus."""
         if not self.task.done() or self.task.cancelled() or self.task.exception() is not None:
             return False
         return not self.failed(history) and tuple(history[-1:]) == self.task.result().tokens[:1]
 
     def failed(self, history: list[int]) -> bool:
-        """Whether the round went otherwise than assumed, as far as is known before the proposal is done: a
-        draft was rejected (the round gave fewer tokens), or the bonus is not the guess already back."""
+        """Whether the round went otherwise than assumed, as far as is known before the proposal is
+        done: a draft was rejected (the round gave fewer tokens), or the bonus is not the guess
+        already back."""
         if len(history) != len(self.assumed) + 1:
             return True
         return self.guess is not None and history[-1] != self.guess
@@ -121,34 +136,38 @@ class Ahead:
 
 
 def deep_enough(chain: int, alpha: float, k: int, loaded: bool) -> bool:
-    """Whether a round may start behind `chain` rounds started ahead already: at most `DEPTH`, and beyond
-    the first only while the stages are not `loaded` (a dropped verify takes compute from other sessions)
-    and the rounds before it likely hold (each needs its K drafts and the guessed bonus accepted, `alpha`
-    per token): a round that fails drops every one after it, and a proposal under way delays the fresh
-    round that follows the failure."""
+    """Whether a round may start behind `chain` rounds started ahead already: at most `DEPTH`, and
+    beyond the first only while the stages are not `loaded` (a dropped verify takes compute from
+    other sessions) and the rounds before it likely hold (each needs its K drafts and the guessed
+    bonus accepted, `alpha` per token): a round that fails drops every one after it, and a proposal
+    under way delays the fresh round that follows the failure."""
     if chain >= DEPTH:
         return False
     return chain == 0 or (not loaded and alpha ** ((k + 1) * chain) >= HOLDS)
 
 
 def keep_up(drafter: Drafter, session: int, history: list[int]) -> Ahead:
-    """Feed the draft `history` in the background (it proposes one token, unused): after plain rounds or
-    runs, or while the stages prefill a prompt, so the next round pays for its K drafts only, not for the
-    draft's catch-up on what it missed. Waited for like a round ahead, but only when the draft is used."""
+    """Feed the draft `history` in the background (it proposes one token, unused): after plain
+    rounds or runs, or while the stages prefill a prompt, so the next round pays for its K drafts
+    only, not for the draft's catch-up on what it missed. Waited for like a round ahead, but only
+    when the draft is used."""
     return start(drafter, session, Ahead(list(history), 0, _NOTHING, 0), 0)
 
 
 SendAhead = Callable[[Ahead, Draft], Sent | None]
 
 
-def start(drafter: Drafter, session: int, ahead: Ahead, tokens: int, send: SendAhead | None = None) -> Ahead:
-    """Propose `tokens` + 1 greedy tokens after `ahead.assumed` in the background (the first one guesses the
-    bonus); then `send` may start the next round's verify with them."""
+def start(
+    drafter: Drafter, session: int, ahead: Ahead, tokens: int, send: SendAhead | None = None
+) -> Ahead:
+    """Propose `tokens` + 1 greedy tokens after `ahead.assumed` in the background (the first one
+    guesses the bonus); then `send` may start the next round's verify with them."""
     ahead.task = asyncio.ensure_future(_propose(ahead, drafter, session, tokens, send))
 
     def done(task: asyncio.Future[Draft]) -> None:
         ahead.seconds = time.perf_counter() - ahead.started
-        # the exception is retrieved here (no "never retrieved" warning); the next proposal reports the loss
+        # the exception is retrieved here (no "never retrieved" warning); the next proposal reports
+        # the loss
         if not task.cancelled() and task.exception() is not None:
             log.debug("session %d: drafting ahead failed: %s", session, task.exception())
 
@@ -157,8 +176,9 @@ def start(drafter: Drafter, session: int, ahead: Ahead, tokens: int, send: SendA
 
 
 def stop_failed(chain: list[Ahead], history: list[int]) -> None:
-    """Stop the proposals of `chain` (the rounds started ahead, in order) once its first one is known to have
-    failed: each drops every round after it, and the draft then serves the fresh round sooner."""
+    """Stop the proposals of `chain` (the rounds started ahead, in order) once its first one is
+    known to have failed: each drops every round after it, and the draft then serves the fresh round
+    sooner."""
     if chain and not chain[0].keep_up and chain[0].failed(history):
         stop(chain)
 
@@ -172,8 +192,9 @@ def stop(chain: list[Ahead]) -> None:
 async def _propose(
     ahead: Ahead, drafter: Drafter, session: int, tokens: int, send: SendAhead | None
 ) -> Draft:
-    """`tokens` + 1 greedy tokens after `ahead.assumed`, asked for `CHUNK` at a time (each part feeds the last
-    token of the part before) until done or stopped: a stopped proposal ends short and sends nothing."""
+    """`tokens` + 1 greedy tokens after `ahead.assumed`, asked for `CHUNK` at a time (each part
+    feeds the last token of the part before) until done or stopped: a stopped proposal ends short
+    and sends nothing."""
     parts: list[Draft] = []
     drafted: list[int] = []
     while len(drafted) < tokens + 1 and not ahead.stopped:
@@ -188,7 +209,9 @@ async def _propose(
     if send is not None and not ahead.stopped and len(proposal.tokens) == tokens + 1:
         ahead.sent = send(ahead, proposal)
         if ahead.sent is not None:
-            await asyncio.sleep(0)  # the request sends on its first step: before anything after this proposal
+            await asyncio.sleep(
+                0
+            )  # the request sends on its first step: before anything after this proposal
     return proposal
 
 
@@ -209,12 +232,12 @@ def _joined(parts: list[Draft]) -> Draft:
 
 
 async def settle(ahead: Ahead | None) -> Ahead | None:
-    """Wait until `ahead`'s proposal is done (the draft serves one request per session at a time); None if
-    it failed (then it sent no verify).
+    """Wait until `ahead`'s proposal is done (the draft serves one request per session at a time);
+    None if it failed (then it sent no verify).
 
-    The wait is shielded: a cancelled caller leaves the proposal to finish (a proposal cut off halfway would
-    leave the draft's cache and its ledger apart), and the next settle waits for it again.
-    """
+    The wait is shielded: a cancelled caller leaves the proposal to finish (a proposal cut off
+    halfway would leave the draft's cache and its ledger apart), and the next settle waits for it
+    again."""
     if ahead is None:
         return None
     with contextlib.suppress(Exception):
@@ -225,19 +248,23 @@ async def settle(ahead: Ahead | None) -> Ahead | None:
 
 
 def wire_seconds(trace: np.ndarray, wall_seconds: float) -> float:
-    """Seconds of a round's wall time its step spent on no stage (on the wires, in the coordinator)."""
+    """Seconds of a round's wall time its step spent on no stage (on the wires, in the
+    coordinator)."""
     records = trace_records(trace)
     if not records:
         return 0.0
-    at_stages = sum(max(finished - received, 0.0) for _stage, received, _started, finished, _sent in records)
+    at_stages = sum(
+        max(finished - received, 0.0) for _stage, received, _started, finished, _sent in records
+    )
     return max(wall_seconds - at_stages, 0.0)
 
 
 @dataclass
 class AheadCost:
-    """Seconds per drafted token — what drafting K + 1 tokens ahead will take: the median of the last
-    `WINDOW` proposals, so one slow one (the draft's first inference, a proposal queued behind another
-    session's) does not hold drafting ahead off for the rounds a decayed mean would need to forget it."""
+    """Seconds per drafted token — what drafting K + 1 tokens ahead will take: the median of the
+    last `WINDOW` proposals, so one slow one (the draft's first inference, a proposal queued behind
+    another session's) does not hold drafting ahead off for the rounds a decayed mean would need to
+    forget it."""
 
     WINDOW = 7
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=AheadCost.WINDOW))

@@ -1,11 +1,10 @@
 """Provides the model's tokenizer and chat template for the coordinator (no torch, no transformers).
 
-Chat templates render in the same Jinja environment as transformers' `apply_chat_template` (a sandbox
-with trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that does
-not escape HTML), so a model's own template gives the same prompt here as in transformers. Replies are
-detokenised incrementally with tokenizers' `DecodeStream`: each token costs one step, not a re-decode of
-the whole reply.
-"""
+Chat templates render in the same Jinja environment as transformers' `apply_chat_template` (a
+sandbox with trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a
+`tojson` that does not escape HTML), so a model's own template gives the same prompt here as in
+transformers. Replies are detokenised incrementally with tokenizers' `DecodeStream`: each token
+costs one step, not a re-decode of the whole reply."""
 
 from __future__ import annotations
 
@@ -21,7 +20,8 @@ from remote_worker.manifest import Manifest
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One tool call of an assistant message: its id (`call_...`), the function's name, its arguments as JSON text."""
+    """One tool call of an assistant message: its id (`call_...`), the function's name, its
+    arguments as JSON text."""
 
     id: str
     name: str
@@ -72,20 +72,24 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 
 
 def template_environment() -> Any:
-    """The Jinja environment transformers renders chat templates in (`{% generation %}` renders its body)."""
+    """The Jinja environment transformers renders chat templates in (`{% generation %}` renders
+    its body)."""
     import jinja2.ext
     import jinja2.nodes
     import jinja2.sandbox
 
     class GenerationTag(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here: its body."""
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks;
+        here: its body."""
 
         tags = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _render(self, caller: Any) -> str:
             return str(caller())
@@ -110,13 +114,21 @@ def compile_template(text: str) -> Any:
 
 
 def render_template(
-    template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **context: Any
+    template: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **context: Any,
 ) -> str:
-    """Render a compiled template as transformers does (`context`: bos_token, eos_token, tools, date_string ...)."""
+    """Render a compiled template as transformers does (`context`: bos_token, eos_token, tools,
+    date_string ...)."""
     import jinja2
 
     try:
-        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context))
+        return str(
+            template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        )
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as error:
@@ -146,12 +158,16 @@ class ChatFormat:
     def __init__(self, shard_dir: Path, manifest: Manifest) -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(Path(shard_dir) / manifest.tokenizer / "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_file(
+            str(Path(shard_dir) / manifest.tokenizer / "tokenizer.json")
+        )
         self.template = compile_template(manifest.chat_template) if manifest.chat_template else None
         self.model_name = manifest.model_name
         self.eos_token_ids = frozenset(manifest.eos_token_ids)
         self.bos_token = self._token_text(manifest.bos_token_id)
-        self.eos_token = self._token_text(manifest.eos_token_ids[0] if manifest.eos_token_ids else None)
+        self.eos_token = self._token_text(
+            manifest.eos_token_ids[0] if manifest.eos_token_ids else None
+        )
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
@@ -160,11 +176,15 @@ class ChatFormat:
 
     @property
     def has_chat_template(self) -> bool:
-        """False for a base model: it continues text (completions) and has no conversation format."""
+        """False for a base model: it continues text (completions) and has no conversation
+        format."""
         return self.template is not None
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, **options: Any) -> str:
-        """The conversation in the model's own template; OPTIONS reach it as variables (enable_thinking=False)."""
+    def render(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, **options: Any
+    ) -> str:
+        """The conversation in the model's own template; OPTIONS reach it as variables
+        (enable_thinking=False)."""
         if self.template is None:  # never a made-up format: a base model's "chat" would be noise
             raise ChatTemplateError(
                 f"{self.model_name} has no chat template (a base model): {NO_TEMPLATE_HINT}"
@@ -182,28 +202,37 @@ class ChatFormat:
         return self.encode(self.render(messages, **options))
 
     def encode_question(self, text: str) -> list[int]:
-        """One user prompt as the model takes it (the bench's): in its chat template, or raw for a base model."""
-        return self.encode_chat([ChatMessage("user", text)]) if self.template else self.encode_text(text)
+        """One user prompt as the model takes it (the bench's): in its chat template, or raw for
+        a base model."""
+        return (
+            self.encode_chat([ChatMessage("user", text)])
+            if self.template
+            else self.encode_text(text)
+        )
 
     def encode(self, text: str) -> list[int]:
         """Ids of TEXT as it is (a rendered chat template already holds its special tokens)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def encode_text(self, text: str) -> list[int]:
-        """Ids of a raw prompt, with what the tokenizer adds to one (bos for Llama 3 and Gemma, none for SmolLM2)."""
+        """Ids of a raw prompt, with what the tokenizer adds to one (bos for Llama 3 and Gemma,
+        none for SmolLM2)."""
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8 character)."""
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character)."""
         piece = self.tokenizer.id_to_token(int(token_id)) or ""
         if type(self.tokenizer.decoder).__name__ == "ByteLevel":
             table = _byte_level_table()
             if all(char in table for char in piece):
                 return bytes(table[char] for char in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        if (
+            len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+        ):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
 
@@ -215,12 +244,13 @@ class ChatFormat:
 
 
 class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 and stop strings.
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 and stop
+    strings.
 
-    Each pushed token is one `DecodeStream.step` (incomplete UTF-8 yields nothing until it completes), so a
-    reply of n tokens costs O(n), not O(n^2). Stop strings stay exact: text that may be the start of a stop
-    string is held back until it is known not to be; a stop string ends the text right before it.
-    """
+    Each pushed token is one `DecodeStream.step` (incomplete UTF-8 yields nothing until it
+    completes), so a reply of n tokens costs O(n), not O(n^2). Stop strings stay exact: text that
+    may be the start of a stop string is held back until it is known not to be; a stop string ends
+    the text right before it."""
 
     def __init__(self, chat_format: ChatFormat, stop_strings: tuple[str, ...] = ()) -> None:
         self._tokenizer = chat_format.tokenizer
@@ -232,7 +262,8 @@ class TextStream:
         self.stopped = False
 
     def push(self, token_ids: list[int]) -> str:
-        """Add tokens; returns the new text that is safe to show (empty while a stop string may start)."""
+        """Add tokens; returns the new text that is safe to show (empty while a stop string may
+        start)."""
         if self.stopped:
             return ""
         for token in token_ids:
@@ -242,7 +273,11 @@ class TextStream:
         text = self._raw
         # No stop string can start inside text already shown: a possible start was held back.
         cut = min(
-            (index for stop in self._stop_strings if (index := text.find(stop, self._emitted)) >= 0),
+            (
+                index
+                for stop in self._stop_strings
+                if (index := text.find(stop, self._emitted)) >= 0
+            ),
             default=-1,
         )
         if cut >= 0:

@@ -1,29 +1,30 @@
-"""Provides grammar-constrained decoding on the coordinator: constraint specs, their check against the model's
-tokenizer, and each reply's grammar matcher (llguidance), which turns a draft path into per-position token masks.
+"""Provides grammar-constrained decoding on the coordinator: constraint specs, their check against
+the model's tokenizer, and each reply's grammar matcher (llguidance), which turns a draft path into
+per-position token masks.
 
 How a constrained reply runs (`GenerationParams.constraint`):
-- The coordinator owns one `ReplyGrammar` per constrained reply. Before each verify step it advances the
-  matcher over the draft, cuts the draft at the first token the grammar rejects, computes the bitmask of every
-  scored position and rolls the matcher back (`ReplyGrammar.plan`). The masks travel with the step
-  (`protocol.Decode.token_mask`) and the last stage applies them before greedy choice, sampling and the
-  acceptance test. After the step the matcher consumes exactly the emitted tokens (`ReplyGrammar.advance`):
-  the accepted drafts and the correction or bonus token.
-- Runs and rounds started ahead are off for constrained replies, so every token the pipeline emits was scored
-  under a mask the coordinator computed from the reply's true state.
-- The reply ends when the matcher is stopped (nothing can follow: finish reason "stop", or "eos" when the
-  model chose EOS where the grammar allowed it).
-- The result says whether the grammar was completed: `GenerationStats.constraint_complete` is True when the
-  constrained text is a full sentence of the grammar, False when the reply ended before (max_tokens: finish
-  reason "length"; a stop string), None when no constrained text was generated (no constraint, or a trigger
-  that never came). A caller must never present an answer with `constraint_complete` False as valid.
+- The coordinator owns one `ReplyGrammar` per constrained reply. Before each verify step it advances
+  the matcher over the draft, cuts the draft at the first token the grammar rejects, computes the
+  bitmask of every scored position and rolls the matcher back (`ReplyGrammar.plan`). The masks
+  travel with the step (`protocol.Decode.token_mask`) and the last stage applies them before greedy
+  choice, sampling and the acceptance test. After the step the matcher consumes exactly the emitted
+  tokens (`ReplyGrammar.advance`): the accepted drafts and the correction or bonus token.
+- Runs and rounds started ahead are off for constrained replies, so every token the pipeline emits
+  was scored under a mask the coordinator computed from the reply's true state.
+- The reply ends when the matcher is stopped (nothing can follow: finish reason "stop", or "eos"
+  when the model chose EOS where the grammar allowed it).
+- The result says whether the grammar was completed: `GenerationStats.constraint_complete` is True
+  when the constrained text is a full sentence of the grammar, False when the reply ended before
+  (max_tokens: finish reason "length"; a stop string), None when no constrained text was generated
+  (no constraint, or a trigger that never came). A caller must never present an answer with
+  `constraint_complete` False as valid.
 
-Triggers (`ConstraintSpec.trigger`): the reply is free text until its text contains the trigger. Tokens do not
-respect the trigger's end: the token that completes it may carry more text. The rule: the reply is cut right
-after the trigger. The tokens emitted after the completing token in that round are dropped (as rejected drafts
-are: masked in the KV cache), and when the completing token's text runs past the trigger it is replaced by the
-tokens of its text up to the trigger's end. The text after the trigger is then the grammar's alone, so it
-parses.
-"""
+Triggers (`ConstraintSpec.trigger`): the reply is free text until its text contains the trigger.
+Tokens do not respect the trigger's end: the token that completes it may carry more text. The rule:
+the reply is cut right after the trigger. The tokens emitted after the completing token in that
+round are dropped (as rejected drafts are: masked in the KV cache), and when the completing token's
+text runs past the trigger it is replaced by the tokens of its text up to the trigger's end. The
+text after the trigger is then the grammar's alone, so it parses."""
 
 from __future__ import annotations
 
@@ -50,14 +51,18 @@ __all__ = [
 @dataclass(frozen=True)
 class ConstraintSpec:
     grammar: str  # an llguidance grammar (Lark syntax, may embed %json{...})
-    label: str  # short human label for logs and the TUI, e.g. "json_schema Person", "tools required"
-    # None: the whole reply is constrained. Else the reply is free text until the model generates this
-    # string; from there the grammar constrains the rest of the reply (the module docstring has the rule).
+    label: (
+        str  # short human label for logs and the TUI, e.g. "json_schema Person", "tools required"
+    )
+    # None: the whole reply is constrained. Else the reply is free text until the model generates
+    # this string; from there the grammar constrains the rest of the reply (the module docstring has
+    # the rule).
     trigger: str | None = None
 
 
 class ConstraintError(ValueError):
-    """A constraint that cannot be used: one line naming the offending JSON-schema keyword or grammar problem."""
+    """A constraint that cannot be used: one line naming the offending JSON-schema keyword or
+    grammar problem."""
 
 
 def json_object_grammar() -> str:
@@ -66,13 +71,14 @@ def json_object_grammar() -> str:
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
-    """The grammar of the JSON values `schema` accepts (llguidance's own JSON-schema support, `%json`).
+    """The grammar of the JSON values `schema` accepts (llguidance's own JSON-schema support,
+    `%json`).
 
-    The JSON is compact (no whitespace between tokens) unless the schema's own `x-guidance` options say
-    otherwise: the fewest tokens, no run of blank lines a small model can fall into, and the structure's
-    keys and punctuation forced by the grammar, which the coordinator verifies as free drafts
-    (`ReplyGrammar.forced`). Only the schema's shape is checked here (a JSON object); `check_constraint`
-    compiles it."""
+    The JSON is compact (no whitespace between tokens) unless the schema's own `x-guidance` options
+    say otherwise: the fewest tokens, no run of blank lines a small model can fall into, and the
+    structure's keys and punctuation forced by the grammar, which the coordinator verifies as free
+    drafts (`ReplyGrammar.forced`). Only the schema's shape is checked here (a JSON object);
+    `check_constraint` compiles it."""
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
     if "x-guidance" not in schema:
@@ -88,7 +94,8 @@ _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 
 
 def _one_line(message: str) -> str:
-    """llguidance's error as one line: no source excerpt, no caret lines, no `at line(col):` prefix."""
+    """llguidance's error as one line: no source excerpt, no caret lines, no `at line(col):`
+    prefix."""
     message = message.split("\n   1 |", 1)[0]
     lines = [line.strip() for line in message.splitlines() if line.strip().strip("^")]
     text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(lines))
@@ -103,8 +110,8 @@ def _one_line(message: str) -> str:
 def grammar_tokenizer(source: Any) -> Any:
     """The `llguidance.LLTokenizer` of a model's tokenizer (built once per source: about 0.4 s).
 
-    `source` is a `ChatFormat` (its `tokenizer` and EOS ids are used), a `tokenizers.Tokenizer`, or an
-    `LLTokenizer` (returned as it is)."""
+    `source` is a `ChatFormat` (its `tokenizer` and EOS ids are used), a `tokenizers.Tokenizer`, or
+    an `LLTokenizer` (returned as it is)."""
     import llguidance
 
     if isinstance(source, llguidance.LLTokenizer):
@@ -112,14 +119,17 @@ def grammar_tokenizer(source: Any) -> Any:
     tokenizer = getattr(source, "tokenizer", source)
     eos = sorted(getattr(source, "eos_token_ids", ()))
     if not hasattr(tokenizer, "to_str"):
-        raise ConstraintError(f"cannot constrain with a tokenizer of type {type(tokenizer).__name__}")
+        raise ConstraintError(
+            f"cannot constrain with a tokenizer of type {type(tokenizer).__name__}"
+        )
     return llguidance.LLTokenizer(tokenizer.to_str(), eos_token=eos or None)
 
 
 def check_constraint(spec: ConstraintSpec, tokenizer: Any) -> None:
-    """Compile `spec` once against the model's tokenizer (see `grammar_tokenizer`); raises ConstraintError
-    naming the unsupported keyword or the grammar's problem. With `tokenizer` None the grammar and its JSON
-    schemas are checked alone (before a model is at hand, e.g. before any worker starts)."""
+    """Compile `spec` once against the model's tokenizer (see `grammar_tokenizer`); raises
+    ConstraintError naming the unsupported keyword or the grammar's problem. With `tokenizer` None
+    the grammar and its JSON schemas are checked alone (before a model is at hand, e.g. before any
+    worker starts)."""
     import llguidance
 
     if spec.trigger is not None and not spec.trigger:
@@ -132,7 +142,8 @@ def check_constraint(spec: ConstraintSpec, tokenizer: Any) -> None:
 
 
 class ReplyGrammar:
-    """One reply's grammar state: its matcher once the constraint applies, the trigger watch before."""
+    """One reply's grammar state: its matcher once the constraint applies, the trigger watch
+    before."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer: Any) -> None:
         self.spec = spec
@@ -142,7 +153,9 @@ class ReplyGrammar:
         self.matcher: Any = None
         self._trigger = spec.trigger.encode() if spec.trigger else b""
         self._seen = b""  # the reply's last bytes while the trigger is awaited
-        self.drafts_cut = 0  # draft tokens cut because the grammar rejects them (or one before them)
+        self.drafts_cut = (
+            0  # draft tokens cut because the grammar rejects them (or one before them)
+        )
         if spec.trigger is None:
             self._start()
 
@@ -165,7 +178,8 @@ class ReplyGrammar:
 
     @property
     def complete(self) -> bool | None:
-        """True when the constrained text is complete, False when not, None when there is none yet."""
+        """True when the constrained text is complete, False when not, None when there is none
+        yet."""
         return None if self.matcher is None else bool(self.matcher.is_accepting())
 
     def _mask(self) -> np.ndarray:
@@ -178,8 +192,9 @@ class ReplyGrammar:
         return 0 <= token < 32 * len(mask) and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
     def forced(self, limit: int) -> list[int]:
-        """Up to `limit` next tokens the grammar forces (the only ones it allows, in a row): drafts that the
-        masked verify always accepts, so they cost no speculation (empty while the constraint does not apply)."""
+        """Up to `limit` next tokens the grammar forces (the only ones it allows, in a row): drafts
+        that the masked verify always accepts, so they cost no speculation (empty while the
+        constraint does not apply)."""
         if self.matcher is None or limit <= 0:
             return []
         tokens = [int(token) for token in self.matcher.compute_ff_tokens()[:limit]]
@@ -188,10 +203,11 @@ class ReplyGrammar:
         return tokens
 
     def plan(self, drafts: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
-        """How many of `drafts` the grammar allows in a row, and the masks of the scored positions (uint32
-        [kept + 1, words]); (len(drafts), None) while the constraint does not apply. The matcher is left as
-        it was. A draft ends before an EOS: the verify chooses EOS itself where the grammar allows it (and a
-        matcher that consumed EOS does not count it when rolled back)."""
+        """How many of `drafts` the grammar allows in a row, and the masks of the scored positions
+        (uint32 [kept + 1, words]); (len(drafts), None) while the constraint does not apply. The
+        matcher is left as it was. A draft ends before an EOS: the verify chooses EOS itself where
+        the grammar allows it (and a matcher that consumed EOS does not count it when rolled
+        back)."""
         if self.matcher is None:
             return len(drafts), None
         masks = np.empty((len(drafts) + 1, self.words), np.uint32)
@@ -215,13 +231,14 @@ class ReplyGrammar:
         return kept, masks[: kept + 1]
 
     def advance(self, tokens: list[int]) -> list[int]:
-        """Consume a round's emitted tokens; returns the tokens the reply keeps (the same ones, but where a
-        trigger is completed: the reply cut after the trigger, see the module docstring)."""
+        """Consume a round's emitted tokens; returns the tokens the reply keeps (the same ones, but
+        where a trigger is completed: the reply cut after the trigger, see the module docstring)."""
         if self.matcher is not None:
             for token in tokens:
                 if not self.matcher.consume_token(int(token)):
                     raise RuntimeError(
-                        f"grammar {self.spec.label} rejected token {token}: {self.matcher.get_error()}"
+                        f"grammar {self.spec.label} rejected token {token}: "
+                        f"{self.matcher.get_error()}"
                     )
             return tokens
         for index, token in enumerate(tokens):
@@ -233,7 +250,9 @@ class ReplyGrammar:
                 continue
             beyond = len(seen) - (found + len(self._trigger))
             ending = (
-                [int(token)] if not beyond else self.tokenizer.tokenize_bytes(piece[: len(piece) - beyond])
+                [int(token)]
+                if not beyond
+                else self.tokenizer.tokenize_bytes(piece[: len(piece) - beyond])
             )
             self._start()
             return [*tokens[:index], *ending]

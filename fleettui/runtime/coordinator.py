@@ -1,12 +1,13 @@
-"""Provides the coordinator: chat sessions, speculative decoding with mask rollback, interleaved users.
+"""Provides the coordinator: chat sessions, speculative decoding with mask rollback, interleaved
+users.
 
-No UI code and no OpenVINO here: the coordinator speaks the wire protocol through a `Link` (ZeroMQ in
-production, anything with `request()` in tests) and keeps, per session, the full token history (so a lost
-stage can be rebuilt by replaying it) and a `CacheLedger` mirroring the pipeline's physical KV slots.
-Several sessions generate at once simply by running as concurrent tasks: each has one step in flight (more
-when behind slow links its next rounds start early, `fleettui.runtime.ahead`), and the stages serve
-whatever arrives, so while stage 1 works on user A, stage 0 works on user B.
-"""
+No UI code and no OpenVINO here: the coordinator speaks the wire protocol through a `Link` (ZeroMQ
+in production, anything with `request()` in tests) and keeps, per session, the full token history
+(so a lost stage can be rebuilt by replaying it) and a `CacheLedger` mirroring the pipeline's
+physical KV slots. Several sessions generate at once simply by running as concurrent tasks: each has
+one step in flight (more when behind slow links its next rounds start early,
+`fleettui.runtime.ahead`), and the stages serve whatever arrives, so while stage 1 works on user A,
+stage 0 works on user B."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
-MAX_FORCED = 32  # tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
+MAX_FORCED = (
+    32  # tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
+)
 
 
 _T = TypeVar("_T")
@@ -72,38 +75,55 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         context_length: int | None = None,
     ) -> None:
         self.target = target
-        self.context_length = context_length  # the model's max_position_embeddings (None: unchecked)
+        self.context_length = (
+            context_length  # the model's max_position_embeddings (None: unchecked)
+        )
         self.chat_format = chat_format
         self.drafter = drafter
         self.max_k = max_k if drafter is not None else 0
         self.policy = KPolicy(None if drafter is not None else 0, self.max_k)
-        # With a costly model draft, prompt lookup (free) is a second candidate chosen per session by rate.
+        # With a costly model draft, prompt lookup (free) is a second candidate chosen per session
+        # by rate.
         self.lookup = PromptLookupDrafter() if drafter is not None and drafter.costs_time else None
-        # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets it, since
-        # only it knows whether the chain feeds its tokens back: one stage, or a last stage with a loop).
+        # Tokens the pipeline may generate on its own per run (0: never; the fleet's connection sets
+        # it, since only it knows whether the chain feeds its tokens back: one stage, or a last
+        # stage with a loop).
         self.max_run = 0
-        self.runs_cut = 0  # ... and how many were cut short for prompt lookup (fleettui.runtime.lookup_watch)
-        # The next round starts during this one when its wires leave the time (fleettui.runtime.pipelined).
+        self.runs_cut = (
+            0  # ... and how many were cut short for prompt lookup (fleettui.runtime.lookup_watch)
+        )
+        # The next round starts during this one when its wires leave the time
+        # (fleettui.runtime.pipelined).
         self._ahead_fields(drafter)
         self.cancels: set[asyncio.Task[None]] = set()
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
-        self.no_chat_reason = "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
+        self.no_chat_reason = (
+            "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
+        )
         self._ids = itertools.count(1)
-        self.stage_load = StageLoad()  # observers of every verify/decode result (traces for telemetry, bench)
-        self.result_observers: list[Callable[[protocol.Result, float], None]] = [self.stage_load.observe]
-        # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch for what
-        # was lost, rebuilds every session and sets `resume` again; `fatal` ends every session clearly.
+        self.stage_load = (
+            StageLoad()
+        )  # observers of every verify/decode result (traces for telemetry, bench)
+        self.result_observers: list[Callable[[protocol.Result, float], None]] = [
+            self.stage_load.observe
+        ]
+        # Recovery (fleettui.control.recovery) pauses rounds by clearing `resume`, bumps an epoch
+        # for what was lost, rebuilds every session and sets `resume` again; `fatal` ends every
+        # session clearly.
         self.resume = asyncio.Event()
         self.resume.set()
         self.target_epoch = self.draft_epoch = 0
         self.fatal: str | None = None
-        self.hold = Hold()  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
+        self.hold = (
+            Hold()
+        )  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
         self.replayed_tokens = 0
         self.stages = 1  # how many stages the last Hello crossed
-        # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that survived still
-        # hold them (and count them against max_sessions), so they are closed before the next rebuild.
+        # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that
+        # survived still hold them (and count them against max_sessions), so they are closed before
+        # the next rebuild.
         self.unclosed: set[int] = set()
 
     async def hello(self, timeout: float = 30.0) -> int:
@@ -127,14 +147,20 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
 
     async def close_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        async with session.lock:  # a rebuild of it in flight (a recovery's, a rebalance's) ends first
+        async with (
+            session.lock
+        ):  # a rebuild of it in flight (a recovery's, a rebalance's) ends first
             await self._drop_ahead(session, commit=True)
             link = self.target
             try:
                 await link.request(protocol.Control(protocol.Kind.CLOSE, session.id, 0))
-            except StageLost:  # a relaunched stage never knew it; the survivors are told before the rebuild
+            except (
+                StageLost
+            ):  # a relaunched stage never knew it; the survivors are told before the rebuild
                 self.unclosed.add(session.id)
-            except LinkError:  # a split switch closed the old chain meanwhile: its new workers never knew it
+            except (
+                LinkError
+            ):  # a split switch closed the old chain meanwhile: its new workers never knew it
                 if link is self.target:
                     raise
             if self.drafter is not None:
@@ -145,10 +171,11 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
 
     # -- recovery ---------------------------------------------------------------------------------
     async def _guarded(self, session: Session, action: Callable[[], Awaitable[_T]]) -> _T:
-        """Run one round of `session` (after any rebuild it needs); a lost stage pauses it and retries it.
+        """Run one round of `session` (after any rebuild it needs); a lost stage pauses it and
+        retries it.
 
-        The session's RNG is rewound before a retry, so a sampled round draws the same numbers again.
-        """
+        The session's RNG is rewound before a retry, so a sampled round draws the same numbers
+        again."""
         spurious = 0  # failures with no loss declared since the attempt began
         while spurious < MAX_RECOVERIES_PER_ROUND:
             await self.resume.wait()
@@ -171,7 +198,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         raise LinkError(f"session {session.id}: the pipeline kept failing during recovery")
 
     async def _ensure_rebuilt(self, session: Session) -> None:
-        """Re-open the session and replay its history into the pipeline / draft when their epoch moved on."""
+        """Re-open the session and replay its history into the pipeline / draft when their epoch
+        moved on."""
         target_epoch, draft_epoch = self.target_epoch, self.draft_epoch
         if session.target_epoch != target_epoch:
             self._drop_run(session)
@@ -179,20 +207,27 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             await self._close_unclosed()
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
-            prefix = session.history[:-1]  # the last token is fed by the next round, as in a normal run
+            prefix = session.history[
+                :-1
+            ]  # the last token is fed by the next round, as in a normal run
             await self._replay(session, prefix, target_epoch)
             self.replayed_tokens += len(prefix)
             session.target_epoch = target_epoch
         if session.draft_epoch != draft_epoch:
             await self._drop_ahead(session, commit=True)
             if self.drafter is not None:
-                await self.drafter.open(session.id)  # re-opening resets; the next proposal feeds the history
+                await self.drafter.open(
+                    session.id
+                )  # re-opening resets; the next proposal feeds the history
             session.drafted_at = 0
             session.draft_epoch = draft_epoch
 
     async def _close_unclosed(self) -> None:
-        """Close, on every stage, the sessions whose CLOSE was lost with a stage (a no-op where unknown)."""
-        while self.unclosed:  # taken out before the send: sessions rebuilding at once send each CLOSE once
+        """Close, on every stage, the sessions whose CLOSE was lost with a stage (a no-op where
+        unknown)."""
+        while (
+            self.unclosed
+        ):  # taken out before the send: sessions rebuilding at once send each CLOSE once
             session_id = self.unclosed.pop()
             try:
                 await self.target.request(protocol.Control(protocol.Kind.CLOSE, session_id, 0))
@@ -222,12 +257,15 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     ) -> Generation:
         """Add a user turn, generate the assistant's reply with the chat template, remember both.
 
-        RAW: completion mode (a base model): the session is one document, USER_TEXT appended and continued."""
+        RAW: completion mode (a base model): the session is one document, USER_TEXT appended and
+        continued."""
         if self.chat_format is None:
             raise RuntimeError(self.no_chat_reason)
         turn = ChatMessage("user", user_text)
         if raw:
-            prompt = self.chat_format.encode_text("".join(m.content for m in [*session.messages, turn]))
+            prompt = self.chat_format.encode_text(
+                "".join(m.content for m in [*session.messages, turn])
+            )
         else:  # a turn the template refuses is not remembered
             prompt = self.chat_format.encode_chat([*session.messages, turn])
         session.messages.append(turn)
@@ -244,9 +282,9 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     ) -> Generation:
         """Generate a continuation of `prompt`; the cache keeps whatever prefix it already shares.
 
-        Raises `limits.RequestError` (a ValueError naming the field) before anything is sent when the
-        parameters are out of range or the prompt plus `max_tokens` does not fit the model's context.
-        """
+        Raises `limits.RequestError` (a ValueError naming the field) before anything is sent when
+        the parameters are out of range or the prompt plus `max_tokens` does not fit the model's
+        context."""
         validate_request(params, len(prompt), self.context_length)
         if session.busy:
             raise RuntimeError(f"session {session.id} is already generating")
@@ -257,7 +295,11 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             session.busy = False
 
     async def _generate(
-        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback | None
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback | None,
     ) -> Generation:
         try:
             generation = await self._generate_reply(session, prompt, params, on_tokens)
@@ -271,17 +313,28 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         return generation
 
     async def _generate_reply(
-        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback | None
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback | None,
     ) -> Generation:
         stats = GenerationStats(prompt_tokens=len(prompt))
         stream = TextStream(self.chat_format, params.stop) if self.chat_format is not None else None
-        eos = frozenset() if params.ignore_eos or self.chat_format is None else self.chat_format.eos_token_ids
+        eos = (
+            frozenset()
+            if params.ignore_eos or self.chat_format is None
+            else self.chat_format.eos_token_ids
+        )
         started = time.perf_counter()
-        session.grammar = grammar = self._reply_grammar(params)  # (a bad grammar fails before anything moves)
+        session.grammar = grammar = self._reply_grammar(
+            params
+        )  # (a bad grammar fails before anything moves)
         session.history = list(prompt)
         session.logprobs = []
         generated: list[int] = []
-        # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token 1.
+        # Prefill all but the last PREFILL_CHUNK tokens without scoring; the last chunk yields token
+        # 1.
         await self._guarded(session, functools.partial(self._prefill, session))
         while len(generated) < params.max_tokens:
             remaining = params.max_tokens - len(generated)
@@ -294,11 +347,24 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             catch_up = prefilled or draft.fed > self.max_k + 1 or round_.pipelined
             own, compute = round_costs(result.trace, verify_seconds)
             facts = RoundFacts(
-                k, result.accepted, draft_seconds, verify_seconds, catch_up, own, compute, round_.asked,
-                round_.loaded, prefilled, self._several(), draft.computed, session.id,
-            )  # fmt: skip
+                k,
+                result.accepted,
+                draft_seconds,
+                verify_seconds,
+                catch_up,
+                own,
+                compute,
+                round_.asked,
+                round_.loaded,
+                prefilled,
+                self._several(),
+                draft.computed,
+                session.id,
+            )
             stats.rounds += 1
-            if round_.forced:  # the grammar's own tokens: no drafter's acceptance, no policy's lesson
+            if (
+                round_.forced
+            ):  # the grammar's own tokens: no drafter's acceptance, no policy's lesson
                 stats.forced += result.accepted
             else:
                 round_.policy.record_round(facts)
@@ -325,11 +391,15 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 stats.ttft = time.perf_counter() - started
             generated.extend(emitted)
             session.history.extend(emitted)
-            if not prefilled:  # after plain rounds, runs or prompt lookup the draft may have missed tokens
+            if (
+                not prefilled
+            ):  # after plain rounds, runs or prompt lookup the draft may have missed tokens
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             if params.logprobs is not None:
-                session.logprobs += token_logprobs(result, scored)[: len(visible)]  # (EOS only ends)
+                session.logprobs += token_logprobs(result, scored)[
+                    : len(visible)
+                ]  # (EOS only ends)
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
                 finished = "stop"
@@ -369,11 +439,18 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         self, session: Session, params: GenerationParams, remaining: int, generated: list[int]
     ) -> Round:
         """One draft + verify round (the unit a recovery retries), or the next token of a run."""
-        if session.run is not None and (ran := await self._run_round(session, remaining)) is not None:
+        if (
+            session.run is not None
+            and (ran := await self._run_round(session, remaining)) is not None
+        ):
             return ran
         settling = time.perf_counter()
-        keeping_up = bool(session.ahead) and session.ahead[0].keep_up  # waited for when the draft is used
-        ahead_drafts.stop_failed(session.ahead, session.history)  # a round that failed: draft the fresh one
+        keeping_up = (
+            bool(session.ahead) and session.ahead[0].keep_up
+        )  # waited for when the draft is used
+        ahead_drafts.stop_failed(
+            session.ahead, session.history
+        )  # a round that failed: draft the fresh one
         ahead = None if keeping_up else await self._settle_ahead(session)
         if ahead is not None and ahead.sent is not None:
             pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
@@ -394,15 +471,20 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             session.wants_speculation = k > 0  # a fixed K speculates whatever the others do
         elif self.policy.fixed_k is not None or self.drafter is None:
             k = min(
-                self.policy.choose(free_draft=not (self.drafter is None or self.drafter.costs_time)), left
+                self.policy.choose(
+                    free_draft=not (self.drafter is None or self.drafter.costs_time)
+                ),
+                left,
             )
             session.wants_speculation = k > 0
         else:
             shared = self._others_speculate(session)
             candidates = self._candidates(session)
-            # a run cut short where the free lookup proposes: it drafts now (lookup_watch; K = 0 when the tokens
-            # the run made until the Cancel's Ack went another way)
-            watched = bool(self.max_run) and isinstance(self.target, RunLink)  # runs, watched for the lookup
+            # a run cut short where the free lookup proposes: it drafts now (lookup_watch; K = 0
+            # when the tokens the run made until the Cancel's Ack went another way)
+            watched = bool(self.max_run) and isinstance(
+                self.target, RunLink
+            )  # runs, watched for the lookup
             name, k = (
                 ("lookup", session.cut.k)
                 if session.cut
@@ -412,8 +494,9 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             k = min(k, left)
             policy = session.policies.get(name) or next(iter(session.policies.values()))
             drafter = self.lookup if name == "lookup" and self.lookup is not None else self.drafter
-        # The first round of a reply scores the prompt's last chunk without drafts: the first token never
-        # waits for a costly draft to catch up on the prompt (it does so meanwhile, for the next round).
+        # The first round of a reply scores the prompt's last chunk without drafts: the first token
+        # never waits for a costly draft to catch up on the prompt (it does so meanwhile, for the
+        # next round).
         opening = not generated and drafter is self.drafter and self.draft_ahead
         chosen, k = k, 0 if opening else k
         draft = Draft.empty()
@@ -427,11 +510,18 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 self.ahead_counts["used"] += 1
             else:
                 draft = await self._propose(session, drafter, k, sampling)
-            # the free lookup found nothing: the model draft, if it pays now, rather than a plain run (not for
-            # the first token, which never waits for the model draft to read the prompt)
+            # the free lookup found nothing: the model draft, if it pays now, rather than a plain
+            # run (not for the first token, which never waits for the model draft to read the
+            # prompt)
             second = session.policies.get("model")
-            fallback = self.drafter if drafter is self.lookup and not draft.tokens and generated else None
-            if fallback is not None and second is not None and (k := second.paying_k(loaded, shared)):
+            fallback = (
+                self.drafter if drafter is self.lookup and not draft.tokens and generated else None
+            )
+            if (
+                fallback is not None
+                and second is not None
+                and (k := second.paying_k(loaded, shared))
+            ):
                 policy.asked(proposed=False)  # the lookup's miss (the round is the model draft's)
                 drafter, policy, asked = fallback, second, min(k, left)
                 draft = await self._propose(session, drafter, asked, sampling)
@@ -441,41 +531,61 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         token_mask = None
         forced = False
         if session.grammar is not None:  # drafts the grammar rejects are never verified
-            if not draft.tokens and left > 0 and (tokens := session.grammar.forced(min(left, MAX_FORCED))):
-                draft, forced = Draft.deterministic(tokens), True  # what the grammar forces: always accepted
+            if (
+                not draft.tokens
+                and left > 0
+                and (tokens := session.grammar.forced(min(left, MAX_FORCED)))
+            ):
+                draft, forced = (
+                    Draft.deterministic(tokens),
+                    True,
+                )  # what the grammar forces: always accepted
             kept, token_mask = session.grammar.plan(draft.tokens)
             if kept < len(draft.tokens):
                 draft = Draft(
-                    draft.tokens[:kept], draft.ids[:kept], draft.probs[:kept], draft.fed, draft.computed
+                    draft.tokens[:kept],
+                    draft.ids[:kept],
+                    draft.probs[:kept],
+                    draft.fed,
+                    draft.computed,
                 )
         k = len(draft.tokens)
-        # (a constrained reply never runs: every token must be scored under the mask of its true position)
+        # (a constrained reply never runs: every token must be scored under the mask of its true
+        # position)
         runs = self.max_run and session.grammar is None and isinstance(self.target, RunLink)
         if k == 0 and left > 0 and runs and not opening:
-            # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its own
+            # nothing to verify (K = 0 chosen, or a lookup found nothing): the pipeline runs on its
+            # own
             length = min(remaining, self.max_run)
             counted: tuple[KPolicy, ...] = ()
             if params.spec_k is None and self.drafter is not None and self.policy.fixed_k is None:
-                # adaptive: a costly draft's policy chooses again after a while (`costly_run_tokens`); a free
-                # drafter is asked at each token of the run instead (`RunRounds._run_round`)
+                # adaptive: a costly draft's policy chooses again after a while
+                # (`costly_run_tokens`); a free drafter is asked at each token of the run instead
+                # (`RunRounds._run_round`)
                 counted = tuple(session.policies.values())
                 for candidate in (candidate for candidate in counted if not candidate.free):
                     length = min(length, costly_run_tokens(candidate, loaded))
             if length > 1:
-                first = await self._run_start(session, params, length, generated, policy, loaded, counted)
+                first = await self._run_start(
+                    session, params, length, generated, policy, loaded, counted
+                )
                 return dataclasses.replace(first, asked=asked, draft_seconds=draft_seconds)
         verify_started = time.perf_counter()
         feed = session.ledger.plan(session.history + list(draft.tokens), scored=k + 1)
         uniforms = session.rng.random(2 * (k + 1)) if not sampling.greedy else NO_UNIFORMS
         decode = verify_decode(params, draft, uniforms, session.history, generated, token_mask)
         session.outstanding = feed
-        if opening:  # the draft reads the prompt while the stages prefill it (and drafts on, if that pays)
+        if (
+            opening
+        ):  # the draft reads the prompt while the stages prefill it (and drafts on, if that pays)
             if not self._maybe_draft_ahead(
                 session, params, session.history, draft, feed, remaining, policy, chosen
             ):
                 self._keep_draft_up(session, params, remaining)
         elif drafter is self.drafter:
-            self._maybe_draft_ahead(session, params, session.history, draft, feed, remaining, policy)
+            self._maybe_draft_ahead(
+                session, params, session.history, draft, feed, remaining, policy
+            )
         try:
             result = await self._step(session, feed, decode)
         finally:
@@ -483,11 +593,23 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         verify_seconds = time.perf_counter() - verify_started
         session.idle = self.wire_idle = ahead_drafts.wire_seconds(result.trace, verify_seconds)
         return Round(
-            k, draft, feed, result, draft_seconds, verify_seconds, asked, policy, loaded, forced=forced
+            k,
+            draft,
+            feed,
+            result,
+            draft_seconds,
+            verify_seconds,
+            asked,
+            policy,
+            loaded,
+            forced=forced,
         )
 
-    async def _propose(self, session: Session, drafter: Drafter, k: int, sampling: Sampling) -> Draft:
-        """K drafts after the session's history (the model draft's bookkeeping: what it read, its cost)."""
+    async def _propose(
+        self, session: Session, drafter: Drafter, k: int, sampling: Sampling
+    ) -> Draft:
+        """K drafts after the session's history (the model draft's bookkeeping: what it read, its
+        cost)."""
         model = drafter is self.drafter
         if model:
             await self._drop_ahead(session, commit=True)  # a keep-up feeding the draft ends first
@@ -502,7 +624,9 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     def _others_speculate(self, session: Session) -> bool:
         """Whether every other generating session found speculation paying in its last choice."""
         return all(
-            other.wants_speculation for other in self.sessions.values() if other.busy and other is not session
+            other.wants_speculation
+            for other in self.sessions.values()
+            if other.busy and other is not session
         )
 
     def _several(self) -> bool:
@@ -510,11 +634,13 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         return sum(1 for other in self.sessions.values() if other.busy) > 1
 
     def _loaded(self) -> bool:
-        """Whether sessions compete for the stages: several generate and the busiest stage is busy."""
+        """Whether sessions compete for the stages: several generate and the busiest stage is
+        busy."""
         return self._several() and self.stage_load.busiest() >= LOADED_UTILIZATION
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
-        """This session's drafter candidates: the fleet's drafter and, beside a costly one, prompt lookup."""
+        """This session's drafter candidates: the fleet's drafter and, beside a costly one,
+        prompt lookup."""
         assert self.drafter is not None
         own = "lookup" if not (self.drafter is None or self.drafter.costs_time) else "model"
         names = [(own, own == "lookup")] + (
@@ -525,13 +651,16 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 session.policies[name] = self.policy.fork(name, free)
         return [(name, session.policies[name], free) for name, free in names]
 
-    async def _step(self, session: Session, feed: Feed, decode: protocol.Decode | None) -> protocol.Result:
+    async def _step(
+        self, session: Session, feed: Feed, decode: protocol.Decode | None
+    ) -> protocol.Result:
         reply = self._result(await self.target.request(feed.step(session.id, decode)))
         session.ledger.commit(feed)
         return reply
 
     def _result(self, reply: protocol.Message) -> protocol.Result:
-        """A step's reply, which must be a Result, shown to the result observers (telemetry, load, bench)."""
+        """A step's reply, which must be a Result, shown to the result observers (telemetry,
+        load, bench)."""
         if not isinstance(reply, protocol.Result):
             raise TypeError(f"pipeline answered a step with {type(reply).__name__}")
         received = time.time()

@@ -1,14 +1,14 @@
-"""Provides the speculation policy's pipeline-wide measures: `CostModel`, the fitted verify and draft costs
-and the realized rates every session's policy shares, with the probe budget.
+"""Provides the speculation policy's pipeline-wide measures: `CostModel`, the fitted verify and
+draft costs and the realized rates every session's policy shares, with the probe budget.
 
 A verify of K + 1 tokens costs
-- alone (one session generating): its own latency, the round trip minus time spent queued at the stages;
-- loaded (several sessions at once while the busiest stage computes at least half the time, `StageLoad`):
-  what it takes from the busiest stage, its compute, since the pipeline is then bound by that stage's
-  throughput and not by one session's latency.
-Both come from the stages' own traces (received / started / finished / sent), not from wall time, so a
-session's rounds are not charged for the queue other sessions build.
-"""
+- alone (one session generating): its own latency, the round trip minus time spent queued at the
+  stages;
+- loaded (several sessions at once while the busiest stage computes at least half the time,
+  `StageLoad`): what it takes from the busiest stage, its compute, since the pipeline is then bound
+  by that stage's throughput and not by one session's latency. Both come from the stages' own traces
+  (received / started / finished / sent), not from wall time, so a session's rounds are not charged
+  for the queue other sessions build."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 from fleettui.runtime.measures import LinearCost, Realized
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
-MIN_SPECULATIVE_ROUNDS = 2.0  # ... and speculative ones: a losing drafter is not tried six times per session
-# While K = 0 wins, probing a drafter takes at most this share of the generating time, so exploring stays
-# within the bench's bar of speculation >= 0.98x no speculation (docs/performance.md#tuning-constants).
-PROBE_SHARE = 0.02
-# A probe costs more than its drafting, since the steps after the stage idled run slower: its cost is its
-# round beyond its tokens' plain time, plus what this many plain rounds after it took beyond theirs
+MIN_SPECULATIVE_ROUNDS = (
+    2.0  # ... and speculative ones: a losing drafter is not tried six times per session
+)
+# While K = 0 wins, probing a drafter takes at most this share of the generating time, so exploring
+# stays within the bench's bar of speculation >= 0.98x no speculation
 # (docs/performance.md#tuning-constants).
+PROBE_SHARE = 0.02
+# A probe costs more than its drafting, since the steps after the stage idled run slower: its cost
+# is its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond
+# theirs (docs/performance.md#tuning-constants).
 AFTER_PROBE_ROUNDS = 8
 
 
@@ -31,10 +34,10 @@ AFTER_PROBE_ROUNDS = 8
 class CostModel:
     """Verify and draft costs of one pipeline, shared by its sessions' policies.
 
-    Beside the fitted costs it keeps what each arm really achieved (tokens per second of wall time, apart
-    for one session alone and for several at once): the guard that keeps speculation from being a loss
-    whatever the model misses (Python overheads, a draft that shares the stages' cores, queueing).
-    """
+    Beside the fitted costs it keeps what each arm really achieved (tokens per second of wall time,
+    apart for one session alone and for several at once): the guard that keeps speculation from
+    being a loss whatever the model misses (Python overheads, a draft that shares the stages' cores,
+    queueing)."""
 
     latency: LinearCost = field(default_factory=LinearCost)  # one session: own round-trip latency
     compute: LinearCost = field(default_factory=LinearCost)  # several: the busiest stage's compute
@@ -42,41 +45,58 @@ class CostModel:
     # a run cut short for a free drafter (fleettui.runtime.lookup_watch): what its Cancel cost
     cut: LinearCost = field(default_factory=LinearCost)
     realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
-    acceptance: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [accepted, rejected]
-    proposals: dict[str, list[float]] = field(default_factory=dict)  # drafter: decayed [proposed, asked]
-    probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)  # (drafter, loaded): rounds
-    since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # ... of any session since a probe
-    # seconds of rounds recorded (every arm, each session's round counted), alone and loaded: generating time
+    acceptance: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # drafter: decayed [accepted, rejected]
+    proposals: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # drafter: decayed [proposed, asked]
+    probe_intervals: dict[tuple[str, bool], int] = field(
+        default_factory=dict
+    )  # (drafter, loaded): rounds
+    since_probe: dict[tuple[str, bool], int] = field(
+        default_factory=dict
+    )  # ... of any session since a probe
+    # seconds of rounds recorded (every arm, each session's round counted), alone and loaded:
+    # generating time
     generating: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    # (drafter, loaded): the generating time when its last speculative round was recorded, and what that round
-    # lost against plain decoding (its after-effect on the plain rounds that followed included)
+    # (drafter, loaded): the generating time when its last speculative round was recorded, and what
+    # that round lost against plain decoding (its after-effect on the plain rounds that followed
+    # included)
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
-    after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)  # plain rounds still charged to it
-    # loaded: (drafter, plain rounds left, session) whose excess still goes to that drafter's realized rate
+    after_probe: dict[tuple[str, bool], int] = field(
+        default_factory=dict
+    )  # plain rounds still charged to it
+    # loaded: (drafter, plain rounds left, session) whose excess still goes to that drafter's
+    # realized rate
     after_verify: dict[bool, tuple[str, int, int]] = field(default_factory=dict)
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
-        """Whether the time spent generating since `drafter` last drafted in this regime (`loaded` or alone) is
-        enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly draft pays its catch-up on
-        all it missed, so counting rounds alone would let probes come too often. Idle time does not count:
-        a probe after a pause costs the next reply as much. A free drafter (prompt lookup) is always
-        affordable."""
+        """Whether the time spent generating since `drafter` last drafted in this regime (`loaded`
+        or alone) is enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly
+        draft pays its catch-up on all it missed, so counting rounds alone would let probes come too
+        often. Idle time does not count: a probe after a pause costs the next reply as much. A free
+        drafter (prompt lookup) is always affordable."""
         last = self.last_drafted.get((drafter, loaded))
         return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
 
     def charge_probe(
         self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float
     ) -> None:
-        """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next probe is
-        budgeted against: its cost is the time it took beyond its `tokens` at plain decoding's
-        `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their excess."""
+        """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next
+        probe is budgeted against: its cost is the time it took beyond its `tokens` at plain
+        decoding's `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their
+        excess."""
         key = (drafter, loaded)
-        self.last_drafted[key] = (self.generating[loaded], max(seconds - tokens * plain_seconds, 0.0))
+        self.last_drafted[key] = (
+            self.generating[loaded],
+            max(seconds - tokens * plain_seconds, 0.0),
+        )
         self.after_probe[key] = AFTER_PROBE_ROUNDS
 
     def charge_after_probe(self, loaded: bool, seconds: float, plain_seconds: float | None) -> None:
-        """A plain round (any session's): what it took beyond plain decoding's time per token goes to every
-        probe still charged with its after-effect in this regime."""
+        """A plain round (any session's): what it took beyond plain decoding's time per token goes
+        to every probe still charged with its after-effect in this regime."""
         for key, left in list(self.after_probe.items()):
             if key[1] != loaded:
                 continue
@@ -95,10 +115,11 @@ class CostModel:
         return self.realized.setdefault((arm, loaded), Realized())
 
     def losing(self, drafter: str, loaded: bool, own: Realized | None = None) -> bool:
-        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than not.
+        """Whether speculating with `drafter` has measurably yielded fewer tokens per second than
+        not.
 
-        `own` is one session's record with that drafter: it speaks for the session once it has enough
-        rounds (acceptance differs a lot between sessions), else the pipeline's record does.
+        `own` is one session's record with that drafter: it speaks for the session once it has
+        enough rounds (acceptance differs a lot between sessions), else the pipeline's record does.
         """
         plain = self.achieved("plain", loaded)
         spec = (

@@ -1,12 +1,12 @@
-"""Provides the values of one generation: its parameters, its statistics, its result, and one round of it.
+"""Provides the values of one generation: its parameters, its statistics, its result, and one round
+of it.
 
 Shared by the coordinator (which drives the rounds) and the run rounds (`fleettui.runtime.runs`).
 
 A constrained reply (`GenerationParams.constraint`, `fleettui.runtime.constraint`) reports in
-`GenerationStats.constraint_complete` whether its grammar was completed: True (the constrained text is a
-full sentence of the grammar), False (it ended before, e.g. finish_reason "length" when max_tokens cut it),
-None (no constraint, or a trigger that never came: no constrained text).
-"""
+`GenerationStats.constraint_complete` whether its grammar was completed: True (the constrained text
+is a full sentence of the grammar), False (it ended before, e.g. finish_reason "length" when
+max_tokens cut it), None (no constraint, or a trigger that never came: no constrained text)."""
 
 from __future__ import annotations
 
@@ -36,20 +36,29 @@ class GenerationParams:
     spec_k: int | None = None  # None = adaptive; 0 = no speculation
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: count exactly max_tokens
-    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over the tokens generated in this reply
+    frequency_penalty: float = (
+        0.0  # OpenAI: minus count x this, over the tokens generated in this reply
+    )
     presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
-    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+    repetition_penalty: float = (
+        1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+    )
     logprobs: int | None = None  # n: each reply token's log-prob and its n likeliest alternatives
-    constraint: ConstraintSpec | None = None  # a grammar the reply must follow (fleettui.runtime.constraint)
+    constraint: ConstraintSpec | None = (
+        None  # a grammar the reply must follow (fleettui.runtime.constraint)
+    )
 
     @property
     def top_columns(self) -> int:
-        """The Decode's `top_logprobs`: the emitted token's column, then the alternatives (0: none)."""
+        """The Decode's `top_logprobs`: the emitted token's column, then the alternatives (0:
+        none)."""
         return 0 if self.logprobs is None else self.logprobs + 1
 
     @property
     def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def sampling(self) -> Sampling:
@@ -72,7 +81,9 @@ class GenerationStats:
     finish_reason: str = ""
     constraint_complete: bool | None = None  # the grammar was completed (None: no constrained text)
     drafts_cut: int = 0  # draft tokens the grammar rejected before verification (never sent)
-    forced: int = 0  # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
+    forced: int = (
+        0  # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
+    )
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -89,8 +100,8 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A reply token's log-probability under the model (no temperature, no penalties) and the likeliest
-    tokens at its position with theirs, most likely first."""
+    """A reply token's log-probability under the model (no temperature, no penalties) and the
+    likeliest tokens at its position with theirs, most likely first."""
 
     token: int
     logprob: float
@@ -136,7 +147,9 @@ class Round:
     asked: int  # the K asked of the drafter (it may propose fewer)
     policy: KPolicy  # whose costs and acceptance this round updates
     loaded: bool  # other sessions were generating when it started
-    pipelined: bool = False  # its verify was sent before the previous result (its wait teaches no costs)
+    pipelined: bool = (
+        False  # its verify was sent before the previous result (its wait teaches no costs)
+    )
     forced: bool = False  # its drafts are the tokens a grammar forces (no drafter proposed them)
 
 
@@ -148,8 +161,8 @@ def verify_decode(
     generated: list[int],
     token_mask: np.ndarray | None = None,
 ) -> protocol.Decode:
-    """The Decode of a verify step: the request's sampling, the drafts and their proposals, the penalties,
-    the grammar's token masks (one row per scored position)."""
+    """The Decode of a verify step: the request's sampling, the drafts and their proposals, the
+    penalties, the grammar's token masks (one row per scored position)."""
     sampling = params.sampling
     extra = penalties(params, history, generated)
     if token_mask is not None:
@@ -168,7 +181,8 @@ def verify_decode(
 
 
 def penalties(params: GenerationParams, history: list[int], generated: list[int]) -> dict[str, Any]:
-    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in the reply.
+    """The Decode fields of the penalties: unique ids of prompt + reply so far with their counts in
+    the reply.
 
     The last stage adds the verify window's draft tokens itself, position by position (exact under
     speculation). Without penalties nothing extra travels.

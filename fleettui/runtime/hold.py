@@ -6,8 +6,9 @@ import asyncio
 
 
 class Hold:
-    """A degraded fleet (its hosts left cannot hold the model) may be whole again when its lost hosts are back:
-    until then each round waits here, `seconds` at most, and then goes on (its session replayed) or ends."""
+    """A degraded fleet (its hosts left cannot hold the model) may be whole again when its lost
+    hosts are back: until then each round waits here, `seconds` at most, and then goes on (its
+    session replayed) or ends."""
 
     def __init__(self) -> None:
         self.whole = asyncio.Event()
@@ -24,7 +25,8 @@ class Hold:
         self.whole.set()
 
     async def wait(self) -> bool:
-        """Whether the fleet became whole again within `seconds` (False at once when nothing is held)."""
+        """Whether the fleet became whole again within `seconds` (False at once when nothing is
+        held)."""
         if self.whole.is_set() or self.seconds <= 0:
             return False
         try:

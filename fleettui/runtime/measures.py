@@ -1,9 +1,8 @@
 """Provides what the speculation policy measures: fitted costs, realized rates, the stages' load.
 
-`LinearCost` fits seconds against a size (a verify of K + 1 tokens, K drafts); `Realized` keeps the tokens
-per second an arm really achieved; `round_costs` reads a round's own latency and busiest compute from the
-stages' trace; `StageLoad` says how busy the busiest stage was of late.
-"""
+`LinearCost` fits seconds against a size (a verify of K + 1 tokens, K drafts); `Realized` keeps the
+tokens per second an arm really achieved; `round_costs` reads a round's own latency and busiest
+compute from the stages' trace; `StageLoad` says how busy the busiest stage was of late."""
 
 from __future__ import annotations
 
@@ -21,14 +20,13 @@ from remote_worker.protocol import trace_records
 class LinearCost:
     """Least-squares fit of seconds = a + b * size over the recent samples of each size.
 
-    Each size keeps its own `PER_SIZE` latest samples: plain rounds far outnumber verifies, and one window
-    for all would let a reply's plain steps push every verify out of it: the fit would lose its slope and a
-    long verify would look as cheap as a plain step.
-    Until two different sizes were measured the slope is unknown: a `proportional` cost (drafting K tokens
-    takes K draft steps) is then scaled from the one size seen, so a single measurement at K = 3 cannot make
-    K = 8 look as cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat.
-    The fit is computed once per new sample (closed form), not per prediction: a round asks for dozens.
-    """
+    Each size keeps its own `PER_SIZE` latest samples: plain rounds far outnumber verifies, and one
+    window for all would let a reply's plain steps push every verify out of it: the fit would lose
+    its slope and a long verify would look as cheap as a plain step. Until two different sizes were
+    measured the slope is unknown: a `proportional` cost (drafting K tokens takes K draft steps) is
+    then scaled from the one size seen, so a single measurement at K = 3 cannot make K = 8 look as
+    cheap as K = 3; a non-proportional cost (a verify pass, nearly flat in K) stays flat. The fit is
+    computed once per new sample (closed form), not per prediction: a round asks for dozens."""
 
     PER_SIZE = 32
 
@@ -46,8 +44,12 @@ class LinearCost:
 
     def _fitted(self) -> tuple[float, float, float]:
         if self._fit is None:
-            sizes = np.concatenate([np.full(len(times), size) for size, times in self.samples.items()])
-            times = np.concatenate([np.fromiter(times, np.float64) for times in self.samples.values()])
+            sizes = np.concatenate(
+                [np.full(len(times), size) for size, times in self.samples.items()]
+            )
+            times = np.concatenate(
+                [np.fromiter(times, np.float64) for times in self.samples.values()]
+            )
             mean_size, mean_time = float(sizes.mean()), float(times.mean())
             spread = float(((sizes - mean_size) ** 2).sum())
             if spread == 0.0:
@@ -74,9 +76,8 @@ class LinearCost:
 def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     """(own latency, busiest stage's compute) of one verify round, from its per-stage trace.
 
-    own = wall - time queued at the stages (started - received, summed); compute = max(finished - started).
-    Without a trace both are the wall time.
-    """
+    own = wall - time queued at the stages (started - received, summed); compute = max(finished -
+    started). Without a trace both are the wall time."""
     records = trace_records(trace)
     if not records:
         return wall_seconds, wall_seconds
@@ -87,26 +88,32 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     return max(wall_seconds - queued, compute), compute
 
 
-LOADED_UTILIZATION = 0.5  # the busiest stage computing this share of the time: sessions compete for it
+LOADED_UTILIZATION = (
+    0.5  # the busiest stage computing this share of the time: sessions compete for it
+)
 
 
 class StageLoad:
-    """How busy the busiest stage was over the last `window` seconds, from the traces of the results.
+    """How busy the busiest stage was over the last `window` seconds, from the traces of the
+    results.
 
-    Several sessions generating at once compete for the stages only when the stages are busy: behind slow
-    links they mostly wait on the wires, and each session's rounds then cost their own latency, as alone.
-    """
+    Several sessions generating at once compete for the stages only when the stages are busy: behind
+    slow links they mostly wait on the wires, and each session's rounds then cost their own latency,
+    as alone."""
 
     def __init__(self, window: float = 1.0) -> None:
         self.window = window
-        self._records: deque[tuple[float, int, float]] = deque(maxlen=4096)  # (received, stage, busy s)
+        self._records: deque[tuple[float, int, float]] = deque(
+            maxlen=4096
+        )  # (received, stage, busy s)
 
     def observe(self, result: protocol.Result, received: float) -> None:
         for stage, _received, started, finished, _sent in trace_records(result.trace):
             self._records.append((received, int(stage), max(finished - started, 0.0)))
 
     def busiest(self, now: float | None = None) -> float:
-        """Share of the last `window` seconds the busiest stage spent computing (0 without results)."""
+        """Share of the last `window` seconds the busiest stage spent computing (0 without
+        results)."""
         since = (time.time() if now is None else now) - self.window
         busy: dict[int, float] = {}
         for received, stage, seconds in reversed(self._records):

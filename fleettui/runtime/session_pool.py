@@ -1,12 +1,13 @@
-"""Provides the session pool: idle sessions kept with their KV caches so a resent conversation reuses its prefix.
+"""Provides the session pool: idle sessions kept with their KV caches so a resent conversation
+reuses its prefix.
 
 A stateless API (OpenAI's) resends the whole conversation every turn. The pool keeps the sessions of
-finished requests open on the stages, remembers what their caches hold (the ledger's token sequence),
-and hands a new request the idle session sharing the longest prefix with its prompt: the coordinator then
-feeds only the tokens after that prefix (the ledger masks whatever diverges). Beyond `max_idle` idle
-sessions the least recently used one is closed on the stages. A session whose generation was cancelled or
-failed is closed, never reused: its caches may hold a step the ledger never committed.
-"""
+finished requests open on the stages, remembers what their caches hold (the ledger's token
+sequence), and hands a new request the idle session sharing the longest prefix with its prompt: the
+coordinator then feeds only the tokens after that prefix (the ledger masks whatever diverges).
+Beyond `max_idle` idle sessions the least recently used one is closed on the stages. A session whose
+generation was cancelled or failed is closed, never reused: its caches may hold a step the ledger
+never committed."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class SessionPool:
             raise ValueError("max_idle must be >= 0")
         if max_open is not None and max_open < 1:
             raise ValueError("max_open must be >= 1")
-        # The stages hold at most `max_sessions` open sessions (their KV budget): idle sessions kept for
-        # prefix reuse count too, so a fresh session first evicts the least recently used idle one.
+        # The stages hold at most `max_sessions` open sessions (their KV budget): idle sessions kept
+        # for prefix reuse count too, so a fresh session first evicts the least recently used idle
+        # one.
         self.max_open = max_open
         self._open = opener
         self._close = closer
@@ -62,8 +64,12 @@ class SessionPool:
         self.opened = 0
         self.closed = 0
         self.reused_tokens = 0
-        self._orphans: set[asyncio.Future[None]] = set()  # closes of sessions whose opener was cancelled
-        self._moving = 0  # sessions being opened or closed: they hold a place on the stages meanwhile
+        self._orphans: set[asyncio.Future[None]] = (
+            set()
+        )  # closes of sessions whose opener was cancelled
+        self._moving = (
+            0  # sessions being opened or closed: they hold a place on the stages meanwhile
+        )
         self._settled = asyncio.Event()  # set (and replaced) whenever an open or a close ends
 
     @property
@@ -75,7 +81,8 @@ class SessionPool:
         return len(self._lent)
 
     def best_match(self, prompt: list[int]) -> tuple[Session | None, int]:
-        """The idle session whose cached tokens share the longest prefix with `prompt` (ties: most recent)."""
+        """The idle session whose cached tokens share the longest prefix with `prompt` (ties:
+        most recent)."""
         best: Session | None = None
         best_length = 0
         for session in self._idle.values():
@@ -85,11 +92,13 @@ class SessionPool:
         return best, best_length
 
     async def acquire(self, prompt: list[int], seed: int) -> Lease:
-        """A session for `prompt`: the best idle match, else a fresh one (evicting beyond the bound)."""
+        """A session for `prompt`: the best idle match, else a fresh one (evicting beyond the
+        bound)."""
         session, reused = self.best_match(prompt)
         if session is not None:
             del self._idle[session.id]
-            # A prompt never reuses its own last token: the coordinator always feeds at least one token.
+            # A prompt never reuses its own last token: the coordinator always feeds at least one
+            # token.
             reused = min(reused, len(prompt) - 1)
         else:
             await self._make_room()
@@ -107,8 +116,9 @@ class SessionPool:
         return Lease(session, reused)
 
     async def _make_room(self) -> None:
-        """Wait until a fresh session fits under `max_open`, closing idle ones first: a session still closing
-        (a cancelled request's) or opening counts, or the stages would see one more than they hold."""
+        """Wait until a fresh session fits under `max_open`, closing idle ones first: a session
+        still closing (a cancelled request's) or opening counts, or the stages would see one more
+        than they hold."""
         while self.max_open is not None and self.idle + self.lent + self._moving >= self.max_open:
             if self._idle:
                 _, oldest = self._idle.popitem(last=False)
@@ -124,7 +134,8 @@ class SessionPool:
         self._settled = asyncio.Event()
 
     async def _open_shielded(self, seed: int) -> Session:
-        """Open a session; if the caller is cancelled meanwhile, the session is closed once it is open."""
+        """Open a session; if the caller is cancelled meanwhile, the session is closed once it is
+        open."""
         opening = asyncio.ensure_future(self._open(seed))
         try:
             return await asyncio.shield(opening)

@@ -1,4 +1,5 @@
-"""Provides speculative drafting (a draft model worker, prompt lookup) and the adaptive choice of K."""
+"""Provides speculative drafting (a draft model worker, prompt lookup) and the adaptive choice of
+K."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ class Draft:
     ids: np.ndarray  # int64 [K, support]
     probs: np.ndarray  # float32 [K, support]
     fed: int = 0  # tokens the draft had to catch up on before proposing (large after a new prompt)
-    computed: float | None = None  # seconds the draft model computed it (its worker's trace; None: unknown)
+    computed: float | None = (
+        None  # seconds the draft model computed it (its worker's trace; None: unknown)
+    )
 
     @staticmethod
     def empty() -> Draft:
@@ -48,7 +51,9 @@ class Draft:
         """Proposals with probability 1 (prompt lookup): exact under the acceptance rule."""
         count = len(tokens)
         return Draft(
-            tuple(tokens), np.array(tokens, np.int64).reshape(count, 1), np.ones((count, 1), np.float32)
+            tuple(tokens),
+            np.array(tokens, np.int64).reshape(count, 1),
+            np.ones((count, 1), np.float32),
         )
 
 
@@ -77,11 +82,12 @@ class Drafter(Protocol):
 
 
 class PromptLookupDrafter:
-    """Proposes the continuation of the most recent earlier occurrence of the last n-gram (n = 3..1).
+    """Proposes the continuation of the most recent earlier occurrence of the last n-gram (n =
+    3..1).
 
-    Each session's history is indexed as it grows (`NgramIndex`): a run asks the lookup at every token it
-    makes, and a scan of the whole history per token would take time from the cores the stages compute on.
-    """
+    Each session's history is indexed as it grows (`NgramIndex`): a run asks the lookup at every
+    token it makes, and a scan of the whole history per token would take time from the cores the
+    stages compute on."""
 
     name = "prompt-lookup"
     costs_time = False
@@ -110,13 +116,12 @@ class PromptLookupDrafter:
 
 
 class NgramIndex:
-    """The latest start of every n-gram (n = 1..max_ngram) seen in a history that grows by appending, so
-    a lookup costs O(max_ngram) per token instead of a scan of the whole history.
+    """The latest start of every n-gram (n = 1..max_ngram) seen in a history that grows by
+    appending, so a lookup costs O(max_ngram) per token instead of a scan of the whole history.
 
     It follows one list (a reply's history, extended in place); another list, or one that shrank, is
-    indexed afresh. A stale index could only propose worse drafts, never change the output: every draft is
-    verified by the target.
-    """
+    indexed afresh. A stale index could only propose worse drafts, never change the output: every
+    draft is verified by the target."""
 
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
@@ -125,8 +130,9 @@ class NgramIndex:
         self.latest: dict[tuple[int, ...], int] = {}
 
     def find(self, history: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of history's last n-gram (n = max..1); an
-        earlier match ends before the last token (the history's own suffix is no match)."""
+        """Up to k tokens that followed the latest earlier match of history's last n-gram (n =
+        max..1); an earlier match ends before the last token (the history's own suffix is no
+        match)."""
         if history is not self.source or len(history) < self.indexed:
             self.source, self.indexed, self.latest = history, 0, {}
         end = len(history) - 1
@@ -146,11 +152,11 @@ class NgramIndex:
 class ModelDrafter:
     """A draft model served by a 1-stage worker (role "draft") on the coordinator's machine.
 
-    The draft never catches up on more than `window` tokens at once: when it has fallen further behind
-    (speculation was off for a while, or a long new prompt), its cache restarts from the last `window`
-    tokens of the history. A draft with less context proposes a little worse, never wrongly: the target
-    verifies every token, so exactness does not depend on it, while a probe stays cheap.
-    """
+    The draft never catches up on more than `window` tokens at once: when it has fallen further
+    behind (speculation was off for a while, or a long new prompt), its cache restarts from the last
+    `window` tokens of the history. A draft with less context proposes a little worse, never
+    wrongly: the target verifies every token, so exactness does not depend on it, while a probe
+    stays cheap."""
 
     costs_time = True
 
@@ -212,9 +218,15 @@ class ModelDrafter:
         tokens = tuple(int(t) for t in reply.tokens)
         ledger.commit(feed, extra=tokens[:-1])
         records = protocol.trace_records(reply.trace)
-        computed = sum(finished - started for _stage, _received, started, finished, _sent in records)
+        computed = sum(
+            finished - started for _stage, _received, started, finished, _sent in records
+        )
         return Draft(
-            tokens, reply.ids, reply.probs, fed=len(feed.tokens), computed=computed if records else None
+            tokens,
+            reply.ids,
+            reply.probs,
+            fed=len(feed.tokens),
+            computed=computed if records else None,
         )
 
 

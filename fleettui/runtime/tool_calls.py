@@ -1,9 +1,9 @@
-"""Provides `ToolCallParser`: a reply's text read incrementally into free text and OpenAI tool calls.
+"""Provides `ToolCallParser`: a reply's text read incrementally into free text and OpenAI tool
+calls.
 
-Fed the text deltas of a reply, it returns what to send: content deltas, the start of a call (its id and
-function name) and fragments of its arguments, as OpenAI's stream has them. Text that may be the start of
-a call's opening is held back until it is known not to be one.
-"""
+Fed the text deltas of a reply, it returns what to send: content deltas, the start of a call (its id
+and function name) and fragments of its arguments, as OpenAI's stream has them. Text that may be the
+start of a call's opening is held back until it is known not to be one."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from fleettui.runtime.tools import ToolCall, ToolFormat
 
-HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
 
 
 def new_call_id() -> str:
@@ -52,8 +54,9 @@ class _Call:
 
 @dataclass
 class ToolCallParser:
-    """Reads one reply in TOOL_FORMAT. `calls_only`: the grammar starts at the first token (tool_choice
-    required or named), so the whole reply is calls; else calls begin at the format's trigger."""
+    """Reads one reply in TOOL_FORMAT. `calls_only`: the grammar starts at the first token
+    (tool_choice required or named), so the whole reply is calls; else calls begin at the format's
+    trigger."""
 
     tool_format: ToolFormat
     calls_only: bool = False
@@ -96,7 +99,8 @@ class ToolCallParser:
             return [ContentDelta(held)]
         return []
 
-    # -- states: each takes what it can from the buffer --------------------------------------------------
+    # -- states: each takes what it can from the buffer
+    # --------------------------------------------------
     def _text(self) -> list[Event]:
         trigger = self.tool_format.trigger
         found = self._buffer.find(trigger)
@@ -105,9 +109,17 @@ class ToolCallParser:
             self._buffer = self._buffer[found:]
             self._state = "opening"
         else:
-            hold = next((size for size in range(min(len(trigger) - 1, len(self._buffer)), 0, -1)
-                         if self._buffer.endswith(trigger[:size])), 0)  # fmt: skip
-            shown = self._buffer[: len(self._buffer) - hold].rstrip()  # a blank may precede a call: held too
+            hold = next(
+                (
+                    size
+                    for size in range(min(len(trigger) - 1, len(self._buffer)), 0, -1)
+                    if self._buffer.endswith(trigger[:size])
+                ),
+                0,
+            )
+            shown = self._buffer[
+                : len(self._buffer) - hold
+            ].rstrip()  # a blank may precede a call: held too
             self._buffer = self._buffer[len(shown) :]
         if not shown:
             return []
@@ -121,7 +133,9 @@ class ToolCallParser:
         stripped = self._buffer.lstrip()
         if len(stripped) < len(opening):
             return []
-        if not stripped.startswith(opening):  # not a call after all: it is text (never with a grammar on)
+        if not stripped.startswith(
+            opening
+        ):  # not a call after all: it is text (never with a grammar on)
             self._state = "text"
             self.content += self._buffer[:1]
             shown, self._buffer = self._buffer[:1], self._buffer[1:]
@@ -141,7 +155,8 @@ class ToolCallParser:
         return [CallStart(len(self._calls) - 1, self._calls[-1].id, name)]
 
     def _arguments(self) -> list[Event]:
-        """Arguments go out as they come; the object ends where its braces balance (strings skipped)."""
+        """Arguments go out as they come; the object ends where its braces balance (strings
+        skipped)."""
         taken = 0
         for index, char in enumerate(self._buffer):
             taken = index + 1
@@ -180,7 +195,11 @@ class ToolCallParser:
         expected = self._closing.strip()
         stripped = self._buffer.lstrip()
         matched = 0
-        while matched < len(expected) and matched < len(stripped) and stripped[matched] == expected[matched]:
+        while (
+            matched < len(expected)
+            and matched < len(stripped)
+            and stripped[matched] == expected[matched]
+        ):
             matched += 1
         if matched < len(expected) and matched == len(stripped):
             return []  # the closing is still coming

@@ -1,13 +1,12 @@
-"""Provides tool calling: the tool-call format a chat template speaks, tools and calls in the prompt, and the
-grammar of a call.
+"""Provides tool calling: the tool-call format a chat template speaks, tools and calls in the
+prompt, and the grammar of a call.
 
-A template that renders `tools`, assistant `tool_calls` and `tool` results itself (Qwen2.5/Qwen3/Hermes
-`<tool_call>` tags, Llama 3.x bare JSON) is used as it is: the model sees its own format. Any other template
-gets the fallback: the tools described in a system message and calls written as
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, results given back as a user message in
-`<tool_response>` tags. Either way the call's JSON is fixed by the grammar, so `tool_calls.ToolCallParser`
-reads it back exactly.
-"""
+A template that renders `tools`, assistant `tool_calls` and `tool` results itself
+(Qwen2.5/Qwen3/Hermes `<tool_call>` tags, Llama 3.x bare JSON) is used as it is: the model sees its
+own format. Any other template gets the fallback: the tools described in a system message and calls
+written as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, results given back as a
+user message in `<tool_response>` tags. Either way the call's JSON is fixed by the grammar, so
+`tool_calls.ToolCallParser` reads it back exactly."""
 
 from __future__ import annotations
 
@@ -16,10 +15,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleettui.runtime.chat_format import ChatFormat, ChatMessage, ChatTemplateError, ToolCall, render_template
+from fleettui.runtime.chat_format import (
+    ChatFormat,
+    ChatMessage,
+    ChatTemplateError,
+    ToolCall,
+    render_template,
+)
 
-__all__ = ["FALLBACK", "HERMES", "LLAMA3_JSON", "Tool", "ToolCall", "ToolFormat", "call_grammar", "detect_format",
-           "render_with_tools"]  # fmt: skip
+__all__ = [
+    "FALLBACK",
+    "HERMES",
+    "LLAMA3_JSON",
+    "Tool",
+    "ToolCall",
+    "ToolFormat",
+    "call_grammar",
+    "detect_format",
+    "render_with_tools",
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +42,9 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: Mapping[str, Any] = field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as OpenAI's request has it (what chat templates take as `tools`)."""
@@ -40,8 +56,9 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How calls are written in a reply: `opening` + `{"name": "...", "<arguments_key>": {...}}` + `closing`,
-    `separator` between parallel calls; `trigger` is what starts a call in free text (for tool_choice auto)."""
+    """How calls are written in a reply: `opening` + `{"name": "...", "<arguments_key>": {...}}` +
+    `closing`, `separator` between parallel calls; `trigger` is what starts a call in free text (for
+    tool_choice auto)."""
 
     name: str  # hermes | llama3-json | fallback
     native: bool  # the template renders tools, calls and results itself
@@ -53,37 +70,51 @@ class ToolFormat:
     parallel: bool  # the format can hold several calls in one reply
 
     def call_text(self, name: str, arguments: Any, compact: bool = True) -> str:
-        """One call as this format writes it: COMPACT arguments are what the grammar lets the model write,
-        spaced ones what a template's `tojson` writes."""
+        """One call as this format writes it: COMPACT arguments are what the grammar lets the model
+        write, spaced ones what a template's `tojson` writes."""
         text = json.dumps(arguments, separators=(",", ":") if compact else None)
         body = f'{{"name": {json.dumps(name)}, "{self.arguments_key}": {text}}}'
         return self.opening + body + self.closing
 
 
-HERMES = ToolFormat("hermes", True, "<tool_call>\n", "\n</tool_call>", "\n", "arguments", "<tool_call>", True)
+HERMES = ToolFormat(
+    "hermes", True, "<tool_call>\n", "\n</tool_call>", "\n", "arguments", "<tool_call>", True
+)
 LLAMA3_JSON = ToolFormat("llama3-json", True, "", "", "", "parameters", '{"name": ', False)
 FALLBACK = ToolFormat(
     "fallback", False, "<tool_call>\n", "\n</tool_call>", "\n", "arguments", "<tool_call>", True
 )
 
-# What detection renders: a tool, a call of it and its result, each with a marker no template writes itself.
+# What detection renders: a tool, a call of it and its result, each with a marker no template writes
+# itself.
 PROBE_TOOL = Tool(
-    "probe_tool_7f3a", "probe", {"type": "object", "properties": {"probe_arg_7f3a": {"type": "string"}}}
+    "probe_tool_7f3a",
+    "probe",
+    {"type": "object", "properties": {"probe_arg_7f3a": {"type": "string"}}},
 )
 PROBE_ARGUMENTS = {"probe_arg_7f3a": "v"}
-PROBE_CALL: dict[str, Any] = {"id": "call7f3a9", "type": "function",
-                              "function": {"name": PROBE_TOOL.name, "arguments": PROBE_ARGUMENTS}}  # fmt: skip
+PROBE_CALL: dict[str, Any] = {
+    "id": "call7f3a9",
+    "type": "function",
+    "function": {"name": PROBE_TOOL.name, "arguments": PROBE_ARGUMENTS},
+}
 PROBE_RESULT = "probe_result_7f3a"
 
 
 def detect_format(chat_format: ChatFormat) -> ToolFormat:
-    """The template's own format if it renders tools, calls and results in one this module reads; else FALLBACK."""
+    """The template's own format if it renders tools, calls and results in one this module reads;
+    else FALLBACK."""
     if chat_format.template is None:
         return FALLBACK
     conversation: list[dict[str, Any]] = [
         {"role": "user", "content": "probe question"},
         {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
-        {"role": "tool", "content": PROBE_RESULT, "tool_call_id": PROBE_CALL["id"], "name": PROBE_TOOL.name},
+        {
+            "role": "tool",
+            "content": PROBE_RESULT,
+            "tool_call_id": PROBE_CALL["id"],
+            "name": PROBE_TOOL.name,
+        },
     ]
     try:
         text = render_template(
@@ -99,7 +130,10 @@ def detect_format(chat_format: ChatFormat) -> ToolFormat:
     described = text.count(PROBE_TOOL.name) >= 2  # once in the tool list, once in the call
     if not (described and "probe_arg_7f3a" in text and PROBE_RESULT in text):
         return FALLBACK
-    for known in (HERMES, LLAMA3_JSON):  # the template writes the call exactly as the grammar lets the model
+    for known in (
+        HERMES,
+        LLAMA3_JSON,
+    ):  # the template writes the call exactly as the grammar lets the model
         if known.call_text(PROBE_TOOL.name, PROBE_ARGUMENTS, compact=False) in text:
             return known
     return FALLBACK
@@ -116,8 +150,8 @@ FALLBACK_INSTRUCTIONS = (
 
 
 def fallback_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> list[ChatMessage]:
-    """The conversation for a template without tool support: tools in the system message, calls as tagged
-    JSON in the assistant's text, results (consecutive ones together) as a user message."""
+    """The conversation for a template without tool support: tools in the system message, calls as
+    tagged JSON in the assistant's text, results (consecutive ones together) as a user message."""
     rendered: list[ChatMessage] = []
     if tools:
         listing = "\n".join(json.dumps(tool.as_openai()) for tool in tools)
@@ -140,7 +174,8 @@ def fallback_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool]) ->
                 rendered.append(ChatMessage("user", response))
         elif message.tool_calls:
             calls = FALLBACK.separator.join(
-                FALLBACK.call_text(call.name, json.loads(call.arguments)) for call in message.tool_calls
+                FALLBACK.call_text(call.name, json.loads(call.arguments))
+                for call in message.tool_calls
             )
             text = f"{message.content}\n{calls}" if message.content else calls
             rendered.append(ChatMessage("assistant", text))
@@ -150,8 +185,8 @@ def fallback_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool]) ->
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as transformers' templates take them: calls with their arguments as objects, results with the
-    id and name of their call."""
+    """Messages as transformers' templates take them: calls with their arguments as objects, results
+    with the id and name of their call."""
     names = {call.id: call.name for message in messages for call in message.tool_calls}
     shaped: list[dict[str, Any]] = []
     for message in messages:
@@ -174,7 +209,10 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_with_tools(
-    chat_format: ChatFormat, messages: Sequence[ChatMessage], tools: Sequence[Tool], tool_format: ToolFormat
+    chat_format: ChatFormat,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool],
+    tool_format: ToolFormat,
 ) -> str:
     """The prompt of a conversation that offers TOOLS or holds calls and results, in TOOL_FORMAT."""
     if not tool_format.native:
@@ -193,9 +231,14 @@ def render_with_tools(
 
 
 def compact(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """SCHEMA with llguidance told to write compact JSON (as `constraint.json_schema_grammar` does: the fewest
-    tokens, and no run of blank lines a small model can fall into) unless it says otherwise itself."""
-    return {**schema} if "x-guidance" in schema else {**schema, "x-guidance": {"whitespace_flexible": False}}
+    """SCHEMA with llguidance told to write compact JSON (as `constraint.json_schema_grammar` does:
+    the fewest tokens, and no run of blank lines a small model can fall into) unless it says
+    otherwise itself."""
+    return (
+        {**schema}
+        if "x-guidance" in schema
+        else {**schema, "x-guidance": {"whitespace_flexible": False}}
+    )
 
 
 def _literal(text: str) -> str:
@@ -206,9 +249,10 @@ def _literal(text: str) -> str:
 def call_grammar(
     tools: Sequence[Tool], tool_format: ToolFormat, parallel: bool, after_trigger: bool = False
 ) -> str:
-    """The llguidance Lark grammar of a reply made of calls to TOOLS (one, or several when PARALLEL and the
-    format allows it). AFTER_TRIGGER: the grammar of what follows the format's trigger (tool_choice auto:
-    the model wrote the trigger in free text, the grammar takes over from there)."""
+    """The llguidance Lark grammar of a reply made of calls to TOOLS (one, or several when PARALLEL
+    and the format allows it). AFTER_TRIGGER: the grammar of what follows the format's trigger
+    (tool_choice auto: the model wrote the trigger in free text, the grammar takes over from
+    there)."""
     if not tools:
         raise ValueError("a call grammar needs at least one tool")
     call = tool_format.opening + '{"name": '  # every call starts so, then the name picks the tool
@@ -216,14 +260,19 @@ def call_grammar(
         raise ValueError(f"the {tool_format.name} format's trigger does not open its calls")
     first = call[len(tool_format.trigger) :] if after_trigger else call
     if parallel and tool_format.parallel:
-        lines = [f"start: {_literal(first)} named ({_literal(tool_format.separator + call)} named)*"]
+        lines = [
+            f"start: {_literal(first)} named ({_literal(tool_format.separator + call)} named)*"
+        ]
     else:
         lines = [f"start: {_literal(first)} named"]
     lines.append("named: " + " | ".join(f"tool_{index}" for index in range(len(tools))))
     key, end = f', "{tool_format.arguments_key}": ', "}" + tool_format.closing
     for index, tool in enumerate(tools):
         lines.append(
-            f"tool_{index}: {_literal(json.dumps(tool.name) + key)} arguments_{index} {_literal(end)}"
+            f"tool_{index}: {_literal(json.dumps(tool.name) + key)} arguments_{index} "
+            f"{_literal(end)}"
         )
-        lines.append(f"arguments_{index}: %json{json.dumps(compact(tool.parameters), sort_keys=True)}")
+        lines.append(
+            f"arguments_{index}: %json{json.dumps(compact(tool.parameters), sort_keys=True)}"
+        )
     return "\n".join(lines) + "\n"

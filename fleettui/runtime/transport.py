@@ -1,4 +1,5 @@
-"""Provides the coordinator's links to a chain of stages over ZeroMQ: requests, control pings, telemetry."""
+"""Provides the coordinator's links to a chain of stages over ZeroMQ: requests, control pings,
+telemetry."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ class StageLost(LinkError):
 
 
 class RunStalled(StageLost):
-    """A run's tokens stopped coming with every stage up (its way back to stage 0 is broken): the round is
-    retried after a replay, without runs."""
+    """A run's tokens stopped coming with every stage up (its way back to stage 0 is broken): the
+    round is retried after a replay, without runs."""
 
 
 RUN_GAP_SECONDS = 30.0  # a run whose next token takes longer than this has stalled
@@ -52,14 +53,17 @@ class ClientKeys:
 class Link(Protocol):
     """Request/reply over a chain: the transport interface the coordinator is written against."""
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message: ...
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message: ...
 
     async def close(self) -> None: ...
 
 
 @runtime_checkable
 class RunLink(Link, Protocol):
-    """A link that can also start a run (a Step with `run` > 1) and read its Results as they come."""
+    """A link that can also start a run (a Step with `run` > 1) and read its Results as they
+    come."""
 
     async def stream(self, step: protocol.Step) -> ReplyStream: ...
 
@@ -67,15 +71,17 @@ class RunLink(Link, Protocol):
 class ReplyStream:
     """The Results of one run, in order, as they arrive (each with its arrival time, `time.time()`).
 
-    `next()` waits for the next one (at most `timeout` seconds after asking); an Error of the run, a blocked
-    or closed link fail it. `received` counts what arrived, `done` is True once all `count` did.
-    """
+    `next()` waits for the next one (at most `timeout` seconds after asking); an Error of the run, a
+    blocked or closed link fail it. `received` counts what arrived, `done` is True once all `count`
+    did."""
 
     def __init__(
         self, count: int, timeout: float, retire: Callable[[], None], gap: float = RUN_GAP_SECONDS
     ) -> None:
         self.count = count
-        self.timeout = timeout  # for the first Result (a prefill may come first); then `gap` for each next
+        self.timeout = (
+            timeout  # for the first Result (a prefill may come first); then `gap` for each next
+        )
         self.gap = gap
         self.received = 0
         self.sent_at = time.time()
@@ -90,7 +96,8 @@ class ReplyStream:
 
     @property
     def failure(self) -> BaseException | None:
-        """Why the run's stream ended before all its Results (an Error, a lost stage, `close()`), or None."""
+        """Why the run's stream ended before all its Results (an Error, a lost stage, `close()`),
+        or None."""
         return self._failure
 
     @property
@@ -130,7 +137,9 @@ class ReplyStream:
             loop = asyncio.get_running_loop()
             self._waiter = loop.create_future()
             limit = min(self.timeout, self.gap) if self.received else self.timeout
-            expiry = loop.call_later(limit, self._expire, limit)  # a timer, not wait_for: once per token
+            expiry = loop.call_later(
+                limit, self._expire, limit
+            )  # a timer, not wait_for: once per token
             try:
                 await self._waiter
             finally:
@@ -148,8 +157,8 @@ class ReplyStream:
             self.fail(LinkError(f"no answer from the pipeline within {limit:g} s (a run)"))
 
     def end(self) -> None:
-        """The run was cancelled and the Cancel's Ack came: what arrived is all of it (the Ack follows the
-        run's last Result)."""
+        """The run was cancelled and the Cancel's Ack came: what arrived is all of it (the Ack
+        follows the run's last Result)."""
         self.count = self.received
         self._retire()
 
@@ -169,7 +178,8 @@ def secure(socket: Any, keys: ClientKeys | None, server_key: str | None) -> None
 
 
 class ZmqLink:
-    """Pushes messages into the head of a chain and matches what comes out of its tail by sequence number.
+    """Pushes messages into the head of a chain and matches what comes out of its tail by sequence
+    number.
 
     Many requests may be in flight at once (one per session): this is what keeps every stage busy.
     """
@@ -195,8 +205,9 @@ class ZmqLink:
         secure(self._pull, keys, tail_key)
         self._push.connect(head)
         self._pull.connect(tail)
-        # The hot path uses plain sockets over the same ZeroMQ sockets: a send that can go at once is made
-        # at once, and replies are read from the event loop's readiness callback (no future per message).
+        # The hot path uses plain sockets over the same ZeroMQ sockets: a send that can go at once
+        # is made at once, and replies are read from the event loop's readiness callback (no future
+        # per message).
         self._push_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._push.underlying)
         self._pull_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._pull.underlying)
         self._reply_fd = int(self._pull_now.getsockopt(zmq.FD))
@@ -207,14 +218,16 @@ class ZmqLink:
         self._sequence = itertools.count(1)
         self._pending: dict[int, asyncio.Future[protocol.Message]] = {}
         self._streams: dict[int, ReplyStream] = {}
-        # runs closed early and requests their callers stopped waiting for: their late replies are expected
+        # runs closed early and requests their callers stopped waiting for: their late replies are
+        # expected
         self._retired: deque[int] = deque(maxlen=256)
         self._reading: asyncio.AbstractEventLoop | None = None
         self._blocked: StageLost | None = None
         self.dropped = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        # steps asked for in one turn of the event loop leave together as one Batch (one inference per stage)
+        # steps asked for in one turn of the event loop leave together as one Batch (one inference
+        # per stage)
         self._outbox: list[tuple[list[Any], protocol.Message]] = []
         self._backlog: deque[tuple[list[Any], list[protocol.Message]]] | None = None
         self.batches_sent = 0
@@ -223,7 +236,9 @@ class ZmqLink:
         """Read replies from the event loop's readiness callback of the PULL socket's descriptor."""
         if self._reading is loop:
             return
-        if self._reading is not None:  # an earlier loop (asyncio.run once more): watch from this one now
+        if (
+            self._reading is not None
+        ):  # an earlier loop (asyncio.run once more): watch from this one now
             with contextlib.suppress(Exception):
                 self._reading.remove_reader(self._reply_fd)
         loop.add_reader(self._reply_fd, self._drain)
@@ -231,10 +246,13 @@ class ZmqLink:
         loop.call_soon(self._drain)  # what arrived before the descriptor was watched
 
     def _drain(self) -> None:
-        """Dispatch every reply waiting (the descriptor is edge-triggered: read until there is none)."""
+        """Dispatch every reply waiting (the descriptor is edge-triggered: read until there is
+        none)."""
         pull = self._pull_now
         try:
-            while int(pull.getsockopt(self._events)) & self._pollin:  # (cheaper than ending on zmq.Again)
+            while (
+                int(pull.getsockopt(self._events)) & self._pollin
+            ):  # (cheaper than ending on zmq.Again)
                 frames = pull.recv_multipart(self._noblock, copy=False)
                 self._dispatch([frame.buffer for frame in frames])
         except Exception as error:  # noqa: BLE001 - a closed socket: the link is being closed
@@ -265,13 +283,15 @@ class ZmqLink:
             return
         future = self._pending.pop(seq, None)
         if future is None and seq in self._retired:
-            # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack), or the reply
-            # to a request its caller gave up on
+            # the rest of a run the coordinator ended (it learns what ran from the Cancel's Ack), or
+            # the reply to a request its caller gave up on
             return
         if future is None or future.done():
             self.dropped += 1
             log.warning(
-                "dropped an unexpected %s (seq %s)", type(message).__name__, getattr(message, "seq", "?")
+                "dropped an unexpected %s (seq %s)",
+                type(message).__name__,
+                getattr(message, "seq", "?"),
             )
             return
         if isinstance(message, protocol.Error):
@@ -280,7 +300,8 @@ class ZmqLink:
             future.set_result(message)
 
     def block(self, error: StageLost) -> None:
-        """Fail every pending request with `error` now, and every new one until `unblock()` (fail fast)."""
+        """Fail every pending request with `error` now, and every new one until `unblock()` (fail
+        fast)."""
         self._blocked = error
         for future in self._pending.values():
             if not future.done():
@@ -291,7 +312,9 @@ class ZmqLink:
     def unblock(self) -> None:
         self._blocked = None
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message:
         if self._blocked is not None:
             raise StageLost(str(self._blocked))
         loop = asyncio.get_running_loop()
@@ -307,7 +330,9 @@ class ZmqLink:
             return await future
         finally:
             expiry.cancel()
-            if self._pending.pop(seq, None) is not None:  # no reply came, and none is awaited any more
+            if (
+                self._pending.pop(seq, None) is not None
+            ):  # no reply came, and none is awaited any more
                 self._retired.append(seq)  # (cancelled, timed out): a late one is expected
 
     async def stream(self, step: protocol.Step, timeout: float | None = None) -> ReplyStream:
@@ -332,10 +357,14 @@ class ZmqLink:
         return stream
 
     async def _send(
-        self, message: protocol.Message, limit: float, future: asyncio.Future[protocol.Message] | None
+        self,
+        message: protocol.Message,
+        limit: float,
+        future: asyncio.Future[protocol.Message] | None,
     ) -> None:
-        """Send at once when ZeroMQ can; else wait for it, bounded (a PUSH whose peer refused our CURVE key
-        has no pipe and would block forever), and stop waiting when the answer (`future`) is settled."""
+        """Send at once when ZeroMQ can; else wait for it, bounded (a PUSH whose peer refused our
+        CURVE key has no pipe and would block forever), and stop waiting when the answer (`future`)
+        is settled."""
         frames = protocol.encode(message)
         self.bytes_sent += sum(len(f) for f in frames)
         if isinstance(message, protocol.Step):
@@ -394,7 +423,8 @@ class ZmqLink:
                 await asyncio.wait_for(self._push.send_multipart(frames, copy=False), self._timeout)
             except (TimeoutError, asyncio.TimeoutError):
                 self._fail_sent(
-                    messages, LinkError(f"could not send to the pipeline within {self._timeout:g} s")
+                    messages,
+                    LinkError(f"could not send to the pipeline within {self._timeout:g} s"),
                 )
             except Exception as error:  # noqa: BLE001 - a closed socket: those requests fail
                 self._fail_sent(messages, LinkError(f"could not send to the pipeline: {error}"))
@@ -412,7 +442,9 @@ class ZmqLink:
                 stream.fail(error)
 
     @staticmethod
-    def _expire(future: asyncio.Future[protocol.Message], limit: float, message: protocol.Message) -> None:
+    def _expire(
+        future: asyncio.Future[protocol.Message], limit: float, message: protocol.Message
+    ) -> None:
         if not future.done():
             future.set_exception(
                 LinkError(
@@ -442,7 +474,8 @@ async def control_request(
     server_key: str | None = None,
     timeout: float = 2.0,
 ) -> dict[str, Any] | None:
-    """One JSON request to a worker's control socket; None when it does not answer within `timeout`."""
+    """One JSON request to a worker's control socket; None when it does not answer within
+    `timeout`."""
     import zmq
     import zmq.asyncio
 
@@ -451,8 +484,12 @@ async def control_request(
     try:
         secure(socket, keys, server_key)
         socket.connect(url)
-        try:  # bounded too: a REQ blocks on send until its peer's handshake completed, which may never happen
-            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can drop a cancel (watch.py)
+        # bounded too: a REQ blocks on send until its peer's handshake completed, which may never
+        # happen
+        try:
+            async with asyncio.timeout(
+                timeout
+            ):  # not wait_for: on 3.11 it can drop a cancel (watch.py)
                 await socket.send(json.dumps(request).encode())
         except TimeoutError:
             return None
@@ -471,7 +508,8 @@ async def wait_until_ready(
     timeout: float,
     failure: Callable[[], str | None] = lambda: None,
 ) -> PingReply:
-    """Ping a worker's control socket until it reports "ready" (its handshake); `failure()` aborts early."""
+    """Ping a worker's control socket until it reports "ready" (its handshake); `failure()`
+    aborts early."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
         reason = failure()
@@ -490,7 +528,8 @@ async def wait_until_ready(
 
 
 class TelemetryFeed:
-    """Subscribes to every stage's telemetry socket and calls `on_sample(sample)` for each valid report."""
+    """Subscribes to every stage's telemetry socket and calls `on_sample(sample)` for each valid
+    report."""
 
     def __init__(
         self,
@@ -538,7 +577,8 @@ class TelemetryFeed:
                 each.close(0)
 
     async def retarget(self, urls: list[tuple[str, str | None]]) -> None:
-        """Follow these telemetry sockets instead (a new split); a feed not started stays stopped."""
+        """Follow these telemetry sockets instead (a new split); a feed not started stays
+        stopped."""
         running = self._task is not None
         await self.stop()
         self._urls = urls

@@ -1,10 +1,11 @@
-"""Provides the heartbeat watcher: pings every worker's control socket and watches its process; declares loss.
+"""Provides the heartbeat watcher: pings every worker's control socket and watches its process;
+declares loss.
 
 A stage is lost when its process exited (at once), or it stopped answering for `detect_seconds`: its
-process is stopped (SIGSTOP, a sleeping laptop), unknown (an SSH host: unreachable) or running but stuck.
-Workers answer pings on their own I/O thread within milliseconds even during a long step, so a silent
-worker is not merely busy. The decision is the pure function `verdict`; the `Watcher` gathers its inputs.
-"""
+process is stopped (SIGSTOP, a sleeping laptop), unknown (an SSH host: unreachable) or running but
+stuck. Workers answer pings on their own I/O thread within milliseconds even during a long step, so
+a silent worker is not merely busy. The decision is the pure function `verdict`; the `Watcher`
+gathers its inputs."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ class WatchSettings:
 
 
 def verdict(
-    silent: float, process: ProcessStatus, last_reply: dict[str, Any] | None, settings: WatchSettings
+    silent: float,
+    process: ProcessStatus,
+    last_reply: dict[str, Any] | None,
+    settings: WatchSettings,
 ) -> str | None:
     """Why a stage silent for `silent` seconds is lost, or None while it is not (pure)."""
     if process.kind == "exited":
@@ -52,7 +56,8 @@ def verdict(
 
 
 def local_process_status(process: Any) -> ProcessStatus:
-    """Status of a local worker from its `subprocess.Popen` (exit code) and psutil (stopped or running)."""
+    """Status of a local worker from its `subprocess.Popen` (exit code) and psutil (stopped or
+    running)."""
     import psutil
 
     code = process.poll()
@@ -78,7 +83,8 @@ def local_process_status(process: Any) -> ProcessStatus:
 
 
 def recorded_process_status(pid: int, started: float | None) -> ProcessStatus:
-    """Status of a local worker this process did not start (an attached fleet): by pid and start time."""
+    """Status of a local worker this process did not start (an attached fleet): by pid and start
+    time."""
     import psutil
 
     try:
@@ -166,10 +172,14 @@ class Watcher:
                         log.warning("%s: ping failed (%s); reconnecting", target.name, error)
                         pinger.close()
                         pinger = _Pinger(target.control_url, self.keys, target.server_key)
-                    status = target.process()  # a process that died during the ping is reported as such
+                    status = (
+                        target.process()
+                    )  # a process that died during the ping is reported as such
                 if self._judge(target, status, reply):
                     return
-                await asyncio.sleep(max(0.0, settings.heartbeat_seconds - (time.monotonic() - started)))
+                await asyncio.sleep(
+                    max(0.0, settings.heartbeat_seconds - (time.monotonic() - started))
+                )
         finally:
             pinger.close()
 
@@ -190,8 +200,8 @@ class Watcher:
         return True
 
     async def stop(self) -> None:
-        """Cancel every watch and wait for each to end; a watch that outlives its cancel (a library call that
-        drops one) is cancelled again rather than waited on forever."""
+        """Cancel every watch and wait for each to end; a watch that outlives its cancel (a library
+        call that drops one) is cancelled again rather than waited on forever."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self.targets.clear()
@@ -213,9 +223,8 @@ class Watcher:
 class _Pinger:
     """One long-lived REQ socket per worker (relaxed: a ping that timed out is simply sent again).
 
-    A socket per ping would churn through ephemeral ports twice a second per worker; this one reconnects
-    by itself when a relaunched worker binds the same port.
-    """
+    A socket per ping would churn through ephemeral ports twice a second per worker; this one
+    reconnects by itself when a relaunched worker binds the same port."""
 
     def __init__(self, url: str, keys: ClientKeys | None, server_key: str | None) -> None:
         import zmq
@@ -229,11 +238,12 @@ class _Pinger:
         self._socket.connect(url)
 
     async def ping(self, timeout: float) -> dict[str, Any] | None:
-        """The worker's answer, or None within `timeout` (a REQ with no live peer blocks even on send).
+        """The worker's answer, or None within `timeout` (a REQ with no live peer blocks even on
+        send).
 
-        `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` returns the answer and drops a cancel
-        that arrives as the answer does, and a watcher that survives its cancel hangs `stop()` forever.
-        """
+        `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` returns the answer and drops a
+        cancel that arrives as the answer does, and a watcher that survives its cancel hangs
+        `stop()` forever."""
         try:
             async with asyncio.timeout(timeout):
                 return await self._exchange()

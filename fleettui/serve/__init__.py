@@ -1,1 +1,2 @@
-"""Provides `fleettui serve`: the fleet as an OpenAI-compatible HTTP service (Starlette on uvicorn)."""
+"""Provides `fleettui serve`: the fleet as an OpenAI-compatible HTTP service (Starlette on
+uvicorn)."""

@@ -1,11 +1,12 @@
-"""Provides admission control: at most `max_active` requests generate, the rest wait in a bounded, fair queue.
+"""Provides admission control: at most `max_active` requests generate, the rest wait in a bounded,
+fair queue.
 
-Fair between clients (an API key, or an address when the server has no keys): a free slot goes to the waiting
-request whose client has the fewest requests generating, among equals to the client served least recently
-(round robin), and within a client to its oldest, so one user's batch of twenty requests does not hold a
-colleague's one question behind all of them. The queue's bound keeps one place for each client that has
-nothing generating or waiting: a flood fills the queue for its own client only.
-"""
+Fair between clients (an API key, or an address when the server has no keys): a free slot goes to
+the waiting request whose client has the fewest requests generating, among equals to the client
+served least recently (round robin), and within a client to its oldest, so one user's batch of
+twenty requests does not hold a colleague's one question behind all of them. The queue's bound keeps
+one place for each client that has nothing generating or waiting: a flood fills the queue for its
+own client only."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class Admission:
         return len(self._waiting)
 
     def admit(self, client: str = "") -> Ticket:
-        """A ticket, or `QueueFull` at once (decided before a response starts, so it can be a 429)."""
+        """A ticket, or `QueueFull` at once (decided before a response starts, so it can be a
+        429)."""
         ticket = Ticket(self, client)
         if self.active < self.max_active and not self._waiting:
             self._start(ticket)
@@ -79,7 +81,9 @@ class Admission:
         return ticket
 
     def _holds(self, client: str) -> bool:
-        return self._generating[client] > 0 or any(ticket.client == client for ticket in self._waiting)
+        return self._generating[client] > 0 or any(
+            ticket.client == client for ticket in self._waiting
+        )
 
     def retry_after(self) -> int:
         """Seconds until a queue place is likely to free up (at least 1)."""

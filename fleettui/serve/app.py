@@ -1,4 +1,5 @@
-"""Provides `FleetServer`: the OpenAI-compatible Starlette app over a `ServedFleet` (sessions, queue, metrics)."""
+"""Provides `FleetServer`: the OpenAI-compatible Starlette app over a `ServedFleet` (sessions,
+queue, metrics)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,17 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 @dataclass(frozen=True)
 class Choice:
-    """One of a request's `n` choices: its parameters (its own seed), its admission ticket, its live entry."""
+    """One of a request's `n` choices: its parameters (its own seed), its admission ticket, its
+    live entry."""
 
     params: GenerationParams
     ticket: Ticket
     live: LiveRequest
 
 
-Piece = tuple[int, str | None, list[TokenLogprob]]  # a choice's next text and its log-probs (None: it ended)
+Piece = tuple[
+    int, str | None, list[TokenLogprob]
+]  # a choice's next text and its log-probs (None: it ended)
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,14 @@ def error_response(
     shown = message.encode(
         "utf-8", "backslashreplace"
     ).decode()  # a refused lone surrogate is quoted, not sent
-    return JSONResponse(error_body(shown, status, param, code), status_code=status, headers=headers or None)
+    return JSONResponse(
+        error_body(shown, status, param, code), status_code=status, headers=headers or None
+    )
 
 
 class FleetServer:
-    """One HTTP front of a fleet: validation, admission, the session pool, generation jobs and metrics."""
+    """One HTTP front of a fleet: validation, admission, the session pool, generation jobs and
+    metrics."""
 
     def __init__(
         self,
@@ -93,15 +100,23 @@ class FleetServer:
         self.defaults: GenerationParams = fleet.defaults()
         self.keys = KeyChecker(api_keys)
         self.admission = Admission(max_sessions, max_queued)
-        self.pool = SessionPool(fleet.open_session, fleet.close_session, max_idle, max_open=max_sessions)
+        self.pool = SessionPool(
+            fleet.open_session, fleet.close_session, max_idle, max_open=max_sessions
+        )
         self.metrics = ServerMetrics(fleet.stage_telemetry)
         self.jobs: set[asyncio.Task[Outcome]] = set()
         self.live = LiveRequests()  # who asks what, shown live by the TUI's API panel
         routes = [
-            Route("/v1/chat/completions", self._guard("chat", self.chat_completions), methods=["POST"]),
-            Route("/v1/completions", self._guard("completions", self.completions), methods=["POST"]),
+            Route(
+                "/v1/chat/completions", self._guard("chat", self.chat_completions), methods=["POST"]
+            ),
+            Route(
+                "/v1/completions", self._guard("completions", self.completions), methods=["POST"]
+            ),
             Route("/v1/models", self._guard("models", self.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", self._guard("models", self.model_detail), methods=["GET"]),
+            Route(
+                "/v1/models/{model:path}", self._guard("models", self.model_detail), methods=["GET"]
+            ),
             Route("/metrics", self._guard("metrics", self.metrics_text), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
@@ -109,16 +124,19 @@ class FleetServer:
         handlers: dict[Any, Any] = {HTTPException: self._http_error, Exception: self._server_error}
         self.app = Starlette(routes=routes, exception_handlers=handlers)
 
-    # -- plumbing -----------------------------------------------------------------------------------
+    # -- plumbing
+    # -----------------------------------------------------------------------------------
     def _client(self, request: Request) -> str:
-        """Who asks, for the fair queue: the API key (a digest of it) when keys are required, else the address."""
+        """Who asks, for the fair queue: the API key (a digest of it) when keys are required,
+        else the address."""
         if self.keys.required:  # (only allowed keys get here)
             token = self.keys.presented(request.headers.get("authorization"))
             return "key:" + hashlib.sha256(token).hexdigest()[:16]
         return "host:" + (request.client.host if request.client else "?")
 
     def _guard(self, endpoint: str, handler: Handler) -> Handler:
-        """Key check, OpenAI-style errors for anything unexpected, and the per-status request counter."""
+        """Key check, OpenAI-style errors for anything unexpected, and the per-status request
+        counter."""
 
         async def guarded(request: Request) -> Response:
             if not self.keys.allows(request.headers.get("authorization")):
@@ -135,7 +153,10 @@ class FleetServer:
                     response = error_response(error.message, error.status, error.param, error.code)
                 except QueueFull as error:
                     response = error_response(
-                        str(error), 429, code="queue_full", **{"Retry-After": str(error.retry_after)}
+                        str(error),
+                        429,
+                        code="queue_full",
+                        **{"Retry-After": str(error.retry_after)},
                     )
             self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             return response
@@ -144,15 +165,20 @@ class FleetServer:
 
     async def _http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        return error_response(str(error.detail), error.status_code, **(error.headers or {}))  # 405's Allow
+        return error_response(
+            str(error.detail), error.status_code, **(error.headers or {})
+        )  # 405's Allow
 
     async def _server_error(self, request: Request, error: Exception) -> Response:
         log.exception("request %s failed", request.url.path, exc_info=error)
         return error_response(f"internal error: {type(error).__name__}", 500)
 
     async def _body(self, request: Request) -> Any:
-        """The JSON body, refused with 413 as soon as it is known to exceed MAX_BODY_BYTES (never read whole)."""
-        too_large = RequestError(f"the request body is larger than {MAX_BODY_BYTES} bytes", None, 413)
+        """The JSON body, refused with 413 as soon as it is known to exceed MAX_BODY_BYTES (never
+        read whole)."""
+        too_large = RequestError(
+            f"the request body is larger than {MAX_BODY_BYTES} bytes", None, 413
+        )
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise too_large
@@ -162,7 +188,8 @@ class FleetServer:
             if size > MAX_BODY_BYTES:
                 raise too_large
             chunks.append(chunk)
-        try:  # the one text rule: strict UTF-8 (JSON's encoding), naming the first bad byte's offset
+        # the one text rule: strict UTF-8 (JSON's encoding), naming the first bad byte's offset
+        try:
             text = decode(b"".join(chunks), "the request body", hint="JSON is UTF-8")
         except TextError as error:
             raise RequestError(str(error), None) from None
@@ -176,7 +203,8 @@ class FleetServer:
         self.metrics.queued.set(self.admission.queued)
         self.metrics.pooled.set(self.pool.idle)
 
-    # -- endpoints ----------------------------------------------------------------------------------
+    # -- endpoints
+    # ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         stages = await self.fleet.stage_health()
         ready = bool(stages) and all(stage.up for stage in stages)
@@ -200,7 +228,9 @@ class FleetServer:
     async def model_detail(self, request: Request) -> Response:
         name = request.path_params["model"]
         if name != self.model.name:
-            raise RequestError(f"The model '{name}' does not exist", "model", 404, "model_not_found")
+            raise RequestError(
+                f"The model '{name}' does not exist", "model", 404, "model_not_found"
+            )
         return JSONResponse(model_card(self.model))
 
     async def metrics_text(self, request: Request) -> Response:
@@ -215,10 +245,14 @@ class FleetServer:
 
     async def _complete(self, request: Request, chat: bool) -> Response:
         body = await self._body(request)
-        parsed = parse_request(body, chat, self.model.name, self.defaults, self.model.context_length)
+        parsed = parse_request(
+            body, chat, self.model.name, self.defaults, self.model.context_length
+        )
         structure = parsed.structure
         if parsed.messages is not None:
-            try:  # a base model (no template) or a template's own raise_exception: 400, never a made-up prompt
+            # a base model (no template) or a template's own raise_exception: 400, never a made-up
+            # prompt
+            try:
                 prompt = self.fleet.encode_chat(list(parsed.messages), structure.tools)
             except ChatTemplateError as error:
                 raise RequestError(str(error), "messages", code="chat_template") from None
@@ -230,12 +264,15 @@ class FleetServer:
         room = self.model.context_length - len(prompt)
         if room <= 0:
             raise RequestError(
-                f"the prompt is {len(prompt)} tokens; this model's context is {self.model.context_length}",
+                f"the prompt is {len(prompt)} tokens; this model's context is "
+                f"{self.model.context_length}",
                 field,
                 code="context_length_exceeded",
             )
         constraint = await checked_constraint(structure, self.fleet)
-        params = replace(parsed.sampling.params(self.defaults.max_tokens, room), constraint=constraint)
+        params = replace(
+            parsed.sampling.params(self.defaults.max_tokens, room), constraint=constraint
+        )
         try:  # the coordinator's own edge check, so the API and the CLI refuse the same requests
             validate_request(params, len(prompt), self.model.context_length)
         except LimitError as error:
@@ -268,7 +305,8 @@ class FleetServer:
             return self._stream(parsed, prompt, choices, chat)
         return await self._answer(request, prompt, choices, chat, structure)
 
-    # -- generation ---------------------------------------------------------------------------------
+    # -- generation
+    # ---------------------------------------------------------------------------------
     def _start_job(
         self,
         prompt: list[int],
@@ -277,10 +315,13 @@ class FleetServer:
         on_delta: Callable[[str, list[TokenLogprob]], None],
         live: LiveRequest,
     ) -> asyncio.Task[Outcome]:
-        job = asyncio.get_running_loop().create_task(self._generate(prompt, params, ticket, on_delta, live))
+        job = asyncio.get_running_loop().create_task(
+            self._generate(prompt, params, ticket, on_delta, live)
+        )
         self.jobs.add(job)
         job.add_done_callback(self.jobs.discard)
-        # A job cancelled before it ever ran skips its own `finally`: release its slot and entry here too.
+        # A job cancelled before it ever ran skips its own `finally`: release its slot and entry
+        # here too.
         job.add_done_callback(lambda _: self._forget(ticket, live))
         return job
 
@@ -296,7 +337,8 @@ class FleetServer:
         on_delta: Callable[[str, list[TokenLogprob]], None],
         live: LiveRequest,
     ) -> Outcome:
-        """Wait for a slot, lease a session, generate; the session goes back to the pool only if all went well."""
+        """Wait for a slot, lease a session, generate; the session goes back to the pool only if
+        all went well."""
         admitted = time.perf_counter()
         lease = None
         completed = False
@@ -307,7 +349,10 @@ class FleetServer:
             self._update_gauges()
             lease = await self.pool.acquire(prompt, params.seed)
             last: list[float] = []
-            session, unsent = lease.session, 0  # log-probs of tokens whose text is not out yet wait for it
+            session, unsent = (
+                lease.session,
+                0,
+            )  # log-probs of tokens whose text is not out yet wait for it
 
             def on_tokens(tokens: list[int], delta: str) -> None:
                 nonlocal unsent
@@ -352,7 +397,12 @@ class FleetServer:
         self.metrics.mean_k.set(stats.mean_k)
 
     async def _answer(
-        self, request: Request, prompt: list[int], choices: list[Choice], chat: bool, structure: Structure
+        self,
+        request: Request,
+        prompt: list[int],
+        choices: list[Choice],
+        chat: bool,
+        structure: Structure,
     ) -> Response:
         jobs = [
             self._start_job(prompt, c.params, c.ticket, lambda _delta, _logprobs: None, c.live)
@@ -365,7 +415,9 @@ class FleetServer:
         finally:
             watcher.cancel()
             everything.cancel()
-            left = [job for job in jobs if not job.done()]  # the client left (or this handler was cancelled)
+            left = [
+                job for job in jobs if not job.done()
+            ]  # the client left (or this handler was cancelled)
             for job in left:
                 job.cancel()
             if left:
@@ -382,20 +434,27 @@ class FleetServer:
             generation, logprobs = outcome.generation, None
             if choice.params.logprobs is not None:
                 logprobs = Logprobs(chat, self.fleet.token_bytes).of(generation.logprobs)
-            reply = final_reply(generation.text, generation.stats, structure, self.fleet.tool_format())
+            reply = final_reply(
+                generation.text, generation.stats, structure, self.fleet.tool_format()
+            )
             choice.live.tool_calls += [call.name for call in reply.tool_calls]
             answers.append((reply, generation.stats, logprobs))
         envelope = Envelope(chat, self.model.name)
-        return JSONResponse(envelope.complete(answers, outcomes[0].prompt_tokens, outcomes[0].reused_tokens))
+        return JSONResponse(
+            envelope.complete(answers, outcomes[0].prompt_tokens, outcomes[0].reused_tokens)
+        )
 
     def _stream(
         self, parsed: CompletionRequest, prompt: list[int], choices: list[Choice], chat: bool
     ) -> StreamingResponse:
-        # (choice, text, log-probs); text None: that choice ended. (`paced` ends a queue at None: never sent.)
+        # (choice, text, log-probs); text None: that choice ended. (`paced` ends a queue at None:
+        # never sent.)
         pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
         jobs = []
         for index, choice in enumerate(choices):
-            put = functools.partial(lambda i, text, entries: pieces.put_nowait((i, text, entries)), index)
+            put = functools.partial(
+                lambda i, text, entries: pieces.put_nowait((i, text, entries)), index
+            )
             jobs.append(self._start_job(prompt, choice.params, choice.ticket, put, choice.live))
             jobs[-1].add_done_callback(
                 functools.partial(lambda i, _: pieces.put_nowait((i, None, [])), index)
@@ -407,7 +466,9 @@ class FleetServer:
         tool_format = self.fleet.tool_format()
         replies = [
             StreamedReply(
-                parsed.structure if chat else Structure(), tool_format, choice.live.tool_calls.append
+                parsed.structure if chat else Structure(),
+                tool_format,
+                choice.live.tool_calls.append,
             )
             for choice in choices
         ]
@@ -415,7 +476,11 @@ class FleetServer:
         async def events() -> AsyncIterator[bytes]:
             try:
                 for index in range(len(choices)):
-                    yield sse(envelope.chunk("" if chat else None, first=True, with_usage=usage, index=index))
+                    yield sse(
+                        envelope.chunk(
+                            "" if chat else None, first=True, with_usage=usage, index=index
+                        )
+                    )
                 sent, ended, failure = [0] * len(choices), 0, None
                 waiting: list[list[TokenLogprob]] = [[] for _ in choices]
                 async for piece in paced(pieces, KEEPALIVE_SECONDS):
@@ -431,8 +496,15 @@ class FleetServer:
                             shown = shaper.of(waiting[index]) if shaper is not None else None
                             waiting[index] = []
                             text = part.get("text") if not chat else None
-                            yield sse(envelope.chunk(text, with_usage=usage, logprobs=shown, index=index,
-                                                     delta=part if chat else None))  # fmt: skip
+                            yield sse(
+                                envelope.chunk(
+                                    text,
+                                    with_usage=usage,
+                                    logprobs=shown,
+                                    index=index,
+                                    delta=part if chat else None,
+                                )
+                            )
                         continue
                     job = jobs[index]
                     error = asyncio.CancelledError() if job.cancelled() else job.exception()
@@ -444,8 +516,12 @@ class FleetServer:
                     for part in held:
                         yield sse(envelope.chunk(None, with_usage=usage, index=index, delta=part))
                     rest = generation.logprobs[sent[index] :]
-                    shown = shaper.of(rest) if shaper is not None and rest else None  # text held back
-                    yield sse(envelope.chunk(None, finish, with_usage=usage, logprobs=shown, index=index))
+                    shown = (
+                        shaper.of(rest) if shaper is not None and rest else None
+                    )  # text held back
+                    yield sse(
+                        envelope.chunk(None, finish, with_usage=usage, logprobs=shown, index=index)
+                    )
                     ended += 1
                     if ended == len(choices):
                         break
@@ -454,11 +530,15 @@ class FleetServer:
                 elif usage:
                     outcome = jobs[0].result()
                     completion = sum(job.result().generation.stats.tokens for job in jobs)
-                    yield sse(envelope.usage_chunk(completion, outcome.prompt_tokens, outcome.reused_tokens))
+                    yield sse(
+                        envelope.usage_chunk(
+                            completion, outcome.prompt_tokens, outcome.reused_tokens
+                        )
+                    )
                 yield sse("[DONE]")
             finally:
-                # Runs when the client disconnects too (Starlette cancels this generator): no awaiting here,
-                # each job's own cleanup closes its session on every stage.
+                # Runs when the client disconnects too (Starlette cancels this generator): no
+                # awaiting here, each job's own cleanup closes its session on every stage.
                 left = [job for job in jobs if not job.done()]
                 for job in left:
                     job.cancel()

@@ -1,4 +1,5 @@
-"""Provides `fleettui serve`: start (or reuse) a fleet and serve it over HTTP on the coordinator's own loop."""
+"""Provides `fleettui serve`: start (or reuse) a fleet and serve it over HTTP on the
+coordinator's own loop."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ async def serve_http(
         timeout_graceful_shutdown=5,
     )
     try:
-        config.load()  # TLS files are read here: a bad certificate is a one-line error, not a traceback
+        # TLS files are read here: a bad certificate is a one-line error, not a traceback
+        config.load()
     except Exception as error:
         sock.close()
         raise FleetError(f"TLS: {error}") from None
@@ -118,8 +120,9 @@ async def serve_fleet(
     stop: asyncio.Event | None = None,
     on_event: Callable[[Any], None] | None = None,
 ) -> None:
-    """Attach to the deployed fleet (or start one), serve it until SIGINT/SIGTERM (or `stop`), then stop the
-    server and either detach (a deployed fleet stays) or stop the fleet this command started.
+    """Attach to the deployed fleet (or start one), serve it until SIGINT/SIGTERM (or `stop`), then
+    stop the server and either detach (a deployed fleet stays) or stop the fleet this command
+    started.
 
     `on_event` hears the controller's events (compile, provisioning and worker start progress)."""
     from fleettui.control.controller import FleetController
@@ -131,7 +134,9 @@ async def serve_fleet(
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     for number in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        with contextlib.suppress(
+            NotImplementedError, RuntimeError, ValueError
+        ):  # not the main thread
             loop.add_signal_handler(number, stop.set)
             handled.append(number)
     controller = FleetController(fleet, on_event=on_event, settings=settings)

@@ -1,9 +1,9 @@
-"""Provides `ServedFleet`: everything the HTTP server needs from a running fleet, behind one small protocol.
+"""Provides `ServedFleet`: everything the HTTP server needs from a running fleet, behind one small
+protocol.
 
-The server never touches the controller, coordinator or deployment directly; `ControllerFleet` adapts a
-started `FleetController` to this protocol, so pointing the server at another orchestrator API means
-writing one more adapter here.
-"""
+The server never touches the controller, coordinator or deployment directly; `ControllerFleet`
+adapts a started `FleetController` to this protocol, so pointing the server at another orchestrator
+API means writing one more adapter here."""
 
 from __future__ import annotations
 
@@ -41,12 +41,14 @@ class StageHealth:
 
 
 class ServedFleet(Protocol):
-    """A running fleet as the server sees it: tokenizer, sessions, generation and stage telemetry."""
+    """A running fleet as the server sees it: tokenizer, sessions, generation and stage
+    telemetry."""
 
     def model_info(self) -> ModelInfo: ...
 
     def defaults(self) -> GenerationParams:
-        """Sampling defaults: the fleet file's, else the model's recommended (max_tokens, temperature, top_p, seed ...)."""
+        """Sampling defaults: the fleet file's, else the model's recommended (max_tokens,
+        temperature, top_p, seed ...)."""
         ...
 
     def encode_chat(self, messages: list[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
@@ -54,11 +56,13 @@ class ServedFleet(Protocol):
         ...
 
     def tool_format(self) -> ToolFormat:
-        """How the model writes tool calls (its template's own format, or the documented fallback)."""
+        """How the model writes tool calls (its template's own format, or the documented
+        fallback)."""
         ...
 
     def check_constraint(self, spec: ConstraintSpec) -> None:
-        """Compile SPEC against the model's tokenizer; raises ConstraintError naming what is unsupported."""
+        """Compile SPEC against the model's tokenizer; raises ConstraintError naming what is
+        unsupported."""
         ...
 
     def encode_text(self, text: str) -> list[int]: ...
@@ -72,7 +76,11 @@ class ServedFleet(Protocol):
     async def close_session(self, session: Session) -> None: ...
 
     async def generate(
-        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback,
     ) -> Generation: ...
 
     async def stage_health(self) -> list[StageHealth]:
@@ -80,7 +88,8 @@ class ServedFleet(Protocol):
         ...
 
     def stage_telemetry(self) -> dict[str, dict[str, Any]]:
-        """The latest telemetry sample per stage name (tok/s, busy, queue, hop_ms, rss_mb, temp_c ...)."""
+        """The latest telemetry sample per stage name (tok/s, busy, queue, hop_ms, rss_mb, temp_c
+        ...)."""
         ...
 
 
@@ -98,12 +107,16 @@ class ControllerFleet:
         self.chat_format = coordinator.chat_format
 
     def model_info(self) -> ModelInfo:
-        target = self.controller.target  # read each time: a re-plan after a loss may swap the shards
+        target = (
+            self.controller.target
+        )  # read each time: a re-plan after a loss may swap the shards
         if target is None:
             raise RuntimeError("the fleet controller has stopped")
         manifest = target.manifest
         created = _unix_time(manifest.created_at)
-        return ModelInfo(manifest.model_name, manifest.max_position_embeddings, manifest.num_layers, created)
+        return ModelInfo(
+            manifest.model_name, manifest.max_position_embeddings, manifest.num_layers, created
+        )
 
     def defaults(self) -> GenerationParams:
         """The fleet file's sampling, else the model's recommended (greedy under exact settings)."""
@@ -139,7 +152,11 @@ class ControllerFleet:
         await self.coordinator.close_session(session)
 
     async def generate(
-        self, session: Session, prompt: list[int], params: GenerationParams, on_tokens: TokenCallback
+        self,
+        session: Session,
+        prompt: list[int],
+        params: GenerationParams,
+        on_tokens: TokenCallback,
     ) -> Generation:
         return await self.coordinator.generate(session, prompt, params, on_tokens)
 
@@ -155,7 +172,11 @@ class ControllerFleet:
             name = placement.config.name
             try:
                 reply = await control_request(
-                    placement.control_url, {"op": "ping"}, deployment.keys, placement.server_key, timeout=2.0
+                    placement.control_url,
+                    {"op": "ping"},
+                    deployment.keys,
+                    placement.server_key,
+                    timeout=2.0,
                 )
             except Exception as error:  # a broken socket is an unhealthy stage, not a server error
                 return StageHealth(name, False, str(error))

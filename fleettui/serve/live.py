@@ -1,4 +1,5 @@
-"""Provides the registry of the HTTP requests in flight: who asked what, and how fast it is answered."""
+"""Provides the registry of the HTTP requests in flight: who asked what, and how fast it is
+answered."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-LINGER_SECONDS = 3.0  # a finished request stays on show this long: a 0.3 s answer is still seen in the panel
+LINGER_SECONDS = (
+    3.0  # a finished request stays on show this long: a 0.3 s answer is still seen in the panel
+)
 
 
 @dataclass
@@ -19,7 +22,9 @@ class LiveRequest:
     endpoint: str  # chat | completions
     preview: str  # the start of the last user message (or of the prompt)
     prompt_tokens: int
-    constraint: str = ""  # the grammar's label (json_schema Person, tools auto ...): empty for free text
+    constraint: str = (
+        ""  # the grammar's label (json_schema Person, tools auto ...): empty for free text
+    )
     state: str = "queued"  # queued | generating | done | stopped
     tokens: int = 0
     created: float = field(default_factory=time.monotonic)
@@ -39,7 +44,8 @@ class LiveRequest:
 
 
 class LiveRequests:
-    """Requests currently queued or generating, by id; finished ones are counted, shown a moment, then forgotten."""
+    """Requests currently queued or generating, by id; finished ones are counted, shown a moment,
+    then forgotten."""
 
     def __init__(self, linger: float = LINGER_SECONDS) -> None:
         self._ids = itertools.count(1)
@@ -52,20 +58,27 @@ class LiveRequests:
         self, client: str, endpoint: str, preview: str, prompt_tokens: int, constraint: str = ""
     ) -> LiveRequest:
         request = LiveRequest(
-            next(self._ids), client, endpoint, " ".join(preview.split())[:60], prompt_tokens, constraint
+            next(self._ids),
+            client,
+            endpoint,
+            " ".join(preview.split())[:60],
+            prompt_tokens,
+            constraint,
         )
         self.requests[request.id] = request
         return request
 
     def end(self, request: LiveRequest, state: str = "done") -> None:
-        """`state` is how it ended (done, or stopped: cancelled or failed); a second call changes nothing."""
+        """`state` is how it ended (done, or stopped: cancelled or failed); a second call changes
+        nothing."""
         if self.requests.pop(request.id, None) is not None:
             self.finished += 1
             request.state, request.ended = state, time.monotonic()
             self._recent.append(request)
 
     def snapshot(self, now: float | None = None) -> list[LiveRequest]:
-        """The active requests and those that ended within the last `linger` seconds, oldest first."""
+        """The active requests and those that ended within the last `linger` seconds, oldest
+        first."""
         now = time.monotonic() if now is None else now
         while self._recent and (self._recent[0].ended or 0.0) < now - self.linger:
             self._recent.popleft()

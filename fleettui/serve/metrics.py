@@ -1,4 +1,5 @@
-"""Provides the server's Prometheus metrics: request counters and latency histograms, and per-stage gauges."""
+"""Provides the server's Prometheus metrics: request counters and latency histograms, and
+per-stage gauges."""
 
 from __future__ import annotations
 
@@ -24,14 +25,44 @@ class StageCollector(Collector):
 
     SERIES = (
         # name, help, sample key, scale
-        ("fleettui_stage_tokens_per_second", "Tokens per second computed by the stage", "tokens_per_s", 1.0),
-        ("fleettui_stage_busy_ratio", "Share of the last interval the stage was computing", "busy", 1.0),
+        (
+            "fleettui_stage_tokens_per_second",
+            "Tokens per second computed by the stage",
+            "tokens_per_s",
+            1.0,
+        ),
+        (
+            "fleettui_stage_busy_ratio",
+            "Share of the last interval the stage was computing",
+            "busy",
+            1.0,
+        ),
         ("fleettui_stage_queue_depth", "Steps waiting in the stage's queue", "queue", 1.0),
-        ("fleettui_stage_hop_latency_seconds", "Wire time to the next stage (smoothed)", "hop_ms", 0.001),
-        ("fleettui_stage_resident_memory_bytes", "Resident memory of the stage worker", "rss_mb", 2.0**20),
-        ("fleettui_stage_temperature_celsius", "CPU temperature of the stage's host", "temp_c", 1.0),
+        (
+            "fleettui_stage_hop_latency_seconds",
+            "Wire time to the next stage (smoothed)",
+            "hop_ms",
+            0.001,
+        ),
+        (
+            "fleettui_stage_resident_memory_bytes",
+            "Resident memory of the stage worker",
+            "rss_mb",
+            2.0**20,
+        ),
+        (
+            "fleettui_stage_temperature_celsius",
+            "CPU temperature of the stage's host",
+            "temp_c",
+            1.0,
+        ),
         ("fleettui_stage_sessions", "Sessions open on the stage", "sessions", 1.0),
-        ("fleettui_stage_batch_rows", "Session steps per inference (last interval)", "batch_rows", 1.0),
+        (
+            "fleettui_stage_batch_rows",
+            "Session steps per inference (last interval)",
+            "batch_rows",
+            1.0,
+        ),
     )
 
     def __init__(self, samples: Callable[[], dict[str, dict[str, Any]]]) -> None:
@@ -68,29 +99,42 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
-            "fleettui_serve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
+            "fleettui_serve_requests",
+            "Requests by endpoint and HTTP status",
+            ["endpoint", "status"],
             registry=registry,
-        )  # fmt: skip
-        self.active = Gauge("fleettui_serve_active_sessions", "Requests generating now", registry=registry)
+        )
+        self.active = Gauge(
+            "fleettui_serve_active_sessions", "Requests generating now", registry=registry
+        )
         self.queued = Gauge(
             "fleettui_serve_queued_sessions", "Requests waiting for a slot", registry=registry
         )
         self.pooled = Gauge(
-            "fleettui_serve_pooled_sessions", "Idle sessions kept open for prefix reuse", registry=registry
+            "fleettui_serve_pooled_sessions",
+            "Idle sessions kept open for prefix reuse",
+            registry=registry,
         )
         self.ttft = Histogram(
-            "fleettui_serve_time_to_first_token_seconds", "From admission to the first token",
-            buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.inter_token = Histogram(
-            "fleettui_serve_inter_token_latency_seconds", "Between consecutive token deliveries",
-            buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.tokens = Counter("fleettui_serve_tokens", "Tokens by kind", ["kind"], registry=registry)
-        self.acceptance = Gauge(
-            "fleettui_serve_acceptance_rate", "Speculative acceptance rate of the last request that drafted",
+            "fleettui_serve_time_to_first_token_seconds",
+            "From admission to the first token",
+            buckets=LATENCY_BUCKETS,
             registry=registry,
-        )  # fmt: skip
+        )
+        self.inter_token = Histogram(
+            "fleettui_serve_inter_token_latency_seconds",
+            "Between consecutive token deliveries",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "fleettui_serve_tokens", "Tokens by kind", ["kind"], registry=registry
+        )
+        self.acceptance = Gauge(
+            "fleettui_serve_acceptance_rate",
+            "Speculative acceptance rate of the last request that drafted",
+            registry=registry,
+        )
         self.mean_k = Gauge(
             "fleettui_serve_mean_k", "Mean draft length K of the last request", registry=registry
         )

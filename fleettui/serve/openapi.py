@@ -1,9 +1,10 @@
-"""Provides the OpenAPI document `serve` publishes at /openapi.json: what `schema.parse_request` accepts, per field.
+"""Provides the OpenAPI document `serve` publishes at /openapi.json: what `schema.parse_request`
+accepts, per field.
 
-Built from the same constants as the validation (roles, ranges, limits) and for the model really served, so the
-document names its one model and its context length. The test suite fuzzes the server from this document
-(schemathesis): anything the document allows must be answered, anything it forbids refused with a 4xx.
-"""
+Built from the same constants as the validation (roles, ranges, limits) and for the model really
+served, so the document names its one model and its context length. The test suite fuzzes the server
+from this document (schemathesis): anything the document allows must be answered, anything it
+forbids refused with a 4xx."""
 
 from __future__ import annotations
 
@@ -18,17 +19,23 @@ TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
 }
-TEXTLIKE = {"anyOf": [{"enum": [None, "text"]},
-                      {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}}]}  # fmt: skip
+TEXTLIKE = {
+    "anyOf": [
+        {"enum": [None, "text"]},
+        {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}},
+    ]
+}
 NAME = {"type": "string", "pattern": structured.NAME.pattern}
 JSON_SCHEMA = {
     "type": "object",
-    "description": "a JSON schema (valid by its meta-schema; a keyword the grammar library does not support is a 400 "
+    "description": "a JSON schema (valid by its meta-schema; a keyword the grammar library does "
+    "not support is a 400 "
     "naming it)",
 }
 RESPONSE_FORMAT: dict[str, Any] = {
     "nullable": True,
-    "description": "free text, any JSON object, or JSON valid against a schema (grammar-constrained decoding)",
+    "description": "free text, any JSON object, or JSON valid against a schema "
+    "(grammar-constrained decoding)",
     "oneOf": [
         {"type": "string", "enum": ["text"]},
         {
@@ -72,14 +79,15 @@ TOOL = {
                     **JSON_SCHEMA,
                     "nullable": True,
                     "properties": {"type": {"type": "string", "enum": ["object"]}},
-                },  # fmt: skip
+                },
             },
         },
     },
 }
 TOOL_CHOICE: dict[str, Any] = {
     "nullable": True,
-    "description": "none, auto (the default with tools), required, or a function of 'tools' by name",
+    "description": "none, auto (the default with tools), required, "
+    "or a function of 'tools' by name",
     "oneOf": [
         {"type": "string", "enum": list(structured.CHOICES)},
         {
@@ -134,7 +142,9 @@ def _no_legacy_functions() -> dict[str, Any]:
 def _structured_rules(chat: bool) -> list[dict[str, Any]]:
     """What the fields of structured output ask of each other (`structured.parse_structure`)."""
     text = {"properties": {"response_format": TEXTLIKE}}
-    free = {"properties": {"tool_choice": {"enum": [None, "none", "auto"]}}}  # no call from the first token
+    free = {
+        "properties": {"tool_choice": {"enum": [None, "none", "auto"]}}
+    }  # no call from the first token
     if not chat:
         return [{"anyOf": [*_absent("stop", empty_list=True), text]}]
     tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
@@ -142,8 +152,12 @@ def _structured_rules(chat: bool) -> list[dict[str, Any]]:
     no_calls = {"properties": {"tool_choice": {"enum": ["none"]}}}
     return [
         {"anyOf": [free, tools]},  # required / a named function need tools
-        {"anyOf": [text, *no_tools, {"required": ["tool_choice"], **no_calls}]},  # JSON or calls, not both
-        {"anyOf": [*_absent("stop", empty_list=True), {"allOf": [text, free]}]},  # no stop cuts a grammar
+        {
+            "anyOf": [text, *no_tools, {"required": ["tool_choice"], **no_calls}]
+        },  # JSON or calls, not both
+        {
+            "anyOf": [*_absent("stop", empty_list=True), {"allOf": [text, free]}]
+        },  # no stop cuts a grammar
         {"properties": {"parallel_tool_calls": {"type": "boolean", "nullable": True}}},
     ]
 
@@ -197,11 +211,18 @@ def _sampling(model: ModelInfo, chat: bool) -> dict[str, Any]:
 
 
 def _rules(chat: bool) -> list[dict[str, Any]]:
-    """The rules between fields, as JSON Schema: stream_options needs stream, top_logprobs needs logprobs."""
+    """The rules between fields, as JSON Schema: stream_options needs stream, top_logprobs needs
+    logprobs."""
     absent = {"not": {"type": "object", "required": ["stream_options"]}}
     stream = {"properties": {"stream_options": {"enum": [None]}}}
     rules = [
-        {"anyOf": [absent, stream, {"required": ["stream"], "properties": {"stream": {"enum": [True]}}}]}
+        {
+            "anyOf": [
+                absent,
+                stream,
+                {"required": ["stream"], "properties": {"stream": {"enum": [True]}}},
+            ]
+        }
     ]
     if chat:
         rules.append(
@@ -221,8 +242,17 @@ def _message(roles: list[str], **fields: Any) -> dict[str, Any]:
         "oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
         "description": "text, or a list of text parts (joined); no lone surrogates",
     }
-    calls = {"type": "array", "nullable": True, "maxItems": 0, "description": "only on assistant messages"}
-    properties = {"role": {"type": "string", "enum": roles}, "content": content, "tool_calls": calls}
+    calls = {
+        "type": "array",
+        "nullable": True,
+        "maxItems": 0,
+        "description": "only on assistant messages",
+    }
+    properties = {
+        "role": {"type": "string", "enum": roles},
+        "content": content,
+        "tool_calls": calls,
+    }
     return {"type": "object", "required": ["role", "content"], "properties": properties, **fields}
 
 
@@ -241,21 +271,35 @@ def chat_request(model: ModelInfo) -> dict[str, Any]:
     assistant["properties"]["tool_calls"] = {"type": "array", "nullable": True, "items": CALL}
     assistant["anyOf"] = [  # text, or calls (then content may be null)
         {"required": ["content"], "properties": {"content": {"not": {"enum": [None]}}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+        {
+            "required": ["tool_calls"],
+            "properties": {"tool_calls": {"type": "array", "minItems": 1}},
+        },
     ]
     return {
         "type": "object",
         "required": ["model", "messages"],
         "properties": {
             "model": {"type": "string", "enum": [model.name]},
-            "messages": {"type": "array", "minItems": 1, "items": {"oneOf": [plain, assistant, tool]}},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"oneOf": [plain, assistant, tool]},
+            },
             **_sampling(model, chat=True),
             "response_format": RESPONSE_FORMAT,
             "tools": {"type": "array", "nullable": True, "items": TOOL},
             "tool_choice": TOOL_CHOICE,
             "parallel_tool_calls": {"type": "boolean", "nullable": True},
-            "functions": {"type": "array", "nullable": True, "description": "deprecated: send 'tools'"},
-            "function_call": {"nullable": True, "description": "only 'none' is served (use 'tool_choice')"},
+            "functions": {
+                "type": "array",
+                "nullable": True,
+                "description": "deprecated: send 'tools'",
+            },
+            "function_call": {
+                "nullable": True,
+                "description": "only 'none' is served (use 'tool_choice')",
+            },
         },
         "allOf": _rules(chat=True) + _structured_rules(chat=True) + [_no_legacy_functions()],
     }
@@ -274,7 +318,12 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
             },
             **_sampling(model, chat=False),
             "response_format": RESPONSE_FORMAT,
-            "suffix": {"type": "string", "maxLength": 0, "nullable": True, "description": "not supported"},
+            "suffix": {
+                "type": "string",
+                "maxLength": 0,
+                "nullable": True,
+                "description": "not supported",
+            },
             "echo": {
                 "type": "boolean",
                 "enum": [False, None],
@@ -326,25 +375,39 @@ FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
 
 def _completion(chat: bool) -> dict[str, Any]:
     answer = (
-        {"message": {"type": "object", "required": ["role", "content"],
-                     "properties": {"role": {"type": "string", "enum": ["assistant"]},
-                                    "content": {"type": "string", "nullable": True},
-                                    "tool_calls": {"type": "array", "items": CALL}}}}
+        {
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["assistant"]},
+                    "content": {"type": "string", "nullable": True},
+                    "tool_calls": {"type": "array", "items": CALL},
+                },
+            }
+        }
         if chat
         else {"text": {"type": "string"}}
-    )  # fmt: skip
+    )
     choice = {
         "type": "object",
         "required": ["index", "finish_reason", *answer],
-        "properties": {"index": {"type": "integer"}, "finish_reason": FINISH, **answer,
-                       "logprobs": {"type": "object", "nullable": True}},
-    }  # fmt: skip
+        "properties": {
+            "index": {"type": "integer"},
+            "finish_reason": FINISH,
+            **answer,
+            "logprobs": {"type": "object", "nullable": True},
+        },
+    }
     return {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage"],
         "properties": {
             "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["chat.completion" if chat else "text_completion"]},
+            "object": {
+                "type": "string",
+                "enum": ["chat.completion" if chat else "text_completion"],
+            },
             "created": {"type": "integer"},
             "model": {"type": "string"},
             "choices": {"type": "array", "minItems": 1, "items": choice},
@@ -354,7 +417,8 @@ def _completion(chat: bool) -> dict[str, Any]:
 
 
 def _event(chat: bool) -> dict[str, Any]:
-    """One server-sent event of a stream: a chunk, the usage chunk, an error that ends it, or `[DONE]`."""
+    """One server-sent event of a stream: a chunk, the usage chunk, an error that ends it, or
+    `[DONE]`."""
     choice = {
         "type": "object",
         "required": ["index", "finish_reason", "delta" if chat else "text"],
@@ -369,7 +433,10 @@ def _event(chat: bool) -> dict[str, Any]:
         "type": "object",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {
-            "object": {"type": "string", "enum": ["chat.completion.chunk" if chat else "text_completion"]},
+            "object": {
+                "type": "string",
+                "enum": ["chat.completion.chunk" if chat else "text_completion"],
+            },
             "choices": {"type": "array", "items": choice},
             "usage": {**USAGE, "nullable": True},
         },
@@ -387,12 +454,21 @@ def _event(chat: bool) -> dict[str, Any]:
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    reasons = {400: "a bad request, naming its field in error.param", 401: "a missing or wrong API key",
-               404: "no such model", 405: "method not allowed", 413: "a body over 4 MiB",
-               429: "the queue is full (Retry-After)", 499: "the client left",
-               503: "the fleet cannot answer now"}  # fmt: skip
+    reasons = {
+        400: "a bad request, naming its field in error.param",
+        401: "a missing or wrong API key",
+        404: "no such model",
+        405: "method not allowed",
+        413: "a body over 4 MiB",
+        429: "the queue is full (Retry-After)",
+        499: "the client left",
+        503: "the fleet cannot answer now",
+    }
     return {
-        str(status): {"description": reasons[status], "content": {"application/json": {"schema": ERROR}}}
+        str(status): {
+            "description": reasons[status],
+            "content": {"application/json": {"schema": ERROR}},
+        }
         for status in statuses
     }
 
@@ -417,37 +493,118 @@ def _generate(summary: str, request: dict[str, Any], chat: bool) -> dict[str, An
 
 
 def openapi_document(model: ModelInfo, keys_required: bool) -> dict[str, Any]:
-    """The OpenAPI 3.0 document of a server serving `model` (with bearer auth when keys are required)."""
+    """The OpenAPI 3.0 document of a server serving `model` (with bearer auth when keys are
+    required)."""
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
-        "info": {"title": "fleettui serve", "version": "1", "description": "OpenAI-compatible API of a fleet"},
+        "info": {
+            "title": "fleettui serve",
+            "version": "1",
+            "description": "OpenAI-compatible API of a fleet",
+        },
         "paths": {
             "/v1/chat/completions": _generate("chat completion", chat_request(model), chat=True),
             "/v1/completions": _generate("text completion", completion_request(model), chat=False),
-            "/v1/models": {"get": {"summary": "the served model", "responses": {
-                "200": {"description": "the one model", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["object", "data"],
-                    "properties": {"object": {"type": "string", "enum": ["list"]},
-                                   "data": {"type": "array", "items": MODEL_CARD}}}}}},
-                **_errors(401)}}},
-            "/v1/models/{model}": {"get": {"summary": "one model by name",
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the model", "content": {"application/json": {
-                    "schema": MODEL_CARD}}}, **_errors(401, 404)}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-                "200": {"description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                **_errors(401)}}},
-            "/health": {"get": {"summary": "whether every stage answers", "security": [], "responses": {
-                str(status): {"description": what, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["status", "model", "stages"],
-                    "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
-                                   "model": {"type": "string"}, "stages": {"type": "array"}}}}}}
-                for status, what in ((200, "every stage is up"), (503, "a stage is down"))}}},
-            "/openapi.json": {"get": {"summary": "this document", "security": [], "responses": {
-                "200": {"description": "OpenAPI 3.0", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/v1/models": {
+                "get": {
+                    "summary": "the served model",
+                    "responses": {
+                        "200": {
+                            "description": "the one model",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["object", "data"],
+                                        "properties": {
+                                            "object": {"type": "string", "enum": ["list"]},
+                                            "data": {"type": "array", "items": MODEL_CARD},
+                                        },
+                                    }
+                                }
+                            },
+                        },
+                        **_errors(401),
+                    },
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "one model by name",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "the model",
+                            "content": {"application/json": {"schema": MODEL_CARD}},
+                        },
+                        **_errors(401, 404),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        **_errors(401),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "whether every stage answers",
+                    "security": [],
+                    "responses": {
+                        str(status): {
+                            "description": what,
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["status", "model", "stages"],
+                                        "properties": {
+                                            "status": {
+                                                "type": "string",
+                                                "enum": ["ok", "unavailable"],
+                                            },
+                                            "model": {"type": "string"},
+                                            "stages": {"type": "array"},
+                                        },
+                                    }
+                                }
+                            },
+                        }
+                        for status, what in ((200, "every stage is up"), (503, "a stage is down"))
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "OpenAPI 3.0",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
         },
-    }  # fmt: skip
+    }
     if keys_required:
-        document["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        document["components"] = {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
+        }
         document["security"] = [{"bearer": []}]
     return document

@@ -1,5 +1,5 @@
-"""Provides what a choice's generated text becomes in the API: its content, its tool calls, its finish reason,
-whole (`final_reply`) or as stream deltas (`StreamedReply`)."""
+"""Provides what a choice's generated text becomes in the API: its content, its tool calls, its
+finish reason, whole (`final_reply`) or as stream deltas (`StreamedReply`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleettui.runtime.generation import GenerationStats
-from fleettui.runtime.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallParser
+from fleettui.runtime.tool_calls import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    Event,
+    ToolCallParser,
+)
 from fleettui.runtime.tools import ToolCall, ToolFormat
 from fleettui.serve.responses import finish_reason
 from fleettui.serve.structured import Structure
@@ -22,8 +28,9 @@ class Reply:
 
 
 def finish_of(stats: GenerationStats, calls: bool) -> str:
-    """OpenAI's finish reason. A constrained answer whose grammar did not complete is "length" (cut: the
-    client must not take it as valid), whatever stopped it; complete calls that ended the reply: "tool_calls"."""
+    """OpenAI's finish reason. A constrained answer whose grammar did not complete is "length" (cut:
+    the client must not take it as valid), whatever stopped it; complete calls that ended the reply:
+    "tool_calls"."""
     if stats.constraint_complete is False:
         return "length"
     if calls and stats.finish_reason in ("eos", "stop"):
@@ -31,7 +38,9 @@ def finish_of(stats: GenerationStats, calls: bool) -> str:
     return finish_reason(stats)
 
 
-def final_reply(text: str, stats: GenerationStats, structure: Structure, tool_format: ToolFormat) -> Reply:
+def final_reply(
+    text: str, stats: GenerationStats, structure: Structure, tool_format: ToolFormat
+) -> Reply:
     """A whole reply: its text, or its calls and the text before them."""
     if not structure.calls_tools:
         return Reply(text, (), finish_of(stats, False))
@@ -50,18 +59,25 @@ def event_delta(event: Event) -> dict[str, Any]:
     if isinstance(event, CallStart):
         function = {"name": event.name, "arguments": ""}
         return {
-            "tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": function}]
+            "tool_calls": [
+                {"index": event.index, "id": event.id, "type": "function", "function": function}
+            ]
         }
     assert isinstance(event, ArgumentsDelta)
     return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
 class StreamedReply:
-    """One streamed choice: text deltas in, chunk deltas out. ON_CALL hears each call's function name."""
+    """One streamed choice: text deltas in, chunk deltas out. ON_CALL hears each call's function
+    name."""
 
-    def __init__(self, structure: Structure, tool_format: ToolFormat, on_call: Callable[[str], None]) -> None:
+    def __init__(
+        self, structure: Structure, tool_format: ToolFormat, on_call: Callable[[str], None]
+    ) -> None:
         self.parser = (
-            ToolCallParser(tool_format, calls_only=structure.calls_only) if structure.calls_tools else None
+            ToolCallParser(tool_format, calls_only=structure.calls_only)
+            if structure.calls_tools
+            else None
         )
         self.on_call = on_call
 
@@ -74,7 +90,11 @@ class StreamedReply:
         for event in events:
             if isinstance(event, CallStart):
                 self.on_call(event.name)
-        return [event_delta(event) for event in events if not isinstance(event, ContentDelta) or event.text]
+        return [
+            event_delta(event)
+            for event in events
+            if not isinstance(event, ContentDelta) or event.text
+        ]
 
     def finish(self, stats: GenerationStats) -> tuple[list[dict[str, Any]], str]:
         """The deltas held back to the end, and the finish reason."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 class RequestError(ValueError):
     """A bad request: OpenAI answers these with 400 and an error naming `param`."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

@@ -14,9 +14,16 @@ from fleettui.serve.fleet import ModelInfo
 
 _T = TypeVar("_T")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 def error_body(
@@ -69,7 +76,10 @@ class Logprobs:
     def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         if self.chat:
             content = [
-                {**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(*alt) for alt in e.top]}
+                {
+                    **self._entry(e.token, e.logprob),
+                    "top_logprobs": [self._entry(*alt) for alt in e.top],
+                }
                 for e in entries
             ]
             return {"content": content, "refusal": None}
@@ -96,17 +106,27 @@ class Envelope:
         self.model = model
 
     def _object(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def complete(
         self, choices: Sequence[tuple[Any, GenerationStats, Any]], prompt_tokens: int, reused: int
     ) -> dict[str, Any]:
-        """The non-streaming answer: per choice its `replies.Reply`, stats and `logprobs` object (None unless
-        asked for)."""
+        """The non-streaming answer: per choice its `replies.Reply`, stats and `logprobs` object
+        (None unless asked for)."""
         bodies = []
         for index, (reply, _stats, logprobs) in enumerate(choices):
-            choice: dict[str, Any] = {"index": index, "finish_reason": reply.finish, "logprobs": logprobs}
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": reply.finish,
+                "logprobs": logprobs,
+            }
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": reply.content}
                 if reply.tool_calls:
@@ -129,8 +149,9 @@ class Envelope:
         index: int = 0,
         delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice `index`; `with_usage` adds the `usage: null` that include_usage asks for.
-        A chat chunk carries TEXT as its content, or DELTA as it is (tool-call deltas)."""
+        """One stream chunk of choice `index`; `with_usage` adds the `usage: null` that
+        include_usage asks for. A chat chunk carries TEXT as its content, or DELTA as it is
+        (tool-call deltas)."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
         if self.chat:
             shown: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -143,7 +164,9 @@ class Envelope:
         extra = {"usage": None} if with_usage else {}
         return self._object(kind, [choice], **extra)
 
-    def usage_chunk(self, completion_tokens: int, prompt_tokens: int, reused: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, completion_tokens: int, prompt_tokens: int, reused: int
+    ) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._object(kind, [], usage=usage(prompt_tokens, completion_tokens, reused))
 
@@ -158,8 +181,9 @@ KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see 
 
 
 async def paced(queue: asyncio.Queue[_T | None], seconds: float) -> AsyncIterator[_T | None]:
-    """The queue's items up to its None, with a None in between whenever `seconds` pass without one (then the
-    stream sends `KEEPALIVE`: a recovery, a degraded fleet's hold or a long prefill outlasts a proxy's 60 s)."""
+    """The queue's items up to its None, with a None in between whenever `seconds` pass without one
+    (then the stream sends `KEEPALIVE`: a recovery, a degraded fleet's hold or a long prefill
+    outlasts a proxy's 60 s)."""
     getter: asyncio.Future[_T | None] | None = None
     try:
         while True:

@@ -1,4 +1,5 @@
-"""Provides validation of OpenAI-style request bodies into typed requests; every error names its field."""
+"""Provides validation of OpenAI-style request bodies into typed requests; every error names its
+field."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ MAX_LOGPROBS = 20  # chat's top_logprobs (OpenAI's range)
 MAX_CHOICES = 8  # `n`: each choice is a session of its own
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's range)
 MAX_SEED = 2**63 - 1
-# Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are refused.
+# Exact penalties on the last stage arrive as GenerationParams fields; until then nonzero values are
+# refused.
 PENALTIES = ("frequency_penalty", "presence_penalty")
 SUPPORTED_PENALTIES = frozenset(PENALTIES) & {f.name for f in fields(GenerationParams)}
 
@@ -33,14 +35,17 @@ class Sampling:
     top_p: float
     seed: int
     stop: tuple[str, ...]
-    penalties: dict[str, Any]  # further GenerationParams fields: penalties (and the default's top_k)
+    penalties: dict[
+        str, Any
+    ]  # further GenerationParams fields: penalties (and the default's top_k)
     logprobs: int | None = None  # alternatives per token with its log-prob (None: no log-probs)
 
     def params(self, default_max_tokens: int, room: int) -> GenerationParams:
         """GenerationParams for a prompt that leaves `room` positions of the context."""
         if self.max_tokens is not None and self.max_tokens > room:
             raise RequestError(
-                f"max_tokens {self.max_tokens} does not fit: the prompt leaves {room} of the model's context",
+                f"max_tokens {self.max_tokens} does not fit: the prompt leaves {room} of the "
+                "model's context",
                 "max_tokens",
                 code="context_length_exceeded",
             )
@@ -66,12 +71,15 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
-    n: int = 1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
+    n: int = (
+        1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
+    )
     structure: Structure = Structure()  # JSON or tool calls asked for (default: free text)
 
 
 def _text(value: str, param: str) -> str:
-    """A string of the body by the one text rule: a lone surrogate (a "\\ud800" escape) is refused."""
+    """A string of the body by the one text rule: a lone surrogate (a "\\ud800" escape) is
+    refused."""
     try:
         return check_text(value, param, escapes=False)
     except TextError as error:
@@ -106,14 +114,17 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
-        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+        raise RequestError(
+            "'stop' must be a non-empty string or a list of non-empty strings", "stop"
+        )
     if len(items) > MAX_STOP_SEQUENCES:
         raise RequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
     return tuple(_text(item, "stop") for item in items)
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
-    """Chat: `logprobs: true` with `top_logprobs` 0..20 alternatives; completions: `logprobs` 0..5 (legacy)."""
+    """Chat: `logprobs: true` with `top_logprobs` 0..20 alternatives; completions: `logprobs`
+    0..5 (legacy)."""
     if not chat:
         return _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS)
     wanted = body.get("logprobs")
@@ -125,7 +136,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: int, chat: bool) -> Sampling:
+def _sampling(
+    body: dict[str, Any], defaults: GenerationParams, context_length: int, chat: bool
+) -> Sampling:
     best_of = _integer(body, "best_of", 1, 128)
     if best_of is not None and best_of != 1:
         raise RequestError("'best_of' must be 1", "best_of")
@@ -142,14 +155,18 @@ def _sampling(body: dict[str, Any], defaults: GenerationParams, context_length: 
             raise RequestError(f"'{name}' is not supported by this fleet (only 0)", name)
         penalties[name] = value
     seed = _integer(body, "seed", -MAX_SEED, MAX_SEED)
-    if body.get("temperature") is None:  # the fleet's default sampling, with its top_k and repetition penalty
+    if (
+        body.get("temperature") is None
+    ):  # the fleet's default sampling, with its top_k and repetition penalty
         if defaults.top_k:
             penalties.setdefault("top_k", defaults.top_k)
         if defaults.repetition_penalty != 1.0:
             penalties.setdefault("repetition_penalty", defaults.repetition_penalty)
     temperature = _number(body, "temperature", defaults.temperature, 0.0, 2.0)
     top_p = _number(body, "top_p", defaults.top_p, 0.0, 1.0)
-    if top_p == 0.0:  # the smallest nucleus is the single most likely token: greedy, as OpenAI treats it
+    if (
+        top_p == 0.0
+    ):  # the smallest nucleus is the single most likely token: greedy, as OpenAI treats it
         temperature, top_p = 0.0, 1.0
     return Sampling(
         max_tokens=max_tokens,
@@ -174,10 +191,14 @@ def _content(value: Any, index: int) -> str:
                 or part.get("type") != "text"
                 or not isinstance(part.get("text"), str)
             ):
-                raise RequestError("only text content parts are supported", f"messages[{index}].content")
+                raise RequestError(
+                    "only text content parts are supported", f"messages[{index}].content"
+                )
             texts.append(_text(part["text"], f"messages[{index}].content"))
         return "".join(texts)
-    raise RequestError("'content' must be a string or a list of text parts", f"messages[{index}].content")
+    raise RequestError(
+        "'content' must be a string or a list of text parts", f"messages[{index}].content"
+    )
 
 
 def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
@@ -201,7 +222,9 @@ def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
                 "only an assistant message carries 'tool_calls'", f"messages[{index}].tool_calls"
             )
         # an assistant's calls without text: content null
-        content = "" if calls and item.get("content") is None else _content(item.get("content"), index)
+        content = (
+            "" if calls and item.get("content") is None else _content(item.get("content"), index)
+        )
         call_id = None
         if role == "tool":
             call_id = item.get("tool_call_id")
@@ -209,7 +232,9 @@ def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
                 raise RequestError(
                     "a tool message needs its 'tool_call_id'", f"messages[{index}].tool_call_id"
                 )
-        messages.append(ChatMessage("system" if role == "developer" else role, content, calls, call_id))
+        messages.append(
+            ChatMessage("system" if role == "developer" else role, content, calls, call_id)
+        )
     return tuple(messages)
 
 
@@ -240,7 +265,9 @@ def parse_request(
         raise RequestError("'model' is required", "model")
     if name != model:
         raise RequestError(
-            f"The model '{name}' does not exist; this fleet serves '{model}'", "model", code="model_not_found"
+            f"The model '{name}' does not exist; this fleet serves '{model}'",
+            "model",
+            code="model_not_found",
         )
     stream = body.get("stream")
     stream = False if stream is None else stream  # null is absent, as for every optional field
@@ -248,7 +275,9 @@ def parse_request(
         raise RequestError("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise RequestError("'stream_options' must be an object and needs 'stream': true", "stream_options")
+        raise RequestError(
+            "'stream_options' must be an object and needs 'stream': true", "stream_options"
+        )
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")

@@ -26,7 +26,8 @@ def is_loopback(host: str) -> bool:
 
 
 def load_api_keys(path: Path) -> tuple[str, ...]:
-    """Keys from `path`, one per line (blank lines and '#' comments skipped); the file must be private."""
+    """Keys from `path`, one per line (blank lines and '#' comments skipped); the file must be
+    private."""
     try:
         mode = path.stat().st_mode
         text = path.read_text(encoding="utf-8")
@@ -34,14 +35,19 @@ def load_api_keys(path: Path) -> tuple[str, ...]:
         raise SecurityError(f"--api-key-file {path}: {error.strerror or error}") from None
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SecurityError(
-            f"--api-key-file {path}: mode {stat.S_IMODE(mode):04o} lets other users read it; chmod 600 {path}"
+            f"--api-key-file {path}: mode {stat.S_IMODE(mode):04o} lets other users read it; chmod "
+            f"600 {path}"
         )
-    keys = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    keys = tuple(
+        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
+    )
     if not keys:
         raise SecurityError(f"--api-key-file {path}: no keys in the file (one key per line)")
     short = [index + 1 for index, key in enumerate(keys) if len(key) < 16]
     if short:
-        raise SecurityError(f"--api-key-file {path}: keys must be at least 16 characters (key {short[0]})")
+        raise SecurityError(
+            f"--api-key-file {path}: keys must be at least 16 characters (key {short[0]})"
+        )
     return keys
 
 

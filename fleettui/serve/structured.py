@@ -1,5 +1,6 @@
 """Provides the structured-output fields of a request: `response_format`, `tools`, `tool_choice`,
-`parallel_tool_calls`, and the tool calls and results of a conversation; and the constraint they ask for."""
+`parallel_tool_calls`, and the tool calls and results of a conversation; and the constraint they ask
+for."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ CHOICES = ("none", "auto", "required")
 
 @dataclass(frozen=True)
 class Structure:
-    """What shape the answer must have: free text, JSON (any object or a schema's), or tool calls."""
+    """What shape the answer must have: free text, JSON (any object or a schema's), or tool
+    calls."""
 
     response_format: str = "text"  # text | json_object | json_schema
     schema: Mapping[str, Any] | None = None
@@ -47,7 +49,8 @@ class Structure:
 
     @property
     def calls_only(self) -> bool:
-        """Whether the reply is calls from its first token (tool_choice required or a named function)."""
+        """Whether the reply is calls from its first token (tool_choice required or a named
+        function)."""
         return self.calls_tools and self.tool_choice in ("required", "function")
 
     @property
@@ -63,15 +66,21 @@ class Structure:
             return ConstraintSpec(json_object_grammar(), "json_object")
         if self.response_format == "json_schema":
             assert self.schema is not None
-            return ConstraintSpec(json_schema_grammar(self.schema), f"json_schema {self.schema_name}")
+            return ConstraintSpec(
+                json_schema_grammar(self.schema), f"json_schema {self.schema_name}"
+            )
         if not self.calls_tools:
             return None
         if self.tool_choice == "auto":
             grammar = call_grammar(self.tools, tool_format, self.parallel, after_trigger=True)
             return ConstraintSpec(grammar, "tools auto", trigger=tool_format.trigger)
         if self.tool_choice == "function":
-            return ConstraintSpec(call_grammar(self.offered, tool_format, False), f"tool {self.function}")
-        return ConstraintSpec(call_grammar(self.tools, tool_format, self.parallel), "tools required")
+            return ConstraintSpec(
+                call_grammar(self.offered, tool_format, False), f"tool {self.function}"
+            )
+        return ConstraintSpec(
+            call_grammar(self.tools, tool_format, self.parallel), "tools required"
+        )
 
 
 def _check_schema(schema: Any, param: str) -> Mapping[str, Any]:
@@ -81,11 +90,14 @@ def _check_schema(schema: Any, param: str) -> Mapping[str, Any]:
     if not isinstance(schema, dict):
         raise RequestError(f"'{param}' must be a JSON schema (an object)", param)
     try:
-        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(
+            schema
+        )
     except jsonschema.SchemaError as error:
         where = "/".join(str(part) for part in error.absolute_path)
         raise RequestError(
-            f"'{param}' is not a valid JSON schema: {error.message}" + (f" (at {where})" if where else ""),
+            f"'{param}' is not a valid JSON schema: {error.message}"
+            + (f" (at {where})" if where else ""),
             param,
         ) from None
     try:
@@ -114,7 +126,9 @@ def _response_format(body: dict[str, Any]) -> tuple[str, Mapping[str, Any] | Non
         raise RequestError(f"'{param}' must be an object with 'name' and 'schema'", param)
     name = spec.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise RequestError(f"'{param}.name' must be 1-64 letters, digits, '_' or '-'", f"{param}.name")
+        raise RequestError(
+            f"'{param}.name' must be 1-64 letters, digits, '_' or '-'", f"{param}.name"
+        )
     for key, kinds, what in (("strict", (bool,), "a boolean"), ("description", (str,), "a string")):
         if spec.get(key) is not None and not isinstance(spec[key], kinds):
             raise RequestError(f"'{param}.{key}' must be {what}", f"{param}.{key}")
@@ -137,12 +151,15 @@ def _tools(body: dict[str, Any]) -> tuple[Tool, ...]:
             or item.get("type") != "function"
             or not isinstance(item.get("function"), dict)
         ):
-            raise RequestError(f'\'{param}\' must be {{"type": "function", "function": {{...}}}}', param)
+            raise RequestError(
+                f'\'{param}\' must be {{"type": "function", "function": {{...}}}}', param
+            )
         function = item["function"]
         name = function.get("name")
         if not isinstance(name, str) or not NAME.match(name):
             raise RequestError(
-                f"'{param}.function.name' must be 1-64 letters, digits, '_' or '-'", f"{param}.function.name"
+                f"'{param}.function.name' must be 1-64 letters, digits, '_' or '-'",
+                f"{param}.function.name",
             )
         if any(tool.name == name for tool in tools):
             raise RequestError(
@@ -154,7 +171,9 @@ def _tools(body: dict[str, Any]) -> tuple[Tool, ...]:
                 f"'{param}.function.description' must be a string", f"{param}.function.description"
             )
         if function.get("strict") is not None and not isinstance(function["strict"], bool):
-            raise RequestError(f"'{param}.function.strict' must be a boolean", f"{param}.function.strict")
+            raise RequestError(
+                f"'{param}.function.strict' must be a boolean", f"{param}.function.strict"
+            )
         parameters = function.get("parameters")
         if parameters is None:  # OpenAI: a function without parameters takes an empty object
             parameters = {"type": "object", "properties": {}}
@@ -175,7 +194,8 @@ def _tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> tuple[str, st
     if isinstance(value, str):
         if value not in CHOICES:
             raise RequestError(
-                f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function", "tool_choice"
+                f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function",
+                "tool_choice",
             )
         if value == "required" and not tools:
             raise RequestError("'tool_choice' 'required' needs 'tools'", "tool_choice")
@@ -184,7 +204,8 @@ def _tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> tuple[str, st
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
         raise RequestError(
-            '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}',
+            '\'tool_choice\' must be none, auto, required or {"type": "function", "function": '
+            '{"name": ...}}',
             "tool_choice",
         )
     if not any(tool.name == name for tool in tools):
@@ -195,9 +216,12 @@ def _tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> tuple[str, st
 
 
 def parse_structure(body: dict[str, Any], chat: bool) -> Structure:
-    """The request's structured-output fields, validated; raises RequestError naming the bad field."""
+    """The request's structured-output fields, validated; raises RequestError naming the bad
+    field."""
     if body.get("functions") and body.get("function_call") != "none":
-        raise RequestError("'functions' (deprecated by OpenAI) is not supported: send 'tools'", "functions")
+        raise RequestError(
+            "'functions' (deprecated by OpenAI) is not supported: send 'tools'", "functions"
+        )
     if body.get("functions") is not None and not isinstance(body["functions"], list):
         raise RequestError("'functions' must be a list", "functions")
     kind, schema, name = _response_format(body)
@@ -214,15 +238,20 @@ def parse_structure(body: dict[str, Any], chat: bool) -> Structure:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    structure = Structure(kind, schema, name, tools, choice, function, True if parallel is None else parallel)
+    structure = Structure(
+        kind, schema, name, tools, choice, function, True if parallel is None else parallel
+    )
     if structure.calls_tools and kind != "text":
         raise RequestError(
-            "'response_format' JSON and tool calls exclude each other: send 'tool_choice': 'none' or no "
+            "'response_format' JSON and tool calls exclude each other: send 'tool_choice': 'none' "
+            "or no "
             "'response_format'",
             "response_format",
         )
     if body.get("stop") and (kind != "text" or structure.calls_only):
-        raise RequestError("'stop' would cut a constrained answer: leave it out with this response", "stop")
+        raise RequestError(
+            "'stop' would cut a constrained answer: leave it out with this response", "stop"
+        )
     return structure
 
 
@@ -262,13 +291,15 @@ def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
 
 
 def uses_tools(messages: tuple[ChatMessage, ...], structure: Structure) -> bool:
-    """Whether the prompt needs the tool format: tools offered, or calls and results in the conversation."""
+    """Whether the prompt needs the tool format: tools offered, or calls and results in the
+    conversation."""
     return bool(structure.tools) or any(m.tool_calls or m.role == "tool" for m in messages)
 
 
 async def checked_constraint(structure: Structure, fleet: ServedFleet) -> ConstraintSpec | None:
-    """The grammar the request asks for, compiled against the model's tokenizer (off the event loop: a big
-    schema takes a while); a schema keyword the grammar library does not support is a 400 naming it."""
+    """The grammar the request asks for, compiled against the model's tokenizer (off the event loop:
+    a big schema takes a while); a schema keyword the grammar library does not support is a 400
+    naming it."""
     spec = structure.constraint(fleet.tool_format())
     if spec is None:
         return None

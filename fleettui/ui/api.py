@@ -1,4 +1,5 @@
-"""Provides the HTTP API run inside the TUI: the same server as `fleettui serve`, on the app's own loop."""
+"""Provides the HTTP API run inside the TUI: the same server as `fleettui serve`, on the app's
+own loop."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class ApiOptions:
     max_queued: int = 16
 
     def check(self) -> tuple[str, ...]:
-        """The API keys, after the same checks as `fleettui serve` (raises FleetError with one line)."""
+        """The API keys, after the same checks as `fleettui serve` (raises FleetError with one
+        line)."""
         from fleettui.serve.security import check_bind, load_api_keys
 
         keys = load_api_keys(self.api_key_file) if self.api_key_file is not None else ()
@@ -31,7 +33,8 @@ class ApiOptions:
 
 
 class ApiService:
-    """Runs one FleetServer over the app's controller until `stop()`; `requests()` feeds the API panel."""
+    """Runs one FleetServer over the app's controller until `stop()`; `requests()` feeds the API
+    panel."""
 
     def __init__(self, options: ApiOptions) -> None:
         self.options = options
@@ -59,7 +62,9 @@ class ApiService:
             on_ready(self.url)
 
         try:
-            await serve_http(self.server, options.host, options.port, ready_callback=ready, stop=self._stop)
+            await serve_http(
+                self.server, options.host, options.port, ready_callback=ready, stop=self._stop
+            )
         finally:
             await self.server.close()
 

@@ -1,4 +1,5 @@
-"""Provides FleetApp, the one-screen TUI (deploy, monitor, chat, logs), and `run_app` for the CLI."""
+"""Provides FleetApp, the one-screen TUI (deploy, monitor, chat, logs), and `run_app` for the
+CLI."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ from fleettui.ui.widgets.log_pane import LogPane
 
 log = logging.getLogger(__name__)
 DEPLOY_ROW = "fleet"  # the deploy panel's row for failures of the deploy as a whole
-REDRAW_SECONDS = 0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
+REDRAW_SECONDS = (
+    0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
+)
 
 
 def _session_keys() -> list[Binding]:
@@ -57,7 +60,11 @@ def _session_keys() -> list[Binding]:
     for number in range(1, 10):
         keys.append(
             Binding(
-                str(number), f"switch_session({number})", "switch to session N", show=False, key_display="1…9"
+                str(number),
+                f"switch_session({number})",
+                "switch to session N",
+                show=False,
+                key_display="1…9",
             )
         )
         keys.append(
@@ -74,7 +81,8 @@ def _session_keys() -> list[Binding]:
 
 
 class FleetApp(App[int]):
-    """Deploys the fleet on mount, shows every stage live, and chats with several sessions at once."""
+    """Deploys the fleet on mount, shows every stage live, and chats with several sessions at
+    once."""
 
     CSS_PATH = "app.tcss"
     TITLE = "fleettui"
@@ -84,7 +92,11 @@ class FleetApp(App[int]):
         Binding("n", "new_session", "new session", show=False),
         Binding("ctrl+tab,ctrl+pagedown", "cycle_session(1)", "next session", priority=True),
         Binding(
-            "ctrl+shift+tab,ctrl+pageup", "cycle_session(-1)", "previous session", show=False, priority=True
+            "ctrl+shift+tab,ctrl+pageup",
+            "cycle_session(-1)",
+            "previous session",
+            show=False,
+            priority=True,
         ),
         *_session_keys(),
         Binding("i", "focus_prompt", "type a prompt", show=False),
@@ -108,11 +120,15 @@ class FleetApp(App[int]):
         super().__init__()
         self.fleet = fleet
         self.api = api  # the OpenAI-compatible API served beside the chat (`fleettui tui --serve`)
-        self.log_file = log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
+        self.log_file = (
+            log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
+        )
         if params is None:
             from fleettui.control.settings import generation_params
 
-            params = generation_params(fleet)  # the fleet file's sampling, else the model's recommended
+            params = generation_params(
+                fleet
+            )  # the fleet file's sampling, else the model's recommended
         self.params = params
         self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
         self.auto_deploy = auto_deploy
@@ -120,11 +136,14 @@ class FleetApp(App[int]):
         self.monitor = FleetMonitor()
         self.quit_choice: QuitChoice | None = None
         self._log_handler = PaneLogHandler(self)
-        self.handle_signals = False  # run_app: SIGHUP/SIGTERM stop the fleet (tests drive the app in-process)
+        self.handle_signals = (
+            False  # run_app: SIGHUP/SIGTERM stop the fleet (tests drive the app in-process)
+        )
         self.detached_lines: list[str] = []
         self.sub_title = "idle"
 
-    # -- layout -------------------------------------------------------------------------------------
+    # -- layout
+    # -------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header()
         yield FleetPanel(self.monitor, id="fleet")
@@ -167,7 +186,9 @@ class FleetApp(App[int]):
     def _layer_ranges(self) -> list[tuple[float, float]] | None:
         try:
             return self.controller.layer_ranges()
-        except Exception as error:  # the plan is shown, not needed: a bad model file fails at deploy
+        except (
+            Exception
+        ) as error:  # the plan is shown, not needed: a bad model file fails at deploy
             log.warning("no layer plan: %s", error)
             return None
 
@@ -178,7 +199,8 @@ class FleetApp(App[int]):
             for api_panel in self.query(ApiPanel):
                 api_panel.show(*self.api.requests())
 
-    # -- controller events (called by the controller, possibly from another thread) -------------------
+    # -- controller events (called by the controller, possibly from another thread)
+    # -------------------
     def handle_controller_event(self, event: ControllerEvent) -> None:
         if isinstance(event, Telemetry):
             self.post_message(TelemetrySampled(event.name, event.sample))
@@ -189,14 +211,18 @@ class FleetApp(App[int]):
         elif isinstance(event, LogLine):
             self.post_message(LogWritten(event.source, event.text))
         elif isinstance(event, Throttled):
-            reason = f"{event.ratio:.1f}x its baseline" + (f", {event.reason}" if event.reason else "")
+            reason = f"{event.ratio:.1f}x its baseline" + (
+                f", {event.reason}" if event.reason else ""
+            )
             self.post_message(StageThrottled(event.name, reason if event.ratio > 1.0 else ""))
 
     def on_stage_throttled(self, message: StageThrottled) -> None:
         self.monitor.set_throttled(message.name, message.reason)
 
     def on_telemetry_sampled(self, message: TelemetrySampled) -> None:
-        self.monitor.record(message.name, message.sample, known=message.name in self.controller.states)
+        self.monitor.record(
+            message.name, message.sample, known=message.name in self.controller.states
+        )
 
     def on_stage_state_changed(self, message: StageStateChanged) -> None:
         self.monitor.set_state(message.name, message.state)
@@ -208,13 +234,16 @@ class FleetApp(App[int]):
     def on_deploy_progressed(self, message: DeployProgressed) -> None:
         for panel in self.query(DeployPanel):
             event = message.event
-            panel.show_progress(event.host, event.step, event.bytes_done, event.bytes_total, event.message)
+            panel.show_progress(
+                event.host, event.step, event.bytes_done, event.bytes_total, event.message
+            )
 
     def on_log_written(self, message: LogWritten) -> None:
         for pane in self.query(LogPane):  # none while the app shuts down
             pane.write_line(message.source, message.text, message.level)
 
-    # -- workers ------------------------------------------------------------------------------------
+    # -- workers
+    # ------------------------------------------------------------------------------------
     @work(exclusive=True, group="fleet", exit_on_error=False, name="deploy")
     async def deploy(self) -> None:
         self.sub_title = "deploying…"
@@ -227,14 +256,17 @@ class FleetApp(App[int]):
             pane.set_completion_mode(info is not None and not info.chat_template)
         self.sub_title = "attached" if self.controller.attached else "ready"
         log.info(
-            "fleet %s: %d stages", "attached" if self.controller.attached else "ready", len(self.fleet.hosts)
+            "fleet %s: %d stages",
+            "attached" if self.controller.attached else "ready",
+            len(self.fleet.hosts),
         )
         if self.api is not None:
             self.serve_api()
 
     @work(exclusive=True, group="api", exit_on_error=False, name="serve-api")
     async def serve_api(self) -> None:
-        """The HTTP API on this app's loop, over the same fleet as the chat, until the fleet stops."""
+        """The HTTP API on this app's loop, over the same fleet as the chat, until the fleet
+        stops."""
         assert self.api is not None
 
         def ready(url: str) -> None:
@@ -254,7 +286,9 @@ class FleetApp(App[int]):
         for worker in self.workers:
             if worker.group.startswith("chat-"):
                 worker.cancel()
-        for pane in self.query(ChatPane):  # the sessions die with the fleet; a redeploy opens new ones
+        for pane in self.query(
+            ChatPane
+        ):  # the sessions die with the fleet; a redeploy opens new ones
             for session in pane.sessions:
                 session.handle = None
         self.ready = False
@@ -285,10 +319,14 @@ class FleetApp(App[int]):
                 await reply.write(delta)
 
             raw = any(pane.completion_mode for pane in self.query(ChatPane))
-            generation = await self.controller.chat(session.handle, text, self.params, on_tokens, raw)
+            generation = await self.controller.chat(
+                session.handle, text, self.params, on_tokens, raw
+            )
             stats = generation.stats
             await reply.finish(
-                stats_text(stats.tokens, stats.tokens_per_second, stats.acceptance_rate, stats.mean_k)
+                stats_text(
+                    stats.tokens, stats.tokens_per_second, stats.acceptance_rate, stats.mean_k
+                )
             )
         finally:
             session.busy = False
@@ -305,11 +343,15 @@ class FleetApp(App[int]):
             return
         reason = truncate(str(worker.error) if worker.error else "cancelled", 200)
         if worker.group == "fleet":
-            if state == WorkerState.ERROR:  # a cancelled deploy was replaced by a stop: nothing to report
+            if (
+                state == WorkerState.ERROR
+            ):  # a cancelled deploy was replaced by a stop: nothing to report
                 self.sub_title = f"{worker.name} failed"
                 log.error("%s failed: %s", worker.name, reason)
                 self.notify(reason, title=f"{worker.name} failed", severity="error")
-                for panel in self.query(DeployPanel):  # the whole-fleet reason, next to the hosts' rows
+                for panel in self.query(
+                    DeployPanel
+                ):  # the whole-fleet reason, next to the hosts' rows
                     panel.show_state(DEPLOY_ROW, Failed(reason))
         elif worker.group.startswith("chat-"):
             number = int(worker.group.removeprefix("chat-"))
@@ -324,7 +366,8 @@ class FleetApp(App[int]):
         elif state == WorkerState.ERROR:
             log.error("%s failed: %s", worker.name, reason)
 
-    # -- actions ------------------------------------------------------------------------------------
+    # -- actions
+    # ------------------------------------------------------------------------------------
     def on_chat_pane_prompt_submitted(self, message: ChatPane.PromptSubmitted) -> None:
         session = message.session
         if not self.ready:
@@ -332,7 +375,8 @@ class FleetApp(App[int]):
             return
         if session.busy:
             self.notify(
-                f"Session {session.number} is still answering; ctrl+n opens another.", severity="warning"
+                f"Session {session.number} is still answering; ctrl+n opens another.",
+                severity="warning",
             )
             return
         self.chat.clear_prompt()
@@ -352,7 +396,9 @@ class FleetApp(App[int]):
 
     async def action_new_session(self) -> None:
         if len(self.chat.sessions) >= min(9, self.fleet.sessions.max_sessions):
-            self.notify(f"At most {min(9, self.fleet.sessions.max_sessions)} sessions.", severity="warning")
+            self.notify(
+                f"At most {min(9, self.fleet.sessions.max_sessions)} sessions.", severity="warning"
+            )
             return
         await self.chat.new_session()
         self.query_one("#prompt", Input).focus()
@@ -405,7 +451,8 @@ class FleetApp(App[int]):
         self.exit(0)
 
     def hang_up(self) -> None:
-        """SIGHUP/SIGTERM (the terminal went away): stop the fleet this app started and exit; keep an attached one."""
+        """SIGHUP/SIGTERM (the terminal went away): stop the fleet this app started and exit;
+        keep an attached one."""
         if self.quit_choice is not None:
             return
         if self.controller.attached:
@@ -417,11 +464,12 @@ class FleetApp(App[int]):
 
 
 def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
-    """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the terminal.
+    """Run the TUI on `fleet` until the operator quits; logging goes to the log pane, not the
+    terminal.
 
-    SIGHUP and SIGTERM stop the fleet this app started (or let go of an attached one) before exiting;
-    if the app dies anyway, its workers are killed here, and their lease ends them if this process is killed.
-    """
+    SIGHUP and SIGTERM stop the fleet this app started (or let go of an attached one) before
+    exiting; if the app dies anyway, its workers are killed here, and their lease ends them if this
+    process is killed."""
     import functools
     import signal
 
@@ -430,9 +478,14 @@ def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
 
     applied = apply(fleet, settings)
     params = generation_params(
-        applied, getattr(args, "max_tokens", None), getattr(args, "temperature", None), getattr(args, "top_p", None),
-        getattr(args, "seed", None), getattr(args, "no_spec", False), getattr(args, "spec_k", None),
-    )  # fmt: skip
+        applied,
+        getattr(args, "max_tokens", None),
+        getattr(args, "temperature", None),
+        getattr(args, "top_p", None),
+        getattr(args, "seed", None),
+        getattr(args, "no_spec", False),
+        getattr(args, "spec_k", None),
+    )
     api = None
     if getattr(args, "serve", False):
         from fleettui.ui.api import ApiOptions
@@ -472,7 +525,8 @@ def run_app(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _clean_up(controller: FleetControl) -> None:
-    """After the app ended without a clean stop (a crash): let go of an attached fleet, stop a launched one."""
+    """After the app ended without a clean stop (a crash): let go of an attached fleet, stop a
+    launched one."""
     import asyncio
 
     try:

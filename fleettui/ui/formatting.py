@@ -1,4 +1,5 @@
-"""Provides the pure display logic of the TUI: sparklines, rolling series, transfer rates, number formats."""
+"""Provides the pure display logic of the TUI: sparklines, rolling series, transfer rates, number
+formats."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 HISTORY_SECONDS = 60.0
 
 
-def sparkline(values: Sequence[float], width: int, maximum: float | None = None, minimum: float = 0.0) -> str:
+def sparkline(
+    values: Sequence[float], width: int, maximum: float | None = None, minimum: float = 0.0
+) -> str:
     """`values` (oldest first) squeezed into `width` block characters, left-padded with spaces.
 
     Each character is the mean of its share of the values; the scale is [minimum, maximum] where
@@ -36,7 +39,9 @@ def sparkline(values: Sequence[float], width: int, maximum: float | None = None,
     characters = []
     for value in points:
         level = (
-            0 if span <= 0 else round((min(max(value, minimum), top) - minimum) / span * (len(BLOCKS) - 1))
+            0
+            if span <= 0
+            else round((min(max(value, minimum), top) - minimum) / span * (len(BLOCKS) - 1))
         )
         characters.append(BLOCKS[level])
     return " " * (width - len(characters)) + "".join(characters)
@@ -118,7 +123,9 @@ def temperature_text(celsius: float | None) -> str:
 def memory_text(megabytes_used: float | None) -> str:
     if megabytes_used is None:
         return "—"
-    return f"{megabytes_used / 1024:.2f} GB" if megabytes_used >= 1024 else f"{megabytes_used:.0f} MB"
+    return (
+        f"{megabytes_used / 1024:.2f} GB" if megabytes_used >= 1024 else f"{megabytes_used:.0f} MB"
+    )
 
 
 def layers_text(layers: tuple[float, float] | None) -> str:
@@ -126,7 +133,9 @@ def layers_text(layers: tuple[float, float] | None) -> str:
     return "—" if layers is None else f"[{layers[0]:g}, {layers[1]:g})"
 
 
-def stats_text(tokens: int, tokens_per_second: float, acceptance: float | None, mean_k: float) -> str:
+def stats_text(
+    tokens: int, tokens_per_second: float, acceptance: float | None, mean_k: float
+) -> str:
     """The line under a reply: "N tok · X tok/s · acceptance Y% · K≈Z"."""
     accepted = "n/a" if acceptance is None else f"{acceptance:.0%}"
     return f"{tokens} tok · {tokens_per_second:.1f} tok/s · acceptance {accepted} · K≈{mean_k:.1f}"

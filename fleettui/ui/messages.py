@@ -1,4 +1,5 @@
-"""Provides the app-wide messages: controller events turned into Textual messages (telemetry collapsed)."""
+"""Provides the app-wide messages: controller events turned into Textual messages (telemetry
+collapsed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class StageStateChanged(Message):
 
 @dataclass
 class StageThrottled(Message):
-    """A stage runs slower than its own baseline (`reason`), or is back to normal (`reason` empty)."""
+    """A stage runs slower than its own baseline (`reason`), or is back to normal (`reason`
+    empty)."""
 
     name: str
     reason: str
@@ -27,7 +29,8 @@ class StageThrottled(Message):
 
 @dataclass
 class TelemetrySampled(Message):
-    """About one sample a second per stage; a newer sample of the same stage supersedes a queued one."""
+    """About one sample a second per stage; a newer sample of the same stage supersedes a queued
+    one."""
 
     name: str
     sample: TelemetrySample
@@ -43,7 +46,10 @@ class DeployProgressed(Message):
     event: ProvisionEvent
 
     def can_replace(self, message: Message) -> bool:
-        return isinstance(message, DeployProgressed) and (message.event.host, message.event.step) == (
+        return isinstance(message, DeployProgressed) and (
+            message.event.host,
+            message.event.step,
+        ) == (
             self.event.host,
             self.event.step,
         )

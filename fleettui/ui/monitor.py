@@ -1,4 +1,5 @@
-"""Provides the fleet panel's model: per-stage state, last telemetry sample and one-minute histories (no UI)."""
+"""Provides the fleet panel's model: per-stage state, last telemetry sample and one-minute
+histories (no UI)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ SPARK_WIDTH = 8  # one character per 7.5 seconds of the last minute
 
 @dataclass
 class StageView:
-    """What the fleet panel knows about one stage (a fleet host, or the draft worker once it reports)."""
+    """What the fleet panel knows about one stage (a fleet host, or the draft worker once it
+    reports)."""
 
     name: str
     address: str = "—"
@@ -68,7 +70,9 @@ class StageView:
         hop = sample.hop_ms if sample else None
         draft = sample is not None and sample.role == "draft"
         stage = "draft" if draft else ("—" if self.index is None else str(self.index))
-        tokens_spark = sparkline(self.tokens.values(), spark_width) if len(self.tokens) else " " * spark_width
+        tokens_spark = (
+            sparkline(self.tokens.values(), spark_width) if len(self.tokens) else " " * spark_width
+        )
         if temperature is None:
             temperature_cell = temperature_text(None)
         else:

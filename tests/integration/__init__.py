@@ -1,1 +1,2 @@
-"""Integration tests with the real parts: shards on the CPU, ZeroMQ stage processes, a real server."""
+"""Integration tests with the real parts: shards on the CPU, ZeroMQ stage processes, a real
+server."""

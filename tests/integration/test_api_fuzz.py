@@ -1,10 +1,10 @@
-"""Fuzzes a real `fleettui serve` (two real ZeroMQ stages of the real model) from its own /openapi.json with
-schemathesis: no 5xx, responses as documented, schema-valid requests answered and invalid ones refused; then the
-server and the same workers are alive and the greedy answer equals the one given before the fuzzing.
+"""Fuzzes a real `fleettui serve` (two real ZeroMQ stages of the real model) from its own
+/openapi.json with schemathesis: no 5xx, responses as documented, schema-valid requests answered and
+invalid ones refused; then the server and the same workers are alive and the greedy answer equals
+the one given before the fuzzing.
 
-The run is bounded: FUZZ_EXAMPLES examples per operation and phase (coverage, fuzzing), a 4-token budget per
-request (tests/support/api_fuzz_hooks.py), a fixed seed.
-"""
+The run is bounded: FUZZ_EXAMPLES examples per operation and phase (coverage, fuzzing), a 4-token
+budget per request (tests/support/api_fuzz_hooks.py), a fixed seed."""
 
 from __future__ import annotations
 
@@ -60,7 +60,11 @@ def served(shard_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     command = [sys.executable, "-m", "fleettui", "serve", str(fleet_file), "--exact", "--port", "0"]
     process = subprocess.Popen(
-        command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        command,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         assert process.stderr is not None
@@ -86,30 +90,59 @@ def ask(base: str) -> str:
     return str(reply.json()["choices"][0]["message"]["content"])
 
 
-def test_schemathesis_finds_nothing_and_the_fleet_answers_as_before(served: Served, tmp_path: Path) -> None:
+def test_schemathesis_finds_nothing_and_the_fleet_answers_as_before(
+    served: Served, tmp_path: Path
+) -> None:
     before = ask(served.base)
     assert "Paris" in before
     document = httpx.get(f"{served.base}/openapi.json", timeout=30).json()
     assert document["openapi"].startswith("3.") and "/v1/chat/completions" in document["paths"]
     run = subprocess.run(
         [
-            str(Path(sys.executable).with_name("st")), "run", f"{served.base}/openapi.json",
-            "--phases", "examples,coverage,fuzzing", "--max-examples", str(FUZZ_EXAMPLES), "--seed", str(FUZZ_SEED),
-            "--workers", "1", "--request-timeout", "120", "--checks", CHECKS, "--suppress-health-check", "all",
-            "--report", "ndjson", "--report-dir", str(tmp_path),
+            str(Path(sys.executable).with_name("st")),
+            "run",
+            f"{served.base}/openapi.json",
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--max-examples",
+            str(FUZZ_EXAMPLES),
+            "--seed",
+            str(FUZZ_SEED),
+            "--workers",
+            "1",
+            "--request-timeout",
+            "120",
+            "--checks",
+            CHECKS,
+            "--suppress-health-check",
+            "all",
+            "--report",
+            "ndjson",
+            "--report-dir",
+            str(tmp_path),
         ],
-        capture_output=True, text=True, cwd=tmp_path, timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "SCHEMATHESIS_HOOKS": "tests.support.api_fuzz_hooks"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "SCHEMATHESIS_HOOKS": "tests.support.api_fuzz_hooks",
+        },
+    )
     summary = run.stdout[-6000:]
     assert run.returncode == 0, summary
     generated = [line for line in run.stdout.splitlines() if " generated" in line]
-    print("schemathesis:", *generated)  # e.g. "155 generated, 0 found ..." for the record of this run
+    print(
+        "schemathesis:", *generated
+    )  # e.g. "155 generated, 0 found ..." for the record of this run
     # the server and the very same workers are alive, and the fleet answers as before
     assert served.process.poll() is None
     health = httpx.get(f"{served.base}/health", timeout=30)
     assert health.status_code == 200 and json.loads(health.text)["status"] == "ok"
     assert (
-        sorted(child.pid for child in worker_children(psutil.Process(served.process.pid))) == served.workers
+        sorted(child.pid for child in worker_children(psutil.Process(served.process.pid)))
+        == served.workers
     )
     assert ask(served.base) == before

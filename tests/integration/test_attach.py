@@ -1,4 +1,5 @@
-"""Deploy once, then ask, status, the TUI and stop all reach the same worker processes; signals never orphan one."""
+"""Deploy once, then ask, status, the TUI and stop all reach the same worker processes; signals
+never orphan one."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def fleet_file(shard_cache: Path, tmp_path: Path) -> Iterator[Path]:
     path.write_text(
         f'[model]\nname = "smollm2-135m-instruct"\nprecision = "int4"\nshards = "{shard_cache}"\n'
         '[speculation]\ndraft = "self-int4"\nk = 2\n'
-        f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = {ports[1]}\n'
+        f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = '
+        f"{ports[1]}\n"
     )
     yield path
-    # a test that failed after `deploy` left its workers running (a deployment outlives its command): stop
-    # them through the record, and kill whatever of this test's is left, so no failure leaves a process
+    # a test that failed after `deploy` left its workers running (a deployment outlives its
+    # command): stop them through the record, and kill whatever of this test's is left, so no
+    # failure leaves a process
     if our_workers():
         with contextlib.suppress(subprocess.SubprocessError):
             fleettui("stop", str(path), timeout=60)
@@ -52,12 +55,17 @@ def fleet_file(shard_cache: Path, tmp_path: Path) -> Iterator[Path]:
 
 def fleettui(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fleettui", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "fleettui", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
 def our_workers() -> set[int]:
-    """Worker processes started under this test's state folder (other tests' and helpers' are elsewhere)."""
+    """Worker processes started under this test's state folder (other tests' and helpers' are
+    elsewhere)."""
     state = os.environ["XDG_STATE_HOME"]
     found = set()
     for process in psutil.process_iter(["cmdline"]):
@@ -85,7 +93,9 @@ def no_orphan(fleet_file: Path) -> None:
     assert not runs.exists() or not list(runs.iterdir())
 
 
-async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(fleet_file: Path) -> None:
+async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(
+    fleet_file: Path,
+) -> None:
     from textual.widgets import Input
 
     from fleettui.control.controller import FleetController
@@ -102,7 +112,8 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     run_dir = Path(record.run_dir or "")
     assert run_dir.is_dir() and oct(run_dir.stat().st_mode)[-3:] == "700"  # noqa: ASYNC240
 
-    # two local stages on one machine: each on its own slice of the CPUs, like the PCs they stand for
+    # two local stages on one machine: each on its own slice of the CPUs, like the PCs they stand
+    # for
     from fleettui.config.local_cores import share_local_cores
 
     workers = record.pids()
@@ -113,7 +124,9 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     again = fleettui("deploy", str(fleet_file))
     assert again.returncode == 0 and "already deployed" in again.stdout and our_workers() == pids
 
-    asked = fleettui("ask", str(fleet_file), "What is the capital of France?", "--json", "--max-tokens", "12")
+    asked = fleettui(
+        "ask", str(fleet_file), "What is the capital of France?", "--json", "--max-tokens", "12"
+    )
     assert asked.returncode == 0, asked.stderr
     answer = json.loads(asked.stdout)
     assert answer["fleet"]["attached"] is True and "Paris" in answer["text"]
@@ -121,15 +134,23 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     # a schema-constrained answer from the same workers: the JSON object, valid by construction
     schema = {
         "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Lyon", "Rome"]}, "is_capital": {"type": "boolean"}},
+        "properties": {
+            "city": {"enum": ["Paris", "Lyon", "Rome"]},
+            "is_capital": {"type": "boolean"},
+        },
         "required": ["city", "is_capital"],
     }
     schema_file = fleet_file.parent / "capital.schema.json"
     schema_file.write_text(json.dumps(schema))  # noqa: ASYNC240
     shaped = fleettui(
-        "ask", str(fleet_file), "--json-schema", str(schema_file), "--max-tokens", "48",
+        "ask",
+        str(fleet_file),
+        "--json-schema",
+        str(schema_file),
+        "--max-tokens",
+        "48",
         "Which French city is the capital of France?",
-    )  # fmt: skip
+    )
     assert shaped.returncode == 0, shaped.stderr
     jsonschema.validate(json.loads(shaped.stdout), schema)
     assert our_workers() == pids
@@ -138,7 +159,8 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
 
     logs = fleettui("logs", str(fleet_file), "-n", "5")
     assert logs.returncode == 0
-    # `--recheck`: every worker read all of its stage's files, trusting no stamp of the compiler's checks
+    # `--recheck`: every worker read all of its stage's files, trusting no stamp of the compiler's
+    # checks
     verified = fleettui("logs", str(fleet_file), "-n", "1000").stdout
     checks = re.findall(r"files verified in .* \((\d+) of (\d+) hashed", verified)
     assert len(checks) == 3 and all(hashed == total != "0" for hashed, total in checks), checks
@@ -148,9 +170,9 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     listed = json.loads(status.stdout)
     assert listed["deployment"] == record.id and listed["alive"] is True
     assert {w["name"] for w in listed["workers"]} == {"a", "b", "draft"}
-    assert {w["pid"] for w in listed["workers"]} == pids and {w["state"] for w in listed["workers"]} == {
-        "ready"
-    }
+    assert {w["pid"] for w in listed["workers"]} == pids and {
+        w["state"] for w in listed["workers"]
+    } == {"ready"}
     assert all("warmed up in" in w["compiled"] for w in listed["workers"])  # before they said ready
 
     app = FleetApp(load_fleet(fleet_file), FleetController, GenerationParams(max_tokens=8))
@@ -158,17 +180,23 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
         await wait_until(pilot, lambda: app.ready or "failed" in app.sub_title, 120, "the attach")
         assert app.ready and app.controller.attached and app.sub_title == "attached"
         assert set(app.controller.worker_pids().values()) == pids
-        busy = fleettui("ask", str(fleet_file), "Hi", "--max-tokens", "2")  # the TUI holds the fleet
+        busy = fleettui(
+            "ask", str(fleet_file), "Hi", "--max-tokens", "2"
+        )  # the TUI holds the fleet
         assert busy.returncode == 1 and "in use by pid" in busy.stderr
         app.query_one("#prompt", Input).value = "Name a colour."
         await pilot.press("enter")
         session = app.query_one(ChatPane).active
-        await wait_until(pilot, lambda: bool(session.replies) and session.replies[-1].done, 300, "the reply")
+        await wait_until(
+            pilot, lambda: bool(session.replies) and session.replies[-1].done, 300, "the reply"
+        )
         assert session.replies[-1].text and "failed" not in session.replies[-1].classes
         await pilot.press("ctrl+q")
         await wait_until(pilot, lambda: isinstance(app.screen, QuitScreen), 10, "the quit dialog")
         await pilot.click("#leave")
-        await wait_until(pilot, lambda: app.return_code is not None, 60, "the app to detach and exit")
+        await wait_until(
+            pilot, lambda: app.return_code is not None, 60, "the app to detach and exit"
+        )
     assert our_workers() == pids
     left = store.load(load_fleet(fleet_file))
     assert left is not None and left.owner is None and left.holder is None and left.id == record.id
@@ -176,7 +204,9 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
     stopped = fleettui("stop", str(fleet_file))
     assert stopped.returncode == 0, stopped.stderr
     eventually(lambda: not our_workers(), 30, "every worker to exit")
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+    )
     assert store.load(load_fleet(fleet_file)) is None and not run_dir.exists()  # noqa: ASYNC240
     status = fleettui("status", str(fleet_file))
     assert status.returncode == 3 and "not deployed" in status.stdout
@@ -184,9 +214,21 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(f
 
 def start_ask(fleet_file: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "fleettui", "ask", str(fleet_file), "Tell me a long story.", "--max-tokens", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fleettui",
+            "ask",
+            str(fleet_file),
+            "Tell me a long story.",
+            "--max-tokens",
+            "400",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def test_sigterm_to_ask_and_two_quick_ctrl_c_leave_no_orphan(fleet_file: Path) -> None:
@@ -210,7 +252,8 @@ def test_sigterm_to_ask_and_two_quick_ctrl_c_leave_no_orphan(fleet_file: Path) -
 
 
 def drain(terminal: int, condition: Callable[[], bool], timeout: float) -> None:
-    """Read (and drop) the TUI's output until `condition()` holds, so it never blocks writing the screen."""
+    """Read (and drop) the TUI's output until `condition()` holds, so it never blocks writing the
+    screen."""
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         if select.select([terminal], [], [], 0.1)[0]:
@@ -225,8 +268,13 @@ def test_sighup_to_the_tui_leaves_no_orphan(fleet_file: Path) -> None:
     environment = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
     process = subprocess.Popen(
         [sys.executable, "-m", "fleettui", "tui", str(fleet_file)],
-        stdin=child, stdout=child, stderr=child, cwd=ROOT, env=environment, start_new_session=True,
-    )  # fmt: skip
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        cwd=ROOT,
+        env=environment,
+        start_new_session=True,
+    )
     os.close(child)
     try:
         drain(parent, lambda: len(our_workers()) == 3, TIMEOUT)

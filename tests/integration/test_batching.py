@@ -17,13 +17,16 @@ QUESTIONS = (
 
 
 def _greedy(batch: int, steps: int = 16) -> tuple[dict[int, list[int]], int]:
-    """Greedy tokens of four sessions decoded together (`batch` rows at most): session 3 joins at step 4,
-    session 1 verifies a 3-token block every fourth step and rolls two of them back by its mask, session 2
-    compacts its cache midway. Returns the tokens and the largest batch the engine formed."""
+    """Greedy tokens of four sessions decoded together (`batch` rows at most): session 3 joins at
+    step 4, session 1 verifies a 3-token block every fourth step and rolls two of them back by its
+    mask, session 2 compacts its cache midway. Returns the tokens and the largest batch the engine
+    formed."""
     from tests.support.shards import chat_ids, compiled
 
     shard = compiled(1, "fp32")
-    engine = StageEngine(shard, 0, inference_precision="f32", kv_cache_precision="f32", max_batch=batch)
+    engine = StageEngine(
+        shard, 0, inference_precision="f32", kv_cache_precision="f32", max_batch=batch
+    )
     tokens: dict[int, list[int]] = {}
     positions: dict[int, int] = {}
     masked: dict[int, np.ndarray] = {}
@@ -60,7 +63,8 @@ def _greedy(batch: int, steps: int = 16) -> tuple[dict[int, list[int]], int]:
             assert isinstance(output, np.ndarray), output
             session, n = request.session, len(request.data)
             cache = engine.cache_len(session)
-            # the first row scores the real token; a draft's rejected slots are masked by the next step
+            # the first row scores the real token; a draft's rejected slots are masked by the next
+            # step
             masked[session] = np.asarray([[cache - n + 1, cache]]) if n > 1 else NO_RANGES
             positions[session] += 1
             tokens[session].append(int(np.argmax(output[0])))

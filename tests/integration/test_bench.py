@@ -1,4 +1,5 @@
-"""Tests of `fleettui --bench`: the hop-delay proxy, the time split, the rows' table/JSON, and a real quick run."""
+"""Tests of `fleettui --bench`: the hop-delay proxy, the time split, the rows' table/JSON, and a
+real quick run."""
 
 from __future__ import annotations
 
@@ -39,8 +40,11 @@ from remote_worker.config import Endpoint
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# ----------------------------------------------------------------------------------------- hop delay
-async def _sink(arrivals: list[tuple[float, bytes]], echo: bool) -> tuple[asyncio.AbstractServer, int]:
+# ----------------------------------------------------------------------------------------- hop
+# delay
+async def _sink(
+    arrivals: list[tuple[float, bytes]], echo: bool
+) -> tuple[asyncio.AbstractServer, int]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while chunk := await reader.read(1 << 16):
             arrivals.append((time.monotonic(), chunk))
@@ -73,10 +77,13 @@ async def test_proxy_delays_every_chunk_and_keeps_order() -> None:
             await asyncio.sleep(0.01)
         writer.close()
     server.close()
-    assert b"".join(c for _, c in arrivals) == b"".join(p for _, p in sent)  # nothing lost, nothing reordered
+    assert b"".join(c for _, c in arrivals) == b"".join(
+        p for _, p in sent
+    )  # nothing lost, nothing reordered
     # the first byte arrives no earlier than the delay after it was sent
     assert arrivals[0][0] - sent[0][0] >= 0.075
-    # pipelined: 40 chunks over ~100 ms of sending arrive within delay + sending time, not 40 x delay
+    # pipelined: 40 chunks over ~100 ms of sending arrive within delay + sending time, not 40 x
+    # delay
     assert arrivals[-1][0] - sent[0][0] < 0.08 + (sent[-1][0] - sent[0][0]) + 0.5
 
 
@@ -118,7 +125,9 @@ def test_proxy_is_transparent_to_curve_zmq() -> None:
         latencies = []
         for index in range(5):
             started = time.monotonic()
-            push.send_multipart([b"frame", np.arange(1000, dtype=np.int64).tobytes(), str(index).encode()])
+            push.send_multipart(
+                [b"frame", np.arange(1000, dtype=np.int64).tobytes(), str(index).encode()]
+            )
             assert pull.poll(5000)
             received.append(pull.recv_multipart()[2])
             latencies.append(time.monotonic() - started)
@@ -145,20 +154,29 @@ def test_stage_breakdown_splits_the_round_trip() -> None:
     assert math.isclose(parts[1]["wire_ms"], 2 * (2 + 4) / 4, abs_tol=1e-6)
     # the last stage's finished -> sent is apart: a run's Result may wait there for its burst
     assert math.isclose(parts[1]["held_ms"], 2 * 1 / 4, abs_tol=1e-6) and "held_ms" not in parts[0]
-    total = sum(p["compute_ms"] + p["queue_ms"] + p["wire_ms"] + p.get("held_ms", 0.0) for p in parts)
+    total = sum(
+        p["compute_ms"] + p["queue_ms"] + p["wire_ms"] + p.get("held_ms", 0.0) for p in parts
+    )
     assert math.isclose(total, 2 * 45 / 4, abs_tol=1e-6)  # the parts add up to the round trips
     assert stage_breakdown([], tokens=4) is None
 
 
 def test_a_pair_is_taken_at_the_rows_own_time_so_drift_is_not_a_ratio() -> None:
-    """The machine slows 10 % a minute: a baseline at t = 0/10/20 s (100, 90, 80 tok/s) and a row exactly as
-    fast, measured 5 s after each, pair 1:1; by index they would pair 0.95 / 0.94 / 0.94."""
+    """The machine slows 10 % a minute: a baseline at t = 0/10/20 s (100, 90, 80 tok/s) and a row
+    exactly as fast, measured 5 s after each, pair 1:1; by index they would pair 0.95 / 0.94 /
+    0.94."""
     from fleettui.bench.results import paired_rates
 
     rates, times = [95.0, 85.0, 75.0], [5.0, 15.0, 25.0]
     pairs = paired_rates(rates, times, [100.0, 90.0, 80.0], [0.0, 10.0, 20.0])
-    assert [round(a / b, 4) for a, b in pairs] == [1.0, 1.0, round(75 / 80, 4)]  # after the last: the nearest
-    assert paired_rates([90.0], [-1.0], [100.0, 80.0], [0.0, 10.0]) == [(90.0, 100.0)]  # before the first
+    assert [round(a / b, 4) for a, b in pairs] == [
+        1.0,
+        1.0,
+        round(75 / 80, 4),
+    ]  # after the last: the nearest
+    assert paired_rates([90.0], [-1.0], [100.0, 80.0], [0.0, 10.0]) == [
+        (90.0, 100.0)
+    ]  # before the first
     assert paired_rates(rates, [None] * 3, [100.0, 90.0, 80.0], [None] * 3) == list(
         zip(rates, [100.0, 90.0, 80.0], strict=True)
     )  # without times: measurement i with i
@@ -167,11 +185,18 @@ def test_a_pair_is_taken_at_the_rows_own_time_so_drift_is_not_a_ratio() -> None:
     ]  # failed runs out
 
 
-# --------------------------------------------------------------------------------- rows, table, JSON
+# --------------------------------------------------------------------------------- rows, table,
+# JSON
 def _rows() -> list[Row]:
     precision = {"weights": "int4", "inference": "bf16", "kv_cache": "u8"}
     mono = Row(
-        "mono", "mono", precision=precision, tokens=32, seconds=1.0, aggregate_tok_s=32.0, per_user_tok_s=32.0
+        "mono",
+        "mono",
+        precision=precision,
+        tokens=32,
+        seconds=1.0,
+        aggregate_tok_s=32.0,
+        per_user_tok_s=32.0,
     )
     genai = Row(
         "genai",
@@ -213,7 +238,10 @@ def _rows() -> list[Row]:
         ttft_s=0.05,
     )
     gpu = Row(
-        "mono GPU", "mono", status="skipped: device GPU is not available here", details={"device": "GPU"}
+        "mono GPU",
+        "mono",
+        status="skipped: device GPU is not available here",
+        details={"device": "GPU"},
     )
     return [mono, genai, fleet, plain, gpu]
 
@@ -233,7 +261,11 @@ def test_ratios_table_and_json() -> None:
     for row in doc["rows"]:
         assert set(JSON_FIELDS) <= set(row)
     spec_target = [t for t in doc["targets"] if t["target"].startswith("adaptive spec >= 0.98x")]
-    assert spec_target and spec_target[0]["ratio"] == pytest.approx(1.6) and spec_target[0]["met"] is True
+    assert (
+        spec_target
+        and spec_target[0]["ratio"] == pytest.approx(1.6)
+        and spec_target[0]["met"] is True
+    )
     assert "fleet 2st 2u spec auto" in plot(rows)
 
 
@@ -273,7 +305,9 @@ def test_profiles() -> None:
     names = [r.name for r in full]
     assert len(names) == len(set(names))
     assert {0.0, 10.0, 50.0} <= {r.hop_delay_ms for r in full}
-    assert any(r.pinned and r.kind == "mono" for r in full) and any(r.pinned and r.stages == 2 for r in full)
+    assert any(r.pinned and r.kind == "mono" for r in full) and any(
+        r.pinned and r.stages == 2 for r in full
+    )
     assert any(isinstance(r.spec_k, int) and r.spec_k > 0 for r in full)  # the fixed-K sweep
     assert RowSpec("mono", device="GPU") in full
     assert not any(r.spec_k for r in plan_rows(fleet, quick=False, no_spec=True))
@@ -316,7 +350,9 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
                 assert part["compute_ms"] > 0 and part["queue_ms"] >= 0 and part["wire_ms"] >= 0
             if row["spec_k"] != 0:
                 assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
-            if row["spec_k"] == "auto":  # its policy's first, untimed reply (it explores): kept apart
+            if (
+                row["spec_k"] == "auto"
+            ):  # its policy's first, untimed reply (it explores): kept apart
                 assert row["details"]["cold_tok_s"] > 0, row
             if row["hop_delay_ms"] and row["users"] == 1 and row["spec_k"] == 0:
                 # one round trip per token crosses the N + 1 delayed links of the ring
@@ -327,8 +363,8 @@ def test_quick_bench_produces_tokens_in_every_row(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_path: Path) -> None:
-    """`bench --startup`: every start reaches READY warmed up; the restart (and only it) loads its compiled
-    model; the whole fleet then starts and answers twice."""
+    """`bench --startup`: every start reaches READY warmed up; the restart (and only it) loads its
+    compiled model; the whole fleet then starts and answers twice."""
     from fleettui.bench.startup import MODES, startup_bench
     from fleettui.control.running import run
 
@@ -348,8 +384,9 @@ def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_p
 
 @pytest.mark.slow
 def test_prefill_bench_measures_both_arms_alone_and_beside_a_user_and_they_answer_alike() -> None:
-    """`bench --prefill`: the serial and the pipelined prefill in alternated rounds; under f32 both arms give
-    the same first tokens, and the generating user's tokens are counted during the prefill."""
+    """`bench --prefill`: the serial and the pipelined prefill in alternated rounds; under f32 both
+    arms give the same first tokens, and the generating user's tokens are counted during the
+    prefill."""
     from fleettui.bench.prefill_bench import ARMS, prefill_bench
     from fleettui.control.running import run
     from fleettui.control.settings import with_overrides
@@ -371,14 +408,17 @@ def test_only_keeps_one_group_and_its_partners() -> None:
     pcs = plan_rows(fleet, quick=False, only="pcs")
     assert [r.name for r in pcs][0] == "mono 1core" and all(r.pinned for r in pcs)
     assert {r.versus for r in pcs if r.kind == "fleet" and r.spec_k == 0} == {"mono 1core"}
-    # speculation on the PCs is paired with no speculation on the same PCs (a LAN row of the spec target)
+    # speculation on the PCs is paired with no speculation on the same PCs (a LAN row of the spec
+    # target)
     assert {r.versus for r in pcs if r.kind == "fleet" and r.spec_k} == {"pcs 2st 2u nospec"}
     scale = plan_rows(fleet, quick=False, only="scale")
     assert {r.model for r in scale} == {"synthetic:llama-3.2-1b"}
     assert sorted(r.users for r in scale if r.kind == "fleet") == [1, 2, 4]
     spec = plan_rows(fleet, quick=False, only="spec")
     names = {r.name for r in spec}
-    assert all(r.versus in names for r in spec if r.group == "spec" and r.versus)  # pairs run together
+    assert all(
+        r.versus in names for r in spec if r.group == "spec" and r.versus
+    )  # pairs run together
     assert plan_rows(fleet, quick=True, only="scale") == []
     batch = plan_rows(fleet, quick=False, only="batch")
     assert {(r.stages, r.users) for r in batch} == {(s, u) for s in (1, 2, 3) for u in (1, 2, 4, 8)}
@@ -388,8 +428,11 @@ def test_only_keeps_one_group_and_its_partners() -> None:
         r.versus == dataclasses.replace(r, batching="off").name for r in on
     )
     assert [(r.stages, r.users) for r in plan_rows(fleet, quick=True, only="batch")][::2] == [
-        (1, 1), (1, 4), (2, 1), (2, 4)
-    ]  # fmt: skip
+        (1, 1),
+        (1, 4),
+        (2, 1),
+        (2, 4),
+    ]
 
 
 def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
@@ -405,13 +448,16 @@ def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
     assert rounds[("", 2, False, 50.0)] == 3
     assert rounds[("synthetic:llama-3.2-1b", 2, True, 0.0)] == 3
     assert all(group_repeats(members, 1) == 1 for members in groups.values())  # --quick: one round
-    # the progress counter announces the measurements made as rows: the spec group's 16 fleet rows in 5
-    # rounds each; the PCs' lone 1-stage row 3 rounds, its 2-stage rows 5 (their mono partners run inside)
+    # the progress counter announces the measurements made as rows: the spec group's 16 fleet rows
+    # in 5 rounds each; the PCs' lone 1-stage row 3 rounds, its 2-stage rows 5 (their mono partners
+    # run inside)
     spec = plan_rows(fleet, quick=False, only="spec")
     assert sum(1 for r in spec if r.kind == "fleet") == 16 and measurement_count(spec, 3) == 16 * 5
     assert measurement_count(plan_rows(fleet, quick=False, only="pcs"), 3) == 1 * 3 + 3 * 5
     assert measurement_count(plan_rows(fleet, quick=False, only="anchors"), 3) == 5 * 3  # all alone
-    quick = plan_rows(fleet, quick=True)  # one round; genai is measured inside its fleet row's group
+    quick = plan_rows(
+        fleet, quick=True
+    )  # one round; genai is measured inside its fleet row's group
     assert measurement_count(quick, 1) == len(quick) - 1 and any(r.versus == "genai" for r in quick)
 
 
@@ -421,7 +467,10 @@ def test_each_round_asks_other_prompts_and_every_row_of_a_round_the_same() -> No
     prompts = [[index] for index in range(8)]
     assert round_prompts(prompts, 1, 0) == [[0]] and round_prompts(prompts, 1, 4) == [[4]]
     assert round_prompts(prompts, 4, 2) == [[2], [3], [4], [5]]  # each user its own prompt
-    assert round_prompts(prompts, 2, -1) == [[7], [0]]  # the untimed first reply: not round 0's prompt
+    assert round_prompts(prompts, 2, -1) == [
+        [7],
+        [0],
+    ]  # the untimed first reply: not round 0's prompt
     assert round_prompts(prompts, 2, 7) == [[7], [0]]  # wraps around
     # five rounds of a 1-user row span five prompts, not one prompt five times
     assert len({tuple(round_prompts(prompts, 1, r)[0]) for r in range(5)}) == 5
@@ -432,31 +481,47 @@ def test_paired_ratio_is_per_round_and_reports_its_spread() -> None:
 
     plain = Row("fleet 2st 2u nospec", "fleet", 2, 2, 0, details={"runs_tok_s": [40.0, 20.0, 40.0]})
     spec = Row(
-        "fleet 2st 2u spec auto", "fleet", 2, 2, "auto", versus=plain.name,
+        "fleet 2st 2u spec auto",
+        "fleet",
+        2,
+        2,
+        "auto",
+        versus=plain.name,
         details={"runs_tok_s": [44.0, 22.0, 40.0]},
-    )  # fmt: skip
+    )
     spec.aggregate_tok_s, plain.aggregate_tok_s = 44.0, 40.0
     _pair([plain, spec], {})
-    # a slow round (another program ran) slows both: the per-round ratio stays ~1.1, best/best would say 1.1
+    # a slow round (another program ran) slows both: the per-round ratio stays ~1.1, best/best would
+    # say 1.1
     assert spec.details["paired_ratios"] == [1.1, 1.1, 1.0]
     assert spec.paired_ratio == pytest.approx(1.1) and spec.ratio_spread == pytest.approx(0.1 / 1.1)
     found = [t for t in targets([plain, spec]) if "adaptive" in t["target"]]
-    assert found[0]["ratio"] == pytest.approx(1.1) and found[0]["ratio_spread"] == pytest.approx(0.1 / 1.1)
+    assert found[0]["ratio"] == pytest.approx(1.1) and found[0]["ratio_spread"] == pytest.approx(
+        0.1 / 1.1
+    )
     mono = Row("mono 1core", "mono", pinned=True)
     pcs = Row("pcs 2st 2u nospec", "fleet", 2, 2, 0, pinned=True, versus=mono.name)
     pcs.details["runs_tok_s"] = [30.0, 36.0]
     _pair([pcs], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=v) for v in (20.0, 20.0)]})
     assert pcs.details["paired_ratios"] == [1.5, 1.8] and "1.65x" in format_table([pcs])
     pcs_spec = Row("pcs 2st 2u spec auto", "fleet", 2, 2, "auto", pinned=True, versus=pcs.name)
-    pcs.details["runs_tok_s"], pcs_spec.details["runs_tok_s"] = [30.0, 36.0, 36.0], [27.0, 36.0, 34.2]
+    pcs.details["runs_tok_s"], pcs_spec.details["runs_tok_s"] = (
+        [30.0, 36.0, 36.0],
+        [27.0, 36.0, 34.2],
+    )
     _pair([pcs, pcs_spec], {mono.name: [Row("mono 1core", "mono", aggregate_tok_s=20.0)] * 3})
-    lan = [t for t in targets([plain, spec, pcs, pcs_spec]) if t["target"].startswith("adaptive spec >=")]
+    lan = [
+        t
+        for t in targets([plain, spec, pcs, pcs_spec])
+        if t["target"].startswith("adaptive spec >=")
+    ]
     assert [t["rows"] for t in lan] == [[spec.name, plain.name], [pcs_spec.name, pcs.name]]
     assert "emulated PCs" in lan[1]["target"] and lan[1]["ratio"] == pytest.approx(0.95)
     assert lan[1]["met"] is False  # a loss on the PCs is reported, not left out
 
 
-# ------------------------------------------------------------------------ the ceiling of n emulated PCs
+# ------------------------------------------------------------------------ the ceiling of n emulated
+# PCs
 def test_the_pcs_ceiling_is_measured_in_the_pcs_rounds() -> None:
     from fleettui.bench.rows import group_partners
 
@@ -480,16 +545,22 @@ def test_the_pcs_ceiling_is_measured_in_the_pcs_rounds() -> None:
 
 def test_the_ceiling_is_reported_beside_the_pcs_target() -> None:
     mono = Row("mono 1core", "mono", pinned=True, aggregate_tok_s=50.0)
-    top = Row("mono 1core x2", "mono", pinned=True, copies=2, versus=mono.name, aggregate_tok_s=90.0)
+    top = Row(
+        "mono 1core x2", "mono", pinned=True, copies=2, versus=mono.name, aggregate_tok_s=90.0
+    )
     top.details["paired_ratios"] = [1.7, 1.8, 1.9]
-    pcs = Row("pcs 2st 2u nospec", "fleet", 2, 2, 0, pinned=True, versus=mono.name, aggregate_tok_s=72.0)
+    pcs = Row(
+        "pcs 2st 2u nospec", "fleet", 2, 2, 0, pinned=True, versus=mono.name, aggregate_tok_s=72.0
+    )
     pcs.details["paired_ratios"] = [1.4, 1.44, 1.5]
     rows = [top, mono, pcs]  # the ceiling first: it must never stand in for the one-PC baseline
     add_ratios(rows)
     assert pcs.vs_mono == pytest.approx(72.0 / 50.0) and top.vs_mono == pytest.approx(1.8)
     found = next(t for t in targets(rows) if "emulated PCs x 2 users" in t["target"])
     assert found["ratio"] == pytest.approx(1.44) and found["ceiling"] == pytest.approx(1.8)
-    assert "ceiling here 1.80x" in format_targets([found]) and "80% of it" in format_targets([found])
+    assert "ceiling here 1.80x" in format_targets([found]) and "80% of it" in format_targets(
+        [found]
+    )
 
 
 async def test_copies_start_together_and_none_outlives_a_timeout() -> None:
@@ -507,10 +578,16 @@ async def test_copies_start_together_and_none_outlives_a_timeout() -> None:
     starts = [json.loads(out.strip().splitlines()[-1])["started_at"] for _, out, _ in outputs]
     assert [code for code, _, _ in outputs] == [0, 0] and abs(starts[0] - starts[1]) < 0.25
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(run_children([[sys.executable, "-c", child, "60"]] * 2, together=True), 3.0)
+        await asyncio.wait_for(
+            run_children([[sys.executable, "-c", child, "60"]] * 2, together=True), 3.0
+        )
     with pytest.raises(TimeoutError):  # one child, not released: the same
-        await asyncio.wait_for(run_children([[sys.executable, "-c", "import time; time.sleep(60)"]]), 3.0)
-    left = [p for p in psutil.Process().children(recursive=True) if "sleep" in " ".join(p.cmdline())]
+        await asyncio.wait_for(
+            run_children([[sys.executable, "-c", "import time; time.sleep(60)"]]), 3.0
+        )
+    left = [
+        p for p in psutil.Process().children(recursive=True) if "sleep" in " ".join(p.cmdline())
+    ]
     assert left == []
 
 
@@ -521,13 +598,17 @@ def test_two_monos_at_once_decode_in_overlapping_windows(shard_cache: Path) -> N
     from fleettui.bench.baseline import run_baseline
     from shard_compiler.compiler import compile_shards
 
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     fleet = load_fleet(DEFAULT_FLEET)
     fleet = replace(fleet, runtime=replace(fleet.runtime, inference_precision="f32"))
     spec = RowSpec("mono", pinned=True, copies=2)
     row = asyncio.run(run_baseline(spec, unsplit, [1, 9690, 314, 253], 24, fleet))
     assert row.ok, row.status
-    assert row.name == "mono 1core x2" and row.tokens == 48 and len(row.details["copies_tok_s"]) == 2
+    assert (
+        row.name == "mono 1core x2" and row.tokens == 48 and len(row.details["copies_tok_s"]) == 2
+    )
     assert row.aggregate_tok_s == pytest.approx(sum(row.details["copies_tok_s"]), rel=1e-3)
     (a0, a1), (b0, b1) = row.details["copies_windows"]
     assert max(a0, b0) < min(a1, b1)  # released together: their timed decodes overlap
@@ -539,18 +620,22 @@ def test_two_monos_at_once_decode_in_overlapping_windows(shard_cache: Path) -> N
 def test_a_genai_baseline_killed_mid_run_leaves_no_model_folder(
     shard_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cancelled bench (SIGTERM, a row timeout) kills its GenAI child, which cannot remove the model folder
-    it assembled: the folder lives in one the bench made and removes itself."""
+    """A cancelled bench (SIGTERM, a row timeout) kills its GenAI child, which cannot remove the
+    model folder it assembled: the folder lives in one the bench made and removes itself."""
     from dataclasses import replace
 
     from fleettui.bench.baseline import run_baseline
     from shard_compiler.compiler import compile_shards
 
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     fleet = load_fleet(DEFAULT_FLEET)
     fleet = replace(fleet, runtime=replace(fleet.runtime, inference_precision="f32"))
     (tmp_path / "child").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "child"))  # where the child's own temp folders would go
+    monkeypatch.setenv(
+        "TMPDIR", str(tmp_path / "child")
+    )  # where the child's own temp folders would go
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "bench"))
     (tmp_path / "bench").mkdir()
 
@@ -563,7 +648,9 @@ def test_a_genai_baseline_killed_mid_run_leaves_no_model_folder(
         )
         deadline = time.monotonic() + 300
         while not folders("**/fleettui-genai-*/model"):
-            assert not task.done() and time.monotonic() < deadline, "the GenAI child never assembled a model"
+            assert not task.done() and time.monotonic() < deadline, (
+                "the GenAI child never assembled a model"
+            )
             await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -575,8 +662,8 @@ def test_a_genai_baseline_killed_mid_run_leaves_no_model_folder(
 
 @pytest.mark.slow
 def test_sigterm_to_the_bench_stops_its_fleet_at_once() -> None:
-    """A SIGTERM mid-run (a cancelled job, `timeout`) stops the bench cleanly: its workers go with it, well
-    before their 30 s lease would end them, and it says so in one line."""
+    """A SIGTERM mid-run (a cancelled job, `timeout`) stops the bench cleanly: its workers go with
+    it, well before their 30 s lease would end them, and it says so in one line."""
     import psutil
 
     state = os.environ["XDG_STATE_HOME"]
@@ -591,12 +678,17 @@ def test_sigterm_to_the_bench_stops_its_fleet_at_once() -> None:
 
     process = subprocess.Popen(
         [sys.executable, "-m", "fleettui", "bench", "--quick", str(ROOT / "fleets/local.toml")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 900  # the first run of the tests may compile the shards
         while not any(state in " ".join(p.info["cmdline"] or []) for p in workers()):
-            assert process.poll() is None and time.monotonic() < deadline, "the bench never started a fleet"
+            assert process.poll() is None and time.monotonic() < deadline, (
+                "the bench never started a fleet"
+            )
             time.sleep(0.2)
         time.sleep(2.0)
         process.send_signal(signal.SIGTERM)

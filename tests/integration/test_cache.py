@@ -1,4 +1,5 @@
-"""`fleettui cache ls|prune` on a local shard cache, and pruning old shard folders on a real sshd host."""
+"""`fleettui cache ls|prune` on a local shard cache, and pruning old shard folders on a real sshd
+host."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ from fleettui.cli import main
 from tests.support.netns import SshHosts, available
 
 
-def shard(root: Path, key: str, age_hours: float, precision: str = "int4", split=(0, 23, 30)) -> Path:
+def shard(
+    root: Path, key: str, age_hours: float, precision: str = "int4", split=(0, 23, 30)
+) -> Path:
     folder = root / "shards" / key
     (folder / "stage_0").mkdir(parents=True)
     (folder / "stage_0" / "openvino_model.bin").write_bytes(b"\0" * 1_000_000)
     stages = [{"layers": {"start": a, "end": b}} for a, b in zip(split, split[1:], strict=False)]
     manifest = folder / "manifest.json"
     manifest.write_text(
-        json.dumps({"model_name": "smollm2-135m-instruct", "precision": precision, "stages": stages})
+        json.dumps(
+            {"model_name": "smollm2-135m-instruct", "precision": precision, "stages": stages}
+        )
     )
     stamp = time.time() - age_hours * 3600
     os.utime(manifest, (stamp, stamp))
@@ -43,7 +48,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     os.utime(root / "shards" / "broken", (stamp, stamp))
     (root / "shards" / "compiling.tmp-x").mkdir()  # a compile in progress: left alone
     (root / "shards" / ".used").mkdir()
-    (root / "shards" / ".used" / "oldest").touch()  # a cache hit: the oldest is the most recently used
+    (
+        root / "shards" / ".used" / "oldest"
+    ).touch()  # a cache hit: the oldest is the most recently used
     os.utime(root / "shards" / ".used" / "oldest", (time.time() + 60, time.time() + 60))
     from fleettui.config.fleet import load_fleet
     from fleettui.control import store
@@ -58,18 +65,26 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def test_ls_lists_model_split_size_age_and_use(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_lists_model_split_size_age_and_use(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["cache", "ls"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{cache / 'shards'}: 6 shard folder(s)")
     rows = {line.split()[0]: line for line in lines[2:]}
     assert list(rows)[:6] == ["oldest", "compiling.tmp-x", "newest", "older", "deployed", "broken"]
-    assert "int4  0,23,30" in rows["newest"] and "fp32  0,30" in rows["older"] and "1 MB" in rows["newest"]
+    assert (
+        "int4  0,23,30" in rows["newest"]
+        and "fp32  0,30" in rows["older"]
+        and "1 MB" in rows["newest"]
+    )
     assert rows["deployed"].endswith("deployed") and "2 d" in rows["deployed"]
     assert rows["broken"].endswith("incomplete")
 
 
-def test_prune_keeps_the_recent_and_the_deployed(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prune_keeps_the_recent_and_the_deployed(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["cache", "prune", "--keep", "1", "--dry-run"]) == 0
     assert "would remove 3 folder(s)" in capsys.readouterr().out
     assert len(list((cache / "shards").iterdir())) == 7
@@ -91,7 +106,9 @@ def ssh_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
 
 
 @pytest.mark.ssh
-def test_prune_on_a_host_removes_every_other_shard_folder(ssh_host: SshHosts, tmp_path: Path) -> None:
+def test_prune_on_a_host_removes_every_other_shard_folder(
+    ssh_host: SshHosts, tmp_path: Path
+) -> None:
     from fleettui.config.fleet import load_fleet
     from fleettui.provision.prune import prune_host
 

@@ -1,4 +1,5 @@
-"""A deploy calibrates hosts whose costs are unknown before it plans (`[resilience] calibrate = "auto"`)."""
+"""A deploy calibrates hosts whose costs are unknown before it plans (`[resilience] calibrate =
+"auto"`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from fleettui.planning.profiles import fleet_costs
 
 
 def tiny_fleet(tmp_path: Path, calibrate: str = "auto", layers: bool = False) -> Fleet:
-    """Two local stages of the synthetic tiny Llama (4 layers), threads pinned so no test shares its key."""
+    """Two local stages of the synthetic tiny Llama (4 layers), threads pinned so no test shares
+    its key."""
     base = load_fleet(DEFAULT_FLEET)
     hosts = (
         Host(name="a", threads=1, base_port=7750, layers=(0, 2) if layers else None),
@@ -47,8 +49,9 @@ def test_a_deploy_calibrates_only_when_asked_unpinned_and_unmeasured(
 async def test_the_first_deploy_measures_its_hosts_and_plans_from_their_costs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Real shards, real timing: `prepare` (what every deploy runs) calibrates a fleet with no profile, its
-    shards follow the measured plan, and the next deploy reads the cache instead of measuring again."""
+    """Real shards, real timing: `prepare` (what every deploy runs) calibrates a fleet with no
+    profile, its shards follow the measured plan, and the next deploy reads the cache instead of
+    measuring again."""
     from fleettui.control.controller import FleetController
     from fleettui.control.states import Progress
 
@@ -60,7 +63,9 @@ async def test_the_first_deploy_measures_its_hosts_and_plans_from_their_costs(
         events: list[object] = []
         controller = FleetController(fleet, events.append)
         await controller.prepare()
-        return controller, [e.message for e in events if isinstance(e, Progress) and e.step == "calibrate"]
+        return controller, [
+            e.message for e in events if isinstance(e, Progress) and e.step == "calibrate"
+        ]
 
     controller, said = await prepared(fleet)
     assert any("timing the three calibration stages" in line for line in said), said
@@ -81,7 +86,8 @@ async def test_the_first_deploy_measures_its_hosts_and_plans_from_their_costs(
 async def test_an_unreachable_ssh_host_is_reported_and_the_byte_count_plans(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A host that cannot be calibrated costs one line, not the deploy: it is planned from parameter bytes."""
+    """A host that cannot be calibrated costs one line, not the deploy: it is planned from
+    parameter bytes."""
     import socket
 
     from fleettui.provision.calibrate_remote import time_remote
@@ -89,7 +95,9 @@ async def test_an_unreachable_ssh_host_is_reported_and_the_byte_count_plans(
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    away = Host(name="gone", transport="ssh", address="127.0.0.1", ssh_port=port, host_key_policy="tofu")
+    away = Host(
+        name="gone", transport="ssh", address="127.0.0.1", ssh_port=port, host_key_policy="tofu"
+    )
     started = time.monotonic()
     with pytest.raises(PlanError, match=r"^profile of gone: connect: "):
         await time_remote(away, tmp_path, [0, 1, 2], [])
@@ -99,5 +107,7 @@ async def test_an_unreachable_ssh_host_is_reported_and_the_byte_count_plans(
     fleet = replace(tiny_fleet(tmp_path), hosts=(tiny_fleet(tmp_path).hosts[0], away))
     said: list[str] = []
     assert not await asyncio.wait_for(calibrate_fleet(fleet, said.append), 300)
-    assert [line for line in said if line.startswith("calibration skipped: profile of gone: connect:")], said
+    assert [
+        line for line in said if line.startswith("calibration skipped: profile of gone: connect:")
+    ], said
     assert plan_fleet(fleet).costs is None

@@ -1,4 +1,5 @@
-"""Chat templates render as in transformers; streamed detokenisation equals the full decode; stop strings."""
+"""Chat templates render as in transformers; streamed detokenisation equals the full decode; stop
+strings."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from fleettui.runtime.chat_format import ChatTemplateError, TextStream, compile_template, render_template
+from fleettui.runtime.chat_format import (
+    ChatTemplateError,
+    TextStream,
+    compile_template,
+    render_template,
+)
 from tests.support.chat_templates import LLAMA_3_1, MISTRAL_0_3, QWEN_2_5
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -64,9 +70,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
-@pytest.mark.parametrize(("name", "template", "messages", "extra"), CASES, ids=[case[0] for case in CASES])
-def test_templates_render_exactly_as_transformers(name, template, messages, extra, generation_prompt) -> None:
-    expected = transformers_render(template, messages, add_generation_prompt=generation_prompt, **extra)
+@pytest.mark.parametrize(
+    ("name", "template", "messages", "extra"), CASES, ids=[case[0] for case in CASES]
+)
+def test_templates_render_exactly_as_transformers(
+    name, template, messages, extra, generation_prompt
+) -> None:
+    expected = transformers_render(
+        template, messages, add_generation_prompt=generation_prompt, **extra
+    )
     got = ours(template, messages, add_generation_prompt=generation_prompt, **extra)
     assert got == expected
     if "tools" in extra:  # tojson does not escape HTML: the schema reads as written
@@ -76,11 +88,13 @@ def test_templates_render_exactly_as_transformers(name, template, messages, extr
 def test_environment_has_loop_controls_strftime_now_and_generation_blocks() -> None:
     template = (
         "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
-        "{% if loop.index > 3 %}{% break %}{% endif %}{% generation %}{{ m.content }}{% endgeneration %}|"
+        "{% if loop.index > 3 %}{% break %}{% endif %}{% generation %}{{ m.content }}{% "
+        "endgeneration %}|"
         "{% endfor %}{{ strftime_now('%Y') }}{{ {'a': '<&>'} | tojson }}"
     )
     messages = [
-        {"role": r, "content": c} for r, c in [("system", "S"), ("user", "a"), ("user", "b"), ("user", "c")]
+        {"role": r, "content": c}
+        for r, c in [("system", "S"), ("user", "a"), ("user", "b"), ("user", "c")]
     ]
     got = ours(template, messages)
     assert got == transformers_render(template, messages)
@@ -95,7 +109,8 @@ def test_raise_exception_is_one_clear_error() -> None:
         compile_template("{% for %}")
 
 
-# -- streaming detokenisation ---------------------------------------------------------------------------
+# -- streaming detokenisation
+# ---------------------------------------------------------------------------
 
 
 class FakeFormat:
@@ -129,7 +144,8 @@ def smollm_tokenizer() -> Any:
 
 
 TEXTS = [
-    "The capital of France is Paris. Ça va? Zürich, 東京, emoji 🚀🎉 and ∑ math.\n\n- a list\n- 12345",
+    "The capital of France is Paris. Ça va? Zürich, 東京, emoji 🚀🎉 and ∑ math."
+    "\n\n- a list\n- 12345",
     "  leading spaces, tabs\tand a very long wooooooooooooooooooord plus <|im_end|> text",
 ]
 
@@ -144,7 +160,9 @@ def test_streamed_text_equals_the_full_decode(smollm_tokenizer, text: str, chunk
     pieces = [stream.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     pieces.append(stream.finish())
     assert "".join(pieces) == chat_format.decode(ids) == stream.text
-    assert all("\ufffd" not in piece for piece in pieces)  # a split UTF-8 character waits for its rest
+    assert all(
+        "\ufffd" not in piece for piece in pieces
+    )  # a split UTF-8 character waits for its rest
     assert chat_format.full_decodes == 1  # only ours above: the stream never re-decodes the reply
 
 

@@ -1,6 +1,6 @@
-"""Tests for the compiled-model cache on real shards: a second start loads the blob and answers the same, a blob
-whose bytes changed is compiled afresh, a held lock or an unusable folder falls back to a plain compile, and a
-real worker's ping says where its compiled model came from."""
+"""Tests for the compiled-model cache on real shards: a second start loads the blob and answers the
+same, a blob whose bytes changed is compiled afresh, a held lock or an unusable folder falls back to
+a plain compile, and a real worker's ping says where its compiled model came from."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def _shards() -> Path:
 
 
 def _engine(cache: Path | None, stage: int = 0) -> StageEngine:
-    return StageEngine(_shards(), stage, inference_precision="f32", kv_cache_precision="f32", cache_dir=cache)
+    return StageEngine(
+        _shards(), stage, inference_precision="f32", kv_cache_precision="f32", cache_dir=cache
+    )
 
 
 def _hidden(engine: StageEngine) -> np.ndarray:
@@ -43,7 +45,9 @@ def _blobs(cache: Path) -> list[Path]:
     return sorted(cache.glob("*/*.blob"))
 
 
-def test_a_second_start_loads_the_compiled_model_and_answers_bit_identically(tmp_path: Path) -> None:
+def test_a_second_start_loads_the_compiled_model_and_answers_bit_identically(
+    tmp_path: Path,
+) -> None:
     plain = _hidden(_engine(None))
     first = _engine(tmp_path / "compiled")
     assert not first.loaded_from_cache
@@ -53,7 +57,9 @@ def test_a_second_start_loads_the_compiled_model_and_answers_bit_identically(tmp
     second = _engine(tmp_path / "compiled")
     assert second.loaded_from_cache
     assert np.array_equal(_hidden(first), plain) and np.array_equal(_hidden(second), plain)
-    other = _engine(tmp_path / "compiled", stage=1)  # another stage: its own folder, compiled alongside
+    other = _engine(
+        tmp_path / "compiled", stage=1
+    )  # another stage: its own folder, compiled alongside
     assert not other.loaded_from_cache and len(_blobs(tmp_path / "compiled")) == 2
 
 
@@ -106,7 +112,9 @@ def _ping(port: int) -> dict[str, object]:
         context.destroy(linger=0)
 
 
-def test_a_restarted_worker_says_it_loaded_its_compiled_model_from_the_shard_folder(tmp_path: Path) -> None:
+def test_a_restarted_worker_says_it_loaded_its_compiled_model_from_the_shard_folder(
+    tmp_path: Path,
+) -> None:
     from tests.support.workers import stage_config
 
     shard = tmp_path / "shard"  # a private copy: the compiled/ folder this test sees is its own
@@ -130,7 +138,9 @@ def test_a_restarted_worker_says_it_loaded_its_compiled_model_from_the_shard_fol
             assert worker.stdout is not None
             line = worker.stdout.readline()
             assert line.startswith("READY"), log.read_text()
-            assert "warmed up in" in log.read_text()  # before READY: the first answer does not pay it
+            assert (
+                "warmed up in" in log.read_text()
+            )  # before READY: the first answer does not pay it
             answers.append(_ping(config.control_port))
         finally:
             worker.terminate()

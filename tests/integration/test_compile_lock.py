@@ -1,4 +1,5 @@
-"""Two processes (or test workers) asking one cache for the same shards at once compile them once."""
+"""Two processes (or test workers) asking one cache for the same shards at once compile them
+once."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def test_a_second_compile_of_the_same_shards_waits_and_finds_them(
 
     def fake_compile(job: compiler.Plan, directory: Path, notify: object, root: Path) -> None:
         inside.set()
-        deadline = time.monotonic() + 120  # until the second caller waits for this build (or the test fails)
+        deadline = (
+            time.monotonic() + 120
+        )  # until the second caller waits for this build (or the test fails)
         while "waiting" not in steps[1] and not built and time.monotonic() < deadline:
             time.sleep(0.05)
         (directory / "built").write_text(job.cache_key)
@@ -37,9 +40,12 @@ def test_a_second_compile_of_the_same_shards_waits_and_finds_them(
 
     def run(index: int) -> None:
         results[index] = compiler.compile_shards(
-            "smollm2-135m-instruct", stages=2, precision="fp32", cache_root=tmp_path,
+            "smollm2-135m-instruct",
+            stages=2,
+            precision="fp32",
+            cache_root=tmp_path,
             progress=lambda event: steps[index].append(event.step),
-        )  # fmt: skip
+        )
 
     first = threading.Thread(target=run, args=(0,))
     first.start()
@@ -51,5 +57,7 @@ def test_a_second_compile_of_the_same_shards_waits_and_finds_them(
     assert len(built) == 1  # compiled once
     assert results[0] == results[1] and results[0] is not None and (results[0] / "built").is_file()
     assert steps[0] == ["done"] and steps[1] == ["waiting", "cached"]
-    leftovers = [p.name for p in results[0].parent.iterdir() if p.name not in {results[0].name, ".used"}]
+    leftovers = [
+        p.name for p in results[0].parent.iterdir() if p.name not in {results[0].name, ".used"}
+    ]
     assert leftovers == []  # no half-built or stale copy beside it

@@ -1,12 +1,12 @@
-"""The conformance harness: every architecture of shard_compiler.conformance.REGISTRY, written as safetensors and
-as GGUF, compiled to 1, 2 and 3 stages in f32, gives transformers' own next-token logits on every step.
+"""The conformance harness: every architecture of shard_compiler.conformance.REGISTRY, written as
+safetensors and as GGUF, compiled to 1, 2 and 3 stages in f32, gives transformers' own next-token
+logits on every step.
 
-Each run decodes a prompt plus 40 greedy tokens through the stage IRs chained in process, and every few steps
-forces a rollback the way speculation does: three draft tokens are fed and then masked out (they stay in the
-KV cache), and the next token takes the first rejected one's logical position. The reference is one forward
-of transformers' model over the accepted tokens. Gemma 3's window of 4 is passed many times over, by
-logical positions that the rejected slots must not count in.
-"""
+Each run decodes a prompt plus 40 greedy tokens through the stage IRs chained in process, and every
+few steps forces a rollback the way speculation does: three draft tokens are fed and then masked out
+(they stay in the KV cache), and the next token takes the first rejected one's logical position. The
+reference is one forward of transformers' model over the accepted tokens. Gemma 3's window of 4 is
+passed many times over, by logical positions that the rejected slots must not count in."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ CASES = [
 
 
 class Chain:
-    """The stage IRs of one compile chained in process (f32 inference, f32 KV cache), mask bookkeeping kept."""
+    """The stage IRs of one compile chained in process (f32 inference, f32 KV cache), mask
+    bookkeeping kept."""
 
     def __init__(self, shard_dir: Path) -> None:
         import openvino as ov
@@ -54,7 +55,9 @@ class Chain:
             inputs = {
                 "input_ids" if "input_ids" in names else "hidden_states": data,
                 "attention_mask": np.array([self.mask], dtype=np.int64),
-                "position_ids": np.arange(first_position, first_position + len(ids), dtype=np.int64)[None],
+                "position_ids": np.arange(
+                    first_position, first_position + len(ids), dtype=np.int64
+                )[None],
                 "beam_idx": np.zeros(1, dtype=np.int32),
             }
             request.infer(inputs)
@@ -66,7 +69,8 @@ class Chain:
 
 
 def decode_with_rollbacks(chain: Chain) -> tuple[list[int], np.ndarray, int]:
-    """Prompt + GENERATED greedy tokens with a forced rollback every 5th step: (tokens, logits per row, rollbacks)."""
+    """Prompt + GENERATED greedy tokens with a forced rollback every 5th step: (tokens, logits
+    per row, rollbacks)."""
     rows = [chain.step(PROMPT, 0)]
     sequence = list(PROMPT)
     rollbacks = 0
@@ -91,7 +95,8 @@ _sources: dict[tuple[str, str], Path] = {}
 
 
 def source(entry: Entry, kind: str, workspace: Path) -> Path:
-    """ENTRY's tiny model written once per run in KIND (hf: save_pretrained folder, gguf: an f32 GGUF)."""
+    """ENTRY's tiny model written once per run in KIND (hf: save_pretrained folder, gguf: an f32
+    GGUF)."""
     key = (entry.key, kind)
     if key not in _sources:
         folder = workspace / entry.key
@@ -104,7 +109,9 @@ def source(entry: Entry, kind: str, workspace: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("entry", "kind", "split"), CASES)
-def test_logits_equal_transformers(entry: Entry, kind: str, split: tuple[int, ...], workspace: Path) -> None:
+def test_logits_equal_transformers(
+    entry: Entry, kind: str, split: tuple[int, ...], workspace: Path
+) -> None:
     import torch
 
     from shard_compiler.compiler import compile_shards
@@ -140,7 +147,9 @@ def test_an_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     (folder / "config.json").write_text(
         json.dumps({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
     )
-    with pytest.raises(CompileError, match=r"config.json: unsupported architecture 'Olmo2ForCausalLM'"):
+    with pytest.raises(
+        CompileError, match=r"config.json: unsupported architecture 'Olmo2ForCausalLM'"
+    ):
         compile_shards(str(folder), precision="fp32", cache_root=tmp_path / "cache")
     entry = next(entry for entry in REGISTRY if entry.model_type == "qwen3")
     path = tiny_models.write_gguf(entry, tmp_path / "falcon.gguf", arch_name="falcon")
@@ -163,7 +172,8 @@ def test_an_unreadable_quant_type_is_one_line_and_leaves_no_shards(tmp_path: Pat
     with pytest.raises(CompileError) as caught:
         compile_shards(str(path), stages=2, precision="fp32", cache_root=tmp_path / "cache")
     assert str(caught.value) == (
-        f"{path}: tensor 'blk.0.attn_q.weight' is stored as Q8_1, a quantisation type the compiler cannot read"
+        f"{path}: tensor 'blk.0.attn_q.weight' is stored as Q8_1, a quantisation type the compiler "
+        "cannot read"
     )
     shards = tmp_path / "cache" / "shards"
     assert not shards.exists() or not any(shards.iterdir())

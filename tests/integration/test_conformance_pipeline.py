@@ -1,7 +1,7 @@
-"""The conformance harness through the real runtime: tiny models of the registry's `pipeline` architectures
-(Gemma 3 with its sliding window, Qwen3-MoE) deployed on 2 real ZeroMQ stage processes give transformers'
-greedy tokens with prompt-lookup speculation on (its rejected drafts roll back by mask), for two interleaved
-sessions."""
+"""The conformance harness through the real runtime: tiny models of the registry's `pipeline`
+architectures (Gemma 3 with its sliding window, Qwen3-MoE) deployed on 2 real ZeroMQ stage processes
+give transformers' greedy tokens with prompt-lookup speculation on (its rejected drafts roll back by
+mask), for two interleaved sessions."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ async def run(folder: Path, cache: Path) -> tuple[list[list[int]], int, int]:
 
 
 @pytest.mark.parametrize("entry", [e for e in REGISTRY if e.pipeline], ids=lambda e: e.key)
-def test_two_stage_pipeline_with_speculation_matches_transformers(entry: Entry, tmp_path: Path) -> None:
+def test_two_stage_pipeline_with_speculation_matches_transformers(
+    entry: Entry, tmp_path: Path
+) -> None:
     folder = tiny_models.write_hf(entry, tmp_path / "model")
     tokens, drafted, accepted = asyncio.run(run(folder, tmp_path / "cache"))
     assert tokens == [greedy_reference(entry, prompt) for prompt in PROMPTS]

@@ -1,11 +1,12 @@
-"""Integration tests of grammar-constrained decoding with the real parts: the local SmolLM2 fleet (exact
-settings) on one real stage process with prompt lookup drafting, on two with the INT4 self-draft.
+"""Integration tests of grammar-constrained decoding with the real parts: the local SmolLM2 fleet
+(exact settings) on one real stage process with prompt lookup drafting, on two with the INT4
+self-draft.
 
-A schema-constrained greedy answer must validate (`jsonschema`) and be the same tokens with speculation on and
-off and on one or two stages; a free session interleaved with a constrained one keeps its unconstrained tokens;
-generated schemas (hypothesis, 8 examples) give answers that validate whenever they are reported
-complete, and an answer cut by max_tokens is reported incomplete.
-"""
+A schema-constrained greedy answer must validate (`jsonschema`) and be the same tokens with
+speculation on and off and on one or two stages; a free session interleaved with a constrained one
+keeps its unconstrained tokens; generated schemas (hypothesis, 8 examples) give answers that
+validate whenever they are reported complete, and an answer cut by max_tokens is reported
+incomplete."""
 
 from __future__ import annotations
 
@@ -47,13 +48,16 @@ CITY = {
     "required": ["city", "country", "landmarks"],
     "additionalProperties": False,
 }
-ASK_CITY = "Describe Paris as a JSON object with its city, country, population in millions and landmarks."
+ASK_CITY = (
+    "Describe Paris as a JSON object with its city, country, population in millions and landmarks."
+)
 FREE = "What is the capital of Italy? Answer in one sentence."
 TOKENS = 120
 
 
 class Deployed:
-    """A fleet started once for the module, driven from the tests through its own event-loop thread."""
+    """A fleet started once for the module, driven from the tests through its own event-loop
+    thread."""
 
     def __init__(self, cache: Path, stages: int, draft: str) -> None:
         self.loop = asyncio.new_event_loop()
@@ -65,7 +69,9 @@ class Deployed:
         self.coordinator: Coordinator = self.run(self.controller.start())
 
     async def _controller(self, fleet: Any) -> FleetController:
-        return FleetController(fleet)  # made in the loop it runs in (its links' futures belong to it)
+        return FleetController(
+            fleet
+        )  # made in the loop it runs in (its links' futures belong to it)
 
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=900)
@@ -100,12 +106,16 @@ def fleets(shard_cache: Path) -> Iterator[dict[int, Deployed]]:
             fleet.close()
 
 
-def constrained(schema: dict[str, Any], spec_k: int | None, tokens: int = TOKENS) -> GenerationParams:
+def constrained(
+    schema: dict[str, Any], spec_k: int | None, tokens: int = TOKENS
+) -> GenerationParams:
     spec = ConstraintSpec(json_schema_grammar(schema), "json_schema test")
     return GenerationParams(max_tokens=tokens, spec_k=spec_k, constraint=spec)
 
 
-def test_schema_answers_validate_and_match_across_stages_and_speculation(fleets: dict[int, Deployed]) -> None:
+def test_schema_answers_validate_and_match_across_stages_and_speculation(
+    fleets: dict[int, Deployed],
+) -> None:
     answers = {}
     for stages, fleet in fleets.items():
         for spec_k in (4, 0):
@@ -115,8 +125,12 @@ def test_schema_answers_validate_and_match_across_stages_and_speculation(fleets:
             jsonschema.validate(json.loads(generation.text), CITY)
             answers[stages, spec_k] = generation.token_ids
             if spec_k:
-                assert generation.stats.drafted + generation.stats.drafts_cut > 0  # speculation took part
-    assert len(set(answers.values())) == 1, answers  # greedy: the grammar's choice, whatever the pipeline
+                assert (
+                    generation.stats.drafted + generation.stats.drafts_cut > 0
+                )  # speculation took part
+    assert len(set(answers.values())) == 1, (
+        answers
+    )  # greedy: the grammar's choice, whatever the pipeline
 
 
 def test_a_free_session_interleaved_with_a_constrained_one_keeps_its_tokens(
@@ -154,10 +168,14 @@ def test_a_sampled_answer_validates_too(fleets: dict[int, Deployed]) -> None:
 
 
 @pytest.mark.parametrize("trigger", ["capital of", "capital o"])  # the second ends inside a token
-def test_a_trigger_starts_the_grammar_right_after_it(fleets: dict[int, Deployed], trigger: str) -> None:
+def test_a_trigger_starts_the_grammar_right_after_it(
+    fleets: dict[int, Deployed], trigger: str
+) -> None:
     fleet = fleets[1]
     free = fleet.answer(FREE, GenerationParams(max_tokens=48, spec_k=4))
-    assert trigger in free.text  # the free answer says it (greedy: the same words up to the trigger)
+    assert (
+        trigger in free.text
+    )  # the free answer says it (greedy: the same words up to the trigger)
     spec = ConstraintSpec(json_schema_grammar(CITY), "json_schema after a trigger", trigger=trigger)
     generation = fleet.answer(FREE, GenerationParams(max_tokens=TOKENS, spec_k=4, constraint=spec))
     head, _, rest = generation.text.partition(trigger)
@@ -168,22 +186,27 @@ def test_a_trigger_starts_the_grammar_right_after_it(fleets: dict[int, Deployed]
 
 def test_an_answer_cut_by_max_tokens_is_reported_incomplete(fleets: dict[int, Deployed]) -> None:
     generation = fleets[1].answer(ASK_CITY, constrained(CITY, 4, tokens=6))
-    assert generation.stats.finish_reason == "length" and generation.stats.constraint_complete is False
+    assert (
+        generation.stats.finish_reason == "length" and generation.stats.constraint_complete is False
+    )
     with pytest.raises(json.JSONDecodeError):
         json.loads(generation.text)
 
 
-def test_an_unsupported_schema_fails_the_request_naming_the_keyword(fleets: dict[int, Deployed]) -> None:
+def test_an_unsupported_schema_fails_the_request_naming_the_keyword(
+    fleets: dict[int, Deployed],
+) -> None:
     schema = {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}
     with pytest.raises(ConstraintError, match="dependentSchemas"):
         fleets[1].answer(ASK_CITY, constrained(schema, 0))
 
 
-# -- generated schemas ------------------------------------------------------------------------------
-# Nested objects (optional and required properties, no others), arrays with minItems/maxItems, enums, anyOf,
-# bounded integers and strings, patterns. (Built from hypothesis strategies: hypothesis-jsonschema 0.23.1, the
-# latest, fails on every object schema with the hypothesis this project uses: "'many' object has no attribute
-# 'more'".)
+# -- generated schemas
+# ------------------------------------------------------------------------------ Nested objects
+# (optional and required properties, no others), arrays with minItems/maxItems, enums, anyOf,
+# bounded integers and strings, patterns. (Built from hypothesis strategies: hypothesis-jsonschema
+# 0.23.1, the latest, fails on every object schema with the hypothesis this project uses: "'many'
+# object has no attribute 'more'".)
 PATTERNS = ["^[a-z]{1,6}$", "^[A-Z][a-z]{0,5}$", "^[0-9]{2}-[0-9]{2}$"]
 NAMES = ["id", "kind", "size", "tags"]
 LEAF = st.one_of(
@@ -192,9 +215,9 @@ LEAF = st.one_of(
     ),
     st.sampled_from([4, 12]).map(lambda size: {"type": "string", "maxLength": size}),
     st.sampled_from(PATTERNS).map(lambda pattern: {"type": "string", "pattern": pattern}),
-    st.lists(st.sampled_from(["red", "green", "blue", 1, 2, None]), min_size=1, max_size=3, unique=True).map(
-        lambda values: {"enum": values}
-    ),
+    st.lists(
+        st.sampled_from(["red", "green", "blue", 1, 2, None]), min_size=1, max_size=3, unique=True
+    ).map(lambda values: {"enum": values}),
     st.just({"type": "boolean"}),
 )
 ARRAY = st.tuples(LEAF, st.sampled_from([0, 1]), st.sampled_from([2, 3])).map(
@@ -225,7 +248,9 @@ EXAMPLES = 8
 def test_generated_schemas_answers_validate_whenever_complete(fleets: dict[int, Deployed]) -> None:
     completed: list[bool] = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(schema=SCHEMAS)
     def answer_validates(schema: dict[str, Any]) -> None:
         jsonschema.Draft202012Validator.check_schema(schema)

@@ -1,4 +1,5 @@
-"""Unit tests of placement from measured costs: the fit of a calibration profile and the balanced split."""
+"""Unit tests of placement from measured costs: the fit of a calibration profile and the balanced
+split."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ SMOLLM = MeasuredCosts(layer_ms=0.3, head_ms=2.1, call_ms=0.2)
 
 
 def test_fit_recovers_the_costs_from_the_calibration_split() -> None:
-    truth = MeasuredCosts(layer_ms=0.3, head_ms=2.1, call_ms=0.2, prefill_layer_ms=4.0, prefill_head_ms=30.0)
+    truth = MeasuredCosts(
+        layer_ms=0.3, head_ms=2.1, call_ms=0.2, prefill_layer_ms=4.0, prefill_head_ms=30.0
+    )
     calibration = [(1, False), (28, False), (1, True)]  # the split [0, 1, 29, 30]
     timings = [
         StageTiming(n, last, truth.stage_ms(n, last), 1.0 + n * 4.0 + (30.0 if last else 0.0))
@@ -38,7 +41,9 @@ def test_fit_recovers_the_costs_from_the_calibration_split() -> None:
     fitted = fit_costs(timings)
     assert fitted.layer_ms == pytest.approx(0.3) and fitted.head_ms == pytest.approx(2.1)
     assert fitted.call_ms == pytest.approx(0.2)
-    assert fitted.prefill_layer_ms == pytest.approx(4.0) and fitted.prefill_head_ms == pytest.approx(30.0)
+    assert fitted.prefill_layer_ms == pytest.approx(
+        4.0
+    ) and fitted.prefill_head_ms == pytest.approx(30.0)
     with pytest.raises(PlanError, match="three stages"):
         fit_costs(timings[:2])
 
@@ -55,7 +60,9 @@ def test_split_charges_the_measured_head() -> None:
 def test_split_follows_host_speed_and_capacity() -> None:
     slow = replace(SMOLLM, layer_ms=0.6, head_ms=4.2)
     counts = balanced_split(30, [SMOLLM, slow], [30, 30])
-    assert counts[0] > 2 * counts[1] - 8  # the slow host (last, with the head) gets far fewer layers
+    assert (
+        counts[0] > 2 * counts[1] - 8
+    )  # the slow host (last, with the head) gets far fewer layers
     assert max(predicted_ms(counts, [SMOLLM, slow])) <= min(
         max(predicted_ms([a, 30 - a], [SMOLLM, slow])) for a in range(1, 30)
     )  # optimal
@@ -67,12 +74,15 @@ def test_split_follows_host_speed_and_capacity() -> None:
         balanced_split(30, [SMOLLM, SMOLLM], [10, 10])
 
 
-# The synthetic Llama-3.2-1B shape on one core: ~3.9 ms a layer, its INT8 head worth ~8.7 INT4 layers
+# The synthetic Llama-3.2-1B shape on one core: ~3.9 ms a layer, its INT8 head worth ~8.7 INT4
+# layers
 ONE_B = MeasuredCosts(layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3)
 ONE_B_ATTENTION = 0.173  # of a layer's weights (q, k, v, o against gate, up, down)
 
 
-def _cut_times(ends: list[tuple[int, bool]], costs: list[MeasuredCosts], share: float) -> list[float]:
+def _cut_times(
+    ends: list[tuple[int, bool]], costs: list[MeasuredCosts], share: float
+) -> list[float]:
     times, start = [], 0
     for index, (end, mid) in enumerate(ends):
         units = range(start, 2 * end - mid)
@@ -83,9 +93,11 @@ def _cut_times(ends: list[tuple[int, bool]], costs: list[MeasuredCosts], share: 
     return times
 
 
-def test_a_split_may_cut_a_layer_between_attention_and_mlp_when_whole_layers_balance_badly() -> None:
-    # 16 layers + a head of 8.7: whole layers give 12/4 (46.8 vs 49.2 ms); cutting layer 12 after its
-    # attention moves 17 % of a layer off the bottleneck
+def test_a_split_may_cut_a_layer_between_attention_and_mlp_when_whole_layers_balance_badly() -> (
+    None
+):
+    # 16 layers + a head of 8.7: whole layers give 12/4 (46.8 vs 49.2 ms); cutting layer 12 after
+    # its attention moves 17 % of a layer off the bottleneck
     whole = balanced_split(16, [ONE_B, ONE_B], [16, 16])
     assert whole == [12, 4]
     ends = balanced_cuts(16, [ONE_B, ONE_B], [16, 16], ONE_B_ATTENTION)
@@ -95,12 +107,17 @@ def test_a_split_may_cut_a_layer_between_attention_and_mlp_when_whole_layers_bal
     # optimal over every split into half layers (brute force), three stages too
     for hosts in (2, 3):
         best = min(
-            max(_cut_times([(-(-u // 2), u % 2 == 1) for u in cuts] + [(16, False)], [ONE_B] * hosts, 0.173))
+            max(
+                _cut_times(
+                    [(-(-u // 2), u % 2 == 1) for u in cuts] + [(16, False)], [ONE_B] * hosts, 0.173
+                )
+            )
             for cuts in _increasing(hosts - 1, 32)
         )
         ends = balanced_cuts(16, [ONE_B] * hosts, [16] * hosts, ONE_B_ATTENTION)
         assert max(_cut_times(ends, [ONE_B] * hosts, ONE_B_ATTENTION)) == pytest.approx(best)
-    # a gain under 1 % keeps whole layers (no shards to compile for nothing); so does no attention share
+    # a gain under 1 % keeps whole layers (no shards to compile for nothing); so does no attention
+    # share
     even = replace(SMOLLM, head_ms=2.4)  # a head of 8 layers: 19/11 is balanced to the microsecond
     assert balanced_cuts(30, [even, even], [30, 30], 0.28) == [(19, False), (30, False)]
     assert balanced_cuts(16, [ONE_B, ONE_B], [16, 16], 0.0) == [(12, False), (16, False)]
@@ -109,7 +126,8 @@ def test_a_split_may_cut_a_layer_between_attention_and_mlp_when_whole_layers_bal
 
 
 def _increasing(count: int, units: int) -> list[tuple[int, ...]]:
-    """Every strictly increasing tuple of COUNT cut points in (0, UNITS) leaving each stage an attention."""
+    """Every strictly increasing tuple of COUNT cut points in (0, UNITS) leaving each stage an
+    attention."""
     from itertools import combinations
 
     found = []
@@ -137,14 +155,17 @@ def test_planner_uses_a_cached_profile_for_every_host(
         path.write_text(json.dumps({"costs": asdict(SMOLLM)}))
     after = plan_fleet(fleet)
     assert after.costs is not None and [s.count for s in after.stages] in ([18, 12], [19, 11])
-    assert [s.count for s in plan_fleet(fleet, use_profile=False).stages] == [s.count for s in before.stages]
+    assert [s.count for s in plan_fleet(fleet, use_profile=False).stages] == [
+        s.count for s in before.stages
+    ]
 
 
 def test_a_replan_around_a_lost_host_uses_the_costs_measured_with_another_stage_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three SSH PCs calibrated as a 3-stage fleet, the slow one twice as slow per layer: the 2-stage fleet
-    left after losing a fast one plans from those costs (not bytes), and a deploy of it still calibrates."""
+    """Three SSH PCs calibrated as a 3-stage fleet, the slow one twice as slow per layer: the
+    2-stage fleet left after losing a fast one plans from those costs (not bytes), and a deploy of
+    it still calibrates."""
     import json
     from dataclasses import asdict
 
@@ -169,15 +190,18 @@ def test_a_replan_around_a_lost_host_uses_the_costs_measured_with_another_stage_
     assert measured.costs is not None and by_bytes.costs is None
     assert measured.stages[0].count < by_bytes.stages[0].count  # the slow PC gets fewer layers
     assert wants_calibration(left)  # a fresh deploy of it measures its own stage count
-    assert fleet_costs(replace(left, hosts=(hosts[0], replace(hosts[2], address="10.0.0.9")))) is None
+    assert (
+        fleet_costs(replace(left, hosts=(hosts[0], replace(hosts[2], address="10.0.0.9")))) is None
+    )
 
 
 def test_local_survivors_of_a_replan_plan_from_costs_measured_with_another_share_of_the_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three stages on this machine, one core each, calibrated; the two left after a loss share the cores
-    anew (two each), a setting never timed: they plan from the 3-stage profiles (all alike, so comparable),
-    not from bytes; a deploy of them still calibrates; a fleet with an SSH host does not mix them in."""
+    """Three stages on this machine, one core each, calibrated; the two left after a loss share the
+    cores anew (two each), a setting never timed: they plan from the 3-stage profiles (all alike, so
+    comparable), not from bytes; a deploy of them still calibrates; a fleet with an SSH host does
+    not mix them in."""
     import json
     from dataclasses import asdict
 
@@ -188,14 +212,20 @@ def test_local_survivors_of_a_replan_plan_from_costs_measured_with_another_share
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     base = load_fleet(DEFAULT_FLEET)
     three = replace(
-        base, hosts=tuple(Host(name=f"stage-{i}", threads=1, cores=(i,)) for i in range(3)), path=None
+        base,
+        hosts=tuple(Host(name=f"stage-{i}", threads=1, cores=(i,)) for i in range(3)),
+        path=None,
     )
     heavy_head = replace(SMOLLM, head_ms=SMOLLM.layer_ms * 20)  # the head as dear as 20 layers
     for host in three.hosts:
         path = profile_path(three, host)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": _material(three, host), "costs": asdict(heavy_head)}))
-    left = replace(three, hosts=tuple(Host(name=f"stage-{i}", threads=2, cores=(0, 1)) for i in (0, 2)))
+        path.write_text(
+            json.dumps({"settings": _material(three, host), "costs": asdict(heavy_head)})
+        )
+    left = replace(
+        three, hosts=tuple(Host(name=f"stage-{i}", threads=2, cores=(0, 1)) for i in (0, 2))
+    )
     assert fleet_costs(left) == [heavy_head, heavy_head]
     measured, by_bytes = plan_fleet(left), plan_fleet(left, use_profile=False)
     assert measured.costs is not None and by_bytes.costs is None
@@ -213,7 +243,8 @@ def test_local_survivors_of_a_replan_plan_from_costs_measured_with_another_share
 def test_calibration_of_real_shards_gives_a_profile_the_planner_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Real shards (synthetic tiny Llama), real OpenVINO timing in a child process, cached, then planned."""
+    """Real shards (synthetic tiny Llama), real OpenVINO timing in a child process, cached, then
+    planned."""
     from fleettui.config.fleet import Host
     from fleettui.planning.profiles import calibrate
 
@@ -235,7 +266,8 @@ def test_calibration_of_real_shards_gives_a_profile_the_planner_uses(
 
 
 def test_fit_pins_a_noisy_negative_term_at_zero() -> None:
-    # a tiny model on a busy machine: the middle stage (2 layers) measured faster than the 1-layer one
+    # a tiny model on a busy machine: the middle stage (2 layers) measured faster than the 1-layer
+    # one
     timings = [StageTiming(1, False, 0.50), StageTiming(2, False, 0.48), StageTiming(1, True, 0.90)]
     fitted = fit_costs(timings)
     assert fitted.layer_ms > 0 and fitted.head_ms >= 0 and fitted.call_ms >= 0
@@ -244,10 +276,10 @@ def test_fit_pins_a_noisy_negative_term_at_zero() -> None:
 def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Emulated PCs pinned to disjoint cores are timed in one window (load from other programs then skews
-    none of them against another: timed one after the other, two identical cores came out 34-43 % apart);
-    hosts whose cores overlap are timed one after the other (so are hosts whose calibrations would not fit in
-    memory together), and hosts with the same settings once."""
+    """Emulated PCs pinned to disjoint cores are timed in one window (load from other programs then
+    skews none of them against another: timed one after the other, two identical cores came out
+    34-43 % apart); hosts whose cores overlap are timed one after the other (so are hosts whose
+    calibrations would not fit in memory together), and hosts with the same settings once."""
     import threading
     import time
 
@@ -272,7 +304,9 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
 
     monkeypatch.setattr(profiles, "time_stages", fake_time)
     shard = {"dir": tmp_path}
-    monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits, children=None: shard["dir"])
+    monkeypatch.setattr(
+        profiles, "compile_split", lambda fleet, splits, children=None: shard["dir"]
+    )
     base = load_fleet(DEFAULT_FLEET)
 
     def calibrated(*hosts: Host) -> dict[str, MeasuredCosts]:
@@ -283,26 +317,37 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     def overlap(a: str, b: str) -> bool:
         return windows[a][0] < windows[b][1] and windows[b][0] < windows[a][1]
 
-    found = calibrated(Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,)))
+    found = calibrated(
+        Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,))
+    )
     assert set(found) == {"pc-0", "pc-1"} and overlap("pc-0", "pc-1")
-    assert calibrated(Host(name="x", cores=(0,)), Host(name="y", cores=(0, 1))) and not overlap("x", "y")
-    assert calibrated(Host(name="u", threads=2), Host(name="v", threads=1)) and not overlap("u", "v")
+    assert calibrated(Host(name="x", cores=(0,)), Host(name="y", cores=(0, 1))) and not overlap(
+        "x", "y"
+    )
+    assert calibrated(Host(name="u", threads=2), Host(name="v", threads=1)) and not overlap(
+        "u", "v"
+    )
     shared = calibrated(Host(name="s"), Host(name="t"))  # the same settings: timed once, shared
     assert set(windows) == {"s"} and shared["s"] == shared["t"]
-    shard["dir"] = tmp_path / "huge"  # weights of 1 TiB (a sparse file): two copies at once would not fit
+    shard["dir"] = (
+        tmp_path / "huge"
+    )  # weights of 1 TiB (a sparse file): two copies at once would not fit
     shard["dir"].mkdir()
     with open(shard["dir"] / "stage0.bin", "wb") as weights:
         weights.truncate(1 << 40)
     try:
-        calibrated(Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,)))
+        calibrated(
+            Host(name="pc-0", threads=1, cores=(0,)), Host(name="pc-1", threads=1, cores=(1,))
+        )
     finally:
         (shard["dir"] / "stage0.bin").unlink()
     assert not overlap("pc-0", "pc-1")
 
 
 def test_a_stopped_calibration_kills_its_child_and_starts_no_other(tmp_path: Path) -> None:
-    """A bench cancelled (SIGTERM) during calibration stops its timing children at once: the running one is
-    killed, the next host's is never started, and the calibration ends with a one-line PlanError."""
+    """A bench cancelled (SIGTERM) during calibration stops its timing children at once: the running
+    one is killed, the next host's is never started, and the calibration ends with a one-line
+    PlanError."""
     import sys
     import threading
     import time
@@ -335,14 +380,18 @@ def test_a_stopped_calibration_kills_its_child_and_starts_no_other(tmp_path: Pat
     children.stop()
     thread.join(30)
     assert not thread.is_alive() and time.monotonic() - started < 30
-    assert failures == ["profile of pc-0: stopped", "profile of pc-1: stopped"] and not marker.exists()
+    assert (
+        failures == ["profile of pc-0: stopped", "profile of pc-1: stopped"] and not marker.exists()
+    )
 
 
 class _TimedEngine:
-    """A stage engine stand-in for `remote_worker.profile.time_stages`: each 1-token step sleeps `slow_s`
-    while `slow(calls)` holds (a burst of load on its core), else `fast_s`."""
+    """A stage engine stand-in for `remote_worker.profile.time_stages`: each 1-token step sleeps
+    `slow_s` while `slow(calls)` holds (a burst of load on its core), else `fast_s`."""
 
-    def __init__(self, index: int, slow: Callable[[int], bool], fast_s: float = 0.001, slow_s: float = 0.006):
+    def __init__(
+        self, index: int, slow: Callable[[int], bool], fast_s: float = 0.001, slow_s: float = 0.006
+    ):
         self.stage_index, self.is_first, self.calls = index, index == 0, 0
         self.slow, self.fast_s, self.slow_s = slow, fast_s, slow_s
         self.manifest = SimpleNamespace(vocab_size=100, hidden_size=4)
@@ -353,7 +402,15 @@ class _TimedEngine:
     def close(self, session: int) -> None: ...
     def reset(self, session: int) -> None: ...
 
-    def step(self, session: int, pos0: int, cache_len: int, ranges: object, data: object, keep_last: int = 0):
+    def step(
+        self,
+        session: int,
+        pos0: int,
+        cache_len: int,
+        ranges: object,
+        data: object,
+        keep_last: int = 0,
+    ):
         if len(data) == 1:  # type: ignore[arg-type]
             self.calls += 1
             time.sleep(self.slow_s if self.slow(self.calls) else self.fast_s)
@@ -361,28 +418,34 @@ class _TimedEngine:
 
 
 def test_calibration_times_a_stage_at_its_quietest_window() -> None:
-    """Other programs only make a step slower: a burst that slows one stage's core for 7/8 of its decode
-    steps (all windows but the last half of the final one) must not make that stage look slower than its
-    twin. A single window's 20th percentile would have reported the burst (5 fast steps of 32)."""
+    """Other programs only make a step slower: a burst that slows one stage's core for 7/8 of its
+    decode steps (all windows but the last half of the final one) must not make that stage look
+    slower than its twin. A single window's 20th percentile would have reported the burst (5 fast
+    steps of 32)."""
     from remote_worker.profile import time_stages
 
     tokens, windows = 32, 4
     steps = windows * (tokens // windows + 2)  # 2 warm-up steps a window
     bursty = _TimedEngine(0, lambda call: call <= steps - 5)
     quiet = _TimedEngine(1, lambda call: False)
-    results = time_stages([bursty, quiet], context=4, tokens=tokens, chunk=4, windows=windows, gap=0.0)
+    results = time_stages(
+        [bursty, quiet], context=4, tokens=tokens, chunk=4, windows=windows, gap=0.0
+    )
     assert bursty.calls == quiet.calls == steps
     burst, calm = results
     assert burst["decode_ms"] < 3.0 and calm["decode_ms"] < 3.0  # both ~1 ms
-    assert min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5  # the burst, seen
+    assert (
+        min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5
+    )  # the burst, seen
 
 
 def test_the_bench_calibrates_its_fleet_as_the_controller_runs_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The bench's 2-stage fleet runs with its local stages on their own cores (`share_local_cores`); its
-    calibration must time those settings, or the plan finds no profile and falls back to the byte counts (on a
-    machine without older profiles the fleet ran 23/7: 11.2 vs 8.5 ms per token)."""
+    """The bench's 2-stage fleet runs with its local stages on their own cores
+    (`share_local_cores`); its calibration must time those settings, or the plan finds no profile
+    and falls back to the byte counts (on a machine without older profiles the fleet ran 23/7: 11.2
+    vs 8.5 ms per token)."""
     import asyncio
     import os
 
@@ -395,7 +458,9 @@ def test_the_bench_calibrates_its_fleet_as_the_controller_runs_it(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     timed: list[tuple[int, ...]] = []
 
-    def fake_time(fleet: object, host: object, shard_dir: Path, *rest: object) -> list[dict[str, object]]:
+    def fake_time(
+        fleet: object, host: object, shard_dir: Path, *rest: object
+    ) -> list[dict[str, object]]:
         timed.append(host.cores)  # type: ignore[attr-defined]
         return [
             {"layers": [0, 1], "last": False, "decode_ms": 0.5, "prefill_ms": 5.0},
@@ -406,7 +471,9 @@ def test_the_bench_calibrates_its_fleet_as_the_controller_runs_it(
     monkeypatch.setattr(profiles, "time_stages", fake_time)
     monkeypatch.setattr(profiles, "compile_split", lambda fleet, splits, children=None: tmp_path)
     base = load_fleet(DEFAULT_FLEET)
-    variant = bench_fleet(replace(base, model=replace(base.model, shards=tmp_path / "shards")), 2, False)
+    variant = bench_fleet(
+        replace(base, model=replace(base.model, shards=tmp_path / "shards")), 2, False
+    )
     asyncio.run(calibrate_hosts(variant, lambda text: None, set()))
     running = apply(variant, Settings())  # the fleet the controller starts
     if len(os.sched_getaffinity(0)) >= 2:

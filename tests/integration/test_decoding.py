@@ -1,4 +1,5 @@
-"""Tests for remote_worker.decoding: greedy verification and distribution-preserving speculative sampling."""
+"""Tests for remote_worker.decoding: greedy verification and distribution-preserving speculative
+sampling."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def test_greedy_accepts_matching_prefix_then_corrects() -> None:
 
 
 def test_greedy_first_draft_rejected() -> None:
-    tokens, accepted, _, _ = score(_logits_with_argmax([2, 4]), Decode(draft_tokens=np.array([3], np.int64)))
+    tokens, accepted, _, _ = score(
+        _logits_with_argmax([2, 4]), Decode(draft_tokens=np.array([3], np.int64))
+    )
     assert accepted == 0 and tokens.tolist() == [2]
 
 
@@ -43,16 +46,20 @@ def test_greedy_all_accepted_adds_bonus() -> None:
 
 
 def test_top_logprobs_are_untempered_and_sorted_after_the_emitted_token() -> None:
-    """Column 0 is the emitted token's own log-prob (sampled here, so not necessarily the likeliest), then
-    the most probable ones in order, all of the untempered distribution."""
+    """Column 0 is the emitted token's own log-prob (sampled here, so not necessarily the
+    likeliest), then the most probable ones in order, all of the untempered distribution."""
     logits = np.log(np.array([[0.1, 0.6, 0.3]], np.float32))
     for uniform, emitted in ((0.01, 0), (0.5, 1), (0.99, 2)):
         tokens, _, top_ids, top_logprobs = score(
             logits, Decode(temperature=2.0, top_logprobs=3, uniforms=np.full(2, uniform))
         )
         assert tokens.tolist() == [emitted] and top_ids.tolist() == [[emitted, 1, 2]]
-        np.testing.assert_allclose(np.exp(top_logprobs), [[[0.1, 0.6, 0.3][emitted], 0.6, 0.3]], rtol=1e-5)
-    tokens, _, top_ids, top_logprobs = score(logits, Decode(top_logprobs=1))  # the emitted token's only
+        np.testing.assert_allclose(
+            np.exp(top_logprobs), [[[0.1, 0.6, 0.3][emitted], 0.6, 0.3]], rtol=1e-5
+        )
+    tokens, _, top_ids, top_logprobs = score(
+        logits, Decode(top_logprobs=1)
+    )  # the emitted token's only
     assert top_ids.tolist() == [[1]] and np.exp(top_logprobs[0, 0]) == pytest.approx(0.6, rel=1e-5)
 
 
@@ -77,7 +84,9 @@ def test_target_distribution_filters() -> None:
     )
     top2 = target_distribution(logits, 1.0, top_k=2)
     np.testing.assert_allclose(top2, [0, 0.4 / 0.7, 0.3 / 0.7, 0, 0, 0], atol=1e-9)
-    nucleus = target_distribution(logits, 1.0, top_p=0.75)  # 0.4 + 0.3 < 0.75 -> 0.15 is the crossing token
+    nucleus = target_distribution(
+        logits, 1.0, top_p=0.75
+    )  # 0.4 + 0.3 < 0.75 -> 0.15 is the crossing token
     np.testing.assert_allclose(nucleus, [0, 0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-9)
 
 
@@ -132,7 +141,9 @@ def _softmax(values: np.ndarray) -> np.ndarray:
 
 def _chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     total = counts.sum()
-    assert np.all(counts[expected_probs == 0] == 0), "emitted a token the target gives probability 0"
+    assert np.all(counts[expected_probs == 0] == 0), (
+        "emitted a token the target gives probability 0"
+    )
     mask = expected_probs > 0
     expected = expected_probs[mask] * total
     return float((((counts[mask] - expected) ** 2) / expected).sum())
@@ -149,7 +160,8 @@ Q_LOGITS = np.log(np.array([0.05, 0.05, 0.50, 0.30, 0.05, 0.05]))
 def _run(
     draws: int, seed: int, temperature: float, top_k: int = 0, top_p: float = 1.0, support: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Emit tokens with a two-token draft; count the first token, and the second one after an acceptance."""
+    """Emit tokens with a two-token draft; count the first token, and the second one after an
+    acceptance."""
     rng = np.random.default_rng(seed)
     logits = np.stack([P0, P1, P0]).astype(np.float32)
     base = Decode(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -185,7 +197,9 @@ def _run(
     ("temperature", "top_k", "top_p", "support"),
     [
         (1.0, 0, 1.0, 6),  # full-support draft
-        pytest.param(1.0, 0, 1.0, 2, marks=pytest.mark.slow),  # draft truncated to its 2 most probable ids
+        pytest.param(
+            1.0, 0, 1.0, 2, marks=pytest.mark.slow
+        ),  # draft truncated to its 2 most probable ids
         (0.7, 4, 1.0, 3),  # target filtered by top-k, draft by the same rule then truncated
         (1.3, 0, 0.8, 6),  # nucleus target
         (1.0, 0, 1.0, 0),  # deterministic draft: point mass
@@ -196,7 +210,12 @@ def test_speculative_sampling_preserves_the_target_distribution(
 ) -> None:
     draws = 200_000 if support == 2 else 40_000
     first, second = _run(
-        draws, seed=support * 7 + top_k, temperature=temperature, top_k=top_k, top_p=top_p, support=support
+        draws,
+        seed=support * 7 + top_k,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        support=support,
     )
     p0 = target_distribution(P0, temperature, top_k, top_p)
     p1 = target_distribution(P1, temperature, top_k, top_p)
@@ -219,7 +238,8 @@ def test_draft_equal_to_target_is_always_accepted() -> None:
     assert accepted == 1 and tokens[0] == 2
 
 
-# ----------------------------------------------------------------------------------------------- penalties
+# -----------------------------------------------------------------------------------------------
+# penalties
 def _penalty_decode(**fields: object) -> Decode:
     return Decode(**fields)  # type: ignore[arg-type]
 
@@ -232,9 +252,13 @@ def test_frequency_and_presence_penalties_follow_openai() -> None:
         frequency_penalty=0.5,
         presence_penalty=0.25,
         penalty_ids=np.array([0, 2, 3], np.int64),
-        penalty_counts=np.array([0, 3, 1], np.int32),  # id 0 is only in the prompt: no OpenAI penalty
+        penalty_counts=np.array(
+            [0, 3, 1], np.int32
+        ),  # id 0 is only in the prompt: no OpenAI penalty
     )
-    np.testing.assert_allclose(penalize(logits, decode), [[1.0, 2.0, 3.0 - 1.5 - 0.25, 0.5 - 0.5 - 0.25]])
+    np.testing.assert_allclose(
+        penalize(logits, decode), [[1.0, 2.0, 3.0 - 1.5 - 0.25, 0.5 - 0.5 - 0.25]]
+    )
 
 
 def test_repetition_penalty_follows_hf_over_the_whole_context() -> None:
@@ -242,7 +266,9 @@ def test_repetition_penalty_follows_hf_over_the_whole_context() -> None:
 
     logits = np.array([[2.0, -2.0, 3.0, 1.0]], np.float32)
     decode = _penalty_decode(
-        repetition_penalty=2.0, penalty_ids=np.array([0, 1], np.int64), penalty_counts=np.zeros(2, np.int32)
+        repetition_penalty=2.0,
+        penalty_ids=np.array([0, 1], np.int64),
+        penalty_counts=np.zeros(2, np.int32),
     )
     np.testing.assert_allclose(penalize(logits, decode), [[1.0, -4.0, 3.0, 1.0]])
     assert penalize(logits, Decode()) is logits  # no penalty: no copy
@@ -251,7 +277,8 @@ def test_repetition_penalty_follows_hf_over_the_whole_context() -> None:
 def _sequential_penalized_greedy(
     logits: np.ndarray, base: dict[int, int], seen: set[int], **p: float
 ) -> list:
-    """Plain decoding, one token at a time, each position penalized by what was emitted before it."""
+    """Plain decoding, one token at a time, each position penalized by what was emitted before
+    it."""
     counts, context, tokens = dict(base), set(seen), []
     for row in logits:
         values = row.astype(np.float64).copy()
@@ -269,7 +296,8 @@ def _sequential_penalized_greedy(
 
 @pytest.mark.parametrize("seed", range(5))
 def test_penalties_are_exact_under_speculation(seed: int) -> None:
-    """Verify position j counts the drafts before j: accepting the sequential choices reproduces them."""
+    """Verify position j counts the drafts before j: accepting the sequential choices reproduces
+    them."""
     rng = np.random.default_rng(seed)
     vocab, k = 12, 5
     logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
@@ -285,7 +313,9 @@ def test_penalties_are_exact_under_speculation(seed: int) -> None:
         "penalty_ids": ids,
         "penalty_counts": counts,
     }
-    tokens, accepted, _, _ = score(logits, Decode(draft_tokens=np.array(expected[:k], np.int64), **fields))
+    tokens, accepted, _, _ = score(
+        logits, Decode(draft_tokens=np.array(expected[:k], np.int64), **fields)
+    )
     assert accepted == k and tokens.tolist() == expected
     wrong = list(expected[:k])
     wrong[2] = (wrong[2] + 1) % vocab
@@ -312,8 +342,9 @@ def test_sampling_uses_penalized_distribution() -> None:
 
 
 def test_a_runs_next_decode_is_what_the_coordinator_would_send() -> None:
-    """Each token of a run uses its own two uniforms, and the penalties count the tokens emitted so far
-    exactly as the coordinator's Decode of the next round would (context ids and reply counts)."""
+    """Each token of a run uses its own two uniforms, and the penalties count the tokens emitted so
+    far exactly as the coordinator's Decode of the next round would (context ids and reply
+    counts)."""
     from fleettui.runtime.generation import GenerationParams, penalties
     from remote_worker.decoding import run_next, run_step
 

@@ -1,4 +1,5 @@
-"""Tests for remote_worker.engine on real fp32 shards of SmolLM2-135M: mask rollback, compaction, isolation."""
+"""Tests for remote_worker.engine on real fp32 shards of SmolLM2-135M: mask rollback, compaction,
+isolation."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class Chain:
         assert len(lengths) == 1, "stages disagree on the physical cache length"
         return lengths.pop()
 
-    def step(self, session: int, pos0: int, tokens: np.ndarray, ranges: np.ndarray = NO_RANGES) -> np.ndarray:
+    def step(
+        self, session: int, pos0: int, tokens: np.ndarray, ranges: np.ndarray = NO_RANGES
+    ) -> np.ndarray:
         cache_len = self.cache_len(session)
         data = np.asarray(tokens, np.int64)
         for engine in self.engines:
@@ -88,7 +91,10 @@ def plain_greedy(chain: Chain, session: int, prompt: np.ndarray, count: int) -> 
 def test_exact_settings_are_in_effect(chain: Chain) -> None:
     for engine in chain.engines:
         properties = engine.effective_properties()
-        assert "32" in properties["INFERENCE_PRECISION_HINT"] and "32" in properties["KV_CACHE_PRECISION"]
+        assert (
+            "32" in properties["INFERENCE_PRECISION_HINT"]
+            and "32" in properties["KV_CACHE_PRECISION"]
+        )
         assert properties["NUM_STREAMS"] == "1"
 
 
@@ -109,7 +115,8 @@ def speculative_greedy(
     script: list[str],
     compact_after: set[int] = frozenset(),
 ) -> list[int]:
-    """Greedy decoding with a scripted 3-token draft verified in one pass and rolled back by mask only.
+    """Greedy decoding with a scripted 3-token draft verified in one pass and rolled back by mask
+    only.
 
     The draft is built from the reference tokens: "junk" (all wrong), "two" (2 right then 1 wrong),
     "one" (1 right then 2 wrong) or "all" (all right, so a bonus token follows).
@@ -134,10 +141,14 @@ def speculative_greedy(
         position += 1 + accepted
         token = tokens[-1]
         # the slots of the rejected drafts stay in the cache; they are masked from the next step on
-        pending = np.array([[start + 1 + accepted, start + 4]], np.int64) if accepted < 3 else NO_RANGES
+        pending = (
+            np.array([[start + 1 + accepted, start + 4]], np.int64) if accepted < 3 else NO_RANGES
+        )
         if round_index in compact_after:
             assert len(pending) == 0, "compact only when no rejection is waiting to be masked"
-            assert chain.compact(session) == position  # every masked slot dropped: physical == logical
+            assert (
+                chain.compact(session) == position
+            )  # every masked slot dropped: physical == logical
     chain.close(session)
     return tokens[:count]
 
@@ -153,7 +164,10 @@ def test_compaction_keeps_output_identical(chain: Chain, shard_dir: Path) -> Non
     prompt = chat_prompt(shard_dir, "Name three colours of the rainbow.")
     reference = plain_greedy(chain, 4, prompt, 24)
     script = ["junk", "two", "one", "all", "junk", "junk", "two", "all", "one", "junk"]
-    assert speculative_greedy(chain, 5, prompt, 18, reference, script, compact_after={3, 7}) == reference[:18]
+    assert (
+        speculative_greedy(chain, 5, prompt, 18, reference, script, compact_after={3, 7})
+        == reference[:18]
+    )
 
 
 def test_interleaved_sessions_equal_each_alone(chain: Chain, shard_dir: Path) -> None:
@@ -216,8 +230,9 @@ def test_engine_refuses_inconsistent_requests(chain: Chain) -> None:
 def test_the_head_projects_only_the_rows_asked_for_and_they_equal_the_full_projection(
     chain: Chain, shard_dir: Path
 ) -> None:
-    """slice_logits: a prefill's head sees one row (n x vocabulary floats were thrown away before); the rows
-    kept are exactly those rows of the whole projection, at any keep (a verify keeps K + 1)."""
+    """slice_logits: a prefill's head sees one row (n x vocabulary floats were thrown away before);
+    the rows kept are exactly those rows of the whole projection, at any keep (a verify keeps K +
+    1)."""
     first, last = chain.engines
     assert last.slices_logits and not first.slices_logits
     prompt = chat_prompt(shard_dir, "Why is the sky blue?")
@@ -238,8 +253,9 @@ def test_the_head_projects_only_the_rows_asked_for_and_they_equal_the_full_proje
 def test_a_warm_up_mid_answer_leaves_no_session_behind_and_changes_no_token(
     chain: Chain, shard_dir: Path
 ) -> None:
-    """warm_up (what a worker runs before it reports ready) steps a scratch session and closes it: an answer
-    in progress on the same engines goes on token-identically, and the engines hold only its session."""
+    """warm_up (what a worker runs before it reports ready) steps a scratch session and closes it:
+    an answer in progress on the same engines goes on token-identically, and the engines hold only
+    its session."""
     prompt = chat_prompt(shard_dir, "Name three rivers in Europe.")
     expected = plain_greedy(chain, 60, prompt, 6)
     chain.open(61)

@@ -1,5 +1,6 @@
-"""Each family's real chat template gives the same token ids here as transformers' `apply_chat_template`, and a
-template stored beside a model (chat_template.jinja) is the one its shards carry."""
+"""Each family's real chat template gives the same token ids here as transformers'
+`apply_chat_template`, and a template stored beside a model (chat_template.jinja) is the one its
+shards carry."""
 
 from __future__ import annotations
 
@@ -68,19 +69,26 @@ def transformers_ids(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", [True, False])
-@pytest.mark.parametrize(("name", "template", "messages", "options"), CASES, ids=[case[0] for case in CASES])
-def test_rendered_ids_equal_transformers(folder, name, template, messages, options, generation) -> None:
+@pytest.mark.parametrize(
+    ("name", "template", "messages", "options"), CASES, ids=[case[0] for case in CASES]
+)
+def test_rendered_ids_equal_transformers(
+    folder, name, template, messages, options, generation
+) -> None:
     chat = ChatFormat(folder, _Manifest(template))  # type: ignore[arg-type]
     turns = [ChatMessage(m["role"], m["content"]) for m in messages]
     expected = transformers_ids(template, messages, generation, **options)
     assert chat.encode(chat.render(turns, generation, **options)) == expected
     if generation and name.startswith("qwen3"):
-        empty_think = chat.render(turns, **options).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        empty_think = chat.render(turns, **options).endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
         assert empty_think == (options.get("enable_thinking") is False)
 
 
 def test_a_folder_template_file_is_the_one_exported(tmp_path: Path) -> None:
-    """A Hugging Face folder's chat_template.jinja (transformers' own place for it) reaches the shards."""
+    """A Hugging Face folder's chat_template.jinja (transformers' own place for it) reaches the
+    shards."""
     from shard_compiler.sources import ModelConfig, ModelSource
     from shard_compiler.tokenizer import export_tokenizer
 
@@ -95,8 +103,27 @@ def test_a_folder_template_file_is_the_one_exported(tmp_path: Path) -> None:
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
     (model / "chat_template.jinja").write_text(QWEN_3)
     config = ModelConfig(
-        "qwen3", "Qwen3ForCausalLM", 1, 64, 128, 49152, 2, 1, 32, 1e-6, 1e6, None, 4096, False, 1, (2,), None
+        "qwen3",
+        "Qwen3ForCausalLM",
+        1,
+        64,
+        128,
+        49152,
+        2,
+        1,
+        32,
+        1e-6,
+        1e6,
+        None,
+        4096,
+        False,
+        1,
+        (2,),
+        None,
     )
     info = export_tokenizer(ModelSource("model", "hf", model), config, {}, tmp_path / "out")
     assert info.chat_template == QWEN_3
-    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"] == QWEN_3
+    assert (
+        json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+        == QWEN_3
+    )

@@ -1,5 +1,6 @@
-"""Gemma-3-270M end to end through the CLI: `fleettui ask --raw --exact` on two stages (cut inside the
-local/global pattern) gives the tokens of transformers' fp32 greedy decoding of the dequantised GGUF."""
+"""Gemma-3-270M end to end through the CLI: `fleettui ask --raw --exact` on two stages (cut inside
+the local/global pattern) gives the tokens of transformers' fp32 greedy decoding of the dequantised
+GGUF."""
 
 from __future__ import annotations
 
@@ -26,14 +27,18 @@ PROMPTS = (
 
 def fleettui(*arguments: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "fleettui", *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def transformers_greedy() -> list[list[int]]:
-    """transformers' fp32 greedy continuation of each prompt, bos first as the GGUF asks (its own EOS stops it).
+    """transformers' fp32 greedy continuation of each prompt, bos first as the GGUF asks (its own
+    EOS stops it).
 
-    The weights are those transformers' GGUF reader dequantised for the compile (cached under the GGUF's
-    content hash), so the file is read once a run; the forward and the decoding are transformers' own."""
+    The weights are those transformers' GGUF reader dequantised for the compile (cached under the
+    GGUF's content hash), so the file is read once a run; the forward and the decoding are
+    transformers' own."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,14 +54,17 @@ def transformers_greedy() -> list[list[int]]:
         ids = [2, *tokenizer(prompt, add_special_tokens=False).input_ids]
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
-        answers.append([int(t) for t in out[0][len(ids) :] if int(t) != 1])  # without the final <eos>
+        answers.append(
+            [int(t) for t in out[0][len(ids) :] if int(t) != 1]
+        )  # without the final <eos>
     return answers
 
 
 def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path) -> None:
     fleet = tmp_path / "gemma.toml"
     hosts = "".join(
-        f'[[hosts]]\nname = "stage-{i}"\nbase_port = {free_port_block()}\nlayers = [{start}, {end}]\n'
+        f'[[hosts]]\nname = "stage-{i}"\nbase_port = {free_port_block()}\nlayers = [{start}, '
+        f"{end}]\n"
         for i, (start, end) in enumerate(((0, 9), (9, 18)))
     )
     fleet.write_text(
@@ -69,7 +77,15 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path) -> None
         reference = transformers_greedy()
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             asked = fleettui(
-                "ask", str(fleet), "--raw", "--exact", "--max-tokens", str(TOKENS), "--json", "-", prompt
+                "ask",
+                str(fleet),
+                "--raw",
+                "--exact",
+                "--max-tokens",
+                str(TOKENS),
+                "--json",
+                "-",
+                prompt,
             )
             assert asked.returncode == 0, asked.stderr[-2000:]
             answer = json.loads(asked.stdout)
@@ -82,7 +98,8 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path) -> None
             refused.stderr.strip()
             .splitlines()[-1]
             .endswith(
-                "gemma-3-270m has no chat template (a base model): send a raw prompt (/v1/completions, "
+                "gemma-3-270m has no chat template (a base model): send a raw prompt "
+                "(/v1/completions, "
                 "`fleettui ask --raw`)"
             )
         )
@@ -92,7 +109,8 @@ def test_ask_raw_exact_on_two_stages_equals_transformers(tmp_path: Path) -> None
 
 
 def served(fleet: Path, expected: list[int]) -> None:
-    """`fleettui serve` on the deployment: /v1/completions continues the prompt; a chat request is a 400."""
+    """`fleettui serve` on the deployment: /v1/completions continues the prompt; a chat request
+    is a 400."""
     import httpx
     import jsonschema
 
@@ -111,27 +129,46 @@ def served(fleet: Path, expected: list[int]) -> None:
         completion = httpx.post(f"{base}/completions", json=body, timeout=300)
         assert completion.status_code == 200, completion.text
         assert completion.json()["usage"]["completion_tokens"] == 16
-        assert completion.json()["choices"][0]["text"] == reference_tokenizer().decode(expected[:16])
-        # a base model's completion held to a JSON schema: valid by construction, or finish_reason length
+        assert completion.json()["choices"][0]["text"] == reference_tokenizer().decode(
+            expected[:16]
+        )
+        # a base model's completion held to a JSON schema: valid by construction, or finish_reason
+        # length
         schema = {
             "type": "object",
-            "properties": {"country": {"enum": ["France", "Italy", "Spain"]}, "capital": {"type": "boolean"}},
+            "properties": {
+                "country": {"enum": ["France", "Italy", "Spain"]},
+                "capital": {"type": "boolean"},
+            },
             "required": ["country", "capital"],
         }
         shaped = {
-            "model": "gemma-3-270m", "prompt": "Paris is in", "max_tokens": 40, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
-        }  # fmt: skip
+            "model": "gemma-3-270m",
+            "prompt": "Paris is in",
+            "max_tokens": 40,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "place", "schema": schema},
+            },
+        }
         constrained = httpx.post(f"{base}/completions", json=shaped, timeout=300)
         assert constrained.status_code == 200, constrained.text
         choice = constrained.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         jsonschema.validate(json.loads(choice["text"]), schema)
-        chat = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        chat = {
+            "model": "gemma-3-270m",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+        }
         refused = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
         assert refused.status_code == 400
         error = refused.json()["error"]
-        assert error["param"] == "messages" and "has no chat template (a base model)" in error["message"]
+        assert (
+            error["param"] == "messages"
+            and "has no chat template (a base model)" in error["message"]
+        )
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -1,5 +1,6 @@
-"""Tests of Gemma-3-270M's SentencePiece tokenizer as exported from its GGUF: ids equal transformers', bos added,
-and streamed text never shows a broken UTF-8 character (byte-fallback pieces are held until they complete)."""
+"""Tests of Gemma-3-270M's SentencePiece tokenizer as exported from its GGUF: ids equal
+transformers', bos added, and streamed text never shows a broken UTF-8 character (byte-fallback
+pieces are held until they complete)."""
 
 from __future__ import annotations
 
@@ -28,20 +29,40 @@ class _Manifest:
 def chat(tmp_path_factory: pytest.TempPathFactory) -> ChatFormat:
     folder = tmp_path_factory.mktemp("gemma-tokenizer")
     config = ModelConfig(
-        "gemma3_text", "Gemma3ForCausalLM", 18, 640, 2048, 262144, 4, 1, 256, 1e-6, 1e6, None, 32768, True,
-        BOS, (1,), 0,
-    )  # fmt: skip
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        18,
+        640,
+        2048,
+        262144,
+        4,
+        1,
+        256,
+        1e-6,
+        1e6,
+        None,
+        32768,
+        True,
+        BOS,
+        (1,),
+        0,
+    )
     info = export_tokenizer(
         ModelSource("gemma-3-270m", "gguf", gguf_path()), config, {}, folder / "tokenizer"
     )
-    assert info.chat_template == "" and info.bos_token_id == BOS  # a base model: no template in its GGUF
+    assert (
+        info.chat_template == "" and info.bos_token_id == BOS
+    )  # a base model: no template in its GGUF
     return ChatFormat(folder, _Manifest())  # type: ignore[arg-type]
 
 
 def test_the_gguf_asks_for_bos_and_has_262144_tokens(chat: ChatFormat) -> None:
     meta = gguf_metadata(gguf_path(), ["tokenizer.ggml.model", "tokenizer.ggml.add_bos_token"])
     assert meta == {"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_bos_token": True}
-    assert chat.tokenizer.id_to_token(262143) is not None and chat.tokenizer.id_to_token(262144) is None
+    assert (
+        chat.tokenizer.id_to_token(262143) is not None
+        and chat.tokenizer.id_to_token(262144) is None
+    )
     assert chat.tokenizer.id_to_token(BOS) == "<bos>"
 
 
@@ -63,9 +84,16 @@ def test_streamed_text_is_whole_characters_and_adds_up(chat: ChatFormat, prompt:
     assert b"".join(chat.token_bytes(token) for token in ids[1:]) == prompt.encode()
 
 
-def test_a_character_split_over_byte_fallback_pieces_streams_only_when_whole(chat: ChatFormat) -> None:
+def test_a_character_split_over_byte_fallback_pieces_streams_only_when_whole(
+    chat: ChatFormat,
+) -> None:
     ids = chat.encode("𝔘")  # a character the vocabulary lacks: four <0x..> byte pieces
-    assert [chat.tokenizer.id_to_token(token) for token in ids] == ["<0xF0>", "<0x9D>", "<0x94>", "<0x98>"]
+    assert [chat.tokenizer.id_to_token(token) for token in ids] == [
+        "<0xF0>",
+        "<0x9D>",
+        "<0x94>",
+        "<0x98>",
+    ]
     stream = TextStream(chat)
     assert [stream.push([token]) for token in ids] == ["", "", "", "𝔘"]
 
@@ -90,9 +118,13 @@ def test_the_gemma3_template_gives_transformers_ids(chat: ChatFormat, turns, gen
     expected = reference.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=generation, return_dict=True
     )["input_ids"]
-    chat.template = compile_template(GEMMA_3)  # as a -it GGUF's tokenizer.chat_template would give it
+    chat.template = compile_template(
+        GEMMA_3
+    )  # as a -it GGUF's tokenizer.chat_template would give it
     try:
-        ids = chat.encode(chat.render([ChatMessage(role, text) for role, text in turns], generation))
+        ids = chat.encode(
+            chat.render([ChatMessage(role, text) for role, text in turns], generation)
+        )
     finally:
         chat.template = None
     assert ids == list(expected)

@@ -1,5 +1,6 @@
-"""A GGUF with a tensor type the compiler cannot read: one line naming the file and the type, exit 2, and no
-shard folder left in the cache. Gemma-3-270M's own types (Q4_K, Q5_0, Q6_K, Q8_0, F32) all read."""
+"""A GGUF with a tensor type the compiler cannot read: one line naming the file and the type, exit
+2, and no shard folder left in the cache. Gemma-3-270M's own types (Q4_K, Q5_0, Q6_K, Q8_0, F32) all
+read."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tests.support.tiny_models import write_gguf
 
 
 def _with_a_q8_1_tensor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The tiny llama GGUF with blk.0.ffn_up.weight stored as Q8_1 (a type gguf-py cannot dequantise)."""
+    """The tiny llama GGUF with blk.0.ffn_up.weight stored as Q8_1 (a type gguf-py cannot
+    dequantise)."""
     import gguf
 
     original = gguf.GGUFWriter.add_tensor
@@ -25,7 +27,9 @@ def _with_a_q8_1_tensor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         if name != "blk.0.ffn_up.weight":
             return original(self, name, tensor, raw_shape, raw_dtype)
         rows, columns = tensor.shape
-        blocks = np.zeros((rows, columns // 32 * 40), dtype=np.uint8)  # 32 weights in 40 bytes a block
+        blocks = np.zeros(
+            (rows, columns // 32 * 40), dtype=np.uint8
+        )  # 32 weights in 40 bytes a block
         return original(self, name, blocks, blocks.shape, gguf.GGMLQuantizationType.Q8_1)
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
@@ -36,7 +40,9 @@ def _with_a_q8_1_tensor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.slow
-def test_an_unreadable_quant_type_is_one_line_naming_file_and_type(tmp_path: Path, monkeypatch) -> None:
+def test_an_unreadable_quant_type_is_one_line_naming_file_and_type(
+    tmp_path: Path, monkeypatch
+) -> None:
     model = _with_a_q8_1_tensor(tmp_path / "odd.gguf", monkeypatch)
     cache = tmp_path / "cache"
     command = [
@@ -55,7 +61,9 @@ def test_an_unreadable_quant_type_is_one_line_naming_file_and_type(tmp_path: Pat
     )
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"shard_compiler: error: {model}: tensor 'blk.0.ffn_up.weight' is stored as Q8_1")
+    assert last.startswith(
+        f"shard_compiler: error: {model}: tensor 'blk.0.ffn_up.weight' is stored as Q8_1"
+    )
     assert not [p for p in (cache / "shards").glob("*") if not p.name.startswith(".")]
 
 

@@ -1,9 +1,8 @@
 """A controller killed (SIGKILL) at any point leaves no worker behind for longer than its lease.
 
-Real parts: a controller process launching a real two-stage fleet, killed while its workers load (before
-any handshake finished), or while the recovery relaunches a killed stage. Its workers are orphans then; each
-was launched on the lease and must exit by itself once nobody renews it.
-"""
+Real parts: a controller process launching a real two-stage fleet, killed while its workers load
+(before any handshake finished), or while the recovery relaunches a killed stage. Its workers are
+orphans then; each was launched on the lease and must exit by itself once nobody renews it."""
 
 from __future__ import annotations
 
@@ -64,12 +63,17 @@ def test_a_controller_killed_mid_launch_leaves_no_worker_beyond_its_lease(
 ) -> None:
     controller = subprocess.Popen(
         [sys.executable, "-c", SCRIPT.format(tests=str(ROOT), lease=LEASE), str(shard_cache)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     handle = psutil.Process(controller.pid)
     seen: set[int] = set()
     try:
-        if moment == "launch":  # both workers exist and load their shards; no handshake has finished yet
+        if (
+            moment == "launch"
+        ):  # both workers exist and load their shards; no handshake has finished yet
 
             def started() -> bool:
                 seen.update(workers_of(handle))
@@ -92,9 +96,12 @@ def test_a_controller_killed_mid_launch_leaves_no_worker_beyond_its_lease(
         left, _ = controller.communicate()
         if moment == "launch":
             assert "ready" not in left  # killed while launching, as meant
-        wait_for(lambda: not any(alive(pid) for pid in seen), 120, f"the orphans {sorted(seen)} to exit")
+        wait_for(
+            lambda: not any(alive(pid) for pid in seen), 120, f"the orphans {sorted(seen)} to exit"
+        )
         print(
-            f"{moment}: {len(seen)} orphaned workers exited {time.monotonic() - killed:.1f} s after the kill"
+            f"{moment}: {len(seen)} orphaned workers exited {time.monotonic() - killed:.1f} s "
+            "after the kill"
         )
     finally:
         if controller.poll() is None:
@@ -106,8 +113,9 @@ def test_a_controller_killed_mid_launch_leaves_no_worker_beyond_its_lease(
 
 
 def test_a_throttle_whose_process_is_killed_leaves_its_victim_running() -> None:
-    """The bench's injected slowdown (SIGSTOP/SIGCONT duty cycle) must not leave a worker stopped forever
-    when the process throttling it is killed: a stopped worker could not even run out its lease."""
+    """The bench's injected slowdown (SIGSTOP/SIGCONT duty cycle) must not leave a worker stopped
+    forever when the process throttling it is killed: a stopped worker could not even run out its
+    lease."""
     victim = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     throttling = subprocess.Popen(
         [sys.executable, "-c", THROTTLING.format(root=str(ROOT), pid=victim.pid)],
@@ -115,7 +123,9 @@ def test_a_throttle_whose_process_is_killed_leaves_its_victim_running() -> None:
         text=True,
     )
     try:
-        assert throttling.stdout is not None and throttling.stdout.readline().strip() == "throttling"
+        assert (
+            throttling.stdout is not None and throttling.stdout.readline().strip() == "throttling"
+        )
         handle = psutil.Process(victim.pid)
 
         def states(seconds: float) -> set[str]:
@@ -128,9 +138,10 @@ def test_a_throttle_whose_process_is_killed_leaves_its_victim_running() -> None:
         assert psutil.STATUS_STOPPED in states(1.0)  # (held stopped 90 % of the time)
         throttling.send_signal(signal.SIGKILL)
         throttling.wait()
-        # the helper may be past its check for the closed pipe when the kill comes: one more cycle (18 ms
-        # stopped) may follow, so "running again" is a whole 0.3 s seen running (a single "running" sample
-        # could fall in that cycle's 2 ms running window, as it did once on a loaded CI machine)
+        # the helper may be past its check for the closed pipe when the kill comes: one more cycle
+        # (18 ms stopped) may follow, so "running again" is a whole 0.3 s seen running (a single
+        # "running" sample could fall in that cycle's 2 ms running window, as it did once on a
+        # loaded CI machine)
         wait_for(lambda: states(0.3) == {psutil.STATUS_RUNNING}, 5, "the victim to run again")
         assert states(0.5) == {psutil.STATUS_RUNNING}
     finally:

@@ -1,10 +1,10 @@
-"""Integration test of the penalties on the real model through a real 2-stage pipeline (exact settings).
+"""Integration test of the penalties on the real model through a real 2-stage pipeline (exact
+settings).
 
-Frequency/presence/repetition penalties are applied on the last stage before greedy choice and speculative
-acceptance, with the verify window's draft tokens counted position by position: greedy output with
-penalties must be token-identical with speculation (the INT4 self-draft, fixed K) and without it, and the
-penalties must visibly change an output that loops.
-"""
+Frequency/presence/repetition penalties are applied on the last stage before greedy choice and
+speculative acceptance, with the verify window's draft tokens counted position by position: greedy
+output with penalties must be token-identical with speculation (the INT4 self-draft, fixed K) and
+without it, and the penalties must visibly change an output that loops."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def test_penalties_are_exact_under_speculation_and_break_a_loop(shard_cache: Pat
     assert speculative.token_ids == penalized.token_ids  # exact under speculation
     # drafts were accepted, so positions after the first counted the drafts before them
     assert speculative.stats.accepted > 0 and speculative.stats.rounds < TOKENS
-    assert _repeats(list(plain.token_ids)) >= 3, plain.text  # greedy alone repeats itself on this prompt
+    assert _repeats(list(plain.token_ids)) >= 3, (
+        plain.text
+    )  # greedy alone repeats itself on this prompt
     assert penalized.token_ids != plain.token_ids
     assert _repeats(list(penalized.token_ids)) < _repeats(list(plain.token_ids)), penalized.text

@@ -1,9 +1,8 @@
-"""Integration tests of the runtime with the real parts: real shards of the real model, real ZeroMQ stage
-processes, exact arithmetic settings (fp32 weights, f32 inference, f32 KV cache, f32 wire).
+"""Integration tests of the runtime with the real parts: real shards of the real model, real ZeroMQ
+stage processes, exact arithmetic settings (fp32 weights, f32 inference, f32 KV cache, f32 wire).
 
-Every pipeline — any number of stages, speculation on or off, any number of interleaved users — must give
-greedy tokens identical to the unsplit model.
-"""
+Every pipeline — any number of stages, speculation on or off, any number of interleaved users — must
+give greedy tokens identical to the unsplit model."""
 
 from __future__ import annotations
 
@@ -50,7 +49,9 @@ def make_fleet(
     return replace(fleet, speculation=replace(fleet.speculation, k=k))
 
 
-async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tuple[list[list[int]], dict]:
+async def run_prompts(
+    fleet: Fleet, prompts: list[str], interleaved: bool
+) -> tuple[list[list[int]], dict]:
     controller = FleetController(fleet)
     try:
         coordinator = await controller.start()
@@ -62,7 +63,11 @@ async def run_prompts(fleet: Fleet, prompts: list[str], interleaved: bool) -> tu
         else:
             generations = [await call for call in calls]
         pids = list(controller.worker_pids().values())
-        info = {"pids": pids, "stats": [g.stats for g in generations], "texts": [g.text for g in generations]}
+        info = {
+            "pids": pids,
+            "stats": [g.stats for g in generations],
+            "texts": [g.text for g in generations],
+        }
         info["spans"] = [str(stage.layers) for stage in controller.target.manifest.stages]  # type: ignore[union-attr]
         return [list(g.token_ids) for g in generations], info
     finally:
@@ -75,15 +80,24 @@ def reference(shard_cache: Path) -> list[list[int]]:
     from shard_compiler.compiler import compile_shards
     from tests.support.shards import ChainRunner, chat_ids
 
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     runner = ChainRunner(unsplit, exact=True)
-    return [runner.greedy(chat_ids(unsplit, prompt), TOKENS, stop_at_eos=True) for prompt in PROMPTS]
+    return [
+        runner.greedy(chat_ids(unsplit, prompt), TOKENS, stop_at_eos=True) for prompt in PROMPTS
+    ]
 
 
 @pytest.mark.parametrize(
     ("stages", "draft", "k", "users"),
     [
-        (1, "none", "auto", 1),  # one stage: the worker generates in runs (its tokens fed back by itself)
+        (
+            1,
+            "none",
+            "auto",
+            1,
+        ),  # one stage: the worker generates in runs (its tokens fed back by itself)
         (1, "none", "auto", 3),
         (1, "prompt-lookup", "auto", 2),  # runs between speculative rounds
         (2, "none", "auto", 3),
@@ -124,8 +138,9 @@ def test_stages_cut_inside_a_layer_match_the_unsplit_model(
     users: int,
     spans: list[str],
 ) -> None:
-    """Measured costs under which whole layers balance badly (a head worth 7 layers): the planner cuts a layer
-    between its attention and its MLP, and the deployed pipeline still gives the unsplit model's tokens."""
+    """Measured costs under which whole layers balance badly (a head worth 7 layers): the planner
+    cuts a layer between its attention and its MLP, and the deployed pipeline still gives the
+    unsplit model's tokens."""
     from fleettui.planning import profiles
     from fleettui.planning.costs import MeasuredCosts
 
@@ -141,23 +156,28 @@ def test_stages_cut_inside_a_layer_match_the_unsplit_model(
 
 
 def test_a_long_prompt_prefilled_with_chunks_in_flight_is_exact(shard_cache: Path) -> None:
-    """A ~900-token prompt goes down 3 stages as 7 unscored chunks, up to one per stage in flight, beside a
-    short one of another user: both answers are the unsplit model's greedy tokens."""
+    """A ~900-token prompt goes down 3 stages as 7 unscored chunks, up to one per stage in flight,
+    beside a short one of another user: both answers are the unsplit model's greedy tokens."""
     from shard_compiler.compiler import compile_shards
     from tests.support.shards import ChainRunner, chat_ids
 
     facts = ". ".join(
-        f"Fact {index}: the {index}th lamp is {('red', 'green', 'blue')[index % 3]}" for index in range(90)
+        f"Fact {index}: the {index}th lamp is {('red', 'green', 'blue')[index % 3]}"
+        for index in range(90)
     )
     prompts = [f"{facts}. Which colour is the 40th lamp?", PROMPTS[0]]
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     runner = ChainRunner(unsplit, exact=True)
     expected = []
     for prompt in prompts:
         runner.reset()
         expected.append(runner.greedy(chat_ids(unsplit, prompt), TOKENS, stop_at_eos=True))
     assert len(chat_ids(unsplit, prompts[0])) > 800
-    tokens, _ = asyncio.run(run_prompts(make_fleet(shard_cache, 3, "none"), prompts, interleaved=True))
+    tokens, _ = asyncio.run(
+        run_prompts(make_fleet(shard_cache, 3, "none"), prompts, interleaved=True)
+    )
     assert tokens == expected
 
 
@@ -175,7 +195,8 @@ def test_ask_cli_json_gives_the_unsplit_tokens(
     fleet_file.write_text(
         f'[model]\nname = "smollm2-135m-instruct"\nprecision = "int4"\nshards = "{shard_cache}"\n'
         '[speculation]\ndraft = "self-int4"\nk = 2\n'
-        f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = {ports[1]}\n'
+        f'[[hosts]]\nname = "a"\nbase_port = {ports[0]}\n[[hosts]]\nname = "b"\nbase_port = '
+        f"{ports[1]}\n"
     )
     result = subprocess.run(
         [
@@ -199,9 +220,11 @@ def test_ask_cli_json_gives_the_unsplit_tokens(
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["token_ids"] == reference[0]
-    # as the controller plans it: --exact (fp32 weights), local stages on their own CPUs, whose costs the
-    # deploy measured when this machine had no profile for them
-    planned = plan_fleet(share_local_cores(with_overrides(load_fleet(fleet_file), exact=True))).ranges
+    # as the controller plans it: --exact (fp32 weights), local stages on their own CPUs, whose
+    # costs the deploy measured when this machine had no profile for them
+    planned = plan_fleet(
+        share_local_cores(with_overrides(load_fleet(fleet_file), exact=True))
+    ).ranges
     assert document["fleet"]["stages"] == [list(r) for r in planned] and len(planned) == 2
     assert document["fleet"]["exact"] is True
     assert "Paris" in document["text"]
@@ -224,15 +247,20 @@ def test_bad_fleet_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and "broken.toml:3" in lines[0] and "precison" in lines[0]
 
 
-def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Path, tmp_path: Path) -> None:
-    """`--ask -` reads stdin and `--system` comes first in the chat template: the unsplit model's greedy tokens."""
+def test_ask_reads_the_prompt_from_stdin_after_a_system_message(
+    shard_cache: Path, tmp_path: Path
+) -> None:
+    """`--ask -` reads stdin and `--system` comes first in the chat template: the unsplit model's
+    greedy tokens."""
     from fleettui.runtime.chat_format import compile_template, render_template
     from remote_worker.manifest import load_manifest
     from shard_compiler.compiler import compile_shards
     from tests.support.shards import ChainRunner
 
     system, prompt = "You answer in French.", "What is the capital of Italy?\nOne word."
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     manifest = load_manifest(unsplit)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     text = render_template(compile_template(manifest.chat_template), messages, True)
@@ -243,14 +271,31 @@ def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Pat
     expected = ChainRunner(unsplit, exact=True).greedy(ids, 16, stop_at_eos=True)
     fleet_file = tmp_path / "fleet.toml"
     fleet_file.write_text(
-        f'[model]\nname = "smollm2-135m-instruct"\nshards = "{shard_cache}"\n[speculation]\ndraft = "none"\n'
+        f'[model]\nname = "smollm2-135m-instruct"\nshards = "{shard_cache}"\n[speculation]\ndraft '
+        '= "none"\n'
         f'[[hosts]]\nname = "a"\nbase_port = {free_port_block()}\n'
     )
     result = subprocess.run(
-        [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "-", "--system", system, "--exact",
-         "--json", "--max-tokens", "16"],
-        input=prompt + "\n", capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fleettui",
+            str(fleet_file),
+            "--ask",
+            "-",
+            "--system",
+            system,
+            "--exact",
+            "--json",
+            "--max-tokens",
+            "16",
+        ],
+        input=prompt + "\n",
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["prompt_tokens"] == len(ids)
@@ -261,18 +306,23 @@ def test_ask_reads_the_prompt_from_stdin_after_a_system_message(shard_cache: Pat
     assert any(line.startswith("start workers: done 1/1") for line in progress), result.stderr
 
 
-def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: list[list[int]]) -> None:
-    """200 ms per hop (the bench's user-space delay proxies on every data link): the next round's draft is
-    proposed, and its verify sent behind the round in flight, while a round crosses the wires; it becomes
-    the next round when the round accepted it all. The draft is the unsplit fp32 model (it agrees with the
-    target, so rounds ahead are taken); two interleaved users still get the unsplit model's greedy tokens.
-    (At 80 ms a hop a CI machine without bf16, its two cores shared by both stages and the fp32 draft, drafted
-    at 125 ms a token: K + 1 = 4 drafts did not fit in the 0.25 s the wires were idle, so none was started
-    ahead. The delay is what makes drafting ahead pay, so it is the test's premise, not its speed.)"""
+def test_drafting_ahead_over_slow_hops_is_exact(
+    shard_cache: Path, reference: list[list[int]]
+) -> None:
+    """200 ms per hop (the bench's user-space delay proxies on every data link): the next round's
+    draft is proposed, and its verify sent behind the round in flight, while a round crosses the
+    wires; it becomes the next round when the round accepted it all. The draft is the unsplit fp32
+    model (it agrees with the target, so rounds ahead are taken); two interleaved users still get
+    the unsplit model's greedy tokens. (At 80 ms a hop a CI machine without bf16, its two cores
+    shared by both stages and the fp32 draft, drafted at 125 ms a token: K + 1 = 4 drafts did not
+    fit in the 0.25 s the wires were idle, so none was started ahead. The delay is what makes
+    drafting ahead pay, so it is the test's premise, not its speed.)"""
     from fleettui.bench.hop_delay import HopDelay
     from shard_compiler.compiler import compile_shards
 
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
     fleet = make_fleet(shard_cache, 2, str(unsplit), 3)
 
     async def run() -> tuple[list[list[int]], dict[str, int], str]:
@@ -283,10 +333,16 @@ def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: li
                 sessions = [await coordinator.open_session() for _ in PROMPTS[1:]]
                 params = GenerationParams(max_tokens=TOKENS)
                 generations = await asyncio.gather(
-                    *(coordinator.chat(s, p, params) for s, p in zip(sessions, PROMPTS[1:], strict=True))
+                    *(
+                        coordinator.chat(s, p, params)
+                        for s, p in zip(sessions, PROMPTS[1:], strict=True)
+                    )
                 )
                 counts = dict(coordinator.ahead_counts)
-                seen = f"{counts}, draft {coordinator.ahead_cost.per_token} s a token, wires idle {coordinator.wire_idle} s"
+                seen = (
+                    f"{counts}, draft {coordinator.ahead_cost.per_token} s a token, wires idle "
+                    f"{coordinator.wire_idle} s"
+                )
             finally:
                 await controller.stop()
         return [list(g.token_ids) for g in generations], counts, seen
@@ -297,15 +353,19 @@ def test_drafting_ahead_over_slow_hops_is_exact(shard_cache: Path, reference: li
 
 
 def test_runs_cut_short_for_prompt_lookup_are_exact(shard_cache: Path) -> None:
-    """A reply that repeats itself: the 2-stage pipeline generates in runs, the runs are watched for prompt
-    lookup, cut short where its drafts are worth a verify, and the tokens made until the Cancel's Ack are
-    read as the reply's own. Greedy output still equals the unsplit model's."""
+    """A reply that repeats itself: the 2-stage pipeline generates in runs, the runs are watched for
+    prompt lookup, cut short where its drafts are worth a verify, and the tokens made until the
+    Cancel's Ack are read as the reply's own. Greedy output still equals the unsplit model's."""
     from shard_compiler.compiler import compile_shards
     from tests.support.shards import ChainRunner, chat_ids
 
     prompt, count = "Repeat this line five times: the quick brown fox jumps over the lazy dog.", 96
-    unsplit = compile_shards("smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache)
-    expected = ChainRunner(unsplit, exact=True).greedy(chat_ids(unsplit, prompt), count, stop_at_eos=True)
+    unsplit = compile_shards(
+        "smollm2-135m-instruct", stages=1, precision="fp32", cache_root=shard_cache
+    )
+    expected = ChainRunner(unsplit, exact=True).greedy(
+        chat_ids(unsplit, prompt), count, stop_at_eos=True
+    )
     fleet = make_fleet(shard_cache, 2, "prompt-lookup", "auto")
 
     async def run() -> tuple[list[int], int, int]:

@@ -1,9 +1,9 @@
-"""Integration tests of recovery with the real parts: real shards, real worker processes, exact settings.
+"""Integration tests of recovery with the real parts: real shards, real worker processes, exact
+settings.
 
-A worker is killed (SIGKILL), frozen (SIGSTOP) or kept from coming back while answers stream; every answer
-must complete and equal the uninterrupted run token for token. The fault is triggered from the token
-callback after a few tokens, never by a sleep.
-"""
+A worker is killed (SIGKILL), frozen (SIGSTOP) or kept from coming back while answers stream; every
+answer must complete and equal the uninterrupted run token for token. The fault is triggered from
+the token callback after a few tokens, never by a sleep."""
 
 from __future__ import annotations
 
@@ -44,7 +44,11 @@ def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
     """A process still running a worker of the controller's deployment."""
     deployment = controller.deployment
     command = " ".join(process.info["cmdline"] or ())
-    return deployment is not None and "remote_worker" in command and f"/runs/{deployment.id}/" in command
+    return (
+        deployment is not None
+        and "remote_worker" in command
+        and f"/runs/{deployment.id}/" in command
+    )
 
 
 @pytest.mark.parametrize(
@@ -58,11 +62,18 @@ def fleet_worker(process: psutil.Process, controller: FleetController) -> bool:
     ],
 )
 def test_kill_9_mid_answer_completes_exactly(
-    shard_cache: Path, recovery_reference: list[list[int]], victim: str, stages: int, draft: str, users: int
+    shard_cache: Path,
+    recovery_reference: list[list[int]],
+    victim: str,
+    stages: int,
+    draft: str,
+    users: int,
 ) -> None:
     events: list[object] = []
     fleet = make_fleet(shard_cache, stages, draft, 3 if draft != "none" else "auto")
-    tokens, controller, reports = asyncio.run(run_with_fault(fleet, PROMPTS[:users], kill(victim), events))
+    tokens, controller, reports = asyncio.run(
+        run_with_fault(fleet, PROMPTS[:users], kill(victim), events)
+    )
     print_reports(reports)
     assert tokens == recovery_reference[:users]
     victims = victim.split("+")
@@ -71,7 +82,9 @@ def test_kill_9_mid_answer_completes_exactly(
     assert all("signal 9" in reason for r in reports for reason in r.reasons)
     lost = [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
     assert sorted(e.name for e in lost) == sorted(victims)
-    assert controller.launched == [] and store.load(fleet) is None  # stop() took the relaunched ones too
+    assert (
+        controller.launched == [] and store.load(fleet) is None
+    )  # stop() took the relaunched ones too
     assert not [p for p in psutil.process_iter(["cmdline"]) if fleet_worker(p, controller)]
 
 
@@ -95,7 +108,10 @@ def test_sigstop_for_ten_seconds_then_sigcont_completes_exactly(
     print_reports(reports)
     assert tokens == recovery_reference[:2]
     assert len(reports) == 1 and "stopped" in reports[0].reasons[0]
-    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(stopped[0])
+        or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 def _wake(pid: int) -> None:
@@ -104,8 +120,8 @@ def _wake(pid: int) -> None:
 
 
 def lose_and_hold_its_port(controller: FleetController, squatters: list[socket.socket]) -> None:
-    """SIGKILL stage-1 and listen on its data port, so it cannot be started there again (a PC that is gone)
-    until the socket added to `squatters` is closed."""
+    """SIGKILL stage-1 and listen on its data port, so it cannot be started there again (a PC that
+    is gone) until the socket added to `squatters` is closed."""
     worker = next(e for e in controller.launched if e.placement.config.name == "stage-1")
     assert worker.popen is not None
     os.kill(worker.popen.pid, signal.SIGKILL)
@@ -120,7 +136,8 @@ def lose_and_hold_its_port(controller: FleetController, squatters: list[socket.s
 def test_host_that_does_not_come_back_is_planned_around(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """Stage 1 of 3 dies and its ports stay taken: after the grace period the model moves onto two hosts."""
+    """Stage 1 of 3 dies and its ports stay taken: after the grace period the model moves onto
+    two hosts."""
     squatters: list[socket.socket] = []
 
     def lose_for_good(controller: FleetController) -> None:
@@ -137,20 +154,26 @@ def test_host_that_does_not_come_back_is_planned_around(
     assert [r.action for r in reports] == ["replan"]
     assert [h.name for h in controller.fleet.hosts] == ["stage-0", "stage-2"]
     assert controller.deployment is not None and len(controller.deployment.stages) == 2
-    # three local stages on this machine's CPUs shared nothing out (2 CPUs here); the two left share them anew
+    # three local stages on this machine's CPUs shared nothing out (2 CPUs here); the two left share
+    # them anew
     from fleettui.config.local_cores import share_local_cores
 
     survivors = tuple(host for host in fleet.hosts if host.name != "stage-1")
     wanted = share_local_cores(replace(fleet, hosts=survivors)).hosts
-    assert [(h.cores, h.threads) for h in controller.fleet.hosts] == [(h.cores, h.threads) for h in wanted]
-    assert [tuple(p.config.cpu_cores) for p in controller.deployment.stages] == [h.cores for h in wanted]
+    assert [(h.cores, h.threads) for h in controller.fleet.hosts] == [
+        (h.cores, h.threads) for h in wanted
+    ]
+    assert [tuple(p.config.cpu_cores) for p in controller.deployment.stages] == [
+        h.cores for h in wanted
+    ]
 
 
 def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """Stage 1 of 3 is lost for good (its port held) and the model moves onto two hosts; once the port is free
-    again (a PC that woke up) the model moves back onto all three, between rounds, and answers stay exact."""
+    """Stage 1 of 3 is lost for good (its port held) and the model moves onto two hosts; once the
+    port is free again (a PC that woke up) the model moves back onto all three, between rounds, and
+    answers stay exact."""
     squatters: list[socket.socket] = []
 
     fleet = make_fleet(shard_cache, 3, grace_seconds=3.0, rejoin_seconds=1.0)
@@ -181,12 +204,19 @@ def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
                     break
                 await asyncio.sleep(0.1)
             again = await controller.ask(PROMPTS[0], params)
-            names = [p.config.name for p in controller.deployment.stages] if controller.deployment else []
+            names = (
+                [p.config.name for p in controller.deployment.stages]
+                if controller.deployment
+                else []
+            )
             record = store.load(fleet)
             return (
-                [list(g.token_ids) for g in first], list(again.token_ids), list(controller.recovery.reports),
-                names, len(record.pids()) if record else 0,
-            )  # fmt: skip
+                [list(g.token_ids) for g in first],
+                list(again.token_ids),
+                list(controller.recovery.reports),
+                names,
+                len(record.pids()) if record else 0,
+            )
         finally:
             await controller.stop()
 
@@ -203,8 +233,9 @@ def test_a_host_planned_around_rejoins_when_it_is_back_and_answers_stay_exact(
 
 
 def stage_0_cannot_come_back(controller: FleetController) -> Callable[[list[int], str], None]:
-    """A token callback that SIGKILLs stage-0 once and points the recovery at an interpreter that does not
-    exist, so the stage cannot be started again until `recovery.python` is set back (a host that is away)."""
+    """A token callback that SIGKILLs stage-0 once and points the recovery at an interpreter that
+    does not exist, so the stage cannot be started again until `recovery.python` is set back (a host
+    that is away)."""
     blocked = next(e.popen for e in controller.launched if e.placement.config.name == "stage-0")
     assert blocked is not None and controller.recovery is not None
     recovery = controller.recovery
@@ -218,7 +249,8 @@ def stage_0_cannot_come_back(controller: FleetController) -> Callable[[list[int]
 
 
 def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path) -> None:
-    """One host cannot hold the model alone: losing the other ends each session with `degraded: needs`."""
+    """One host cannot hold the model alone: losing the other ends each session with `degraded:
+    needs`."""
     from fleettui.planning.planner import plan_fleet
 
     fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=1.0)
@@ -243,7 +275,9 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
             await controller.stop()
 
     outcomes = asyncio.run(scenario())
-    for outcome in outcomes:  # each answer waited `hold_seconds` for the host, then ended in one line
+    for (
+        outcome
+    ) in outcomes:  # each answer waited `hold_seconds` for the host, then ended in one line
         assert isinstance(outcome, LinkError), outcome
         assert "degraded: needs" in str(outcome) and "GB more" in str(outcome)
         assert str(outcome).endswith("(waited 1 s for it to be whole again)")
@@ -252,15 +286,18 @@ def test_recovery_impossible_gives_every_session_a_clear_error(shard_cache: Path
 def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """Neither host holds the model alone: losing stage-0 for good ends the sessions `degraded` (no hold); once
-    its host can run it again (here: the interpreter is back) the stage is relaunched and new answers are exact."""
+    """Neither host holds the model alone: losing stage-0 for good ends the sessions `degraded` (no
+    hold); once its host can run it again (here: the interpreter is back) the stage is relaunched
+    and new answers are exact."""
     import sys
 
     from fleettui.planning.planner import plan_fleet
 
     fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=0.0)
     need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
-    fleet = replace(fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts))
+    fleet = replace(
+        fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts)
+    )
 
     async def scenario() -> tuple[list[BaseException | object], list[int], list[RecoveryReport]]:
         controller = FleetController(fleet)
@@ -288,7 +325,9 @@ def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
     first, again, reports = asyncio.run(scenario())
     print_reports(reports)
     assert isinstance(first[0], LinkError) and "degraded: needs" in str(first[0])
-    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
+    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == (
+        "stage-0",
+    )
     assert again == recovery_reference[0]
     assert store.load(fleet) is None
 
@@ -297,17 +336,20 @@ def test_a_degraded_fleet_is_whole_again_when_its_host_is_back(
 def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
     shard_cache: Path, recovery_reference: list[list[int]], ending: str
 ) -> None:
-    """Neither host holds the model alone and stage-0 is lost for good mid-answer: the two answers in flight are
-    held (`hold_seconds`), not ended; once its host is back the stage is relaunched, both sessions replayed,
-    and each answer goes on from where it stopped, equal to the uninterrupted one. Stopping the fleet
-    instead ends both at once with the degraded line (no wait for the rest of the hold)."""
+    """Neither host holds the model alone and stage-0 is lost for good mid-answer: the two answers
+    in flight are held (`hold_seconds`), not ended; once its host is back the stage is relaunched,
+    both sessions replayed, and each answer goes on from where it stopped, equal to the
+    uninterrupted one. Stopping the fleet instead ends both at once with the degraded line (no wait
+    for the rest of the hold)."""
     import sys
 
     from fleettui.planning.planner import plan_fleet
 
     fleet = make_fleet(shard_cache, 2, grace_seconds=1.0, rejoin_seconds=1.0, hold_seconds=120.0)
     need = sum(stage.total_bytes for stage in plan_fleet(fleet).stages) / 2**30
-    fleet = replace(fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts))
+    fleet = replace(
+        fleet, hosts=tuple(replace(host, memory_gb=round(need * 0.6, 2)) for host in fleet.hosts)
+    )
     lines: list[str] = []
 
     async def scenario() -> tuple[list[list[int]], list[RecoveryReport], float]:
@@ -334,11 +376,17 @@ def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
             if ending == "fleet stopped":
                 await controller.stop()
                 outcomes = await asyncio.wait_for(asyncio.gather(calls, return_exceptions=True), 30)
-                assert isinstance(outcomes[0], LinkError) and "degraded: needs" in str(outcomes[0]), outcomes
+                assert isinstance(outcomes[0], LinkError) and "degraded: needs" in str(
+                    outcomes[0]
+                ), outcomes
                 return [], list(recovery.reports), time.monotonic() - back
             recovery.python = sys.executable  # the host is back
             generations = await calls
-            return [list(g.token_ids) for g in generations], list(recovery.reports), time.monotonic() - back
+            return (
+                [list(g.token_ids) for g in generations],
+                list(recovery.reports),
+                time.monotonic() - back,
+            )
         finally:
             await controller.stop()
 
@@ -350,25 +398,33 @@ def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
         assert store.load(fleet) is None
         return
     assert tokens == recovery_reference[:2]
-    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == ("stage-0",)
-    assert reports[1].sessions == 2 and reports[1].replayed_tokens > 0  # both held sessions were replayed
+    assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == (
+        "stage-0",
+    )
+    assert (
+        reports[1].sessions == 2 and reports[1].replayed_tokens > 0
+    )  # both held sessions were replayed
     print(f"answers resumed {waited:.1f} s after the host was back")
     assert store.load(fleet) is None
 
 
 def quick_rebalancer(controller: FleetController) -> None:
-    """Windows of 12 steps and a patience of 2: a proposal within one or two answers instead of minutes."""
+    """Windows of 12 steps and a patience of 2: a proposal within one or two answers instead of
+    minutes."""
     from fleettui.control.balance import Balancer
 
     assert controller.recovery is not None and controller.recovery.rebalancer is not None
     rebalancer = controller.recovery.rebalancer
-    rebalancer.balancer = Balancer(rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2)
+    rebalancer.balancer = Balancer(
+        rebalancer.balancer.ranges, rebalancer.head, 1.5, window=12, patience=2
+    )
 
 
 def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_exact(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """`rebalance = "auto"` end to end: slowed stage 1 -> proposal -> background compile -> switch -> exact."""
+    """`rebalance = "auto"` end to end: slowed stage 1 -> proposal -> background compile ->
+    switch -> exact."""
     import time
 
     from fleettui.bench.throttle import Throttle
@@ -380,12 +436,14 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
         return any(isinstance(e, RebalanceProposal) and e.applied for e in events)
 
     async def scenario() -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
-        # Two emulated PCs, one core and one thread each: stopping stage 1 then slows stage 1 alone. Unpinned
-        # on 2 cores the throttle mostly hands stage 1's CPU to stage 0's threads, whose steps then measure
-        # about as long as the throttled stage's, and the split moved either way.
+        # Two emulated PCs, one core and one thread each: stopping stage 1 then slows stage 1 alone.
+        # Unpinned on 2 cores the throttle mostly hands stage 1's CPU to stage 0's threads, whose
+        # steps then measure about as long as the throttled stage's, and the split moved either way.
         fleet = make_fleet(shard_cache, 2, rebalance="auto")
         cores = sorted(os.sched_getaffinity(0))
-        pcs = tuple(replace(h, cores=(cores[i % len(cores)],), threads=1) for i, h in enumerate(fleet.hosts))
+        pcs = tuple(
+            replace(h, cores=(cores[i % len(cores)],), threads=1) for i, h in enumerate(fleet.hosts)
+        )
         controller = FleetController(replace(fleet, hosts=pcs), on_event=events.append)
         try:
             coordinator = await controller.start()
@@ -398,7 +456,10 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
                 params = GenerationParams(max_tokens=TOKENS)
                 try:
                     answers = await asyncio.gather(
-                        *(coordinator.chat(s, p, params) for s, p in zip(sessions, PROMPTS, strict=True))
+                        *(
+                            coordinator.chat(s, p, params)
+                            for s, p in zip(sessions, PROMPTS, strict=True)
+                        )
                     )
                 finally:
                     for session in sessions:
@@ -411,11 +472,13 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
             assert await answer_all() == recovery_reference
             rebalancer.mode = "auto"
             rounds = 1
-            # 15 % of its core: stage 1 reads as several times its baseline even while another test's
-            # processes load both cores (they slow stage 0 as well, by far less)
+            # 15 % of its core: stage 1 reads as several times its baseline even while another
+            # test's processes load both cores (they slow stage 0 as well, by far less)
             with Throttle(lambda: controller.worker_pids().get("stage-1"), 0.15):
                 deadline = time.monotonic() + 600
-                while not applied():  # answers keep flowing while the new split compiles and is switched to
+                while (
+                    not applied()
+                ):  # answers keep flowing while the new split compiles and is switched to
                     assert time.monotonic() < deadline, "no split was applied within 10 minutes"
                     assert await answer_all() == recovery_reference
                     rounds += 1
@@ -429,12 +492,19 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
     before, after, rounds = asyncio.run(scenario())
     throttled = [e for e in events if isinstance(e, Throttled) and e.reason]
     print(
-        f"split {before} -> {after} after {rounds} rounds; flags {[(e.name, round(e.ratio, 2)) for e in throttled]}"
+        f"split {before} -> {after} after {rounds} rounds; flags "
+        f"{[(e.name, round(e.ratio, 2)) for e in throttled]}"
     )
-    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)  # (load can slow stage 0 too)
+    assert any(
+        e.name == "stage-1" and e.ratio >= 1.5 for e in throttled
+    )  # (load can slow stage 0 too)
     proposals = [e for e in events if isinstance(e, RebalanceProposal)]
-    assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[1].ranges
-    assert after == list(proposals[1].ranges) and after[0][1] > before[0][1]  # layers moved off stage 1
+    assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[
+        1
+    ].ranges
+    assert (
+        after == list(proposals[1].ranges) and after[0][1] > before[0][1]
+    )  # layers moved off stage 1
     reports = [e for e in events if isinstance(e, RecoveryReport)]
     assert [r.action for r in reports] == ["rebalance"]
     assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
@@ -443,7 +513,8 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
 def test_switching_the_split_between_rounds_keeps_answers_exact(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """What `rebalance = "auto"` does with a proposal: compile it while serving, switch between rounds, replay."""
+    """What `rebalance = "auto"` does with a proposal: compile it while serving, switch between
+    rounds, replay."""
     from fleettui.control.controller import compile_model
 
     switching: list[asyncio.Task[None]] = []
@@ -460,7 +531,9 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
             assert controller.recovery is not None
             current = controller.deployment.ranges()  # type: ignore[union-attr]
             assert current[0] != split[0]
-            switching.append(asyncio.ensure_future(controller.recovery.switch_split(split, compiled)))
+            switching.append(
+                asyncio.ensure_future(controller.recovery.switch_split(split, compiled))
+            )
 
         tokens, controller, reports = await run_with_fault(fleet, PROMPTS, switch)
         await switching[0]
@@ -476,8 +549,8 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
 def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
     shard_cache: Path, recovery_reference: list[list[int]]
 ) -> None:
-    """A deployment launched by another controller: its lost worker comes back from the recorded config,
-    the record names the new process, and a later stop ends it."""
+    """A deployment launched by another controller: its lost worker comes back from the recorded
+    config, the record names the new process, and a later stop ends it."""
     fleet = make_fleet(shard_cache, 2)
     killed: list[int] = []
 
@@ -493,7 +566,9 @@ def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
                     killed.append(attached.worker_pids()["stage-1"])
                     os.kill(killed[0], signal.SIGKILL)
 
-            generation = await attached.ask(PROMPTS[0], GenerationParams(max_tokens=TOKENS), on_tokens)
+            generation = await attached.ask(
+                PROMPTS[0], GenerationParams(max_tokens=TOKENS), on_tokens
+            )
             reports = list(attached.recovery.reports) if attached.recovery else []
             await attached.detach()
         except BaseException:
@@ -520,10 +595,14 @@ def test_an_attached_fleet_relaunches_a_lost_worker_from_the_record(
 
 @pytest.mark.parametrize("how", ["launch", "attach"])
 def test_a_stage_killed_while_the_command_connects_is_relaunched_and_the_answer_is_exact(
-    shard_cache: Path, recovery_reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, how: str
+    shard_cache: Path,
+    recovery_reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
 ) -> None:
-    """stage-1 dies after it answered its ready check (or the attach's ping) but before the Hello crossed the
-    chain: the handshake waits for the recovery's relaunch and sends Hello again, instead of failing."""
+    """stage-1 dies after it answered its ready check (or the attach's ping) but before the Hello
+    crossed the chain: the handshake waits for the recovery's relaunch and sends Hello again,
+    instead of failing."""
     from fleettui.control import controller as controller_module
 
     fleet = make_fleet(shard_cache, 2)
@@ -556,15 +635,19 @@ def test_a_stage_killed_while_the_command_connects_is_relaunched_and_the_answer_
     assert killed and attached == (how == "attach")
     assert tokens == recovery_reference[0]
     assert [r.action for r in reports] == ["relaunch"] and reports[0].stages == ("stage-1",)
-    assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(killed[0])
+        or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
+    )
     assert store.load(fleet) is None
 
 
 def test_a_stage_killed_while_it_loads_is_started_again_and_the_answer_is_exact(
     shard_cache: Path, recovery_reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """stage-1 is SIGKILLed right after it was spawned, before it is ready (the OOM killer, a stray kill):
-    the launch starts it once more instead of failing the deploy, and the record names the new process."""
+    """stage-1 is SIGKILLed right after it was spawned, before it is ready (the OOM killer, a stray
+    kill): the launch starts it once more instead of failing the deploy, and the record names the
+    new process."""
     from fleettui.control import launcher as launcher_module
 
     fleet = make_fleet(shard_cache, 2)
@@ -602,12 +685,15 @@ def test_a_stage_killed_while_it_loads_is_started_again_and_the_answer_is_exact(
 def test_a_stage_that_exits_with_an_error_while_it_loads_fails_the_launch_at_once(
     shard_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exit code (a bad shard or config: the worker says why and exits) is not retried: the launch fails
-    in one line naming the stage, the code and the end of its log (each line once), and no worker is left."""
+    """An exit code (a bad shard or config: the worker says why and exits) is not retried: the
+    launch fails in one line naming the stage, the code and the end of its log (each line once), and
+    no worker is left."""
     from fleettui.control import launcher as launcher_module
 
     failing = tmp_path / "python-that-fails"
-    failing.write_text("#!/bin/sh\necho 'remote_worker: stage_1/openvino_model.bin: missing'\nexit 3\n")
+    failing.write_text(
+        "#!/bin/sh\necho 'remote_worker: stage_1/openvino_model.bin: missing'\nexit 3\n"
+    )
     failing.chmod(0o755)
     real_spawn = launcher_module.spawn
     spawned: list[str] = []
@@ -615,7 +701,11 @@ def test_a_stage_that_exits_with_an_error_while_it_loads_fails_the_launch_at_onc
     def spawn(placement: object, *args: object) -> launcher_module.Launched:
         name = placement.config.name  # type: ignore[attr-defined]
         spawned.append(name)
-        return real_spawn(placement, str(failing)) if name == "stage-1" else real_spawn(placement, *args)  # type: ignore[arg-type]
+        return (
+            real_spawn(placement, str(failing))
+            if name == "stage-1"
+            else real_spawn(placement, *args)
+        )  # type: ignore[arg-type]
 
     monkeypatch.setattr(launcher_module, "spawn", spawn)
     fleet = make_fleet(shard_cache, 2)
@@ -630,6 +720,8 @@ def test_a_stage_that_exits_with_an_error_while_it_loads_fails_the_launch_at_onc
             await controller.stop()
 
     message = asyncio.run(scenario())
-    assert message == "stage-1: exited with code 3: remote_worker: stage_1/openvino_model.bin: missing"
+    assert (
+        message == "stage-1: exited with code 3: remote_worker: stage_1/openvino_model.bin: missing"
+    )
     assert spawned.count("stage-1") == 1  # not started again
     assert store.load(fleet) is None

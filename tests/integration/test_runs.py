@@ -1,11 +1,12 @@
-"""Integration test of runs with the real parts: fleets of the real model (exact settings) whose pipeline
-generates on its own, the token the last stage scores fed back in as the next step (by the only stage itself,
-or sent back to stage 0 over the last stage's loop), while the coordinator reads the tokens as they come.
+"""Integration test of runs with the real parts: fleets of the real model (exact settings) whose
+pipeline generates on its own, the token the last stage scores fed back in as the next step (by the
+only stage itself, or sent back to stage 0 over the last stage's loop), while the coordinator reads
+the tokens as they come.
 
-Every turn of a conversation (greedy to EOS, a stop string, seeded sampling with penalties) must give the
-tokens of round-by-round decoding on the same stage, and the worker's cache must end exactly where the
-coordinator's ledger says, including the tokens the worker made past the end of a reply.
-"""
+Every turn of a conversation (greedy to EOS, a stop string, seeded sampling with penalties) must
+give the tokens of round-by-round decoding on the same stage, and the worker's cache must end
+exactly where the coordinator's ledger says, including the tokens the worker made past the end of a
+reply."""
 
 from __future__ import annotations
 
@@ -37,22 +38,28 @@ TURNS = [
 
 
 async def _conversation(coordinator: Coordinator, max_run: int) -> tuple[list[Any], int, int]:
-    """The turns in one session; returns each turn's (tokens, finish reason), the tokens the worker made past
-    the first reply, and the session id."""
+    """The turns in one session; returns each turn's (tokens, finish reason), the tokens the worker
+    made past the first reply, and the session id."""
     coordinator.max_run = max_run
     session = await coordinator.open_session()
-    session.rng = np.random.default_rng(11)  # (seeded with the session id too: the same for both runs)
+    session.rng = np.random.default_rng(
+        11
+    )  # (seeded with the session id too: the same for both runs)
     assert coordinator.chat_format is not None
     eos = coordinator.chat_format.eos_token_ids
     replies: list[Any] = []
 
     async def linger_at_eos(tokens: list[int], _text: str) -> None:
         if any(token in eos for token in tokens):
-            await asyncio.sleep(0.3)  # the worker's run goes on meanwhile: it must be cancelled and masked
+            await asyncio.sleep(
+                0.3
+            )  # the worker's run goes on meanwhile: it must be cancelled and masked
 
     past_the_reply = 0
     for index, (text, params) in enumerate(TURNS):
-        generation = await coordinator.chat(session, text, params, linger_at_eos if index == 0 else None)
+        generation = await coordinator.chat(
+            session, text, params, linger_at_eos if index == 0 else None
+        )
         replies.append((list(generation.token_ids), generation.stats.finish_reason))
         if index == 0:
             past_the_reply = session.ledger.cache_len - (len(session.history) - 1)
@@ -91,7 +98,9 @@ async def _scenario(fleet: Any) -> None:
             assert reply is not None
             assert reply["sessions"][str(session_id)]["cache_len"] == session.ledger.cache_len
             if stage.config.stage_index == 0 and len(deployment.stages) > 1:
-                assert reply["run_ends"] > 0  # what came back from the last stage after a Cancel was dropped
+                assert (
+                    reply["run_ends"] > 0
+                )  # what came back from the last stage after a Cancel was dropped
     finally:
         await controller.stop()
 
@@ -102,11 +111,11 @@ def test_runs_give_the_tokens_of_round_by_round_decoding(shard_cache: Path, stag
 
 
 def test_a_cancelled_runs_last_step_is_dropped_at_stage_0(shard_cache: Path) -> None:
-    """A run of 2 tokens on 2 stages, cancelled at once: the Cancel reaches stage 0 before the run's last
-    step comes back over the loop (a looped step with run = 1). That step must be dropped like any other of
-    the run, or stage 0 computes it after the Cancel, its Result follows the Ack, and stage 0 holds a slot
-    the coordinator never learns of (seen as "step expects 70 cached slots, stage 0 has 71" when runs were
-    cut short for prompt lookup)."""
+    """A run of 2 tokens on 2 stages, cancelled at once: the Cancel reaches stage 0 before the run's
+    last step comes back over the loop (a looped step with run = 1). That step must be dropped like
+    any other of the run, or stage 0 computes it after the Cancel, its Result follows the Ack, and
+    stage 0 holds a slot the coordinator never learns of (seen as "step expects 70 cached slots,
+    stage 0 has 71" when runs were cut short for prompt lookup)."""
 
     async def scenario() -> None:
         controller = FleetController(make_fleet(shard_cache, 2))

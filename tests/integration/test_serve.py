@@ -1,9 +1,10 @@
-"""Integration tests of `fleettui serve` with the real parts: the real `openai` client and curl against a real
-uvicorn server, on a real 2-stage fleet of the real model (ZeroMQ stage processes, exact arithmetic).
+"""Integration tests of `fleettui serve` with the real parts: the real `openai` client and curl
+against a real uvicorn server, on a real 2-stage fleet of the real model (ZeroMQ stage processes,
+exact arithmetic).
 
-One fleet serves the whole module (it runs on its own asyncio loop in a thread, as the coordinator and the
-HTTP server share one loop in production); servers with different limits are put in front of it.
-"""
+One fleet serves the whole module (it runs on its own asyncio loop in a thread, as the coordinator
+and the HTTP server share one loop in production); servers with different limits are put in front of
+it."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ PROMPTS = [
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers() -> Iterator[None]:
-    """Overrides conftest's per-test cleanup: the module's fleet outlives each test (see `served`)."""
+    """Overrides conftest's per-test cleanup: the module's fleet outlives each test (see
+    `served`)."""
     yield
 
 
@@ -66,7 +68,8 @@ def main_server(served: Served) -> tuple[FleetServer, str]:
 
 @pytest.fixture(scope="module")
 def small_server(served: Served) -> tuple[FleetServer, str]:
-    """One slot, one queue place, no pooled sessions: every finished session closes on the stages."""
+    """One slot, one queue place, no pooled sessions: every finished session closes on the
+    stages."""
     return served.add_server(max_sessions=1, max_queued=1, max_idle=0)
 
 
@@ -101,10 +104,16 @@ def wait_for(condition: Any, timeout: float = 60.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
-# -- the openai client ------------------------------------------------------------------------------
-def test_chat_non_streaming_equals_direct_answer(client: openai.OpenAI, references: dict[str, str]) -> None:
+# -- the openai client
+# ------------------------------------------------------------------------------
+def test_chat_non_streaming_equals_direct_answer(
+    client: openai.OpenAI, references: dict[str, str]
+) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=TOKENS, temperature=0
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=TOKENS,
+        temperature=0,
     )
     assert reply.choices[0].message.content == references[PROMPTS[0]]
     assert "Paris" in reply.choices[0].message.content
@@ -134,25 +143,32 @@ def test_chat_streaming_with_usage(
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == references[PROMPTS[1]]
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 3  # really streamed
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]  # the haiku is longer than TOKENS
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == TOKENS and not chunks[-1].choices
 
 
 def test_a_stream_is_kept_alive_while_it_waits(
-    main_server: tuple[FleetServer, str], references: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    main_server: tuple[FleetServer, str],
+    references: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With a pace shorter than the wait for a token, SSE comments go between the chunks (a proxy sees the
-    stream alive through a recovery or a hold), and the chunks still spell the answer (the openai client
-    skipping them: `test_chat_streaming_with_usage`)."""
+    """With a pace shorter than the wait for a token, SSE comments go between the chunks (a proxy
+    sees the stream alive through a recovery or a hold), and the chunks still spell the answer (the
+    openai client skipping them: `test_chat_streaming_with_usage`)."""
     from fleettui.serve import app
 
     monkeypatch.setattr(app, "KEEPALIVE_SECONDS", 0.001)
     body = {
-        "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": TOKENS,
-        "temperature": 0, "stream": True,
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST", main_server[1] + "/v1/chat/completions", json=body, headers=headers, timeout=600
@@ -160,42 +176,72 @@ def test_a_stream_is_kept_alive_while_it_waits(
         lines = [line for line in raw.iter_lines() if line]
     assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == references[PROMPTS[1]]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        == references[PROMPTS[1]]
+    )
 
 
 def test_logprobs_of_chat_stream_and_legacy_completions(
     client: openai.OpenAI, references: dict[str, str]
 ) -> None:
-    """Greedy with `logprobs`: one entry per reply token, its bytes spell the reply, the emitted token is the
-    likeliest alternative with the same log-prob, alternatives in order; a stream carries the same entries
-    spread over its chunks; /v1/completions gives the legacy arrays. The answer itself is unchanged."""
+    """Greedy with `logprobs`: one entry per reply token, its bytes spell the reply, the emitted
+    token is the likeliest alternative with the same log-prob, alternatives in order; a stream
+    carries the same entries spread over its chunks; /v1/completions gives the legacy arrays. The
+    answer itself is unchanged."""
     messages = [{"role": "user", "content": PROMPTS[1]}]
     reply = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3
+        model=MODEL,
+        messages=messages,
+        max_tokens=TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     text, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
-    assert text == references[PROMPTS[1]] and reply.usage.completion_tokens == TOKENS == len(content)
+    assert text == references[PROMPTS[1]] and reply.usage.completion_tokens == TOKENS == len(
+        content
+    )
     assert b"".join(bytes(entry.bytes) for entry in content).decode() == text
     for entry in content:
         alternatives = entry.top_logprobs
         assert len(alternatives) == 3 and alternatives[0].token == entry.token
-        assert alternatives[0].logprob == pytest.approx(entry.logprob, abs=1e-6) and entry.logprob <= 0.0
-        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+        assert (
+            alternatives[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+            and entry.logprob <= 0.0
+        )
+        assert [a.logprob for a in alternatives] == sorted(
+            (a.logprob for a in alternatives), reverse=True
+        )
         assert sum(math.exp(a.logprob) for a in alternatives) <= 1.0 + 1e-5
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+        model=MODEL,
+        messages=messages,
+        max_tokens=TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
         stream=True,
-    )  # fmt: skip
+    )
     streamed = [
-        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
     ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0
+    )
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
-    legacy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, logprobs=2)
+    legacy = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, logprobs=2
+    )
     choice = legacy.choices[0]
-    assert "".join(choice.logprobs.tokens) == choice.text and len(choice.logprobs.token_logprobs) == 8
+    assert (
+        "".join(choice.logprobs.tokens) == choice.text and len(choice.logprobs.token_logprobs) == 8
+    )
     assert (
         choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
         and choice.logprobs.text_offset[0] == 0
@@ -206,9 +252,9 @@ def test_logprobs_of_chat_stream_and_legacy_completions(
 def test_n_choices_generate_at_once_greedy_equal_and_sampled_apart(
     client: openai.OpenAI, references: dict[str, str]
 ) -> None:
-    """`n`: one session per choice, interleaved through the pipeline. Greedy choices all equal the answer,
-    streamed too (every choice by its index, each with its finish; usage counts all their tokens); sampled
-    choices draw with seeds seed, seed + 1, ... and so differ."""
+    """`n`: one session per choice, interleaved through the pipeline. Greedy choices all equal the
+    answer, streamed too (every choice by its index, each with its finish; usage counts all their
+    tokens); sampled choices draw with seeds seed, seed + 1, ... and so differ."""
     messages = [{"role": "user", "content": PROMPTS[1]}]
     greedy = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, n=3
@@ -217,9 +263,14 @@ def test_n_choices_generate_at_once_greedy_equal_and_sampled_apart(
     assert [c.message.content for c in greedy.choices] == [references[PROMPTS[1]]] * 3
     assert greedy.usage.completion_tokens == 3 * TOKENS and greedy.usage.prompt_tokens > 10
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, n=2, stream=True,
+        model=MODEL,
+        messages=messages,
+        max_tokens=TOKENS,
+        temperature=0,
+        n=2,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     streamed, finishes, usage = ["", ""], {}, None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -249,8 +300,12 @@ def test_completions_and_models(client: openai.OpenAI) -> None:
 
 def test_stop_string_and_seeded_sampling(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": PROMPTS[0]}]
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, stop=["Paris"])
-    assert reply.choices[0].finish_reason == "stop" and "Paris" not in reply.choices[0].message.content
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, stop=["Paris"]
+    )
+    assert (
+        reply.choices[0].finish_reason == "stop" and "Paris" not in reply.choices[0].message.content
+    )
     sampled = [
         client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=12, temperature=1.2, top_p=0.95, seed=7
@@ -259,18 +314,26 @@ def test_stop_string_and_seeded_sampling(client: openai.OpenAI) -> None:
         .message.content
         for _ in range(2)
     ]
-    assert sampled[0] == sampled[1]  # the same seed gives the same sample, whichever session serves it
+    assert (
+        sampled[0] == sampled[1]
+    )  # the same seed gives the same sample, whichever session serves it
 
 
 def test_eight_concurrent_streams_equal_sequential_answers(
-    client: openai.OpenAI, main_server: tuple[FleetServer, str], references: dict[str, str], served: Served
+    client: openai.OpenAI,
+    main_server: tuple[FleetServer, str],
+    references: dict[str, str],
+    served: Served,
 ) -> None:
     server, url = main_server
     async_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
 
     async def one(prompt: str) -> str:
         stream = await async_client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=TOKENS, stream=True
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=TOKENS,
+            stream=True,
         )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
@@ -308,7 +371,8 @@ def test_multi_turn_reuses_the_prefix(client: openai.OpenAI, served: Served) -> 
     assert last == messages[-1]["content"]
 
 
-# -- errors -----------------------------------------------------------------------------------------
+# -- errors
+# -----------------------------------------------------------------------------------------
 def test_missing_or_wrong_key_is_401(main_server: tuple[FleetServer, str]) -> None:
     url = main_server[1]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -331,14 +395,27 @@ def test_missing_or_wrong_key_is_401(main_server: tuple[FleetServer, str]) -> No
         ({"model": MODEL}, "messages"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3},
+            "temperature",
+        ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, "max_tokens"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000},
+            "max_tokens",
+        ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "presence_penalty": 2.5,
+            },
             "presence_penalty",
         ),
         ({"model": MODEL, "prompt": ""}, "prompt"),
@@ -348,7 +425,9 @@ def test_bad_input_is_400_naming_the_field(
     main_server: tuple[FleetServer, str], body: Any, param: str | None
 ) -> None:
     url = main_server[1]
-    endpoint = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    endpoint = (
+        "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    )
     content = body if isinstance(body, str) else json.dumps(body)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     response = httpx.post(url + endpoint, content=content, headers=headers, timeout=60)
@@ -359,8 +438,11 @@ def test_bad_input_is_400_naming_the_field(
         assert "malformed JSON" in error["message"]
 
 
-def test_an_oversized_body_is_413_before_it_is_read_whole(main_server: tuple[FleetServer, str]) -> None:
-    """Declared too large (Content-Length) or streamed past the cap without a length: 413, one line."""
+def test_an_oversized_body_is_413_before_it_is_read_whole(
+    main_server: tuple[FleetServer, str],
+) -> None:
+    """Declared too large (Content-Length) or streamed past the cap without a length: 413, one
+    line."""
     from fleettui.serve.app import MAX_BODY_BYTES
 
     url = main_server[1] + "/v1/chat/completions"
@@ -379,7 +461,9 @@ def test_an_oversized_body_is_413_before_it_is_read_whole(main_server: tuple[Fle
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0
+        )
     assert caught.value.param == "n"  # type: ignore[attr-defined]
     # structured output the fleet cannot serve as asked: refused, naming the field
     messages = [{"role": "user", "content": "hi"}]
@@ -387,7 +471,10 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=MODEL,
             messages=messages,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": 3}},
+            },
         )
     assert caught.value.param == "response_format.json_schema.schema"  # type: ignore[attr-defined]
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
@@ -402,18 +489,23 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
 
 
 def test_one_slot_is_shared_fairly_between_two_api_keys(served: Served) -> None:
-    """One generation slot, two keys: alice sends three requests at once, bob one once two of hers wait. A
-    first-come queue would answer bob last; the fair queue answers him next (second, or third when alice's
-    first ended before his arrived); every answer is complete."""
+    """One generation slot, two keys: alice sends three requests at once, bob one once two of hers
+    wait. A first-come queue would answer bob last; the fair queue answers him next (second, or
+    third when alice's first ended before his arrived); every answer is complete."""
     second_key = "sk-fleettui-test-bob-0123456789"
-    server, url = served.add_server(api_keys=(KEY, second_key), max_sessions=1, max_queued=4, max_idle=0)
+    server, url = served.add_server(
+        api_keys=(KEY, second_key), max_sessions=1, max_queued=4, max_idle=0
+    )
     finished: list[str] = []
     lock = threading.Lock()
 
     def ask(name: str, key: str, prompt: str) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48}
         reply = httpx.post(
-            url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=600,
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
@@ -428,22 +520,28 @@ def test_one_slot_is_shared_fairly_between_two_api_keys(served: Served) -> None:
     bob.start()
     for thread in [*threads, bob]:
         thread.join(600)
-    assert sorted(finished) == ["alice-0", "alice-1", "alice-2", "bob"] and finished.index("bob") < 3, (
-        finished
-    )
+    assert (
+        sorted(finished) == ["alice-0", "alice-1", "alice-2", "bob"] and finished.index("bob") < 3
+    ), finished
     print(f"answered in the order {finished}")
 
 
 def test_queue_full_is_429_with_retry_after(small_server: tuple[FleetServer, str]) -> None:
     server, url = small_server
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 200}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": 200,
+    }
     body["stream"] = True
     with (
         httpx.Client(base_url=url, timeout=600) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as first,
     ):
         assert first.status_code == 200
-        first_lines = first.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
+        first_lines = (
+            first.iter_lines()
+        )  # kept: a dropped iterator closes the stream (a disconnect)
         next(first_lines)  # the one slot is taken
         with http.stream("POST", "/v1/chat/completions", json=body) as second:  # waits in the queue
             assert second.status_code == 200
@@ -459,8 +557,14 @@ def test_disconnect_mid_stream_frees_the_session(
     small_server: tuple[FleetServer, str], main_server: tuple[FleetServer, str], served: Served
 ) -> None:
     server, url = small_server
-    served.run(main_server[0].pool.close_all())  # only this test's sessions on the stages from here on
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 400}
+    served.run(
+        main_server[0].pool.close_all()
+    )  # only this test's sessions on the stages from here on
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": 400,
+    }
     before = metric(url, "fleettui_serve_client_disconnects_total")
     with (
         httpx.Client(base_url=url, timeout=600) as http,
@@ -474,7 +578,8 @@ def test_disconnect_mid_stream_frees_the_session(
     wait_for(lambda: metric(url, "fleettui_serve_active_sessions") == 0)
     wait_for(lambda: set(served.stage_sessions().values()) == {0})
     assert not server.jobs and server.pool.lent == 0 and not server.live.requests
-    # a non-streaming client that gives up is cancelled too: it hangs up once its generation has started
+    # a non-streaming client that gives up is cancelled too: it hangs up once its generation has
+    # started
     long_body = {
         **body,
         "messages": [{"role": "user", "content": "Count from 1 to 500, one number per line."}],
@@ -483,7 +588,8 @@ def test_disconnect_mid_stream_frees_the_session(
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            "application/json\r\n"
             f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
@@ -505,7 +611,11 @@ def test_thousand_requests_leak_nothing(
             semaphore = asyncio.Semaphore(8)
 
             async def one(index: int) -> None:
-                body: dict[str, Any] = {"model": MODEL, "prompt": f"Count {index % 7}", "max_tokens": 1}
+                body: dict[str, Any] = {
+                    "model": MODEL,
+                    "prompt": f"Count {index % 7}",
+                    "max_tokens": 1,
+                }
                 if index % 10 == 9:
                     body["temperature"] = 9  # a 400 now and then
                 async with semaphore:
@@ -560,12 +670,15 @@ def test_health_and_metrics_parse(main_server: tuple[FleetServer, str]) -> None:
     stages = {s.labels["stage"] for s in families["fleettui_stage_resident_memory_bytes"].samples}
     assert stages == {"stage-0", "stage-1"}
     ttft = [
-        s for s in families["fleettui_serve_time_to_first_token_seconds"].samples if s.name.endswith("_count")
+        s
+        for s in families["fleettui_serve_time_to_first_token_seconds"].samples
+        if s.name.endswith("_count")
     ]
     assert ttft[0].value > 0
 
 
-# -- the real command -------------------------------------------------------------------------------
+# -- the real command
+# -------------------------------------------------------------------------------
 def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> None:
     assert shutil.which("curl"), "curl is needed for this test"
     fleet_file = tmp_path / "fleet.toml"
@@ -604,7 +717,14 @@ def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> 
                 "messages": [{"role": "user", "content": PROMPTS[0]}],
             }
         )
-        curl = ["curl", "-sS", "-N", f"{base}/chat/completions", "-H", "Content-Type: application/json"]
+        curl = [
+            "curl",
+            "-sS",
+            "-N",
+            f"{base}/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+        ]
         streamed = subprocess.run(
             [*curl, "-H", f"Authorization: Bearer {KEY}", "-d", body],
             capture_output=True,
@@ -613,7 +733,9 @@ def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> 
         )
         events = [line[6:] for line in streamed.stdout.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        text = "".join(
+            json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+        )
         assert "Paris" in text
         refused = subprocess.run(
             [*curl, "-w", "%{http_code}", "-o", "/dev/null", "-d", body],
@@ -624,12 +746,19 @@ def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> 
         assert refused.stdout == "401"
         # a worker killed while serving: relaunched, and the terminal says so in one line
         lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True)
+        reader = threading.Thread(
+            target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True
+        )
         reader.start()
-        victim = next(p for p in workers if "remote_worker" in " ".join(psutil.Process(p).cmdline()))
+        victim = next(
+            p for p in workers if "remote_worker" in " ".join(psutil.Process(p).cmdline())
+        )
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not any(" recovery: relaunch " in line for line in lines) and time.monotonic() < deadline:
+        while (
+            not any(" recovery: relaunch " in line for line in lines)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         said = [line for line in lines if " recovery: " in line]
         assert said and " recovery: relaunch " in said[-1], lines
@@ -648,7 +777,9 @@ def test_fleettui_serve_command_with_curl(shard_cache: Path, tmp_path: Path) -> 
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
-        assert not [p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        assert not [
+            p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        ]
     finally:
         if process.poll() is None:
             process.kill()
@@ -660,13 +791,18 @@ def test_serve_refuses_public_bind_without_keys_and_loose_key_files(tmp_path: Pa
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "fleettui: refusing to serve on 0.0.0.0 without --api-key-file (only loopback may go keyless)"
+        "fleettui: refusing to serve on 0.0.0.0 without --api-key-file (only loopback may go "
+        "keyless)"
     ]
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
     keys.chmod(0o644)
     result = subprocess.run(
-        [*command, "--api-key-file", str(keys)], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [*command, "--api-key-file", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "mode 0644" in result.stderr and "chmod 600" in result.stderr

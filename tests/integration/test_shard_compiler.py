@@ -1,4 +1,5 @@
-"""Tests the shard compiler on the real SmolLM2 model: CLI errors, tokenizer, exactness, HF parity, caching."""
+"""Tests the shard compiler on the real SmolLM2 model: CLI errors, tokenizer, exactness, HF
+parity, caching."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_unknown_architecture_is_named(tmp_path: Path) -> None:
     (folder / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     )
-    line = one_line_error(run_cli("--model", str(folder), "--precision", "fp32", cache_root=tmp_path))
+    line = one_line_error(
+        run_cli("--model", str(folder), "--precision", "fp32", cache_root=tmp_path)
+    )
     assert "unsupported architecture 'GPT2LMHeadModel'" in line and "config.json" in line
 
 
@@ -65,7 +68,9 @@ def test_bad_precision_name(tmp_path: Path) -> None:
 
 def test_missing_model(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "model.gguf"
-    line = one_line_error(run_cli("--model", str(missing), "--precision", "fp32", cache_root=tmp_path))
+    line = one_line_error(
+        run_cli("--model", str(missing), "--precision", "fp32", cache_root=tmp_path)
+    )
     assert str(missing) in line and "no such file" in line
 
 
@@ -81,7 +86,13 @@ def test_a_split_inside_a_layer_must_be_at_its_middle() -> None:
     from tests.support.shards import session_cache_root
 
     line = one_line_error(
-        run_cli("--model", "smollm2-135m-instruct", "--split", "0,12.3,30", cache_root=session_cache_root())
+        run_cli(
+            "--model",
+            "smollm2-135m-instruct",
+            "--split",
+            "0,12.3,30",
+            cache_root=session_cache_root(),
+        )
     )
     assert "12.3" in line and "N.5 to cut inside layer N" in line
 
@@ -134,7 +145,9 @@ def test_chained_fp32_shards_equal_the_unsplit_model(
     assert [len(stage.layers) for stage in manifest.stages] == [30 // stages] * stages
     runner = ChainRunner(fp32_shards[stages], exact=True)
     for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
-        assert runner.greedy(chat_ids(fp32_shards[stages], prompt), EXACT_TOKENS) == expected, prompt
+        assert runner.greedy(chat_ids(fp32_shards[stages], prompt), EXACT_TOKENS) == expected, (
+            prompt
+        )
     assert all(len(tokens) == EXACT_TOKENS for tokens in reference_tokens)
 
 
@@ -142,20 +155,34 @@ def test_chained_fp32_shards_equal_the_unsplit_model(
 def test_stages_cut_between_a_layers_attention_and_its_mlp_equal_the_unsplit_model(
     fp32_shards: dict[int, Path], reference_tokens: list[list[int]]
 ) -> None:
-    """`--split 0,12.5,20.5,30`: layers 12 and 20 are cut after their attention (the KV cache stays with the
-    attention, the next stage starts with the MLP). The same ops, only the graph is cut: bit-identical logits."""
+    """`--split 0,12.5,20.5,30`: layers 12 and 20 are cut after their attention (the KV cache stays
+    with the attention, the next stage starts with the MLP). The same ops, only the graph is cut:
+    bit-identical logits."""
     from tests.support.shards import session_cache_root
 
     result = run_cli(
-        "--model", "smollm2-135m-instruct", "--split", "0,12.5,20.5,30", "--precision", "fp32",
+        "--model",
+        "smollm2-135m-instruct",
+        "--split",
+        "0,12.5,20.5,30",
+        "--precision",
+        "fp32",
         cache_root=session_cache_root(),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     directory = Path(result.stdout.strip().splitlines()[-1])
     manifest = load_manifest(directory)
-    assert [str(stage.layers) for stage in manifest.stages] == ["[0, 12.5)", "[12.5, 20.5)", "[20.5, 30)"]
+    assert [str(stage.layers) for stage in manifest.stages] == [
+        "[0, 12.5)",
+        "[12.5, 20.5)",
+        "[20.5, 30)",
+    ]
     assert manifest.mid_cuts == (13, 21) and manifest.splits == (0, 13, 21, 30)
-    assert [len(stage.state_names) for stage in manifest.stages] == [26, 16, 18]  # K and V per layer held
+    assert [len(stage.state_names) for stage in manifest.stages] == [
+        26,
+        16,
+        18,
+    ]  # K and V per layer held
     cut, whole = ChainRunner(directory, exact=True), ChainRunner(fp32_shards[1], exact=True)
     for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
         ids = chat_ids(directory, prompt)
@@ -178,10 +205,18 @@ def test_manifest_describes_the_stages(fp32_shards: dict[int, Path]) -> None:
     core = ov.Core()
     for stage in manifest.stages:
         model = core.read_model(str(directory / stage.ir))
-        assert {port.get_any_name() for port in model.inputs} == {tensor.name for tensor in stage.inputs}
-        assert [port.get_any_name() for port in model.outputs] == [tensor.name for tensor in stage.outputs]
-        variables = {op.get_variable_id() for op in model.get_ops() if op.get_type_name() == "ReadValue"}
-        assert variables == set(stage.state_names) and len(stage.state_names) == 2 * len(stage.layers)
+        assert {port.get_any_name() for port in model.inputs} == {
+            tensor.name for tensor in stage.inputs
+        }
+        assert [port.get_any_name() for port in model.outputs] == [
+            tensor.name for tensor in stage.outputs
+        ]
+        variables = {
+            op.get_variable_id() for op in model.get_ops() if op.get_type_name() == "ReadValue"
+        }
+        assert variables == set(stage.state_names) and len(stage.state_names) == 2 * len(
+            stage.layers
+        )
         assert (
             stage.state_names[0]
             == f"past_key_values.{stage.layers.start}.keypresent.{stage.layers.start}.key"
@@ -189,14 +224,17 @@ def test_manifest_describes_the_stages(fp32_shards: dict[int, Path]) -> None:
         gathers = [
             op
             for op in model.get_ops()
-            if op.get_type_name() == "Gather" and op.input_value(0).get_node().get_type_name() == "ReadValue"
+            if op.get_type_name() == "Gather"
+            and op.input_value(0).get_node().get_type_name() == "ReadValue"
         ]
         assert len(gathers) == len(stage.state_names)  # the beam_idx Gather sits on every ReadValue
     first, middle, last = manifest.stages
     assert [t.name for t in first.inputs][0] == "input_ids" and first.outputs[
         0
     ].name == "output_hidden_states"
-    assert [t.name for t in middle.inputs][0] == "hidden_states" and last.outputs[0].name == "logits"
+    assert [t.name for t in middle.inputs][0] == "hidden_states" and last.outputs[
+        0
+    ].name == "logits"
 
 
 # --------------------------------------------------------------------------- transformers parity
@@ -216,7 +254,9 @@ def test_fp32_matches_transformers(fp32_shards: dict[int, Path]) -> None:
     runner = ChainRunner(fp32_shards[1], exact=True)
     logits = runner.step(ids)
     error = float(np.abs(logits - expected).max())
-    print(f"max abs logit error vs transformers fp32 (all {len(ids)} prompt positions): {error:.2e}")
+    print(
+        f"max abs logit error vs transformers fp32 (all {len(ids)} prompt positions): {error:.2e}"
+    )
     assert error <= 1e-3
     tokens = runner.greedy(ids, 16, stop_at_eos=True)
     assert tokens == generated
@@ -243,7 +283,8 @@ def test_int4_shard_answers(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------- cache
 @pytest.mark.slow
 def answered_from_the_cache(directory: Path) -> None:
-    """Ask the compiler again for the 1-stage fp32 shards in DIRECTORY: it answers from its cache."""
+    """Ask the compiler again for the 1-stage fp32 shards in DIRECTORY: it answers from its
+    cache."""
     from shard_compiler.compiler import compile_shards
     from tests.support.shards import session_cache_root
 
@@ -268,7 +309,9 @@ def test_unchanged_request_is_a_verified_no_op(
 
     directory = fp32_shards[1]
 
-    def files() -> dict[Path, int]:  # the shards' own files (the check's stamps are bookkeeping beside them)
+    def files() -> dict[
+        Path, int
+    ]:  # the shards' own files (the check's stamps are bookkeeping beside them)
         return {
             path: path.stat().st_mtime_ns
             for path in directory.rglob("*")
@@ -278,18 +321,22 @@ def test_unchanged_request_is_a_verified_no_op(
     before = files()
     answered_from_the_cache(directory)
     assert files() == before
-    # that check stamped what it found intact, so the next reads no file (an 8B model's are gigabytes, and
-    # every fleet start asks for its shards)
+    # that check stamped what it found intact, so the next reads no file (an 8B model's are
+    # gigabytes, and every fleet start asks for its shards)
     hashed: list[Path] = []
     real = manifest_module.sha256_file
-    monkeypatch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(path) or real(path))
+    monkeypatch.setattr(
+        manifest_module, "sha256_file", lambda path: hashed.append(path) or real(path)
+    )
     answered_from_the_cache(directory)
     assert hashed == [] and files() == before
     monkeypatch.undo()
 
     # a copy with one corrupted weight file is detected and rebuilt, never trusted
     copy = tmp_path / "copy"
-    shutil.copytree(directory, copy)  # the stamps too: but a copy is other files, so it is hashed again
+    shutil.copytree(
+        directory, copy
+    )  # the stamps too: but a copy is other files, so it is hashed again
     events: list = []
     assert (
         compile_shards(
@@ -319,16 +366,19 @@ def test_unchanged_request_is_a_verified_no_op(
     steps = [event.step for event in events]
     assert "cached" not in steps and "save" in steps and steps[-1] == "done"
     verify_all(copy, load_manifest(copy))
-    assert not [path for path in tmp_path.iterdir() if path.name != "copy"]  # no temporary dirs left behind
+    assert not [
+        path for path in tmp_path.iterdir() if path.name != "copy"
+    ]  # no temporary dirs left behind
 
 
 @pytest.mark.slow
 def test_a_cached_request_does_not_parse_the_gguf(
     fp32_shards: dict[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every fleet start asks the compiler for its shards; when they are cached that costs no GGUF parse
-    (its reader builds every field, the whole vocabulary included: 2 s for SmolLM2), the config derived at
-    compile time serves. A damaged derived config is derived again; one of another architecture refused."""
+    """Every fleet start asks the compiler for its shards; when they are cached that costs no GGUF
+    parse (its reader builds every field, the whole vocabulary included: 2 s for SmolLM2), the
+    config derived at compile time serves. A damaged derived config is derived again; one of another
+    architecture refused."""
 
     from shard_compiler import sources
 
@@ -345,7 +395,9 @@ def test_a_cached_request_does_not_parse_the_gguf(
     cached = tmp_path / "sources" / digest / "config.json"
     cached.write_text("{damaged")
     assert sources.raw_config(source, tmp_path, digest) == derived
-    cached.write_text(json.dumps({**derived, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    cached.write_text(
+        json.dumps({**derived, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(sources.CompileError, match="unsupported architecture 'GPT2LMHeadModel'"):
         sources.raw_config(source, tmp_path, digest)
 
@@ -412,7 +464,11 @@ def tiny_checkpoint(folder: Path, kind: str) -> Path:
         )
         with torch.no_grad():
             for layer in model.model.layers:  # random init leaves biases at 0: make them matter
-                for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for projection in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     projection.bias.normal_(0, 0.5)
     model.eval().save_pretrained(folder)
     tokenizer = compiled(1, "fp32") / "tokenizer"
@@ -430,10 +486,14 @@ def test_hf_folder_checkpoints_match_transformers(tmp_path: Path, kind: str) -> 
     from shard_compiler.compiler import compile_shards
 
     folder = tiny_checkpoint(tmp_path / kind, kind)
-    directory = compile_shards(str(folder), stages=2, precision="fp32", cache_root=tmp_path / "cache")
+    directory = compile_shards(
+        str(folder), stages=2, precision="fp32", cache_root=tmp_path / "cache"
+    )
     manifest = load_manifest(directory)
     assert [len(stage.layers) for stage in manifest.stages] == [2, 2]
-    assert (manifest.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama3" else None)
+    assert (manifest.rope_scaling or {}).get("rope_type") == (
+        "llama3" if kind == "llama3" else None
+    )
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 33, 34, 35]
     runner = ChainRunner(directory, exact=True)

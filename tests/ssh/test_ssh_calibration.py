@@ -1,5 +1,6 @@
-"""SSH hosts calibrated on themselves (real sshd hosts in network namespaces): the worker installed as a deploy
-installs it, the calibration split pushed, `remote_worker.profile` run there, its costs cached per address."""
+"""SSH hosts calibrated on themselves (real sshd hosts in network namespaces): the worker installed
+as a deploy installs it, the calibration split pushed, `remote_worker.profile` run there, its costs
+cached per address."""
 
 # The test hosts share this machine's filesystem and process table: the tests look at them directly.
 # ruff: noqa: ASYNC110, ASYNC220, ASYNC221, ASYNC230, ASYNC240
@@ -14,7 +15,12 @@ import psutil
 import pytest
 
 from fleettui.config.fleet import Fleet, load_fleet
-from fleettui.control.calibration import calibrate_fleet, calibrate_on_deploy, forget_replaced, remote_timer
+from fleettui.control.calibration import (
+    calibrate_fleet,
+    calibrate_on_deploy,
+    forget_replaced,
+    remote_timer,
+)
 from fleettui.planning.planner import plan_fleet
 from fleettui.planning.profiles import Children, calibrate, compile_split, profile_path
 from tests.support.netns import SshHosts
@@ -32,7 +38,8 @@ def ssh_fleet(ssh_hosts: SshHosts, tmp_path: Path) -> Fleet:
 
 
 def profiles_running(workdirs: list[str]) -> list[int]:
-    """Calibration processes of the test hosts (they run on this machine, in the hosts' namespaces)."""
+    """Calibration processes of the test hosts (they run on this machine, in the hosts'
+    namespaces)."""
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
         line = " ".join(process.info["cmdline"] or ())
@@ -48,7 +55,9 @@ async def test_ssh_hosts_are_timed_on_themselves_and_plan_from_their_own_profile
     said: list[str] = []
     children = Children()
     timer = remote_timer(children, said.append)
-    found = await asyncio.to_thread(calibrate, fleet, 4, None, said.append, True, None, children, timer)
+    found = await asyncio.to_thread(
+        calibrate, fleet, 4, None, said.append, True, None, children, timer
+    )
     assert set(found) == {host.name for host in fleet.hosts}
     for host in fleet.hosts:
         record = json.loads(profile_path(fleet, host).read_text())
@@ -62,15 +71,17 @@ async def test_ssh_hosts_are_timed_on_themselves_and_plan_from_their_own_profile
         pushed = sorted(Path(host.workdir).glob("shards/*/stage_*/openvino_model.xml"))
         assert [path.parent.name for path in pushed] == ["stage_0", "stage_1", "stage_2"]
     assert any(": calibrate: timing stages 0, 1, 2" in line for line in said), said
-    assert plan_fleet(fleet).costs is not None  # every host measured: the plan balances measured times
+    assert (
+        plan_fleet(fleet).costs is not None
+    )  # every host measured: the plan balances measured times
     assert profiles_running([host.workdir for host in fleet.hosts]) == []
 
 
 async def test_a_stopped_remote_calibration_leaves_no_process_on_the_host(
     ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:
-    """Cancelling the calibration (a Ctrl-C, a deploy stopped) closes the SSH channel, and the remote timing
-    ends with it (`--until-stdin-closes`) instead of computing on for nobody."""
+    """Cancelling the calibration (a Ctrl-C, a deploy stopped) closes the SSH channel, and the
+    remote timing ends with it (`--until-stdin-closes`) instead of computing on for nobody."""
     from fleettui.provision.calibrate_remote import time_remote
 
     fleet = ssh_fleet(ssh_hosts, tmp_path)
@@ -95,13 +106,16 @@ async def test_a_stopped_remote_calibration_leaves_no_process_on_the_host(
 async def test_a_pc_swapped_behind_its_address_is_measured_again_on_the_next_deploy(
     ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:
-    """The profile of pc-a says another CPU measured it: the deploy's calibration asks both hosts which PC they
-    are, drops that profile alone with one line saying what changed, and measures pc-a again."""
+    """The profile of pc-a says another CPU measured it: the deploy's calibration asks both hosts
+    which PC they are, drops that profile alone with one line saying what changed, and measures pc-a
+    again."""
     fleet = ssh_fleet(ssh_hosts, tmp_path)
     said: list[str] = []
     assert await asyncio.wait_for(calibrate_fleet(fleet, said.append), 600)
     swapped, kept = (profile_path(fleet, host) for host in fleet.hosts)
-    assert await forget_replaced(fleet, said.append) == []  # the same PCs answer: nothing measured again
+    assert (
+        await forget_replaced(fleet, said.append) == []
+    )  # the same PCs answer: nothing measured again
     record = json.loads(swapped.read_text())
     record["identity"]["cpu"] = "Intel(R) Core(TM) i5-8250U CPU @ 1.60GHz"
     record["measured_at"] = "2026-01-01T00:00:00Z"

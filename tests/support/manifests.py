@@ -1,4 +1,5 @@
-"""A valid manifest over small stand-in files (no model): for tests of the manifest contract and of pushes."""
+"""A valid manifest over small stand-in files (no model): for tests of the manifest contract and
+of pushes."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def fake_manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Man
                 inputs=(first, TensorSpec("attention_mask", "i64", (1, "cache_len + n"), "mask")),
                 outputs=(TensorSpec("logits", "f32", (1, "n", 49152), "logits"),),
                 state_names=tuple(
-                    f"layer{layer}.{kind}" for layer in range(layers.start, layers.end) for kind in "kv"
+                    f"layer{layer}.{kind}"
+                    for layer in range(layers.start, layers.end)
+                    for kind in "kv"
                 ),
                 files=stage_files(directory, index),
             )
@@ -82,8 +85,9 @@ def fake_manifest(directory: Path, splits: tuple[int, ...] = (0, 16, 30)) -> Man
 
 
 def rot_behind_the_stamp(folder: Path, relative: str, stamp: Path) -> None:
-    """Bit rot: the file's bytes change (same size), and its stamp record is made to match its metadata
-    again, as when a disk corrupts data without any write through the file system (no ctime change)."""
+    """Bit rot: the file's bytes change (same size), and its stamp record is made to match its
+    metadata again, as when a disk corrupts data without any write through the file system (no ctime
+    change)."""
     import json
 
     path = folder / relative

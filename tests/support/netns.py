@@ -1,13 +1,14 @@
-"""Test hosts with a real OpenSSH sshd each: network namespaces joined by a bridge, or loopback ports.
+"""Test hosts with a real OpenSSH sshd each: network namespaces joined by a bridge, or loopback
+ports.
 
 ``SshHosts(count, root)`` creates ``count`` namespaces with veth links on a private bridge and
 addresses 10.77.N.11, .12, ... (N: the first 10.77.N.0/24 not in use here; the bridge is 10.77.N.1),
-and starts ``ip netns exec NS /usr/sbin/sshd -D -f CONFIG`` in each, with its own generated host key,
-an authorized client key and its own config. Where ``ip netns`` is refused (not root, no CAP_NET_ADMIN)
-or FLEETTUI_TEST_SSH=loopback is set, each sshd listens on its own 127.0.0.1 port instead, and that is
-printed. ``close()`` kills every sshd and every process left in the namespaces, then deletes them.
-Namespaces share this machine's filesystem, so each host gets its own work directory under ``root``.
-"""
+and starts ``ip netns exec NS /usr/sbin/sshd -D -f CONFIG`` in each, with its own generated host
+key, an authorized client key and its own config. Where ``ip netns`` is refused (not root, no
+CAP_NET_ADMIN) or FLEETTUI_TEST_SSH=loopback is set, each sshd listens on its own 127.0.0.1 port
+instead, and that is printed. ``close()`` kills every sshd and every process left in the namespaces,
+then deletes them. Namespaces share this machine's filesystem, so each host gets its own work
+directory under ``root``."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def available() -> str | None:
 
 
 def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (namespace hosts share this machine's pid space)."""
+    """A process that exists and is not a zombie (namespace hosts share this machine's pid
+    space)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -138,7 +140,9 @@ class SshHosts:
         keygen(self.other_key, "fleettui-test-not-authorized")
         self.authorized.write_text(client + "\n")
         if os.geteuid() == 0:
-            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+            Path("/run/sshd").mkdir(
+                mode=0o755, exist_ok=True
+            )  # sshd's privilege-separation directory
         reason = self._namespaces_refused()
         if reason:
             self.mode = "loopback"
@@ -196,10 +200,32 @@ class SshHosts:
             _run("ip", "link", "set", inside, "netns", namespace)
             _run("ip", "link", "set", outside, "master", self.bridge)
             _run("ip", "link", "set", outside, "up")
-            _run("ip", "netns", "exec", namespace, "ip", "addr", "add", f"{address}/24", "dev", inside)
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "ip",
+                "addr",
+                "add",
+                f"{address}/24",
+                "dev",
+                inside,
+            )
             _run("ip", "netns", "exec", namespace, "ip", "link", "set", inside, "up")
             _run("ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-            _run("ip", "netns", "exec", namespace, "ip", "route", "add", "default", "via", f"{self.subnet}.1")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "ip",
+                "route",
+                "add",
+                "default",
+                "via",
+                f"{self.subnet}.1",
+            )
             port = 22
         else:
             namespace, address, port = None, "127.0.0.1", _free_port()
@@ -247,14 +273,17 @@ class SshHosts:
         host.process = None
 
     def set_link(self, index: int, up: bool) -> None:
-        """Cut a host off the network (its link down: nothing in or out, processes keep running) or restore it."""
+        """Cut a host off the network (its link down: nothing in or out, processes keep running)
+        or restore it."""
         host = self.hosts[index]
         if not host.namespace:
             raise RuntimeError("a link can only be cut in network-namespace mode")
         state = "up" if up else "down"
         _run(*self.command(host, "ip", "link", "set", f"fte{self.tag}{index}", state))
         if up:  # the default route went with the link
-            _run(*self.command(host, "ip", "route", "replace", "default", "via", f"{self.subnet}.1"))
+            _run(
+                *self.command(host, "ip", "route", "replace", "default", "via", f"{self.subnet}.1")
+            )
 
     def namespace_pids(self, host: SshHost) -> list[int]:
         if not host.namespace:
@@ -262,14 +291,18 @@ class SshHosts:
         output = _run("ip", "netns", "pids", host.namespace, check=False).stdout
         return [int(pid) for pid in output.split()]
 
-    def fleet_toml(self, *, python: str = "python3", memory_gb: float = 1.0, extra: str = "") -> str:
+    def fleet_toml(
+        self, *, python: str = "python3", memory_gb: float = 1.0, extra: str = ""
+    ) -> str:
         """A fleet file for these hosts (ssh transport, root, the test keys and known_hosts)."""
         parts = []
         for host in self.hosts:
             parts.append(
                 f'[[hosts]]\nname = "{host.name}"\ntransport = "ssh"\naddress = "{host.address}"\n'
-                f'ssh_port = {host.port}\nuser = "{getpass.getuser()}"\nidentity_file = "{self.client_key}"\n'
-                f'known_hosts = "{self.known_hosts}"\npython = "{python}"\nworkdir = "{host.workdir}"\n'
+                f'ssh_port = {host.port}\nuser = "{getpass.getuser()}"\nidentity_file = '
+                f'"{self.client_key}"\n'
+                f'known_hosts = "{self.known_hosts}"\npython = "{python}"\nworkdir = '
+                f'"{host.workdir}"\n'
                 f"memory_gb = {memory_gb}\n{extra}\n"
             )
         return "\n".join(parts)

@@ -1,4 +1,5 @@
-"""Provides the tests' view of stage worker processes: those below a process (this test run, a controller)."""
+"""Provides the tests' view of stage worker processes: those below a process (this test run, a
+controller)."""
 
 from __future__ import annotations
 

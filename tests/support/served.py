@@ -1,5 +1,6 @@
-"""Provides a real fleet for the server tests: started on its own asyncio loop in a thread (the coordinator and
-the HTTP server share one loop in production), with real uvicorn servers put in front of it."""
+"""Provides a real fleet for the server tests: started on its own asyncio loop in a thread (the
+coordinator and the HTTP server share one loop in production), with real uvicorn servers put in
+front of it."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ MODEL = "smollm2-135m-instruct"
 def make_fleet(cache: Path) -> Fleet:
     base = load_fleet(DEFAULT_FLEET)
     hosts = tuple(Host(name=f"stage-{i}", base_port=free_port_block()) for i in range(2))
-    # Two servers and the tests' direct sessions share this fleet: the workers admit more sessions than
-    # one server keeps open (a server alone never exceeds its own max_sessions, see the pool test).
+    # Two servers and the tests' direct sessions share this fleet: the workers admit more sessions
+    # than one server keeps open (a server alone never exceeds its own max_sessions, see the pool
+    # test).
     sessions = replace(base.sessions, max_sessions=8)
     fleet = replace(base, hosts=hosts, model=replace(base.model, shards=cache), sessions=sessions)
     return with_overrides(fleet, exact=True, draft="none")
@@ -42,7 +44,9 @@ class Served:
 
     def __init__(self, fleet: Fleet) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="served-fleet", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="served-fleet", daemon=True
+        )
         self.thread.start()
         self.controller = FleetController(fleet)
         self.servers: list[tuple[FleetServer, asyncio.Event, Any]] = []
@@ -81,7 +85,11 @@ class Served:
             replies = {}
             for placement in deployment.stages:
                 reply = await control_request(
-                    placement.control_url, {"op": "stats"}, deployment.keys, placement.server_key, timeout=5
+                    placement.control_url,
+                    {"op": "stats"},
+                    deployment.keys,
+                    placement.server_key,
+                    timeout=5,
                 )
                 assert reply is not None
                 replies[placement.config.name] = reply
@@ -127,7 +135,8 @@ class Served:
 
 
 def module_fleet(shard_cache: Path) -> Iterator[Served]:
-    """A module fixture's fleet: started, yielded, stopped; asserts the stop left no worker running."""
+    """A module fixture's fleet: started, yielded, stopped; asserts the stop left no worker
+    running."""
     served = Served(make_fleet(shard_cache))
     try:
         yield served

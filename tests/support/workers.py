@@ -1,5 +1,6 @@
-"""Stage workers as real processes for tests: free ports, stage configs, a worker process, the coordinator's
-sockets (`Client`), and a compute stand-in (`FakeEngine`) for the server's forwarding logic."""
+"""Stage workers as real processes for tests: free ports, stage configs, a worker process, the
+coordinator's sockets (`Client`), and a compute stand-in (`FakeEngine`) for the server's forwarding
+logic."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ _USED_PORTS: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (probed by binding), never handed out twice in this run."""
+    """A TCP port nobody listens on right now (probed by binding), never handed out twice in this
+    run."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind(("127.0.0.1", 0))
@@ -78,7 +80,15 @@ class Worker:
         self.log = directory / f"{config.name}.log"
         self.stdout = open(directory / f"{config.name}.out", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "remote_worker", "--config", str(self.path), "--log", str(self.log)],
+            [
+                sys.executable,
+                "-m",
+                "remote_worker",
+                "--config",
+                str(self.path),
+                "--log",
+                str(self.log),
+            ],
             cwd=ROOT,
             stdout=self.stdout,
             stderr=subprocess.DEVNULL,
@@ -102,13 +112,16 @@ class Worker:
 
 
 class Client:
-    """The coordinator's side of the chain: PUSH into the first stage, PULL from the last, REQ for control."""
+    """The coordinator's side of the chain: PUSH into the first stage, PULL from the last, REQ
+    for control."""
 
     def __init__(self, first: Worker, last: Worker, keys: tuple[str, str] | None = None) -> None:
         self.context = zmq.Context()
         self.keys = keys
         self.push = self._socket(zmq.PUSH, first)
-        self.push.sndtimeo = 10_000  # a refused CURVE client loses its pipe: a send would block forever
+        self.push.sndtimeo = (
+            10_000  # a refused CURVE client loses its pipe: a send would block forever
+        )
         self.push.connect(first.url(first.config.data_port))
         self.pull = self._socket(zmq.PULL, last)
         assert last.config.result_port is not None
@@ -143,7 +156,8 @@ class Client:
         while time.monotonic() < deadline:
             if worker.process.poll() is not None:
                 pytest.fail(
-                    f"{worker.config.name} exited with {worker.process.returncode}:\n{worker.log_tail()}"
+                    f"{worker.config.name} exited with "
+                    f"{worker.process.returncode}:\n{worker.log_tail()}"
                 )
             answer = self.control(worker, {"op": "ping"}, timeout=1.0)
             if answer is not None and answer.get("state") == "ready":
@@ -161,7 +175,9 @@ class Client:
         if not self.waiting:
             if not self.pull.poll(int(timeout * 1000)):
                 raise AssertionError("no message from the last stage")
-            self.waiting.extend(protocol.decode(part) for part in protocol.split(self.pull.recv_multipart()))
+            self.waiting.extend(
+                protocol.decode(part) for part in protocol.split(self.pull.recv_multipart())
+            )
         return self.waiting.pop(0)
 
     def close(self) -> None:
@@ -169,7 +185,8 @@ class Client:
 
 
 def fake_config(downstream_port: int) -> StageConfig:
-    """A first stage that forwards to DOWNSTREAM_PORT, for a server around `FakeEngine` (no shard)."""
+    """A first stage that forwards to DOWNSTREAM_PORT, for a server around `FakeEngine` (no
+    shard)."""
     return StageConfig(
         name="fake",
         shard_dir="/unused",
@@ -182,7 +199,8 @@ def fake_config(downstream_port: int) -> StageConfig:
 
 
 class FakeEngine:
-    """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output is chosen."""
+    """Compute stand-in for the server's forwarding logic: a first, non-last stage whose output
+    is chosen."""
 
     is_first, is_last = True, False
     hidden_size = 4
@@ -224,7 +242,9 @@ class FakeEngine:
         results: list[Any] = []
         for r in requests:
             try:
-                results.append(self.step(r.session, r.pos0, r.cache_len, r.mask_ranges, r.data, r.keep_last))
+                results.append(
+                    self.step(r.session, r.pos0, r.cache_len, r.mask_ranges, r.data, r.keep_last)
+                )
             except Exception as error:  # noqa: BLE001 - the engine's contract: an error per step
                 results.append(error)
         return results

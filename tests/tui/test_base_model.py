@@ -1,4 +1,5 @@
-"""Tests of a base model (no chat template): chat refused in one line, completions and completion mode served."""
+"""Tests of a base model (no chat template): chat refused in one line, completions and completion
+mode served."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from tests.tui.test_tui import SIZE, wait_until
 
 
 def _tokenizer_folder(tmp_path: Path) -> Path:
-    """A word-level tokenizer that adds <s> to a raw prompt (as Gemma's does), in a shard-like folder."""
+    """A word-level tokenizer that adds <s> to a raw prompt (as Gemma's does), in a shard-like
+    folder."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     words = ["<s>", "</s>", "[UNK]", "once", "upon", "a", "time"]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(["<s>", "</s>"])
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     (tmp_path / "tokenizer").mkdir()
     tokenizer.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
     return tmp_path
@@ -44,14 +48,24 @@ def _format(tmp_path: Path, template: str) -> ChatFormat:
     return ChatFormat(_tokenizer_folder(tmp_path), manifest)
 
 
-def test_a_model_without_a_template_refuses_chat_in_one_line_and_encodes_raw_prompts_with_bos(tmp_path):
+def test_a_model_without_a_template_refuses_chat_in_one_line_and_encodes_raw_prompts_with_bos(
+    tmp_path,
+):
     chat = _format(tmp_path, "")
     assert not chat.has_chat_template
     with pytest.raises(ChatTemplateError) as refused:
         chat.encode_chat([ChatMessage("user", "once upon a time")])
     message = str(refused.value)
-    assert "\n" not in message and "base-model has no chat template" in message and "--raw" in message
-    assert chat.encode_text("once upon a time") == [0, 3, 4, 5, 6]  # bos, as the tokenizer adds to a prompt
+    assert (
+        "\n" not in message and "base-model has no chat template" in message and "--raw" in message
+    )
+    assert chat.encode_text("once upon a time") == [
+        0,
+        3,
+        4,
+        5,
+        6,
+    ]  # bos, as the tokenizer adds to a prompt
     assert chat.encode("once upon") == [3, 4]  # a rendered template's text: as it is
 
 
@@ -76,8 +90,12 @@ async def test_the_tui_chats_with_a_base_model_in_completion_mode_and_says_so():
         assert "continue" in app.query_one("#prompt", Input).placeholder.lower()
         await pilot.press(*"Once", "enter")
         session = pane.active
-        await wait_until(pilot, lambda: session.replies and session.replies[-1].done, 10, "the continuation")
-        assert session.replies[-1].text == "and so on after 'Once'"  # the fake's raw (completion) path
+        await wait_until(
+            pilot, lambda: session.replies and session.replies[-1].done, 10, "the continuation"
+        )
+        assert (
+            session.replies[-1].text == "and so on after 'Once'"
+        )  # the fake's raw (completion) path
 
 
 async def test_the_tui_chats_with_a_chat_model_as_before():

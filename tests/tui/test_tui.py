@@ -1,4 +1,5 @@
-"""Tests of the TUI: pure display logic, the app driven by a fake controller, and (slow) the real fleet."""
+"""Tests of the TUI: pure display logic, the app driven by a fake controller, and (slow) the real
+fleet."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from fleettui.control.controller import generation_params
 from fleettui.control.states import Failed, Progress, Ready, Serving
 from fleettui.runtime.generation import GenerationParams
 from fleettui.ui.app import FleetApp
-from fleettui.ui.formatting import BLOCKS, Series, TransferRate, sparkline, stats_text, transfer_text
+from fleettui.ui.formatting import (
+    BLOCKS,
+    Series,
+    TransferRate,
+    sparkline,
+    stats_text,
+    transfer_text,
+)
 from fleettui.ui.messages import DeployProgressed, TelemetrySampled
 from fleettui.ui.monitor import FleetMonitor, StageView
 from fleettui.ui.screens.help import HelpScreen, key_rows
@@ -31,7 +39,9 @@ from tests.support.tui_fakes import FakeController, demo_fleet, sample
 SIZE = (140, 45)
 
 
-async def wait_until(pilot: Pilot, condition: Callable[[], bool], timeout: float, what: str) -> None:
+async def wait_until(
+    pilot: Pilot, condition: Callable[[], bool], timeout: float, what: str
+) -> None:
     """Let the app run until `condition()` holds; fail naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -40,7 +50,8 @@ async def wait_until(pilot: Pilot, condition: Callable[[], bool], timeout: float
         await pilot.pause(0.05)
 
 
-# -- pure display logic ---------------------------------------------------------------------------------
+# -- pure display logic
+# ---------------------------------------------------------------------------------
 
 
 def test_sparkline_scales_to_the_largest_value_and_pads_short_series():
@@ -107,7 +118,11 @@ def test_monitor_derives_the_state_of_stages_the_controller_does_not_track():
 
 def test_newer_telemetry_of_the_same_stage_supersedes_a_queued_one():
     a, b = sample("a", 0, 0), sample("b", 1, 0)
-    older, newer, other = (TelemetrySampled("a", a), TelemetrySampled("a", a), TelemetrySampled("b", b))
+    older, newer, other = (
+        TelemetrySampled("a", a),
+        TelemetrySampled("a", a),
+        TelemetrySampled("b", b),
+    )
     assert older.can_replace(newer) and not older.can_replace(other)
     assert not older.can_replace(DeployProgressed(Progress("a", "shard", 1, 2, "")))
 
@@ -134,7 +149,8 @@ def test_generation_params_take_the_fleet_defaults_and_command_line_overrides():
     )
 
 
-# -- the app with a fake controller -----------------------------------------------------------------------
+# -- the app with a fake controller
+# -----------------------------------------------------------------------
 
 
 def fake_app(**kwargs) -> FleetApp:
@@ -183,11 +199,15 @@ async def test_prompt_streams_a_markdown_reply_with_its_statistics():
         await wait_until(pilot, lambda: app.ready, 10, "ready")
         await pilot.press(*"hello", "enter")
         session = app.query_one(ChatPane).active
-        await wait_until(pilot, lambda: session.replies and session.replies[-1].done, 10, "the reply")
+        await wait_until(
+            pilot, lambda: session.replies and session.replies[-1].done, 10, "the reply"
+        )
         reply = session.replies[-1]
         assert reply.text == "You said **hello** in session 1." and reply.chunks == 6
         assert reply.query_one(Markdown).source == reply.text
-        assert "6 tok · 12.0 tok/s · acceptance 67% · K≈1.5" in str(reply.query_one(".reply-stats").render())
+        assert "6 tok · 12.0 tok/s · acceptance 67% · K≈1.5" in str(
+            reply.query_one(".reply-stats").render()
+        )
         assert app.query_one("#prompt", Input).value == ""
 
 
@@ -211,11 +231,15 @@ async def test_two_sessions_generate_at_the_same_time():
         app.controller.coordinator.gate = gate = asyncio.Event()
         await pilot.press(*"one", "enter", "ctrl+n", *"two", "enter")
         chat = app.query_one(ChatPane)
-        await wait_until(pilot, lambda: all(s.busy for s in chat.sessions), 10, "both sessions answering")
+        await wait_until(
+            pilot, lambda: all(s.busy for s in chat.sessions), 10, "both sessions answering"
+        )
         running = [w for w in app.workers if w.group.startswith("chat-") and w.is_running]
         assert sorted(w.group for w in running) == ["chat-1", "chat-2"]
         gate.set()
-        await wait_until(pilot, lambda: all(s.replies[-1].done for s in chat.sessions), 10, "both replies")
+        await wait_until(
+            pilot, lambda: all(s.replies[-1].done for s in chat.sessions), 10, "both replies"
+        )
         assert app.controller.coordinator.most_active == 2
         assert [s.replies[-1].text for s in chat.sessions] == [
             "You said **one** in session 1.",
@@ -257,10 +281,15 @@ async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
         for count in range(1, 4):
             await send()
             await wait_until(
-                pilot, lambda n=count: len(session.replies) == n and session.replies[-1].done, 20, "a reply"
+                pilot,
+                lambda n=count: len(session.replies) == n and session.replies[-1].done,
+                20,
+                "a reply",
             )
         await pilot.pause(0.1)
-        assert session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y  # followed the end
+        assert (
+            session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y
+        )  # followed the end
         app.controller.coordinator.gate = gate = asyncio.Event()
         await send()
         await wait_until(pilot, lambda: len(session.replies) == 4, 10, "the fourth reply to start")
@@ -282,7 +311,9 @@ async def test_help_screen_lists_the_keys():
         assert not isinstance(app.screen, HelpScreen)
 
 
-@pytest.mark.parametrize(("key", "stopped", "exits"), [("s", 1, True), ("l", 0, True), ("escape", 0, False)])
+@pytest.mark.parametrize(
+    ("key", "stopped", "exits"), [("s", 1, True), ("l", 0, True), ("escape", 0, False)]
+)
 async def test_quit_does_what_the_operator_chose(key, stopped, exits):
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -290,7 +321,9 @@ async def test_quit_does_what_the_operator_chose(key, stopped, exits):
         await pilot.press("ctrl+q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press(key)
-        await wait_until(pilot, lambda: not isinstance(app.screen, QuitScreen), 10, "the dialog to close")
+        await wait_until(
+            pilot, lambda: not isinstance(app.screen, QuitScreen), 10, "the dialog to close"
+        )
         if exits:
             await wait_until(pilot, lambda: app.return_code == 0, 10, "the app to exit")
         else:
@@ -305,7 +338,9 @@ async def test_logging_records_go_to_the_log_pane_not_the_terminal():
         pane = app.query_one(LogPane)
         before = pane.lines_written
         logging.getLogger("fleettui.somewhere").warning("disk almost full")
-        await wait_until(pilot, lambda: pane.lines_written == before + 1, 10, "the record in the pane")
+        await wait_until(
+            pilot, lambda: pane.lines_written == before + 1, 10, "the record in the pane"
+        )
         assert any("disk almost full" in line.text for line in pane.lines)
     assert app._log_handler not in logging.getLogger().handlers
 
@@ -319,7 +354,8 @@ async def test_fetched_logs_land_in_the_log_pane():
         await wait_until(pilot, lambda: pane.lines_written >= 8, 10, "the fetched lines")
 
 
-# -- the real fleet (fleets/local.toml, the real model, real worker processes) ------------------------------
+# -- the real fleet (fleets/local.toml, the real model, real worker processes)
+# ------------------------------
 
 REAL_TIMEOUT = 900.0  # deploy includes compiling the shards when the cache is cold
 PROMPT = "What is the capital of France?"
@@ -338,7 +374,9 @@ def real_fleet():
 def real_app(max_tokens: int = 32) -> FleetApp:
     from fleettui.control.controller import FleetController
 
-    return FleetApp(real_fleet(), FleetController, GenerationParams(max_tokens=max_tokens, spec_k=3))
+    return FleetApp(
+        real_fleet(), FleetController, GenerationParams(max_tokens=max_tokens, spec_k=3)
+    )
 
 
 async def reference_answer(prompt: str, max_tokens: int) -> str:
@@ -372,7 +410,9 @@ async def quit_stopping_the_fleet(pilot: Pilot, app: FleetApp, pids: list[int]) 
     await pilot.press("ctrl+q")
     await wait_until(pilot, lambda: isinstance(app.screen, QuitScreen), 10, "the quit dialog")
     await pilot.click("#stop")
-    await wait_until(pilot, lambda: app.return_code is not None, 60, "the app to stop the fleet and exit")
+    await wait_until(
+        pilot, lambda: app.return_code is not None, 60, "the app to stop the fleet and exit"
+    )
     assert app.return_code == 0 and app.controller.worker_pids() == {}
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
 
@@ -403,8 +443,8 @@ async def test_real_fleet_serves_two_sessions_at_once():
     served_both: set[str] = set()  # stages the fleet panel showed serving two sessions
     async with app.run_test(size=SIZE) as pilot:
         pids = await deployed(pilot, app)
-        # The second prompt is set, not typed: typing it key by key on a loaded CI machine can take longer
-        # than the first reply, and the point is two generations in flight at once.
+        # The second prompt is set, not typed: typing it key by key on a loaded CI machine can take
+        # longer than the first reply, and the point is two generations in flight at once.
         prompt = app.query_one("#prompt", Input)
         prompt.value = "Tell me about the sea."
         await pilot.press("enter", "ctrl+n")
@@ -415,7 +455,11 @@ async def test_real_fleet_serves_two_sessions_at_once():
         def both_streaming_or_done() -> bool:
             nonlocal overlapped
             replies = [s.replies[-1] for s in chat.sessions if s.replies]
-            if len(replies) == 2 and all(s.busy for s in chat.sessions) and any(r.chunks for r in replies):
+            if (
+                len(replies) == 2
+                and all(s.busy for s in chat.sessions)
+                and any(r.chunks for r in replies)
+            ):
                 overlapped = True  # both generations in flight at once, one already streaming
             for name, view in app.monitor.stages.items():
                 if isinstance(view.state, Serving) and view.state.sessions >= 2:
@@ -425,7 +469,9 @@ async def test_real_fleet_serves_two_sessions_at_once():
         await wait_until(pilot, both_streaming_or_done, REAL_TIMEOUT, "both replies")
         assert overlapped
         assert {host.name for host in app.fleet.hosts} <= served_both
-        assert all(s.replies[-1].text and "failed" not in s.replies[-1].classes for s in chat.sessions)
+        assert all(
+            s.replies[-1].text and "failed" not in s.replies[-1].classes for s in chat.sessions
+        )
         await quit_stopping_the_fleet(pilot, app, pids)
 
 
@@ -462,7 +508,9 @@ async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests(
 
     def ask(url: str) -> tuple[str, list[str]]:
         chunks = []
-        with httpx.stream("POST", url + "/chat/completions", json=body, timeout=REAL_TIMEOUT) as response:
+        with httpx.stream(
+            "POST", url + "/chat/completions", json=body, timeout=REAL_TIMEOUT
+        ) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: {"):
@@ -480,28 +528,53 @@ async def test_real_fleet_serves_the_api_beside_the_chat_and_shows_its_requests(
         text, chunks = answer.result()
         assert "Paris" in text and len(chunks) > 2
 
-        # Who asked stays on show a moment after the answer, however short it was (redraws are 0.5 s apart).
+        # Who asked stays on show a moment after the answer, however short it was (redraws are 0.5 s
+        # apart).
         def row() -> list[str]:
             return [str(cell) for cell in panel.get_row_at(0)] if panel.row_count == 1 else []
 
-        await wait_until(pilot, lambda: row()[3:4] == ["done"], 5, "the finished request in the panel")
+        await wait_until(
+            pilot, lambda: row()[3:4] == ["done"], 5, "the finished request in the panel"
+        )
         assert row()[1].startswith("127.0.0.1:"), row()
-        await wait_until(pilot, lambda: panel.row_count == 0, 10, "the finished request to leave the panel")
-        assert "1 answered" in str(panel.border_subtitle) and app.api.url in str(panel.border_subtitle)
+        await wait_until(
+            pilot, lambda: panel.row_count == 0, 10, "the finished request to leave the panel"
+        )
+        assert "1 answered" in str(panel.border_subtitle) and app.api.url in str(
+            panel.border_subtitle
+        )
         assert row() == [] and panel.get_column_index("output") == 5
 
         # A constrained request shows its grammar and the function it called.
-        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-            "additionalProperties": False}}}  # fmt: skip
-        named = {**body, "stream": False, "max_tokens": 96, "tools": [weather], "messages": [
-            {"role": "user", "content": "What is the weather in Paris?"}],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        named = {
+            **body,
+            "stream": False,
+            "max_tokens": 96,
+            "tools": [weather],
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        }
         called = asyncio.ensure_future(
-            asyncio.to_thread(httpx.post, app.api.url + "/chat/completions", json=named, timeout=REAL_TIMEOUT)
+            asyncio.to_thread(
+                httpx.post, app.api.url + "/chat/completions", json=named, timeout=REAL_TIMEOUT
+            )
         )
         await wait_until(pilot, called.done, REAL_TIMEOUT, "the tool call")
-        assert called.result().json()["choices"][0]["finish_reason"] == "tool_calls", called.result().text
+        assert called.result().json()["choices"][0]["finish_reason"] == "tool_calls", (
+            called.result().text
+        )
         await wait_until(pilot, lambda: row()[3:4] == ["done"], 5, "the tool call in the panel")
         assert row()[5] == "tool get_weather → get_weather", row()
         url = app.api.url
@@ -520,7 +593,10 @@ def test_stage_row_shows_lost_recovering_degraded_and_throttled():
     monitor.set_state("stage-b", Recovering("replay"))
     assert monitor.stages["stage-b"].state_text == "recovering (replay)"
     monitor.set_throttled("stage-b", "1.8x its baseline, 96 °C")
-    assert monitor.stages["stage-b"].state_text == "recovering (replay), throttled: 1.8x its baseline, 96 °C"
+    assert (
+        monitor.stages["stage-b"].state_text
+        == "recovering (replay), throttled: 1.8x its baseline, 96 °C"
+    )
     monitor.set_throttled("stage-b", "")
     monitor.set_state("stage-b", Degraded("needs 2.1 GB more"))
     assert monitor.stages["stage-b"].state_text == "degraded: needs 2.1 GB more"
@@ -533,7 +609,11 @@ async def test_throttled_events_reach_the_fleet_panel():
     async with app.run_test(size=SIZE) as pilot:
         name = app.fleet.hosts[0].name
         app.handle_controller_event(Throttled(name, 2.0, "slower than its baseline"))
-        await wait_until(pilot, lambda: bool(app.monitor.stages[name].throttled), 10, "the throttle flag")
+        await wait_until(
+            pilot, lambda: bool(app.monitor.stages[name].throttled), 10, "the throttle flag"
+        )
         assert "2.0x its baseline" in app.monitor.stages[name].state_text
         app.handle_controller_event(Throttled(name, 1.0, ""))
-        await wait_until(pilot, lambda: not app.monitor.stages[name].throttled, 10, "the flag to clear")
+        await wait_until(
+            pilot, lambda: not app.monitor.stages[name].throttled, 10, "the flag to clear"
+        )

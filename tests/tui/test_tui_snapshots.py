@@ -1,4 +1,5 @@
-"""Snapshot tests of the TUI at a fixed terminal size, fed by a fake controller with fixed telemetry."""
+"""Snapshot tests of the TUI at a fixed terminal size, fed by a fake controller with fixed
+telemetry."""
 
 from __future__ import annotations
 
@@ -34,15 +35,20 @@ async def settle(pilot: Pilot, condition, what: str) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
-DEPLOY_LOG_LINES = 4  # what the fake deploy logs: cached shards, two stages ready, the failed laptop
+DEPLOY_LOG_LINES = (
+    4  # what the fake deploy logs: cached shards, two stages ready, the failed laptop
+)
 
 
 async def deployed(pilot: Pilot) -> None:
-    """The fake deploy finished, all its log lines are in and the fleet table is drawn (no timer races)."""
+    """The fake deploy finished, all its log lines are in and the fleet table is drawn (no timer
+    races)."""
     app = pilot.app
     await settle(pilot, lambda: app.sub_title == "ready", "the fake deploy")
     log_pane = app.query_one(LogPane)
-    await settle(pilot, lambda: log_pane.lines_written >= DEPLOY_LOG_LINES, "the deploy's log lines")
+    await settle(
+        pilot, lambda: log_pane.lines_written >= DEPLOY_LOG_LINES, "the deploy's log lines"
+    )
     app.redraw_fleet()
     await pilot.pause()
 
@@ -66,7 +72,9 @@ class TestMainScreen:
             await deployed_with_one_answer(pilot)
             await pilot.press("ctrl+n", *"hi", "enter")
             chat = pilot.app.query_one(ChatPane)
-            await settle(pilot, lambda: chat.active.replies and chat.active.replies[-1].done, "the reply")
+            await settle(
+                pilot, lambda: chat.active.replies and chat.active.replies[-1].done, "the reply"
+            )
 
         assert snap_compare(snapshot_app(), terminal_size=SIZE, run_before=second_session)
 
@@ -90,6 +98,9 @@ class TestQuitDialog:
 
 
 @pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
-def test_the_main_screen_fits_small_and_large_terminals(snap_compare, size: tuple[int, int]) -> None:
-    """The smallest common terminal keeps the fleet table, the chat and its input; a large one uses the room."""
+def test_the_main_screen_fits_small_and_large_terminals(
+    snap_compare, size: tuple[int, int]
+) -> None:
+    """The smallest common terminal keeps the fleet table, the chat and its input; a large one
+    uses the room."""
     assert snap_compare(snapshot_app(), terminal_size=size, run_before=deployed_with_one_answer)

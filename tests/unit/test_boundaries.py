@@ -1,4 +1,5 @@
-"""The package boundaries of the house rules, machine-checked, plus the linters on the whole tree."""
+"""The package boundaries of the house rules, machine-checked, plus the linters on the whole
+tree."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
-    """Top-level module names each file of `package` imports (static: lazy imports inside functions count)."""
+    """Top-level module names each file of `package` imports (static: lazy imports inside
+    functions count)."""
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         names: set[str] = set()
@@ -56,7 +58,9 @@ def test_fleettui_never_imports_openvino_or_the_compile_side() -> None:
     found = offenders("fleettui", forbidden)
     # remote_ops.py is not imported by fleettui: its text is the program each host's own Python runs
     # (the device probe there imports openvino on the host, after the worker is installed).
-    assert [line for line in found if not line.startswith("fleettui/provision/remote_ops.py:")] == []
+    assert [
+        line for line in found if not line.startswith("fleettui/provision/remote_ops.py:")
+    ] == []
 
 
 def test_the_domain_is_reachable_without_the_tui() -> None:
@@ -74,8 +78,10 @@ def test_shard_compiler_uses_only_the_manifest_contract_of_remote_worker() -> No
 
 def test_fleettui_help_is_instant_no_heavy_import() -> None:
     probe = (
-        "import sys, fleettui.cli, fleettui.control.controller, fleettui.runtime.coordinator, fleettui.config.fleet, fleettui.planning.planner;"
-        "heavy = [m for m in ('openvino', 'torch', 'transformers', 'textual', 'asyncssh') if m in sys.modules];"
+        "import sys, fleettui.cli, fleettui.control.controller, fleettui.runtime.coordinator, "
+        "fleettui.config.fleet, fleettui.planning.planner;"
+        "heavy = [m for m in ('openvino', 'torch', 'transformers', 'textual', 'asyncssh') if m in "
+        "sys.modules];"
         "print(heavy)"
     )
     result = subprocess.run(
@@ -93,23 +99,35 @@ def test_fleettui_help_is_instant_no_heavy_import() -> None:
     ids=["ruff", "mypy"],
 )
 def test_linters_pass(command: list[str]) -> None:
-    result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 
-# -- layers inside fleettui: each package imports only the packages below it ---------------------------
+# -- layers inside fleettui: each package imports only the packages below it
+# ---------------------------
 
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
     "text_input": {"errors"},  # the one rule by which text enters (decoding, surrogates, NUL)
-    "crash": {"errors", "config"},  # the top-level guard's one-line report of an unexpected exception
+    "crash": {
+        "errors",
+        "config",
+    },  # the top-level guard's one-line report of an unexpected exception
     "model": {"errors"},  # the model description: shape, builtin models, GGUF header
     "config": {"errors", "text_input", "model"},
     "planning": {"errors", "model", "config"},
     "runtime": {"errors"},
     "provision": {"errors", "config"},
     "control": {"errors", "model", "config", "planning", "runtime", "provision"},
-    "serve": {"errors", "text_input", "config", "runtime", "control"},  # the HTTP API over a running fleet
+    "serve": {
+        "errors",
+        "text_input",
+        "config",
+        "runtime",
+        "control",
+    },  # the HTTP API over a running fleet
     "bench": {"errors", "model", "config", "planning", "runtime", "control", "serve"},
     "ui": {"errors", "text_input", "config", "runtime", "control", "serve"},
     "commands": {
@@ -224,7 +242,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_module_size_report_runs() -> None:
-    """Module size is a soft report (.ci/module-sizes, printed by the test command), not a failing limit."""
+    """Module size is a soft report (.ci/module-sizes, printed by the test command), not a
+    failing limit."""
     result = subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "module-sizes"), "3"], capture_output=True, text=True
     )
@@ -233,7 +252,9 @@ def test_module_size_report_runs() -> None:
 
 def test_format_check_passes() -> None:
     command = ["ruff", "format", "--check", "fleettui", "remote_worker", "shard_compiler", "tests"]
-    result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", *command], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 
@@ -246,15 +267,17 @@ STRICT_FLAGS = (
 
 
 def test_mypy_holds_fleettui_and_the_worker_to_the_strict_rules() -> None:
-    """The one mypy run of `test_linters_pass` is strict for both packages (pyproject's override), not only
-    for the modules someone remembered to list: no untyped or half-typed def, no bare generic, no Any returned."""
+    """The one mypy run of `test_linters_pass` is strict for both packages (pyproject's override),
+    not only for the modules someone remembered to list: no untyped or half-typed def, no bare
+    generic, no Any returned."""
     import tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     strict = [
-        override for override in config.get("overrides", [])
+        override
+        for override in config.get("overrides", [])
         if all(override.get(flag) for flag in STRICT_FLAGS)
-    ]  # fmt: skip
+    ]
     covered = {module for override in strict for module in override["module"]}
     assert {"fleettui.*", "remote_worker.*"} <= covered
 
@@ -262,19 +285,29 @@ def test_mypy_holds_fleettui_and_the_worker_to_the_strict_rules() -> None:
 @pytest.mark.parametrize(
     "entry",
     [
-        "import remote_worker.__main__, remote_worker.profile, remote_worker.mono",  # the worker, profile, mono
+        # the worker, profile, mono
+        "import remote_worker.__main__, remote_worker.profile, remote_worker.mono",
         "import shard_compiler.__main__",  # the compiler (NNCF reports through the same module)
         "import fleettui.cli, fleettui.bench.baseline",  # the operator, the GenAI baseline
-        "import runpy; runpy.run_path('fleettui/provision/remote_ops.py')['devices']({})",  # a host's probe
+        # a host's probe
+        "import runpy; runpy.run_path('fleettui/provision/remote_ops.py')['devices']({})",
     ],
 )
 def test_no_process_of_ours_reports_to_openvinos_telemetry(entry: str) -> None:
-    """`import openvino` sends a usage event to Google Analytics unless `openvino_telemetry` is missing, and
-    waits for it at exit (3 s on a PC without internet): none of our processes loads that module."""
+    """`import openvino` sends a usage event to Google Analytics unless `openvino_telemetry` is
+    missing, and waits for it at exit (3 s on a PC without internet): none of our processes loads
+    that module."""
     code = f"{entry}\nimport sys, openvino, nncf\nprint(sys.modules.get('openvino_telemetry'))"
-    environment = {key: value for key, value in os.environ.items() if key != "CI"}  # CI=true silences it too
+    environment = {
+        key: value for key, value in os.environ.items() if key != "CI"
+    }  # CI=true silences it too
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=environment, check=False
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environment,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "None"

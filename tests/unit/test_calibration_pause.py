@@ -1,9 +1,9 @@
-"""Unit tests of the calibration's pauses: each stage is timed after the pause it has in the live pipeline.
+"""Unit tests of the calibration's pauses: each stage is timed after the pause it has in the live
+pipeline.
 
-A step costs more after a pause (on a shared Xeon the head took 1.7 ms back to back and 3.2 after 8 ms idle,
-a layer 0.31 and 0.40 ms); stepping the calibration split round-robin gave its stages pauses no live
-pipeline has, and the plan came out 20/10 where 19/11 balanced.
-"""
+A step costs more after a pause (on a shared Xeon the head took 1.7 ms back to back and 3.2 after 8
+ms idle, a layer 0.31 and 0.40 ms); stepping the calibration split round-robin gave its stages
+pauses no live pipeline has, and the plan came out 20/10 where 19/11 balanced."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ IDLE_PENALTY_S = 0.004  # the fake's steps cost twice as much after this long id
 
 
 class _IdleEngine:
-    """A stage engine stand-in: a 1-token step sleeps `cost_s`, doubled when the engine has been idle longer
-    than IDLE_PENALTY_S since its last step; it records the idle time before each step."""
+    """A stage engine stand-in: a 1-token step sleeps `cost_s`, doubled when the engine has been
+    idle longer than IDLE_PENALTY_S since its last step; it records the idle time before each
+    step."""
 
     def __init__(self, index: int, cost_s: float, last: bool = False) -> None:
         self.stage_index, self.is_first, self.cost_s = index, index == 0, cost_s
@@ -39,7 +40,9 @@ class _IdleEngine:
     def close(self, session: int) -> None: ...
     def reset(self, session: int) -> None: ...
 
-    def step(self, session: int, pos0: int, cache_len: int, ranges: object, data: Any, keep_last: int = 0):
+    def step(
+        self, session: int, pos0: int, cache_len: int, ranges: object, data: Any, keep_last: int = 0
+    ):
         idle = time.perf_counter() - self._ended
         if len(data) == 1:
             self.idle.append(idle)
@@ -54,14 +57,16 @@ def _trio() -> list[_IdleEngine]:
 
 
 def test_the_calibration_times_every_stage_after_its_pipelines_pause() -> None:
-    """In a 2-stage pipeline serving one user each stage waits about half the model's token between its
-    steps: every timed step of every calibration stage follows that pause (round-robin gave the middle stage
-    3 ms and the others 10), and the penalised cost is what the profile reports."""
+    """In a 2-stage pipeline serving one user each stage waits about half the model's token between
+    its steps: every timed step of every calibration stage follows that pause (round-robin gave the
+    middle stage 3 ms and the others 10), and the penalised cost is what the profile reports."""
     from remote_worker.profile import time_stages
 
     engines = _trio()
     results = time_stages(engines, context=4, tokens=16, chunk=4, windows=2, gap=0.0, pipeline=2)
-    whole_ms = 2 * 1000 * sum(engine.cost_s for engine in engines)  # the model's token, each step penalised
+    whole_ms = (
+        2 * 1000 * sum(engine.cost_s for engine in engines)
+    )  # the model's token, each step penalised
     for engine, result in zip(engines, results, strict=True):
         assert 0.4 * whole_ms <= result["pause_ms"] <= 0.75 * whole_ms
         timed = engine.idle[-(16 // 2 + 2) :]  # the last window's decode steps
@@ -86,9 +91,14 @@ def test_explicit_pauses_are_kept_per_stage() -> None:
     from remote_worker.profile import time_stages
 
     engines = _trio()[:2]
-    results = time_stages(engines, context=4, tokens=8, chunk=4, windows=2, gap=0.0, pauses_ms=[0.0, 6.0])
+    results = time_stages(
+        engines, context=4, tokens=8, chunk=4, windows=2, gap=0.0, pauses_ms=[0.0, 6.0]
+    )
     assert [result["pause_ms"] for result in results] == [0.0, 6.0]
-    assert statistics.median(engines[0].idle[-5:]) < IDLE_PENALTY_S and min(engines[1].idle[-5:]) >= 0.006
+    assert (
+        statistics.median(engines[0].idle[-5:]) < IDLE_PENALTY_S
+        and min(engines[1].idle[-5:]) >= 0.006
+    )
 
 
 def test_the_profile_command_refuses_pauses_it_cannot_pair_with_stages(
@@ -109,20 +119,24 @@ def test_the_profile_command_refuses_pauses_it_cannot_pair_with_stages(
 
 
 def test_a_profile_is_kept_per_pipeline_length(tmp_path: Path) -> None:
-    """The same host in a 2- and a 3-stage fleet pauses differently between steps: separate profiles."""
+    """The same host in a 2- and a 3-stage fleet pauses differently between steps: separate
+    profiles."""
     from fleettui.planning.profiles import profile_path
 
     base = load_fleet(DEFAULT_FLEET)
     two = replace(base, hosts=(Host(name="a"), Host(name="b")))
     three = replace(base, hosts=(Host(name="a"), Host(name="b"), Host(name="c")))
-    assert profile_path(two, two.hosts[0], tmp_path) != profile_path(three, three.hosts[0], tmp_path)
+    assert profile_path(two, two.hosts[0], tmp_path) != profile_path(
+        three, three.hosts[0], tmp_path
+    )
     assert profile_path(two, two.hosts[0], tmp_path) == profile_path(two, two.hosts[1], tmp_path)
 
 
 def test_plan_profile_times_each_planned_stage_after_the_rest_of_the_pipeline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Measured vs predicted: each stage of the planned split is timed after the others' predicted time."""
+    """Measured vs predicted: each stage of the planned split is timed after the others'
+    predicted time."""
     import io
 
     from fleettui.planning import plan_profile, profiles
@@ -132,19 +146,28 @@ def test_plan_profile_times_each_planned_stage_after_the_rest_of_the_pipeline(
     fleet = replace(base, hosts=(Host(name="a", threads=1), Host(name="b", threads=1)))
     asked: list[tuple[Any, Any]] = []
 
-    def fake_time(fleet: object, host: object, shard_dir: Path, stages: Any = None, children: Any = None,
-                  pauses_ms: Any = None) -> list[dict[str, float]]:  # fmt: skip
+    def fake_time(
+        fleet: object,
+        host: object,
+        shard_dir: Path,
+        stages: Any = None,
+        children: Any = None,
+        pauses_ms: Any = None,
+    ) -> list[dict[str, float]]:
         asked.append((stages, pauses_ms))
         return [{"decode_ms": 7.8} for _ in stages]
 
     monkeypatch.setattr(plan_profile, "calibrate", lambda *args, **kwargs: {"a": costs, "b": costs})
     monkeypatch.setattr(profiles, "fleet_costs", lambda fleet: [costs, costs])
     monkeypatch.setattr(plan_profile, "time_stages", fake_time)
-    monkeypatch.setattr(plan_profile, "compile_split", lambda fleet, splits, children=None: tmp_path)
+    monkeypatch.setattr(
+        plan_profile, "compile_split", lambda fleet, splits, children=None: tmp_path
+    )
     shown = io.StringIO()
     assert plan_profile.run_plan_profile(fleet, None, shown) == 0
     ((stages, pauses),) = asked
-    # 19/11 on SmolLM2's 30 layers: stage 0 = 0.2 + 19 x 0.4 = 7.8 ms, stage 1 = 0.2 + 11 x 0.4 + 3.2 = 7.8
+    # 19/11 on SmolLM2's 30 layers: stage 0 = 0.2 + 19 x 0.4 = 7.8 ms, stage 1 = 0.2 + 11 x 0.4 +
+    # 3.2 = 7.8
     assert stages == [0, 1] and pauses == pytest.approx([7.8, 7.8])
     assert "measured 0%" in shown.getvalue()
 
@@ -152,19 +175,30 @@ def test_plan_profile_times_each_planned_stage_after_the_rest_of_the_pipeline(
 def test_hosts_on_alike_cores_share_the_mean_of_their_costs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two emulated PCs on identical cores, timed at once, differ only by noise: 3.6 % per layer once tipped
-    the plan from 19/11 (ran 0.97) to 20/10 (0.88). They share the mean; unlike cores keep their own."""
+    """Two emulated PCs on identical cores, timed at once, differ only by noise: 3.6 % per layer
+    once tipped the plan from 19/11 (ran 0.97) to 20/10 (0.88). They share the mean; unlike cores
+    keep their own."""
     from fleettui.config import local_cores
     from fleettui.planning import profiles
 
-    per_core = {0: (0.8, 0.409, 3.47, 0.33), 1: (0.8, 0.424, 3.68, 0.37)}  # first stage, layer, head, call
+    per_core = {
+        0: (0.8, 0.409, 3.47, 0.33),
+        1: (0.8, 0.424, 3.68, 0.37),
+    }  # first stage, layer, head, call
 
-    def fake_time(fleet: object, host: Host, shard_dir: Path, *rest: object) -> list[dict[str, object]]:
+    def fake_time(
+        fleet: object, host: Host, shard_dir: Path, *rest: object
+    ) -> list[dict[str, object]]:
         first, layer, head, call = per_core[host.cores[0]]
         return [
             {"layers": [0, 1], "last": False, "decode_ms": call + layer, "prefill_ms": 5.0},
             {"layers": [1, 29], "last": False, "decode_ms": call + 28 * layer, "prefill_ms": 112.0},
-            {"layers": [29, 30], "last": True, "decode_ms": call + layer + head, "prefill_ms": 34.0},
+            {
+                "layers": [29, 30],
+                "last": True,
+                "decode_ms": call + layer + head,
+                "prefill_ms": 34.0,
+            },
         ]
 
     monkeypatch.setattr(profiles, "time_stages", fake_time)
@@ -183,14 +217,18 @@ def test_hosts_on_alike_cores_share_the_mean_of_their_costs(
     assert alike["pc-0"].head_ms == pytest.approx((3.47 + 3.68) / 2)
     kinds[1] = ("512", "")  # an efficient core beside a performance core
     unlike = profiles.calibrate(fleet, 30, root=tmp_path / "unlike")
-    assert unlike["pc-0"].layer_ms == pytest.approx(0.409) and unlike["pc-1"].layer_ms == pytest.approx(0.424)
+    assert unlike["pc-0"].layer_ms == pytest.approx(0.409) and unlike[
+        "pc-1"
+    ].layer_ms == pytest.approx(0.424)
 
 
 def test_core_kind_reads_capacity_clock_and_hybrid_core_type(tmp_path: Path) -> None:
     from fleettui.config.local_cores import core_kind
 
     cpu = tmp_path / "system" / "cpu"
-    for index, (capacity, clock) in enumerate([("1024", "5400000"), ("1024", "5400000"), ("512", "4200000")]):
+    for index, (capacity, clock) in enumerate(
+        [("1024", "5400000"), ("1024", "5400000"), ("512", "4200000")]
+    ):
         (cpu / f"cpu{index}" / "cpufreq").mkdir(parents=True)
         (cpu / f"cpu{index}" / "cpu_capacity").write_text(capacity + "\n")
         (cpu / f"cpu{index}" / "cpufreq" / "cpuinfo_max_freq").write_text(clock + "\n")

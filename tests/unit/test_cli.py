@@ -1,4 +1,5 @@
-"""The command line: subcommands, the old flag forms as aliases, refused flags, version, completion, pipes."""
+"""The command line: subcommands, the old flag forms as aliases, refused flags, version,
+completion, pipes."""
 
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ ROOT = Path(__file__).resolve().parents[2]
         ([], ["tui"]),
         (["f.toml"], ["tui", "f.toml"]),
         (["f.toml", "--exact"], ["tui", "f.toml", "--exact"]),
-        (["f.toml", "--ask", "Hi", "--max-tokens", "4"], ["ask", "f.toml", "Hi", "--max-tokens", "4"]),
+        (
+            ["f.toml", "--ask", "Hi", "--max-tokens", "4"],
+            ["ask", "f.toml", "Hi", "--max-tokens", "4"],
+        ),
         (["--ask", "Hi"], ["ask", str(DEFAULT_FLEET), "Hi"]),
         (["f.toml", "--plan"], ["plan", "f.toml"]),
         (["--deploy", "f.toml"], ["deploy", "f.toml"]),
         (["f.toml", "--stop"], ["stop", "f.toml"]),
         (["f.toml", "--bench", "--quick", "--json"], ["bench", "f.toml", "--quick", "--json", "-"]),
         (["ask", "f.toml", "Hi"], ["ask", "f.toml", "Hi"]),
-        (["--ask", "-", "--system", "Be brief."], ["ask", str(DEFAULT_FLEET), "-", "--system", "Be brief."]),
+        (
+            ["--ask", "-", "--system", "Be brief."],
+            ["ask", str(DEFAULT_FLEET), "-", "--system", "Be brief."],
+        ),
         (["f.toml", "--deploy", "--prune"], ["deploy", "f.toml", "--prune"]),
         (["init", "out.toml", "local"], ["init", "out.toml", "local"]),
         (["cache", "ls"], ["cache", "ls"]),
@@ -46,7 +53,9 @@ def test_two_old_modes_are_refused() -> None:
         translate(["f.toml", "--plan", "--stop"])
 
 
-def test_flags_that_do_not_apply_to_a_subcommand_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_flags_that_do_not_apply_to_a_subcommand_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     for argv in (
         ["stop", "f.toml", "--max-tokens", "3"],
         ["plan", "f.toml", "--exact"],
@@ -83,7 +92,11 @@ def test_every_subcommand_is_registered_with_help() -> None:
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fleettui", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "fleettui", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
 
@@ -98,7 +111,9 @@ def test_completion_script_names_the_subcommands_and_their_flags() -> None:
     result = run("completion", "bash")
     assert result.returncode == 0
     assert "complete -o default -o filenames -F _fleettui fleettui" in result.stdout
-    assert "ask) " in result.stdout and "--max-tokens" in result.stdout and "deploy" in result.stdout
+    assert (
+        "ask) " in result.stdout and "--max-tokens" in result.stdout and "deploy" in result.stdout
+    )
     checked = subprocess.run(["bash", "-n"], input=result.stdout, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
 
@@ -132,11 +147,14 @@ def test_status_stop_and_logs_of_a_fleet_never_deployed(tmp_path: Path) -> None:
     assert main(["logs", str(DEFAULT_FLEET)]) == 3
 
 
-def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["ask", str(DEFAULT_FLEET), "  "]) == 2
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--spec-k", "40"]) == 2
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--max-tokens", "0"]) == 2
-    # out-of-range sampling: the request's own check, refused before any worker starts (no traceback)
+    # out-of-range sampling: the request's own check, refused before any worker starts (no
+    # traceback)
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--top-p", "7"]) == 2
     assert main(["ask", str(DEFAULT_FLEET), "Hi", "--temperature", "9"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
@@ -149,13 +167,21 @@ def test_an_empty_prompt_and_a_bad_spec_k_are_one_line_exit_2(capsys: pytest.Cap
     ]
 
 
-def test_bench_only_and_plan_profile_are_subcommand_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_only_and_plan_profile_are_subcommand_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert build_parser().parse_args(["bench", "f.toml", "--only", "spec"]).only == "spec"
     assert build_parser().parse_args(["plan", "f.toml", "--profile"]).profile is True
-    assert main(["bench", str(DEFAULT_FLEET), "--only", "nothing"]) == 2  # refused before anything starts
-    assert main(["bench", str(DEFAULT_FLEET), "--quick", "--only", "scale"]) == 2  # quick has no scale rows
+    assert (
+        main(["bench", str(DEFAULT_FLEET), "--only", "nothing"]) == 2
+    )  # refused before anything starts
+    assert (
+        main(["bench", str(DEFAULT_FLEET), "--quick", "--only", "scale"]) == 2
+    )  # quick has no scale rows
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 2 and errors[0].startswith("fleettui: --only: 'nothing' is not one of anchors")
+    assert len(errors) == 2 and errors[0].startswith(
+        "fleettui: --only: 'nothing' is not one of anchors"
+    )
     assert "no such rows" in errors[1]
 
 
@@ -163,7 +189,9 @@ def test_bench_rebalance_refuses_a_bad_share_or_fleet_in_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert build_parser().parse_args(["bench", "f.toml", "--rebalance"]).rebalance == 0.4
-    assert main(["bench", str(DEFAULT_FLEET), "--rebalance", "1.5"]) == 2  # refused before anything starts
+    assert (
+        main(["bench", str(DEFAULT_FLEET), "--rebalance", "1.5"]) == 2
+    )  # refused before anything starts
     one = tmp_path / "one.toml"
     one.write_text('[[hosts]]\nname = "a"\n')
     assert main(["bench", str(one), "--rebalance"]) == 2  # one stage: nothing to rebalance
@@ -187,7 +215,8 @@ def test_a_start_on_held_ports_fails_at_once_naming_the_port_and_its_holder(tmp_
         result = run("ask", str(path), "Hi")
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        f"fleettui: port {base + 1} of a is held by pid {os.getpid()} ({' '.join(psutil_cmdline())})"
+        f"fleettui: port {base + 1} of a is held by pid {os.getpid()} "
+        f"({' '.join(psutil_cmdline())})"
     )
 
 
@@ -200,7 +229,8 @@ def psutil_cmdline() -> list[str]:
 def test_a_bench_with_zero_tokens_is_refused_not_run_with_the_default(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`--max-tokens 0` once meant "the default" (a full 20-minute bench); every bench mode refuses it now."""
+    """`--max-tokens 0` once meant "the default" (a full 20-minute bench); every bench mode
+    refuses it now."""
     for extra in ([], ["--quick"], ["--soak", "5"], ["--rebalance", "0.5"]):
         assert main(["bench", str(DEFAULT_FLEET), "--max-tokens", "0", *extra]) == 2
     errors = capsys.readouterr().err.strip().splitlines()

@@ -1,5 +1,6 @@
-"""The last stage's coalescing of a run's Results (`remote_worker.coalesce`): held, then sent together, in
-order, none lost, the first of a reply at once, and every held one ahead of any later message."""
+"""The last stage's coalescing of a run's Results (`remote_worker.coalesce`): held, then sent
+together, in order, none lost, the first of a reply at once, and every held one ahead of any later
+message."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ def _result(session: int, seq: int) -> Result:
 
 def test_a_session_silent_for_the_interval_sends_at_once_then_holds_until_due() -> None:
     coalescer = Coalescer(0.040)
-    assert not coalescer.hold(_result(1, 1), now=10.0)  # nothing sent before: the first token leaves now
+    assert not coalescer.hold(
+        _result(1, 1), now=10.0
+    )  # nothing sent before: the first token leaves now
     coalescer.sent(1, 10.0)
     assert coalescer.hold(_result(1, 2), now=10.010) and coalescer.hold(_result(1, 3), now=10.020)
     assert not coalescer.hold(_result(2, 1), now=10.021)  # another session's first leaves at once
-    assert coalescer.seconds_to_due(10.030) == pytest.approx(0.010)  # 40 ms after session 1's last send
+    assert coalescer.seconds_to_due(10.030) == pytest.approx(
+        0.010
+    )  # 40 ms after session 1's last send
     before = time.time()
     held = coalescer.take(10.050)
     assert [(r.session, r.seq) for r in held] == [(1, 2), (1, 3)] and len(coalescer) == 0
@@ -57,7 +62,8 @@ def test_the_worker_refuses_a_result_batch_outside_0_to_1000_ms(value: object) -
 
 
 class _OneStageEngine(FakeEngine):
-    """A first and last stage: each step takes `seconds` and its logits pick token (position + 1) % 7."""
+    """A first and last stage: each step takes `seconds` and its logits pick token (position + 1)
+    % 7."""
 
     is_first = is_last = True
 
@@ -102,7 +108,9 @@ def test_a_runs_results_arrive_in_bursts_in_order_and_ahead_of_the_cancels_ack()
     try:
         head.send_multipart(protocol.encode(Control(Kind.OPEN, 1, 1)))
         assert tail.poll(10_000) and isinstance(protocol.decode(tail.recv_multipart()), Ack)
-        run = Step(1, 2, 0, 0, NO_RANGES, tokens=np.array([3, 4], np.int64), decode=Decode(), run=30)
+        run = Step(
+            1, 2, 0, 0, NO_RANGES, tokens=np.array([3, 4], np.int64), decode=Decode(), run=30
+        )
         head.send_multipart(protocol.encode(run))
         arrivals: list[tuple[float, Result]] = []
         while len(arrivals) < 30:
@@ -112,15 +120,30 @@ def test_a_runs_results_arrive_in_bursts_in_order_and_ahead_of_the_cancels_ack()
             arrivals.append((time.monotonic(), message))
         tokens = [int(result.tokens[-1]) for _, result in arrivals]
         assert tokens == [(position + 1) % 7 for position in range(1, 31)]  # every token, in order
-        gaps = [later - earlier for (earlier, _), (later, _) in zip(arrivals, arrivals[1:], strict=False)]
+        gaps = [
+            later - earlier
+            for (earlier, _), (later, _) in zip(arrivals, arrivals[1:], strict=False)
+        ]
         bursts = 1 + sum(gap > 0.005 for gap in gaps)
         assert bursts <= 12, f"{bursts} bursts for 30 tokens made 10 ms apart: not coalesced"
         for _, result in arrivals:  # finished <= sent: `sent` is when the Result really left
             assert result.trace[3] <= result.trace[4]
 
         # a Cancel mid-run: its Ack follows every Result the run made, none is left held
-        head.send_multipart(protocol.encode(Step(1, 3, 32, 32, NO_RANGES, tokens=np.array([1], np.int64),
-                                                 decode=Decode(), run=1000)))  # fmt: skip
+        head.send_multipart(
+            protocol.encode(
+                Step(
+                    1,
+                    3,
+                    32,
+                    32,
+                    NO_RANGES,
+                    tokens=np.array([1], np.int64),
+                    decode=Decode(),
+                    run=1000,
+                )
+            )
+        )
         assert tail.poll(10_000)
         time.sleep(0.1)
         head.send_multipart(protocol.encode(Control(Kind.CANCEL, 1, 4)))

@@ -1,5 +1,6 @@
-"""Unit tests of grammar-constrained decoding's parts: the constraint module (llguidance on a small byte-level
-BPE tokenizer trained here), the token-mask frame of the wire protocol, and the last stage's masked scoring."""
+"""Unit tests of grammar-constrained decoding's parts: the constraint module (llguidance on a small
+byte-level BPE tokenizer trained here), the token-mask frame of the wire protocol, and the last
+stage's masked scoring."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=600,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     assert tok.token_to_id("<eos>") == EOS
@@ -44,7 +47,8 @@ def tokenizer() -> Any:
 
 
 class Format:
-    """What the coordinator passes: a tokenizer and the model's EOS ids (a ChatFormat's two fields)."""
+    """What the coordinator passes: a tokenizer and the model's EOS ids (a ChatFormat's two
+    fields)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -85,7 +89,9 @@ def test_a_schema_compiles_and_its_matcher_follows_a_valid_answer(
     assert final is not None and [t for t in range(600) if grammar.allows(final[0], t)] == [EOS]
 
 
-def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(tokenizer: Any, chat_format: Format) -> None:
+def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(
+    tokenizer: Any, chat_format: Format
+) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
     good = ids(tokenizer, '{"name":"Ada"')
     bad = ids(tokenizer, "Paris")
@@ -93,12 +99,16 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(tokenizer: Any, c
     assert kept == len(good) and masks is not None and len(masks) == kept + 1
     assert not grammar.allows(masks[kept], bad[0])
     assert grammar.drafts_cut == len(bad) + len(good)
-    assert grammar.complete is False and grammar.advance(good) == good  # the matcher was rolled back
+    assert (
+        grammar.complete is False and grammar.advance(good) == good
+    )  # the matcher was rolled back
 
 
-def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(tokenizer: Any, chat_format: Format) -> None:
-    """An EOS in a draft is left to the verify; planning over it never moves the matcher (llguidance does not
-    count a consumed EOS when it rolls back)."""
+def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(
+    tokenizer: Any, chat_format: Format
+) -> None:
+    """An EOS in a draft is left to the verify; planning over it never moves the matcher (llguidance
+    does not count a consumed EOS when it rolls back)."""
     grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
     answer = ids(tokenizer, '{"name":"Ada","age":36}')
     assert grammar.advance(answer[:-2]) == answer[:-2]
@@ -110,7 +120,9 @@ def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(tokenizer: Any, c
 def test_any_json_object_grammar(tokenizer: Any, chat_format: Format) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "json_object"), chat_format)
     first = grammar.plan(())[1]
-    assert first is not None and not grammar.allows(first[0], ids(tokenizer, "[")[0])  # not an array
+    assert first is not None and not grammar.allows(
+        first[0], ids(tokenizer, "[")[0]
+    )  # not an array
     assert grammar.advance(ids(tokenizer, '{"a":[1,{"b":null}],"c":"x"}')) and grammar.complete
 
 
@@ -126,7 +138,9 @@ def test_any_json_object_grammar(tokenizer: Any, chat_format: Format) -> None:
         ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "/nowhere"),
     ],
 )
-def test_an_unusable_schema_is_one_line_naming_it(chat_format: Format, schema: dict, named: str) -> None:
+def test_an_unusable_schema_is_one_line_naming_it(
+    chat_format: Format, schema: dict, named: str
+) -> None:
     with pytest.raises(ConstraintError) as caught:
         check_constraint(ConstraintSpec(json_schema_grammar(schema), "bad"), chat_format)
     message = str(caught.value)
@@ -148,13 +162,18 @@ def test_a_bad_lark_grammar_and_an_empty_trigger_are_refused(chat_format: Format
 
 
 @pytest.mark.parametrize("trigger", ["<call>", "<ca", "call>\n", "l>\n{"])
-def test_a_trigger_cuts_the_reply_right_after_it(tokenizer: Any, chat_format: Format, trigger: str) -> None:
-    """Wherever the trigger ends inside a token, the kept tokens decode to the text up to the trigger's end,
-    and the grammar constrains from there."""
+def test_a_trigger_cuts_the_reply_right_after_it(
+    tokenizer: Any, chat_format: Format, trigger: str
+) -> None:
+    """Wherever the trigger ends inside a token, the kept tokens decode to the text up to the
+    trigger's end, and the grammar constrains from there."""
     text = 'Let me call a tool. <call>\n{"a": 1} more'
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger=trigger), chat_format)
     tokens = ids(tokenizer, text)
-    assert grammar.plan(tuple(tokens)) == (len(tokens), None)  # free text: nothing masked, nothing cut
+    assert grammar.plan(tuple(tokens)) == (
+        len(tokens),
+        None,
+    )  # free text: nothing masked, nothing cut
     kept = grammar.advance(tokens[:5]) + grammar.advance(tokens[5:])
     end = text.index(trigger) + len(trigger)
     assert tokenizer.decode(kept) == text[:end]
@@ -163,12 +182,15 @@ def test_a_trigger_cuts_the_reply_right_after_it(tokenizer: Any, chat_format: Fo
 
 
 def test_no_constrained_text_before_the_trigger(tokenizer: Any, chat_format: Format) -> None:
-    grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger="<tool>"), chat_format)
+    grammar = ReplyGrammar(
+        ConstraintSpec(json_object_grammar(), "t", trigger="<tool>"), chat_format
+    )
     tokens = ids(tokenizer, "no tool here, just text")
     assert grammar.advance(tokens) == tokens and grammar.complete is None and not grammar.active
 
 
-# -- the wire frame and the last stage -----------------------------------------------------------------
+# -- the wire frame and the last stage
+# -----------------------------------------------------------------
 
 
 def packed(allowed: list[list[int]], vocab: int) -> np.ndarray:
@@ -191,7 +213,11 @@ def test_the_token_mask_round_trips() -> None:
     assert isinstance(back, protocol.Step) and back.decode is not None
     assert back.decode.constrained and np.array_equal(back.decode.token_mask, mask)
     plain = protocol.decode(protocol.encode(step_with(protocol.Decode(), 1)))
-    assert isinstance(plain, protocol.Step) and plain.decode is not None and not plain.decode.constrained
+    assert (
+        isinstance(plain, protocol.Step)
+        and plain.decode is not None
+        and not plain.decode.constrained
+    )
 
 
 def _frames(decode: protocol.Decode) -> list[bytes]:
@@ -230,7 +256,9 @@ def test_a_malformed_mask_frame_is_refused_with_one_line(damage: str, reason: st
 
 def test_a_run_or_a_proposal_never_carries_a_mask() -> None:
     decode = protocol.Decode(token_mask=packed([[1]], 64))
-    run = protocol.Step(7, 1, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([1]), decode=decode, run=5)
+    run = protocol.Step(
+        7, 1, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([1]), decode=decode, run=5
+    )
     with pytest.raises(protocol.ProtocolError, match="only go with a verify step"):
         protocol.decode(protocol.encode(run))
 
@@ -245,15 +273,19 @@ def test_the_last_stage_chooses_only_allowed_tokens() -> None:
     best = 4 if logits[0, 4] > logits[0, 9] else 9
     if drafts[0] not in allowed[0]:
         assert accepted == 0 and list(tokens) == [best]
-    greedy = protocol.Decode(draft_tokens=np.array([best, 17], np.int64), token_mask=packed(allowed, 100))
+    greedy = protocol.Decode(
+        draft_tokens=np.array([best, 17], np.int64), token_mask=packed(allowed, 100)
+    )
     tokens, accepted, _, _ = score(logits, greedy)
     assert accepted == 2 and int(tokens[-1]) in allowed[2]
     for seed in range(20):  # sampling and the acceptance test see the masked distribution too
         uniforms = np.random.default_rng(seed).random(6)
         sampled = protocol.Decode(
-            temperature=1.5, draft_tokens=np.array([9, 40], np.int64), uniforms=uniforms,
+            temperature=1.5,
+            draft_tokens=np.array([9, 40], np.int64),
+            uniforms=uniforms,
             token_mask=packed(allowed, 100),
-        )  # fmt: skip
+        )
         tokens, accepted, _, _ = score(logits, sampled)
         assert all(int(token) in allowed[row] for row, token in enumerate(tokens))
 
@@ -270,7 +302,10 @@ def test_a_mask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
 def test_json_schema_grammar_embeds_the_schema_verbatim() -> None:
     grammar = json_schema_grammar(PERSON)
     assert grammar.startswith("start: %json")
-    compact = {**PERSON, "x-guidance": {"whitespace_flexible": False}}  # compact JSON unless the schema says
+    compact = {
+        **PERSON,
+        "x-guidance": {"whitespace_flexible": False},
+    }  # compact JSON unless the schema says
     assert json.loads(grammar.removeprefix("start: %json")) == compact
     flexible = {**PERSON, "x-guidance": {"whitespace_flexible": True}}
     assert json.loads(json_schema_grammar(flexible).removeprefix("start: %json")) == flexible
@@ -280,13 +315,16 @@ def test_the_grammar_forces_the_structure_tokens(tokenizer: Any, chat_format: Fo
     grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
     forced = grammar.forced(16)
     assert tokenizer.decode(forced).startswith('{"name":')  # nothing else may start the answer
-    assert grammar.forced(2) == forced[:2] and grammar.complete is False  # (the matcher did not move)
+    assert (
+        grammar.forced(2) == forced[:2] and grammar.complete is False
+    )  # (the matcher did not move)
     assert grammar.plan(tuple(forced))[0] == len(forced)
     free = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger="<call>"), chat_format)
     assert free.forced(16) == []  # before its trigger nothing is forced
 
 
-# -- fleettui ask --json-schema: bad schema files are refused before anything starts --------------------
+# -- fleettui ask --json-schema: bad schema files are refused before anything starts
+# --------------------
 
 
 @pytest.mark.parametrize(
@@ -332,5 +370,7 @@ def test_ask_reports_a_cut_or_invalid_answer_in_one_line() -> None:
         args,
     )
     assert cut is not None and "cut by --max-tokens at 8 tokens" in cut
-    wrong = _check_answer('{"name": 3, "age": 1}', GenerationStats(constraint_complete=True), PERSON, args)
+    wrong = _check_answer(
+        '{"name": 3, "age": 1}', GenerationStats(constraint_complete=True), PERSON, args
+    )
     assert wrong is not None and "does not validate" in wrong

@@ -1,10 +1,11 @@
-"""Unit tests of the coordinator's speculation and rollback bookkeeping against an in-process fake pipeline.
+"""Unit tests of the coordinator's speculation and rollback bookkeeping against an in-process fake
+pipeline.
 
-The fake stage mirrors what a real stage does with its KV cache (append-only slots, mask deltas, logical
-positions) and its "model" is a deterministic function of exactly the tokens it attends to, at exactly
-their logical positions. Any rollback mistake (a rejected draft left visible, a wrong position, a slot
-masked twice or never) changes the next token, so speculative output must equal plain greedy output.
-"""
+The fake stage mirrors what a real stage does with its KV cache (append-only slots, mask deltas,
+logical positions) and its "model" is a deterministic function of exactly the tokens it attends to,
+at exactly their logical positions. Any rollback mistake (a rejected draft left visible, a wrong
+position, a slot masked twice or never) changes the next token, so speculative output must equal
+plain greedy output."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _model(visible: list[tuple[int, int]]) -> np.ndarray:
 
 
 class FakePipeline:
-    """A one-process stand-in for the chain: validates what a stage validates, scores like the last stage."""
+    """A one-process stand-in for the chain: validates what a stage validates, scores like the
+    last stage."""
 
     def __init__(self, delay: float = 0.0) -> None:
         self.slots: dict[int, list[list[int]]] = {}  # session -> [token, position, valid]
@@ -50,7 +52,9 @@ class FakePipeline:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message:
         message = protocol.decode(protocol.encode(message))  # the wire format round-trips
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -99,7 +103,8 @@ class FakePipeline:
 
 
 class NoisyDrafter:
-    """Proposes the true greedy continuation with some tokens corrupted, to exercise partial acceptance."""
+    """Proposes the true greedy continuation with some tokens corrupted, to exercise partial
+    acceptance."""
 
     name = "noisy"
     costs_time = True
@@ -140,7 +145,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 9, 1], list(range(1, 16)) * 20]
 @pytest.mark.parametrize("k", [1, 3, 5])
 async def test_speculation_with_mask_rollback_equals_plain_greedy(wrong_every: int, k: int) -> None:
     pipeline = FakePipeline()
-    coordinator = Coordinator(pipeline, None, NoisyDrafter(wrong_every), max_k=k, compaction_minimum=8)
+    coordinator = Coordinator(
+        pipeline, None, NoisyDrafter(wrong_every), max_k=k, compaction_minimum=8
+    )
     coordinator.policy.fixed_k = k
     for prompt in PROMPTS:
         session = await coordinator.open_session()
@@ -168,7 +175,8 @@ async def test_multi_turn_reuses_the_shared_prefix_and_masks_the_rest() -> None:
     coordinator.policy.fixed_k = 3
     session = await coordinator.open_session()
     first = await coordinator.generate(session, [1, 2, 3], GenerationParams(max_tokens=12))
-    # The next turn shares the first prompt but diverges afterwards: the cache must keep [1, 2, 3] only.
+    # The next turn shares the first prompt but diverges afterwards: the cache must keep [1, 2, 3]
+    # only.
     second_prompt = [1, 2, 3, 4, 4, 4]
     second = await coordinator.generate(session, second_prompt, GenerationParams(max_tokens=12))
     assert list(first.token_ids) == _plain_greedy([1, 2, 3], 12)
@@ -201,7 +209,9 @@ async def test_compaction_keeps_output_exact() -> None:
     session = await coordinator.open_session()
     generation = await coordinator.generate(session, [5, 4, 3], GenerationParams(max_tokens=60))
     assert list(generation.token_ids) == _plain_greedy([5, 4, 3], 60)
-    assert session.ledger.garbage < session.ledger.logical_len  # compaction ran and bounded the waste
+    assert (
+        session.ledger.garbage < session.ledger.logical_len
+    )  # compaction ran and bounded the waste
 
 
 def test_ledger_plans_rollback_as_mask_ranges() -> None:
@@ -224,13 +234,16 @@ def test_ledger_plans_rollback_as_mask_ranges() -> None:
 
 
 async def test_the_same_prompt_again_with_speculation_re_feeds_its_cached_reply() -> None:
-    """A repeated request (a retry, "regenerate") finds its whole reply cached: the verify step still feeds
-    the last prompt token and every draft (the cached copies are masked), not just what the cache lacks."""
+    """A repeated request (a retry, "regenerate") finds its whole reply cached: the verify step
+    still feeds the last prompt token and every draft (the cached copies are masked), not just what
+    the cache lacks."""
     coordinator = Coordinator(FakePipeline(), None, NoisyDrafter(1000), max_k=4)
     coordinator.policy.fixed_k = 4
     session = await coordinator.open_session()
     for _turn in range(3):
-        generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=30))
+        generation = await coordinator.generate(
+            session, PROMPTS[0], GenerationParams(max_tokens=30)
+        )
         assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 30)
     ledger = CacheLedger()
     ledger.commit(ledger.plan([1, 2, 3, 4, 5]))
@@ -241,7 +254,8 @@ async def test_the_same_prompt_again_with_speculation_re_feeds_its_cached_reply(
 
 
 def test_ledger_plan_after_pending_steps_leaves_the_ledger_as_it_was() -> None:
-    """A round planned ahead sees the pending steps as committed, on a copy: the ledger itself is unchanged."""
+    """A round planned ahead sees the pending steps as committed, on a copy: the ledger itself is
+    unchanged."""
     ledger = CacheLedger()
     ledger.commit(ledger.plan([1, 2, 3, 4, 5, 6]))
     pending = ledger.plan([1, 2, 3, 4, 9, 8])  # 5 and 6 rejected, 9 and 8 fed (not yet committed)
@@ -280,8 +294,8 @@ def _scanned_lookup(history: list[int], k: int, max_ngram: int) -> list[int]:
 
 def test_the_incremental_ngram_index_finds_what_a_scan_of_the_whole_history_finds() -> None:
     """A run asks the lookup at every token, so each session's history is indexed as it grows: per
-    token O(max_ngram) instead of a scan (51 us at 300 tokens). Replies appended one token or several at a
-    time, a new reply's list, all give what a scan gives."""
+    token O(max_ngram) instead of a scan (51 us at 300 tokens). Replies appended one token or
+    several at a time, a new reply's list, all give what a scan gives."""
     rng = np.random.default_rng(7)
     drafter = PromptLookupDrafter(max_ngram=3)
     for reply in range(40):
@@ -300,7 +314,8 @@ async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:
     prompt = PROMPTS[2][:60]
     generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=30))
     assert list(generation.token_ids) == _plain_greedy(prompt, 30)
-    # a fleet whose draft is prompt lookup, adaptive K: the lookup drafts (it is the fleet's drafter)
+    # a fleet whose draft is prompt lookup, adaptive K: the lookup drafts (it is the fleet's
+    # drafter)
     adaptive = Coordinator(FakePipeline(), None, PromptLookupDrafter(), max_k=4)
     session = await adaptive.open_session()
     generation = await adaptive.generate(session, prompt, GenerationParams(max_tokens=30))
@@ -310,9 +325,10 @@ async def test_prompt_lookup_drafter_is_exact_under_greedy() -> None:
 async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Beside a model draft, prompt lookup is a free candidate; when it is chosen and finds nothing, the round
-    is the model draft's (if it pays now), not a plain step or run, and the lookup's miss is counted once.
-    The first round of a reply stays plain on a miss (the first token never waits for the draft)."""
+    """Beside a model draft, prompt lookup is a free candidate; when it is chosen and finds nothing,
+    the round is the model draft's (if it pays now), not a plain step or run, and the lookup's miss
+    is counted once. The first round of a reply stays plain on a miss (the first token never waits
+    for the draft)."""
     monkeypatch.setattr(
         "fleettui.runtime.coordinator.choose_drafter",
         lambda _policies, _loaded, _shared, _watched: ("lookup", 3),
@@ -333,7 +349,8 @@ async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
     prompt = [1, 2, 3, 4, 5]  # no repeats: the lookup misses at first
     generation = await coordinator.generate(session, prompt, GenerationParams(max_tokens=30))
     assert list(generation.token_ids) == _plain_greedy(prompt, 30)
-    # one count per round the lookup was asked for (all but the last, which had one token left); the first missed
+    # one count per round the lookup was asked for (all but the last, which had one token left); the
+    # first missed
     assert len(misses) == generation.stats.rounds - 1 and misses[0]
     assert (
         len(drafter.asked) == sum(misses[1:]) > 0
@@ -347,7 +364,9 @@ def test_policy_picks_zero_when_drafting_does_not_pay_and_large_k_when_hops_are_
     for _ in range(40):
         for k in (0, 3):
             slow_draft.record_round(
-                RoundFacts(k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k)
+                RoundFacts(
+                    k, 1 if k else 0, draft_seconds=0.020 * k, verify_seconds=0.025 + 0.002 * k
+                )
             )
     assert slow_draft.choose() == 0
     slow_hops = KPolicy(None, max_k=8)
@@ -364,13 +383,15 @@ def test_sampling_property() -> None:
 
 
 def test_policy_does_not_extrapolate_a_single_draft_measurement_as_free() -> None:
-    """Measurements at K=3 only of a draft almost as slow as the target must not make K=8 look cheap."""
+    """Measurements at K=3 only of a draft almost as slow as the target must not make K=8 look
+    cheap."""
     policy = KPolicy(None, max_k=8)
     policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
     for _ in range(8):
         policy.record_round(RoundFacts(3, 3, draft_seconds=0.042, verify_seconds=0.015))
     assert policy.alpha > 0.85
-    # draft(K) ~ 14 ms x K against a 15 ms verify: at most K = 1 breaks even (a flat draft cost would say K = 8)
+    # draft(K) ~ 14 ms x K against a 15 ms verify: at most K = 1 breaks even (a flat draft cost
+    # would say K = 8)
     assert policy.choose() <= 1
 
 
@@ -388,7 +409,8 @@ def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
     policy = KPolicy(None, max_k=8, probe_every=4)
     for _ in range(10):
         policy.record_round(RoundFacts(0, 0, draft_seconds=0.0, verify_seconds=0.015))
-        # a cheap draft that is seldom right: K = 0 wins, full acceptance would pay (so it is probed)
+        # a cheap draft that is seldom right: K = 0 wins, full acceptance would pay (so it is
+        # probed)
         policy.record_round(RoundFacts(3, 0, draft_seconds=0.006, verify_seconds=0.018))
     policy.costs.generating[False] += 1e6  # the probes' time budget is no limit here
     probes = [index for index in range(60) if policy.choose() > 0]
@@ -397,8 +419,9 @@ def test_policy_probes_k_zero_decisions_less_and_less_often() -> None:
 
 
 async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
-    """A model draft never catches up on more than `window` tokens: a long prompt, or a long stretch without
-    speculation, restarts its cache from the recent tokens (the target verifies every draft regardless)."""
+    """A model draft never catches up on more than `window` tokens: a long prompt, or a long stretch
+    without speculation, restarts its cache from the recent tokens (the target verifies every draft
+    regardless)."""
     from fleettui.runtime.speculation import ModelDrafter, Sampling
 
     sent: list[object] = []
@@ -409,7 +432,11 @@ async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
             if isinstance(message, protocol.Propose):
                 tokens = np.arange(message.k, dtype=np.int64)
                 return protocol.Proposal(
-                    message.session, 0, tokens, np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+                    message.session,
+                    0,
+                    tokens,
+                    np.zeros((0, 0), np.int64),
+                    np.zeros((0, 0), np.float32),
                 )
             return protocol.Ack(protocol.Kind.OPEN, 0, 0)
 
@@ -420,19 +447,28 @@ async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
     first = await drafter.propose(1, history, 2, Sampling(), rng)
     proposals = [m for m in sent if isinstance(m, protocol.Propose)]
     assert first.fed == 8 and list(proposals[-1].tokens) == history[-8:] and proposals[-1].pos0 == 0
-    history += [7, 8]  # one round later: only the new tokens are fed, the rejected draft token masked
+    history += [
+        7,
+        8,
+    ]  # one round later: only the new tokens are fed, the rejected draft token masked
     await drafter.propose(1, history, 2, Sampling(), rng)
     second = [m for m in sent if isinstance(m, protocol.Propose)][-1]
-    assert list(second.tokens) == [7, 8] and second.pos0 == 8 and second.mask_ranges.tolist() == [[8, 9]]
+    assert (
+        list(second.tokens) == [7, 8]
+        and second.pos0 == 8
+        and second.mask_ranges.tolist() == [[8, 9]]
+    )
     history += list(range(200, 220))  # 20 tokens without speculation: restart from the last 8
     third = await drafter.propose(1, history, 2, Sampling(), rng)
     last = [m for m in sent if isinstance(m, protocol.Propose)][-1]
     assert third.fed == 8 and list(last.tokens) == history[-8:] and last.cache_len == 0
 
 
-# ------------------------------------------------------------------------------------ drafting ahead
+# ------------------------------------------------------------------------------------ drafting
+# ahead
 class WiredPipeline(FakePipeline):
-    """The fake chain behind slow links: each step spends `wire` seconds between stages, `stage` at one."""
+    """The fake chain behind slow links: each step spends `wire` seconds between stages, `stage`
+    at one."""
 
     def __init__(self, wire: float, stage: float = 0.001) -> None:
         super().__init__(delay=wire + stage)
@@ -449,13 +485,16 @@ class WiredPipeline(FakePipeline):
 
 
 class LanPipeline(WiredPipeline):
-    """The fake chain on a LAN: a step's whole time (the fake's compute included) counts as stage time."""
+    """The fake chain on a LAN: a step's whole time (the fake's compute included) counts as stage
+    time."""
 
     def __init__(self, stage: float) -> None:
         super().__init__(wire=0.0, stage=stage)
         self.arrived = 0.0
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message:
         self.arrived = time.time()
         return await super().request(message, timeout)
 
@@ -469,20 +508,27 @@ class LanPipeline(WiredPipeline):
 
 
 class TimedDrafter(NoisyDrafter):
-    """A noisy drafter that takes `per_token` seconds per proposed token and records what it was asked."""
+    """A noisy drafter that takes `per_token` seconds per proposed token and records what it was
+    asked."""
 
     def __init__(self, wrong_every: int, per_token: float) -> None:
         super().__init__(wrong_every)
         self.per_token = per_token
         self.busy: set[int] = set()
         self.overlapped = False
-        self.read_cost: float | None = None  # seconds of a 1-token proposal (a keep-up: mostly reading)
+        self.read_cost: float | None = (
+            None  # seconds of a 1-token proposal (a keep-up: mostly reading)
+        )
 
     async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
-        self.overlapped |= session in self.busy  # one proposal per session at a time, as a draft worker needs
+        self.overlapped |= (
+            session in self.busy
+        )  # one proposal per session at a time, as a draft worker needs
         self.busy.add(session)
         try:
-            await asyncio.sleep(self.per_token * k if k > 1 or self.read_cost is None else self.read_cost)
+            await asyncio.sleep(
+                self.per_token * k if k > 1 or self.read_cost is None else self.read_cost
+            )
             return await super().propose(session, history, k, sampling, rng)
         finally:
             self.busy.discard(session)
@@ -490,15 +536,17 @@ class TimedDrafter(NoisyDrafter):
 
 @pytest.mark.parametrize("wrong_every", [7, 25, 1000])
 async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every: int) -> None:
-    """Slow wires (20 ms a step, 1 ms at the stage) hide a 9-token draft (0.5 ms a token): the next round's
-    draft is proposed during this round and used when the round accepted everything; output = plain greedy.
-    A draft that is rarely wrong chains rounds ahead (verifies sent behind verifies sent ahead), and a
-    rejection inside a chain drops every round after it."""
+    """Slow wires (20 ms a step, 1 ms at the stage) hide a 9-token draft (0.5 ms a token): the next
+    round's draft is proposed during this round and used when the round accepted everything; output
+    = plain greedy. A draft that is rarely wrong chains rounds ahead (verifies sent behind verifies
+    sent ahead), and a rejection inside a chain drops every round after it."""
     drafter = TimedDrafter(wrong_every, per_token=0.0005)
     coordinator = Coordinator(WiredPipeline(wire=0.02), None, drafter, max_k=4)
     coordinator.policy.fixed_k = 4
     sessions = [await coordinator.open_session() for _ in PROMPTS[:2]]
-    for _turn in range(2):  # the second turn starts while nothing is pending: the first turn settled it
+    for _turn in range(
+        2
+    ):  # the second turn starts while nothing is pending: the first turn settled it
         results = await asyncio.gather(
             *(
                 coordinator.generate(s, p, GenerationParams(max_tokens=30))
@@ -509,13 +557,17 @@ async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every:
             assert list(generation.token_ids) == _plain_greedy(prompt, 30)
         assert all(not session.ahead for session in sessions)
     counts = coordinator.ahead_counts
-    assert 0 < counts["pipelined"] <= counts["sent"] <= counts["started"]  # verifies sent ahead were rounds
+    assert (
+        0 < counts["pipelined"] <= counts["sent"] <= counts["started"]
+    )  # verifies sent ahead were rounds
     if wrong_every < 1000:
-        assert counts["used"] + counts["pipelined"] < counts["started"]  # a rejection throws the round away
+        assert (
+            counts["used"] + counts["pipelined"] < counts["started"]
+        )  # a rejection throws the round away
     if wrong_every >= 25:
         assert counts["chained"] > 0
-    # the second turn's opening rounds (the links' idle time and the draft's cost known by then) had the round
-    # after them drafted while the stages scored the prompt
+    # the second turn's opening rounds (the links' idle time and the draft's cost known by then) had
+    # the round after them drafted while the stages scored the prompt
     assert counts["opened"] > 0
     assert not drafter.overlapped
     for session in sessions:
@@ -523,8 +575,8 @@ async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every:
 
 
 class PartDrafter(NoisyDrafter):
-    """A noisy drafter that records each request (history length, tokens asked); when `gated`, each request
-    is announced on `requests` and waits until the test releases it on `gate`."""
+    """A noisy drafter that records each request (history length, tokens asked); when `gated`, each
+    request is announced on `requests` and waits until the test releases it on `gate`."""
 
     def __init__(self, gated: bool = False) -> None:
         super().__init__(wrong_every=1000)
@@ -541,11 +593,14 @@ class PartDrafter(NoisyDrafter):
         return await super().propose(session, history, k, sampling, rng)
 
 
-async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_before_failed() -> None:
-    """A proposal ahead of 9 tokens asks the draft for `CHUNK` at a time, each part after the tokens before it,
-    and joins them into what one request gives; once the round it assumed is known to have failed (it gave
-    fewer tokens than assumed, or a bonus other than the guess) it ends after its current part and sends no
-    verify, so the draft is free for the fresh round sooner. A round that went as assumed stops nothing."""
+async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_before_failed() -> (
+    None
+):
+    """A proposal ahead of 9 tokens asks the draft for `CHUNK` at a time, each part after the tokens
+    before it, and joins them into what one request gives; once the round it assumed is known to
+    have failed (it gave fewer tokens than assumed, or a bonus other than the guess) it ends after
+    its current part and sends no verify, so the draft is free for the fresh round sooner. A round
+    that went as assumed stops nothing."""
     assumed = [1, 2, 3, 4, 5]
     whole = await PartDrafter().propose(1, assumed, 9, Sampling(), np.random.default_rng(0))
     sends: list[Draft] = []
@@ -566,7 +621,9 @@ async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_bef
         chain = [ahead_drafts.Ahead(list(assumed), 8, ahead_drafts._NOTHING, 20) for _ in range(2)]
         ahead_drafts.start(drafter, 1, chain[0], 8, lambda _ahead, proposal: sends.append(proposal))
         assert await drafter.requests.get() == 1
-        drafter.gate.put_nowait(None)  # the first part (the guess is back when the second is asked for)
+        drafter.gate.put_nowait(
+            None
+        )  # the first part (the guess is back when the second is asked for)
         assert await drafter.requests.get() == 2 and chain[0].guess == whole.tokens[0]
         ahead_drafts.stop_failed(chain, history)  # while the second part is drafted
         for _part in range(9):  # whatever parts are still asked for
@@ -577,13 +634,18 @@ async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_bef
             assert done.tokens == whole.tokens and sends == [done] and chain[0].holds(history)
         else:
             assert all(link.stopped for link in chain)
-            assert done.tokens == whole.tokens[: 2 * part] and sends == [] and not chain[0].holds(history)
+            assert (
+                done.tokens == whole.tokens[: 2 * part]
+                and sends == []
+                and not chain[0].holds(history)
+            )
             assert drafter.asked == [(5, part), (5 + part, part)]
 
 
 async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly() -> None:
-    """The pipeline loses every session's cache (a stage relaunched) while a round and the verify sent behind
-    it are in flight: both fail, the verify sent ahead is dropped uncommitted, the session is replayed."""
+    """The pipeline loses every session's cache (a stage relaunched) while a round and the verify
+    sent behind it are in flight: both fail, the verify sent ahead is dropped uncommitted, the
+    session is replayed."""
     pipeline = WiredPipeline(wire=0.02)
     coordinator = Coordinator(pipeline, None, TimedDrafter(1000, per_token=0.0005), max_k=4)
     coordinator.policy.fixed_k = 4
@@ -607,25 +669,35 @@ async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly()
     pipeline._serve = losing  # type: ignore[method-assign]
     generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=60))
     assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 60)
-    assert pipeline.lost and coordinator.replayed_tokens > 0 and coordinator.ahead_counts["pipelined"] > 0
+    assert (
+        pipeline.lost
+        and coordinator.replayed_tokens > 0
+        and coordinator.ahead_counts["pipelined"] > 0
+    )
 
 
 async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> None:
-    """On fast links (the wires hide less than the draft would take) and for sampled requests the draft is
-    proposed in its round only; with penalties it is proposed ahead, but its verify is not sent ahead."""
-    # a draft of 20 ms a token: a stall of the event loop on a loaded machine (tens of ms in one round, read
-    # as idle wire time) must not make a 5-token draft look hidden
-    fast = Coordinator(WiredPipeline(wire=0.0005), None, TimedDrafter(1000, per_token=0.02), max_k=4)
+    """On fast links (the wires hide less than the draft would take) and for sampled requests the
+    draft is proposed in its round only; with penalties it is proposed ahead, but its verify is not
+    sent ahead."""
+    # a draft of 20 ms a token: a stall of the event loop on a loaded machine (tens of ms in one
+    # round, read as idle wire time) must not make a 5-token draft look hidden
+    fast = Coordinator(
+        WiredPipeline(wire=0.0005), None, TimedDrafter(1000, per_token=0.02), max_k=4
+    )
     fast.policy.fixed_k = 4
     session = await fast.open_session()
     generation = await fast.generate(session, PROMPTS[0], GenerationParams(max_tokens=20))
     assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 20)
     assert fast.ahead_counts["started"] == 0
 
-    # with penalties (they depend on the reply so far) drafts are made ahead, their verify is not sent ahead
+    # with penalties (they depend on the reply so far) drafts are made ahead, their verify is not
+    # sent ahead
     replies = []
     for ahead in (True, False):
-        penalized = Coordinator(WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4)
+        penalized = Coordinator(
+            WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4
+        )
         penalized.policy.fixed_k = 4
         penalized.draft_ahead = ahead
         session = await penalized.open_session()
@@ -635,21 +707,28 @@ async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> N
             assert penalized.ahead_counts["used"] > 0 and penalized.ahead_counts["sent"] == 0
     assert replies[0] == replies[1]
 
-    sampled = Coordinator(WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4)
+    sampled = Coordinator(
+        WiredPipeline(wire=0.02), None, TimedDrafter(1000, per_token=0.0005), max_k=4
+    )
     sampled.policy.fixed_k = 4
     session = await sampled.open_session()
-    await sampled.generate(session, PROMPTS[0], GenerationParams(max_tokens=20, temperature=0.7, seed=3))
+    await sampled.generate(
+        session, PROMPTS[0], GenerationParams(max_tokens=20, temperature=0.7, seed=3)
+    )
     assert sampled.ahead_counts["started"] == 0
 
 
 async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() -> None:
-    """A client gone mid-reply cancels its generation; the proposal still running ahead is not cut off (the
-    draft's cache would leave its ledger) and the next turn waits for it, then stays exact."""
+    """A client gone mid-reply cancels its generation; the proposal still running ahead is not cut
+    off (the draft's cache would leave its ledger) and the next turn waits for it, then stays
+    exact."""
     drafter = TimedDrafter(1000, per_token=0.002)
     coordinator = Coordinator(WiredPipeline(wire=0.03), None, drafter, max_k=4)
     coordinator.policy.fixed_k = 4
     session = await coordinator.open_session()
-    task = asyncio.create_task(coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=200)))
+    task = asyncio.create_task(
+        coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=200))
+    )
     while not session.ahead or session.ahead[0].keep_up:  # noqa: ASYNC110 - until a round is drafted ahead
         await asyncio.sleep(0.001)
     task.cancel()
@@ -662,11 +741,14 @@ async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() 
 
 
 class LagDrafter(TimedDrafter):
-    """A timed drafter that records, per proposal, how many history tokens it had not seen before."""
+    """A timed drafter that records, per proposal, how many history tokens it had not seen
+    before."""
 
     def __init__(self, per_token: float) -> None:
         super().__init__(1000, per_token)
-        self.read_cost = 0.002  # reading what it missed is a batched prefill, drafting is token by token
+        self.read_cost = (
+            0.002  # reading what it missed is a batched prefill, drafting is token by token
+        )
         self.seen: dict[int, int] = {}
         self.lags: list[tuple[int, int]] = []  # (K asked, tokens it had to catch up on)
 
@@ -680,13 +762,14 @@ class LagDrafter(TimedDrafter):
 async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     wire: float, keep_up: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A costly draft loses, so the policy decodes plainly (or with prompt lookup) and probes now and then;
-    behind links that leave the cores idle (10 ms a step) the draft reads what it missed in the background
-    (every KEEP_UP tokens, and the prompt while the stages prefill it), so a probe never catches up on more
-    than that and the rounds since. On a LAN (all of a step's time at the stage) it does not (it would take its
-    compute from the stages). The output is plain greedy in every case."""
-    # what a probe catches up on, not how often probes come: no time budget for them here, and probes even
-    # of a draft that perfect acceptance could not make pay (`KPolicy.could_pay`)
+    """A costly draft loses, so the policy decodes plainly (or with prompt lookup) and probes now
+    and then; behind links that leave the cores idle (10 ms a step) the draft reads what it missed
+    in the background (every KEEP_UP tokens, and the prompt while the stages prefill it), so a probe
+    never catches up on more than that and the rounds since. On a LAN (all of a step's time at the
+    stage) it does not (it would take its compute from the stages). The output is plain greedy in
+    every case."""
+    # what a probe catches up on, not how often probes come: no time budget for them here, and
+    # probes even of a draft that perfect acceptance could not make pay (`KPolicy.could_pay`)
     monkeypatch.setattr(cost_model_module, "PROBE_SHARE", 1e9)
     monkeypatch.setattr(policy_module, "PROBE_CEILING", 0.0)
     drafter = LagDrafter(per_token=0.05)
@@ -702,7 +785,8 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     if not wire:
         assert coordinator.ahead_counts["kept_up"] == 0
         return
-    # a probe catches up on at most KEEP_UP tokens and the rounds since (up to 4 drafts and a bonus each)
+    # a probe catches up on at most KEEP_UP tokens and the rounds since (up to 4 drafts and a bonus
+    # each)
     if keep_up:
         assert coordinator.ahead_counts["kept_up"] >= 3
         assert max(probes) <= KEEP_UP + 5
@@ -716,8 +800,9 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
 
 
 def test_one_slow_proposal_does_not_hold_drafting_ahead_off() -> None:
-    """The draft's first inference (or a proposal queued behind another session's) can take 50x a usual one;
-    after two usual proposals drafting ahead is judged on them, and a steady slowdown still counts."""
+    """The draft's first inference (or a proposal queued behind another session's) can take 50x a
+    usual one; after two usual proposals drafting ahead is judged on them, and a steady slowdown
+    still counts."""
     cost = ahead_drafts.AheadCost()
     assert not cost.fits(4, 1.0)  # nothing measured yet: no drafting ahead
     cost.add(3, 3 * 0.5)  # a cold first proposal: 0.5 s a token
@@ -733,9 +818,12 @@ def test_one_slow_proposal_does_not_hold_drafting_ahead_off() -> None:
 
 
 @pytest.mark.parametrize("close_after", [0.0, 0.005, 0.015])
-async def test_a_session_closed_while_the_rebuild_replays_it_is_closed_after_it(close_after: float) -> None:
-    """A rebalance rebuilds every session; one whose answer ends meanwhile closes after its rebuild (or is not
-    rebuilt at all), never between its OPEN and its replay (the stage then refused the replay as not open)."""
+async def test_a_session_closed_while_the_rebuild_replays_it_is_closed_after_it(
+    close_after: float,
+) -> None:
+    """A rebalance rebuilds every session; one whose answer ends meanwhile closes after its rebuild
+    (or is not rebuilt at all), never between its OPEN and its replay (the stage then refused the
+    replay as not open)."""
     pipeline = FakePipeline(delay=0.01)
     coordinator = Coordinator(pipeline, None, None)
     sessions = [await coordinator.open_session() for _ in range(2)]
@@ -753,9 +841,10 @@ async def test_a_session_closed_while_the_rebuild_replays_it_is_closed_after_it(
 
 
 async def test_on_loaded_stages_a_session_speculates_only_while_every_other_one_would() -> None:
-    """Measured on 2 emulated PCs with 2 users: the user whose prompt lookup confirmed every draft ran at 73-89
-    tok/s, the other, queued behind its longer verifies, at 41-46 against 52 each plain. On loaded stages a
-    session speculates only while every other generating session's last choice found speculation paying."""
+    """Measured on 2 emulated PCs with 2 users: the user whose prompt lookup confirmed every draft
+    ran at 73-89 tok/s, the other, queued behind its longer verifies, at 41-46 against 52 each
+    plain. On loaded stages a session speculates only while every other generating session's last
+    choice found speculation paying."""
     coordinator = Coordinator(FakePipeline(), None, PartDrafter(), max_k=4)
     first, second = await coordinator.open_session(), await coordinator.open_session()
     first.busy = second.busy = True
@@ -773,9 +862,9 @@ async def test_on_loaded_stages_a_session_speculates_only_while_every_other_one_
 
 
 async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
-    """A switch waits for the rounds of open sessions, not for a CLOSE in flight: when it closes the old
-    chain under that CLOSE, the session is gone all the same (the new workers never knew it). A closed link
-    that is still the target is an error."""
+    """A switch waits for the rounds of open sessions, not for a CLOSE in flight: when it closes the
+    old chain under that CLOSE, the session is gone all the same (the new workers never knew it). A
+    closed link that is still the target is an error."""
     from fleettui.runtime.transport import LinkError
 
     class ClosedUnderCloses(FakePipeline):
@@ -783,9 +872,13 @@ async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
             super().__init__()
             self.coordinator_of = coordinator_of
 
-        async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+        async def request(
+            self, message: protocol.Message, timeout: float | None = None
+        ) -> protocol.Message:
             if isinstance(message, protocol.Control) and message.kind == protocol.Kind.CLOSE:
-                self.coordinator_of[0].target = FakePipeline()  # the switch's retarget, then its close
+                self.coordinator_of[
+                    0
+                ].target = FakePipeline()  # the switch's retarget, then its close
                 raise LinkError("link closed")
             return await super().request(message, timeout)
 
@@ -796,7 +889,9 @@ async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
     session = await coordinator.open_session()
     await coordinator.close_session(session)  # no error
     assert session.id not in coordinator.sessions and session.id not in coordinator.unclosed
-    elsewhere = [Coordinator(FakePipeline(), None, None)]  # the link closes, but this one's target stays
+    elsewhere = [
+        Coordinator(FakePipeline(), None, None)
+    ]  # the link closes, but this one's target stays
     stuck = Coordinator(ClosedUnderCloses(elsewhere), None, None)
     lone = await stuck.open_session()
     with pytest.raises(LinkError, match="link closed"):
@@ -804,9 +899,12 @@ async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
 
 
 async def test_a_long_prompt_is_prefilled_with_one_chunk_in_flight_per_stage() -> None:
-    """Pipelined prefill: up to one unscored chunk per stage in flight, committed in order; the steps and the
-    tokens are those of the serial prefill, and the next turn (its shared prefix cached) is exact too."""
-    prompt = list(range(1, 16)) * 40  # 600 tokens: four 128-token chunks unscored, the rest scored by round 1
+    """Pipelined prefill: up to one unscored chunk per stage in flight, committed in order; the
+    steps and the tokens are those of the serial prefill, and the next turn (its shared prefix
+    cached) is exact too."""
+    prompt = (
+        list(range(1, 16)) * 40
+    )  # 600 tokens: four 128-token chunks unscored, the rest scored by round 1
     results = {}
     for stages in (1, 3):
         pipeline = FakePipeline(delay=0.005)
@@ -825,8 +923,9 @@ async def test_a_long_prompt_is_prefilled_with_one_chunk_in_flight_per_stage() -
 
 
 async def test_a_long_prompt_is_prefilled_in_small_chunks_while_another_session_generates() -> None:
-    """Each step of a generating session waits behind the chunk a stage computes: while one generates, the
-    prompt of another goes in chunks of SHARED_CHUNK tokens, and both answers stay exact."""
+    """Each step of a generating session waits behind the chunk a stage computes: while one
+    generates, the prompt of another goes in chunks of SHARED_CHUNK tokens, and both answers stay
+    exact."""
     from fleettui.runtime.prefill import PREFILL_CHUNK, SHARED_CHUNK
 
     class Recording(FakePipeline):
@@ -845,11 +944,15 @@ async def test_a_long_prompt_is_prefilled_in_small_chunks_while_another_session_
     coordinator.stages = 2
     alone, busy, talker = [await coordinator.open_session() for _ in range(3)]
     await coordinator.generate(alone, prompt, GenerationParams(max_tokens=4))
-    talking = asyncio.ensure_future(coordinator.generate(talker, other, GenerationParams(max_tokens=400)))
+    talking = asyncio.ensure_future(
+        coordinator.generate(talker, other, GenerationParams(max_tokens=400))
+    )
     await asyncio.sleep(0.05)
     answer = await coordinator.generate(busy, prompt, GenerationParams(max_tokens=6))
     talked = await talking
-    assert pipeline.sizes[alone.id] == [PREFILL_CHUNK] * 4  # 600 tokens: 4 unscored, the last 88 scored
+    assert (
+        pipeline.sizes[alone.id] == [PREFILL_CHUNK] * 4
+    )  # 600 tokens: 4 unscored, the last 88 scored
     assert set(pipeline.sizes[busy.id]) == {SHARED_CHUNK} and len(pipeline.sizes[busy.id]) >= 15
     assert list(answer.token_ids) == _plain_greedy(prompt, 6)
     assert list(talked.token_ids) == _plain_greedy(other, 400)

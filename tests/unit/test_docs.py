@@ -1,5 +1,6 @@
-"""The reference docs match the code: docs/fleet-file.md lists exactly the keys the fleet file loader accepts,
-and docs/performance.md shows the bench run its JSON holds, as docs/bench/render.py renders it."""
+"""The reference docs match the code: docs/fleet-file.md lists exactly the keys the fleet file
+loader accepts, and docs/performance.md shows the bench run its JSON holds, as docs/bench/render.py
+renders it."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def documented() -> dict[str, list[str]]:
 
 
 def verdict(tmp_path: Path, table: str, key: str) -> str:
-    """What the loader says of `key` in `table` when it is given a value of the wrong type for any key."""
+    """What the loader says of `key` in `table` when it is given a value of the wrong type for
+    any key."""
     host = 'name = "a"\n'
     wrong = "{ wrong = 1 }"
     if table == "hosts":
@@ -75,7 +77,9 @@ def test_the_documented_keys_are_the_settings_fields(table: str) -> None:
     assert set(keys) == {field.name for field in dataclasses.fields(SETTINGS[table])}
 
 
-@pytest.mark.parametrize(("table", "key"), [(t, k) for t, keys in documented().items() for k in keys])
+@pytest.mark.parametrize(
+    ("table", "key"), [(t, k) for t, keys in documented().items() for k in keys]
+)
 def test_the_loader_accepts_every_documented_key(tmp_path: Path, table: str, key: str) -> None:
     message = verdict(tmp_path, table, key)
     assert "unknown key" not in message
@@ -94,13 +98,19 @@ def test_the_performance_page_shows_its_bench_json_as_the_renderer_renders_it() 
     spec.loader.exec_module(render)
     page = (DOCS / "performance.md").read_text(encoding="utf-8")
     found = re.findall(
-        r"<!-- rendered from (bench/[\w.-]+\.json) -->\n(.*?)\n<!-- end of rendered table -->", page, re.S
+        r"<!-- rendered from (bench/[\w.-]+\.json) -->\n(.*?)\n<!-- end of rendered table -->",
+        page,
+        re.S,
     )
     assert found
-    for source, text in found[1:]:  # every other rendered table (a model's or a group's own run) too
+    for source, text in found[
+        1:
+    ]:  # every other rendered table (a model's or a group's own run) too
         assert text == render.table(json.loads((DOCS / source).read_text(encoding="utf-8"))), source
     shown = re.search(
-        r"<!-- rendered from (bench/[\w.-]+\.json) -->\n(.*?)\n<!-- end of rendered table -->", page, re.S
+        r"<!-- rendered from (bench/[\w.-]+\.json) -->\n(.*?)\n<!-- end of rendered table -->",
+        page,
+        re.S,
     )
     assert shown is not None
     doc = json.loads((DOCS / shown.group(1)).read_text(encoding="utf-8"))

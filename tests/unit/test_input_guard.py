@@ -17,7 +17,11 @@ LATIN1 = b"caf\xe9 \xff\xfe"
 
 def environment(home: Path) -> dict[str, str]:
     """Fresh cache and state folders: whatever a command compiles or starts leaves a file there."""
-    return {**os.environ, "XDG_CACHE_HOME": str(home / "cache"), "XDG_STATE_HOME": str(home / "state")}
+    return {
+        **os.environ,
+        "XDG_CACHE_HOME": str(home / "cache"),
+        "XDG_STATE_HOME": str(home / "state"),
+    }
 
 
 def files_under(folder: Path) -> list[Path]:
@@ -27,8 +31,12 @@ def files_under(folder: Path) -> list[Path]:
 def test_latin1_on_stdin_is_one_line_exit_2_and_nothing_starts(tmp_path: Path) -> None:
     result = subprocess.run(
         [str(FLEETTUI), "ask", "fleets/local.toml", "-"],
-        input=LATIN1, capture_output=True, cwd=ROOT, env=environment(tmp_path), timeout=60,
-    )  # fmt: skip
+        input=LATIN1,
+        capture_output=True,
+        cwd=ROOT,
+        env=environment(tmp_path),
+        timeout=60,
+    )
     lines = result.stderr.decode().splitlines()
     assert result.returncode == 2, result.stderr
     assert lines == [
@@ -40,19 +48,35 @@ def test_latin1_on_stdin_is_one_line_exit_2_and_nothing_starts(tmp_path: Path) -
     assert files_under(tmp_path / "cache") == [] and files_under(tmp_path / "state") == []
 
 
-def test_undecodable_argv_bytes_name_the_flag_and_an_unknown_encoding_is_refused(tmp_path: Path) -> None:
+def test_undecodable_argv_bytes_name_the_flag_and_an_unknown_encoding_is_refused(
+    tmp_path: Path,
+) -> None:
     system = subprocess.run(
-        [FLEETTUI.as_posix().encode(), b"ask", b"fleets/local.toml", b"hi", b"--system", b"be \xe9brief"],
-        capture_output=True, cwd=ROOT, env=environment(tmp_path), timeout=60,
-    )  # fmt: skip
+        [
+            FLEETTUI.as_posix().encode(),
+            b"ask",
+            b"fleets/local.toml",
+            b"hi",
+            b"--system",
+            b"be \xe9brief",
+        ],
+        capture_output=True,
+        cwd=ROOT,
+        env=environment(tmp_path),
+        timeout=60,
+    )
     assert system.returncode == 2
     assert system.stderr.decode().splitlines() == [
         "fleettui: --system: not valid UTF-8: byte 0xe9 at byte offset 3"
     ]
     codec = subprocess.run(
         [str(FLEETTUI), "ask", "fleets/local.toml", "-", "--encoding", "klingon"],
-        input=b"hi", capture_output=True, cwd=ROOT, env=environment(tmp_path), timeout=60,
-    )  # fmt: skip
+        input=b"hi",
+        capture_output=True,
+        cwd=ROOT,
+        env=environment(tmp_path),
+        timeout=60,
+    )
     assert codec.returncode == 2
     assert codec.stderr.decode().splitlines() == [
         "fleettui: --encoding: unknown encoding 'klingon' (e.g. utf-8, latin-1, cp1252)"
@@ -60,7 +84,8 @@ def test_undecodable_argv_bytes_name_the_flag_and_an_unknown_encoding_is_refused
     assert files_under(tmp_path / "cache") == [] and files_under(tmp_path / "state") == []
 
 
-# A command with a bug: it starts a process of its own, then fails with an exception nobody expected.
+# A command with a bug: it starts a process of its own, then fails with an exception nobody
+# expected.
 BUGGY = """
 import subprocess, sys
 import fleettui.commands.plan as plan
@@ -82,25 +107,35 @@ def test_an_unexpected_exception_is_one_line_with_the_log_file_stops_its_process
     script.write_text(BUGGY)
     result = subprocess.run(
         [sys.executable, str(script), "plan", "fleets/local.toml"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     child = int(result.stdout.split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert result.returncode == 1
     log = tmp_path / "state" / "fleettui" / "log" / "errors.log"
     assert result.stderr.splitlines() == [
-        "fleettui: internal error: ZeroDivisionError: a bug in a command; stopped 1 process(es) it had started "
+        "fleettui: internal error: ZeroDivisionError: a bug in a command; stopped 1 process(es) it "
+        "had started "
         f"(traceback in {log}; --debug shows it)"
     ]
     kept = log.read_text()
     assert (
-        "fleettui plan fleets/local.toml" in kept and 'raise ZeroDivisionError("a bug in a command")' in kept
+        "fleettui plan fleets/local.toml" in kept
+        and 'raise ZeroDivisionError("a bug in a command")' in kept
     )
     assert "Traceback (most recent call last)" in kept
     debug = subprocess.run(
         [sys.executable, str(script), "plan", "fleets/local.toml", "--debug"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert debug.returncode == 1
     assert debug.stderr.startswith("Traceback (most recent call last)")
     assert debug.stderr.splitlines()[-1].startswith(

@@ -1,9 +1,9 @@
-"""Property tests (hypothesis) of the command line and the fleet-file loader: every input is accepted or refused
-with one line (exit 2; a fleet file's refusal names file, line and key); nothing else escapes.
+"""Property tests (hypothesis) of the command line and the fleet-file loader: every input is
+accepted or refused with one line (exit 2; a fleet file's refusal names file, line and key); nothing
+else escapes.
 
-Example counts: CLI_EXAMPLES argument lists, FLEET_EXAMPLES generated TOML documents, BYTES_EXAMPLES mutated
-fleet files (hypothesis' derandomized profile: the same examples each run).
-"""
+Example counts: CLI_EXAMPLES argument lists, FLEET_EXAMPLES generated TOML documents, BYTES_EXAMPLES
+mutated fleet files (hypothesis' derandomized profile: the same examples each run)."""
 
 from __future__ import annotations
 
@@ -41,23 +41,38 @@ LOCATED = re.compile(r"^\S.*?(:\d+)?: [^\s:]+.*: .+$")  # path[:line]: key: reas
 
 
 class WouldStart(BaseException):  # noqa: N818 - not an error: the command got past every check
-    """Raised where a command would start its event loop, its TUI or a measurement: it validated its input."""
+    """Raised where a command would start its event loop, its TUI or a measurement: it validated
+    its input."""
 
 
 def would_start(*_args: Any, **_kwargs: Any) -> Any:
     raise WouldStart
 
 
-# -- the command line ---------------------------------------------------------------------------------------
+# -- the command line
+# ---------------------------------------------------------------------------------------
 
-COMMANDS = ("ask", "serve", "plan", "status", "stop", "deploy", "bench", "logs", "tui", "completion", "cache")
+COMMANDS = (
+    "ask",
+    "serve",
+    "plan",
+    "status",
+    "stop",
+    "deploy",
+    "bench",
+    "logs",
+    "tui",
+    "completion",
+    "cache",
+)
 FLAGS = sorted(
     {
         flag
         for action in cli.build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
         for option in action._actions
         for flag in option.option_strings
-        if flag not in ("-h", "--help", "--profile", "--install")  # --profile measures, --install installs
+        if flag
+        not in ("-h", "--help", "--profile", "--install")  # --profile measures, --install installs
     }
     | set(cli.LEGACY)
 )
@@ -92,7 +107,8 @@ WORDS = st.one_of(
 
 
 def run_cli(argv: list[str]) -> tuple[int | str, str]:
-    """Exit code of `fleettui ARGV` (or "started" when it got past its checks) and what it wrote to stderr."""
+    """Exit code of `fleettui ARGV` (or "started" when it got past its checks) and what it wrote
+    to stderr."""
     stderr, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
         try:
@@ -106,21 +122,25 @@ def run_cli(argv: list[str]) -> tuple[int | str, str]:
 
 @pytest.fixture
 def no_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Every way a command starts something long-lived raises WouldStart; files go to an empty folder."""
+    """Every way a command starts something long-lived raises WouldStart; files go to an empty
+    folder."""
     import fleettui.commands.bench
     import fleettui.control.running
     import fleettui.planning.plan_profile
     import fleettui.ui.app
 
     monkeypatch.setattr(fleettui.control.running, "run", would_start)
-    monkeypatch.setattr(fleettui.commands.bench, "run_loop", would_start)  # bound when the module loaded
+    monkeypatch.setattr(
+        fleettui.commands.bench, "run_loop", would_start
+    )  # bound when the module loaded
     monkeypatch.setattr(fleettui.ui.app, "run_app", would_start)
     monkeypatch.setattr(fleettui.planning.plan_profile, "run_plan_profile", would_start)
     monkeypatch.chdir(tmp_path)
 
 
 def test_the_argument_property_reaches_every_outcome(no_starts: None) -> None:
-    """The vocabulary reaches acceptance, our own refusal and argparse's (else the property proves little)."""
+    """The vocabulary reaches acceptance, our own refusal and argparse's (else the property
+    proves little)."""
     assert run_cli(["ask", str(DEFAULT_FLEET), "hi", "--seed", "3"])[0] == "started"
     assert run_cli(["ask", str(DEFAULT_FLEET), "hi", "--spec-k", "17"]) == (
         2,
@@ -129,7 +149,8 @@ def test_the_argument_property_reaches_every_outcome(no_starts: None) -> None:
     assert run_cli(["ask", str(DEFAULT_FLEET), "hi", "--seed", "abc"])[0] == 2
 
 
-# -- fleet files --------------------------------------------------------------------------------------------
+# -- fleet files
+# --------------------------------------------------------------------------------------------
 
 SCALARS = st.one_of(
     st.booleans(),
@@ -137,18 +158,29 @@ SCALARS = st.one_of(
     st.integers(min_value=-(2**63), max_value=2**63 - 1),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
-    st.sampled_from(("int4", "fp16", "local", "ssh", "auto", "self-int4", "127.0.0.1", "CPU", "", "\x00")),
+    st.sampled_from(
+        ("int4", "fp16", "local", "ssh", "auto", "self-int4", "127.0.0.1", "CPU", "", "\x00")
+    ),
 )
 VALUES = st.recursive(
-    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
     max_leaves=6,
-)  # fmt: skip
+)
 TABLE_KEYS = {
     "model": ("name", "precision", "shards"),
     "runtime": RUNTIME_KEYS,
     "speculation": ("draft", "k", "max_k"),
     "sessions": ("max_sessions", "max_tokens", "temperature", "top_p", "seed"),
-    "resilience": ("heartbeat_seconds", "detect_seconds", "grace_seconds", "rebalance", "calibrate"),
+    "resilience": (
+        "heartbeat_seconds",
+        "detect_seconds",
+        "grace_seconds",
+        "rebalance",
+        "calibrate",
+    ),
 }
 
 
@@ -184,14 +216,19 @@ def test_any_toml_document_loads_or_is_refused_at_its_file_line_and_key(
     path = tmp_path / "fleet.toml"
     try:
         path.write_text(tomli_w.dumps(document), encoding="utf-8", errors="surrogatepass")
-    except (TypeError, ValueError):  # not representable in TOML (a None, a NaN key...): nothing to load
+    except (
+        TypeError,
+        ValueError,
+    ):  # not representable in TOML (a None, a NaN key...): nothing to load
         return
     check_load(path)
 
 
 ORIGINAL = Path(DEFAULT_FLEET).read_bytes()
 EDITS = st.lists(
-    st.tuples(st.integers(0, len(ORIGINAL)), st.integers(0, 4), st.binary(max_size=6)), min_size=1, max_size=4
+    st.tuples(st.integers(0, len(ORIGINAL)), st.integers(0, 4), st.binary(max_size=6)),
+    min_size=1,
+    max_size=4,
 )
 
 
@@ -201,7 +238,11 @@ def test_a_fleet_file_with_random_bytes_loads_or_is_refused_at_its_line(
     tmp_path: Path, edits: list[tuple[int, int, bytes]]
 ) -> None:
     data = bytearray(ORIGINAL)
-    for at, cut, insert in edits:  # replace `cut` bytes at `at` by `insert` (invalid UTF-8 included)
+    for (
+        at,
+        cut,
+        insert,
+    ) in edits:  # replace `cut` bytes at `at` by `insert` (invalid UTF-8 included)
         data[at : at + cut] = insert
     path = tmp_path / "fleet.toml"
     path.write_bytes(bytes(data))
@@ -213,8 +254,11 @@ def test_a_fleet_file_with_random_bytes_loads_or_is_refused_at_its_line(
 def test_any_argument_list_is_accepted_or_refused_in_one_line(
     no_starts: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str]
 ) -> None:
-    """`fleettui ARGV` starts, answers (exit 0), or is refused with exit 2 and one line saying why."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # `cache rm` clears an empty folder
+    """`fleettui ARGV` starts, answers (exit 0), or is refused with exit 2 and one line saying
+    why."""
+    monkeypatch.setenv(
+        "XDG_CACHE_HOME", str(tmp_path / "cache")
+    )  # `cache rm` clears an empty folder
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     code, stderr = run_cli(argv)
     recorded = {"status", "logs"} & set(argv[:1])  # no deployment recorded for the fleet: exit 3

@@ -47,7 +47,8 @@ def test_out_of_range_parameters_name_their_field(change: dict, field: str) -> N
 
 def test_a_prompt_that_does_not_fit_the_context_names_both_lengths() -> None:
     with pytest.raises(
-        RequestError, match=r"prompt of 20031 tokens \+ max_tokens 16 exceeds the model's context of 8192"
+        RequestError,
+        match=r"prompt of 20031 tokens \+ max_tokens 16 exceeds the model's context of 8192",
     ):
         validate_request(GOOD, 20031, 8192)
     validate_request(GOOD, 8192 - 16, 8192)

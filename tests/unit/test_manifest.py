@@ -1,4 +1,5 @@
-"""Tests the shard manifest contract: round trip, strict parsing, hash verification and even splits."""
+"""Tests the shard manifest contract: round trip, strict parsing, hash verification and even
+splits."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def test_round_trip_through_the_directory(tmp_path: Path) -> None:
         (lambda data: data["stages"][0].update(extra=True), "stages[0]: unknown key 'extra'"),
         (lambda data: data["stages"][1]["layers"].update(start=17), "does not start at 16"),
         (lambda data: data["stages"][0]["inputs"][0].update(dtype="f64"), "dtype 'f64'"),
-        (lambda data: data["stages"][0]["files"].update({"../escape": "0" * 64}), "must be relative"),
+        (
+            lambda data: data["stages"][0]["files"].update({"../escape": "0" * 64}),
+            "must be relative",
+        ),
         (lambda data: data["stages"][1]["layers"].update(end=29), "layers end at 29"),
     ],
 )
@@ -167,8 +171,9 @@ def test_stage_tensors_are_plain_json(tmp_path: Path) -> None:
 def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A restart skips the SHA-256 of files unchanged since their check (several seconds a stage on a large
-    model); any write, even one that keeps the size and sets the modification time back, is hashed again."""
+    """A restart skips the SHA-256 of files unchanged since their check (several seconds a stage on
+    a large model); any write, even one that keeps the size and sets the modification time back, is
+    hashed again."""
     import os
 
     from remote_worker import manifest as module
@@ -182,12 +187,16 @@ def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
     real = module.sha256_file
     monkeypatch.setattr(module, "sha256_file", lambda path: hashed.append(path) or real(path))
     assert verify_stage(tmp_path, manifest, 1) == 0 and hashed == []
-    assert verify_stage(tmp_path, manifest, 1, stamp=False) == files  # without the stamp: every file
+    assert (
+        verify_stage(tmp_path, manifest, 1, stamp=False) == files
+    )  # without the stamp: every file
 
     weights = tmp_path / "stage_1" / "openvino_model.bin"
     before = weights.stat()
     weights.write_bytes(bytes(len(weights.read_bytes())))  # same size, other bytes ...
-    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # ... and the old modification time
+    os.utime(
+        weights, ns=(before.st_atime_ns, before.st_mtime_ns)
+    )  # ... and the old modification time
     with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
         verify_stage(tmp_path, manifest, 1)
     with pytest.raises(ManifestError, match="SHA-256 mismatch"):  # a failed check is never stamped
@@ -202,7 +211,12 @@ def test_an_unreadable_or_unwritable_stamp_only_costs_the_hashes(tmp_path: Path)
     files = len(manifest.stages[0].files)
     stamp = tmp_path / module.VERIFIED_FOLDER / "stage_0.json"
     stamp.parent.mkdir()
-    for garbage in ("{not json", '{"format": 99, "files": {}}', '["a list"]', '{"format": 1, "files": 3}'):
+    for garbage in (
+        "{not json",
+        '{"format": 99, "files": {}}',
+        '["a list"]',
+        '{"format": 1, "files": 3}',
+    ):
         stamp.write_text(garbage)
         assert verify_stage(tmp_path, manifest, 0) == files
         assert verify_stage(tmp_path, manifest, 0) == 0  # rewritten as a valid stamp
@@ -214,8 +228,8 @@ def test_an_unreadable_or_unwritable_stamp_only_costs_the_hashes(tmp_path: Path)
 
 
 def test_the_whole_shard_checked_before_is_not_hashed_again(tmp_path: Path) -> None:
-    """The compiler's cache check (`verify_all`, at every fleet start) uses the stamps too, the tokenizer's
-    files included; a file changed since is hashed again and refused."""
+    """The compiler's cache check (`verify_all`, at every fleet start) uses the stamps too, the
+    tokenizer's files included; a file changed since is hashed again and refused."""
     manifest = fake_manifest(tmp_path)
     write_manifest(tmp_path, manifest)
     files = len(manifest.shared_files) + sum(len(stage.files) for stage in manifest.stages)
@@ -228,8 +242,9 @@ def test_the_whole_shard_checked_before_is_not_hashed_again(tmp_path: Path) -> N
 
 
 def test_a_check_that_trusts_no_stamp_finds_bit_rot_it_cannot_see(tmp_path: Path) -> None:
-    """`deploy --recheck`: bytes that rot without a write leave the stamp's record true; a check that trusts
-    no stamp reads every file again, refuses the rotten one, and stamps what it found intact."""
+    """`deploy --recheck`: bytes that rot without a write leave the stamp's record true; a check
+    that trusts no stamp reads every file again, refuses the rotten one, and stamps what it found
+    intact."""
     from remote_worker.manifest import VERIFIED_FOLDER
     from tests.support.manifests import rot_behind_the_stamp
 
@@ -239,7 +254,9 @@ def test_a_check_that_trusts_no_stamp_finds_bit_rot_it_cannot_see(tmp_path: Path
     assert verify_stage(tmp_path, manifest, 1) == files
     assert verify_stage(tmp_path, manifest, 1, trust=False) == files  # every file, stamp or not
     assert verify_stage(tmp_path, manifest, 1) == 0  # ... and stamped again
-    rot_behind_the_stamp(tmp_path, "stage_1/openvino_model.bin", tmp_path / VERIFIED_FOLDER / "stage_1.json")
+    rot_behind_the_stamp(
+        tmp_path, "stage_1/openvino_model.bin", tmp_path / VERIFIED_FOLDER / "stage_1.json"
+    )
     assert verify_stage(tmp_path, manifest, 1) == 0  # what the stamp cannot see
     with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
         verify_stage(tmp_path, manifest, 1, trust=False)

@@ -1,4 +1,5 @@
-"""Model shapes for planning: GGUF headers of every compiled architecture, hub ids online and offline."""
+"""Model shapes for planning: GGUF headers of every compiled architecture, hub ids online and
+offline."""
 
 from __future__ import annotations
 
@@ -33,9 +34,15 @@ def write_gguf(path: Path, metadata: dict[str, object], tensors: list[str]) -> P
             body += struct.pack("<I", 8) + _string(value)
         else:
             assert isinstance(value, list)
-            body += struct.pack("<I", 9) + struct.pack("<IQ", 8, len(value)) + b"".join(map(_string, value))
+            body += (
+                struct.pack("<I", 9)
+                + struct.pack("<IQ", 8, len(value))
+                + b"".join(map(_string, value))
+            )
     for name in tensors:
-        body += _string(name) + struct.pack("<I", 2) + struct.pack("<QQ", 64, 64) + struct.pack("<I", 0)
+        body += (
+            _string(name) + struct.pack("<I", 2) + struct.pack("<QQ", 64, 64) + struct.pack("<I", 0)
+        )
         body += struct.pack("<Q", 0)
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)) + body)
     return path
@@ -44,16 +51,27 @@ def write_gguf(path: Path, metadata: dict[str, object], tensors: list[str]) -> P
 @pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_every_compiled_architecture_reads_from_a_gguf_header(tmp_path: Path, arch: str) -> None:
     metadata: dict[str, object] = {
-        "general.architecture": arch, "general.name": f"tiny-{arch}",
-        f"{arch}.block_count": 24, f"{arch}.embedding_length": 896, f"{arch}.feed_forward_length": 4864,
-        f"{arch}.attention.head_count": 14, f"{arch}.attention.head_count_kv": 2,
+        "general.architecture": arch,
+        "general.name": f"tiny-{arch}",
+        f"{arch}.block_count": 24,
+        f"{arch}.embedding_length": 896,
+        f"{arch}.feed_forward_length": 4864,
+        f"{arch}.attention.head_count": 14,
+        f"{arch}.attention.head_count_kv": 2,
         "tokenizer.ggml.tokens": ["a", "b", "c"],
-    }  # fmt: skip
+    }
     shape = gguf_shape(write_gguf(tmp_path / "m.gguf", metadata, ["token_embd.weight"]))
-    assert (shape.name, shape.num_layers, shape.hidden, shape.intermediate) == (f"tiny-{arch}", 24, 896, 4864)
+    assert (shape.name, shape.num_layers, shape.hidden, shape.intermediate) == (
+        f"tiny-{arch}",
+        24,
+        896,
+        4864,
+    )
     assert (shape.heads, shape.kv_heads, shape.head_dim, shape.vocab) == (14, 2, 64, 3)
     assert shape.tied_embeddings
-    untied = gguf_shape(write_gguf(tmp_path / "u.gguf", metadata, ["token_embd.weight", "output.weight"]))
+    untied = gguf_shape(
+        write_gguf(tmp_path / "u.gguf", metadata, ["token_embd.weight", "output.weight"])
+    )
     assert not untied.tied_embeddings
 
 
@@ -75,12 +93,16 @@ def test_the_real_model_gguf_matches_the_builtin_shape() -> None:
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     shape, builtin = gguf_shape(path), BUILTIN_SHAPES["smollm2-135m-instruct"]
     assert (shape.num_layers, shape.hidden, shape.kv_heads, shape.vocab) == (
-        builtin.num_layers, builtin.hidden, builtin.kv_heads, builtin.vocab,
-    )  # fmt: skip
+        builtin.num_layers,
+        builtin.hidden,
+        builtin.kv_heads,
+        builtin.vocab,
+    )
 
 
 def test_the_gemma_gguf_header_is_the_builtin_shape() -> None:
-    """The packaged Gemma-3-270M: 18 layers, 15 of them local (window 512), one KV head of 256, 262144 tokens."""
+    """The packaged Gemma-3-270M: 18 layers, 15 of them local (window 512), one KV head of 256,
+    262144 tokens."""
     from dataclasses import replace
 
     from tests.support.gemma import gguf_path
@@ -101,15 +123,23 @@ def test_fleettui_and_the_compiler_know_the_same_packaged_models() -> None:
 
 
 QWEN_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896,
-    "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "num_hidden_layers": 24,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
     "tie_word_embeddings": True,
-}  # fmt: skip
+}
 
 
 def hub_fleet(tmp_path: Path) -> Path:
     path = tmp_path / "fleet.toml"
-    path.write_text('[model]\nname = "Qwen/Qwen2.5-0.5B-Instruct"\n[[hosts]]\nname = "a"\nmemory_gb = 8\n')
+    path.write_text(
+        '[model]\nname = "Qwen/Qwen2.5-0.5B-Instruct"\n[[hosts]]\nname = "a"\nmemory_gb = 8\n'
+    )
     return path
 
 
@@ -134,7 +164,8 @@ def test_a_hub_id_is_planned_from_its_downloaded_config(
 
 
 def test_a_hub_id_offline_is_one_line(tmp_path: Path) -> None:
-    """No network here: the real huggingface_hub fails, and the planner says so in one line at model.name."""
+    """No network here: the real huggingface_hub fails, and the planner says so in one line at
+    model.name."""
     path = hub_fleet(tmp_path)
     with pytest.raises(PlanError) as caught:
         plan_fleet(load_fleet(path))
@@ -150,4 +181,6 @@ def test_compiling_a_hub_id_offline_is_one_line() -> None:
     with pytest.raises(CompileError) as caught:
         resolve("HuggingFaceTB/SmolLM2-135M-Instruct")
     message = str(caught.value)
-    assert "\n" not in message and "Hugging Face hub failed" in message and "Retrying" not in message
+    assert (
+        "\n" not in message and "Hugging Face hub failed" in message and "Retrying" not in message
+    )

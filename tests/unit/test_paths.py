@@ -1,4 +1,5 @@
-"""Files where the platform expects them: XDG_* respected by the fleet, the compiler, the wheelhouse and the TUI log."""
+"""Files where the platform expects them: XDG_* respected by the fleet, the compiler, the
+wheelhouse and the TUI log."""
 
 from __future__ import annotations
 
@@ -31,10 +32,14 @@ def test_caches_follow_xdg_cache_home(xdg: Path) -> None:
     path = xdg / "fleet.toml"
     path.write_text('[[hosts]]\nname = "a"\n')
     assert load_fleet(path).model.shards == xdg / "cache" / "fleettui" == paths.cache_dir()
-    assert default_cache_root() == paths.cache_dir()  # the compiler agrees without importing fleettui
+    assert (
+        default_cache_root() == paths.cache_dir()
+    )  # the compiler agrees without importing fleettui
     assert default_cache() == xdg / "cache" / "fleettui" / "wheelhouse"
     assert paths.log_dir() == xdg / "state" / "fleettui" / "log" and paths.log_dir().is_dir()
-    path.write_text('[model]\nshards = "here"\n[[hosts]]\nname = "a"\n')  # an explicit root stays as given
+    path.write_text(
+        '[model]\nshards = "here"\n[[hosts]]\nname = "a"\n'
+    )  # an explicit root stays as given
     assert load_fleet(path).model.shards == xdg / "here"
 
 
@@ -62,7 +67,9 @@ def test_the_tui_log_pane_keeps_a_rotating_file(xdg: Path) -> None:
     assert "ERROR fleettui.ui.app: stage-b failed: boom" in text
 
 
-def test_the_wheelhouse_build_declares_setuptools(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_wheelhouse_build_declares_setuptools(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import importlib.util
 
     from fleettui.provision import wheelhouse
@@ -71,7 +78,11 @@ def test_the_wheelhouse_build_declares_setuptools(monkeypatch: pytest.MonkeyPatc
     assert any(dependency.startswith("setuptools") for dependency in dependencies)
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "setuptools" else real(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "setuptools" else real(name, *a),
     )
     with pytest.raises(ProvisionError, match="needs setuptools"):
-        asyncio.run(wheelhouse.build_wheelhouse(wheelhouse.Target.here(), tmp_path, requirements=[]))
+        asyncio.run(
+            wheelhouse.build_wheelhouse(wheelhouse.Target.here(), tmp_path, requirements=[])
+        )

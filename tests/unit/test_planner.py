@@ -1,4 +1,5 @@
-"""Stage planner: fits by memory and speed from a config alone, refuses clearly, validates manual splits."""
+"""Stage planner: fits by memory and speed from a config alone, refuses clearly, validates manual
+splits."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ LLAMA_70B_CONFIG = {
 def hosts(*memory: float, speeds: tuple[float, ...] | None = None) -> list[Host]:
     speeds = speeds or (1.0,) * len(memory)
     return [
-        Host(f"pc-{i}", memory_gb=m, speed=s) for i, (m, s) in enumerate(zip(memory, speeds, strict=True))
+        Host(f"pc-{i}", memory_gb=m, speed=s)
+        for i, (m, s) in enumerate(zip(memory, speeds, strict=True))
     ]
 
 
@@ -65,34 +67,44 @@ def test_70b_int4_on_four_32gb_pcs_fits_in_four_ranges(tmp_path: Path) -> None:
     table = format_plan(result)
     assert "[0, " in table and ", 80)" in table and "pc-3" in table and "int4" in table
     assert (
-        "split from parameter bytes (no measured profile yet: the next deploy or plan --profile measures)"
-        in table.splitlines()[0]
+        "split from parameter bytes (no measured profile yet: the next deploy or plan --profile "
+        "measures)" in table.splitlines()[0]
     )
 
 
 def test_70b_on_two_16gb_pcs_is_refused_with_explanation() -> None:
     with pytest.raises(PlanError) as caught:
-        plan(BUILTIN_SHAPES["llama-3.1-70b"], hosts(16, 16), "int4", context_tokens=4096, sessions=1)
+        plan(
+            BUILTIN_SHAPES["llama-3.1-70b"], hosts(16, 16), "int4", context_tokens=4096, sessions=1
+        )
     message = str(caught.value)
-    assert "needs" in message and "hosts offer 32.0 GB usable" in message and "add a host" in message
+    assert (
+        "needs" in message and "hosts offer 32.0 GB usable" in message and "add a host" in message
+    )
     needed = float(message.split("needs ")[1].split(" GB")[0])
     assert needed > 32.0
 
 
 def test_refusal_suggests_a_lower_precision_that_fits() -> None:
     with pytest.raises(PlanError, match="use int4"):
-        plan(BUILTIN_SHAPES["llama-3.1-70b"], hosts(24, 24), "int8", context_tokens=2048, sessions=1)
+        plan(
+            BUILTIN_SHAPES["llama-3.1-70b"], hosts(24, 24), "int8", context_tokens=2048, sessions=1
+        )
 
 
 def test_split_is_memory_weighted_when_memory_binds() -> None:
     shape = BUILTIN_SHAPES["llama-3.1-8b"]
-    result = plan(shape, hosts(16, 4, 16), "fp16", context_tokens=4096, sessions=1, balance_head=False)
+    result = plan(
+        shape, hosts(16, 4, 16), "fp16", context_tokens=4096, sessions=1, balance_head=False
+    )
     assert_valid(result, 32)
     small = result.stages[1]
     assert small.count < result.stages[0].count and small.count < result.stages[2].count
     assert small.total_bytes <= 4 * GIB
     # with ample memory everywhere the same hosts split evenly
-    even = plan(shape, hosts(64, 64, 64, 64), "fp16", context_tokens=4096, sessions=1, balance_head=False)
+    even = plan(
+        shape, hosts(64, 64, 64, 64), "fp16", context_tokens=4096, sessions=1, balance_head=False
+    )
     assert [stage.count for stage in even.stages] == [8, 8, 8, 8]
 
 
@@ -101,7 +113,9 @@ def test_split_follows_speed_and_charges_the_head_to_the_last_stage() -> None:
     fast = plan(shape, hosts(64, 64, speeds=(1.0, 3.0)), "int4", balance_head=False)
     assert [stage.count for stage in fast.stages] == [8, 24]
     balanced = plan(shape, hosts(64, 64), "int4")
-    assert balanced.stages[0].count > balanced.stages[1].count  # the last stage also runs the lm_head
+    assert (
+        balanced.stages[0].count > balanced.stages[1].count
+    )  # the last stage also runs the lm_head
 
 
 def test_host_too_small_for_its_fixed_part_is_named() -> None:
@@ -129,7 +143,11 @@ def test_manual_override_is_used_and_validated() -> None:
         check_manual_layers(shape, [Host("a", layers=(0, 10)), Host("b")])
     big = BUILTIN_SHAPES["llama-3.1-70b"]
     with pytest.raises(PlanError, match="need .* but the host offers 32.0 GB") as memory:
-        plan(big, [Host("a", memory_gb=32, layers=(0, 70)), Host("b", memory_gb=32, layers=(70, 80))], "int4")
+        plan(
+            big,
+            [Host("a", memory_gb=32, layers=(0, 70)), Host("b", memory_gb=32, layers=(70, 80))],
+            "int4",
+        )
     assert memory.value.host == "a"
 
 
@@ -154,7 +172,11 @@ def test_shape_read_from_the_real_gguf_header() -> None:
         9,
         3,
     )
-    assert (shape.head_dim, shape.vocab, shape.tied_embeddings) == (builtin.head_dim, builtin.vocab, True)
+    assert (shape.head_dim, shape.vocab, shape.tied_embeddings) == (
+        builtin.head_dim,
+        builtin.vocab,
+        True,
+    )
 
 
 def test_fleet_refusals_point_at_the_fleet_file(tmp_path: Path) -> None:
@@ -182,17 +204,23 @@ def test_measured_costs_may_cut_a_layer_between_its_attention_and_its_mlp() -> N
 
     shape = BUILTIN_SHAPES["llama-3.2-1b"]
     hosts = [Host(name="a", memory_gb=8), Host(name="b", memory_gb=8)]
-    one_b = MeasuredCosts(layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3)  # the INT8 head ~ 8.7 INT4 layers
+    one_b = MeasuredCosts(
+        layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3
+    )  # the INT8 head ~ 8.7 INT4 layers
     cut = plan(shape, hosts, "int4", 2048, 1, costs=[one_b, one_b])
     assert [stage.span for stage in cut.stages] == ["[0, 12.5)", "[12.5, 16)"]
-    assert cut.ranges == ((0, 13), (13, 16)) and cut.mid_cuts == (13,) and cut.bounds == ("0", "12.5", "16")
+    assert (
+        cut.ranges == ((0, 13), (13, 16))
+        and cut.mid_cuts == (13,)
+        and cut.bounds == ("0", "12.5", "16")
+    )
     first, last = cut.stages
     assert first.ends_mid and not first.starts_mid and last.starts_mid and not last.ends_mid
     share = shape.mlp_bytes("int4") / shape.layer_bytes("int4")
     assert 0.8 < share < 0.86  # Llama-3.2-1B: gate, up and down against q, k, v and o
-    assert first.compute_layers == pytest.approx(13 - share) and last.compute_layers == pytest.approx(
-        3 + share
-    )
+    assert first.compute_layers == pytest.approx(
+        13 - share
+    ) and last.compute_layers == pytest.approx(3 + share)
     # the MLP's weights move with it; the KV cache of layer 12 stays with its attention
     assert first.weight_bytes == pytest.approx(
         shape.embedding_bytes("int4") + 13 * shape.layer_bytes("int4") - shape.mlp_bytes("int4")

@@ -1,4 +1,5 @@
-"""The headless progress reporter: compile fractions, transfers, wheelhouse build and worker start, bars or lines."""
+"""The headless progress reporter: compile fractions, transfers, wheelhouse build and worker
+start, bars or lines."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def test_plain_lines_start_tick_at_most_every_interval_and_end() -> None:
         reporter(compile_line(second / 80 * 100, f"stage {second // 40} trace"))
     clock.now = 80.0
     reporter(compile_line(100.0, "done (/cache/shards/abc)"))
-    reporter(compile_line(100.0, "cached (/cache/shards/draft)"))  # the draft: a second, finished task
+    reporter(
+        compile_line(100.0, "cached (/cache/shards/draft)")
+    )  # the draft: a second, finished task
     lines = out.getvalue().splitlines()
     assert lines[0] == "compile shards:   0% tokenizer (/gguf) (0 s)"
     assert 15 <= len(lines) <= 19, lines
@@ -52,7 +55,9 @@ def test_plain_lines_start_tick_at_most_every_interval_and_end() -> None:
 def test_transfers_wheelhouse_build_and_workers_in_plain_lines() -> None:
     out, clock = io.StringIO(), Clock()
     reporter = ProgressReporter(out, tty=False, interval=1.0, clock=clock)
-    reporter.provision(ProvisionEvent("pc-a", "wheelhouse", message="preparing the offline wheelhouse"))
+    reporter.provision(
+        ProvisionEvent("pc-a", "wheelhouse", message="preparing the offline wheelhouse")
+    )
     clock.now = 30.0
     reporter.provision(ProvisionEvent("pc-a", "wheelhouse", message="downloading 5 packages (2/2)"))
     reporter.provision(ProvisionEvent("pc-a", "install", message="pip install --no-index x"))
@@ -73,7 +78,9 @@ def test_transfers_wheelhouse_build_and_workers_in_plain_lines() -> None:
     assert "pc-a push shard: ... 50.0 MB/100.0 MB stage_0/openvino_model.bin" in text
     assert "pc-a push shard: done 100.0 MB/100.0 MB" in text
     assert "start workers: ... 1/2 stage-a ready" in text
-    assert "exited at once" not in text and "ignored" not in text  # the command's error line says why
+    assert (
+        "exited at once" not in text and "ignored" not in text
+    )  # the command's error line says why
     assert "start workers: stopped 1/2 stage-b failed" in text
     reporter.close()
 
@@ -97,7 +104,8 @@ def test_bars_on_a_terminal_and_nothing_after_close() -> None:
 
 
 def test_a_silent_step_still_gets_periodic_lines() -> None:
-    """The GGUF dequantisation reports nothing for many seconds: the heartbeat keeps the log alive."""
+    """The GGUF dequantisation reports nothing for many seconds: the heartbeat keeps the log
+    alive."""
     import time
 
     out = io.StringIO()
@@ -107,5 +115,9 @@ def test_a_silent_step_still_gets_periodic_lines() -> None:
         while out.getvalue().count("\n") < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
     lines = out.getvalue().splitlines()
-    assert len(lines) >= 4 and all(line.startswith("compile shards:   2% weights") for line in lines)
-    assert reporter._heartbeat is not None and not reporter._heartbeat.is_alive()  # stopped with the reporter
+    assert len(lines) >= 4 and all(
+        line.startswith("compile shards:   2% weights") for line in lines
+    )
+    assert (
+        reporter._heartbeat is not None and not reporter._heartbeat.is_alive()
+    )  # stopped with the reporter

@@ -1,4 +1,5 @@
-"""The prompt argument and the one text rule: text as given, or standard input for "-", decoded strictly."""
+"""The prompt argument and the one text rule: text as given, or standard input for "-", decoded
+strictly."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def test_bom_crlf_and_nul_follow_the_documented_rule() -> None:
 
 
 def test_argv_bytes_and_json_surrogates_are_refused_where_they_are() -> None:
-    argv = b"caf\xe9".decode("utf-8", "surrogateescape")  # how Python hands an undecodable argv byte over
+    argv = b"caf\xe9".decode(
+        "utf-8", "surrogateescape"
+    )  # how Python hands an undecodable argv byte over
     with pytest.raises(TextError, match=r"^--system: not valid UTF-8: byte 0xe9 at byte offset 3$"):
         check_text(argv, "--system")
     with pytest.raises(TextError, match=r"lone surrogate U\+D800 at character 2"):

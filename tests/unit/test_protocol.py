@@ -1,4 +1,5 @@
-"""Tests for remote_worker.protocol: every message kind round-trips, malformed frames raise ProtocolError."""
+"""Tests for remote_worker.protocol: every message kind round-trips, malformed frames raise
+ProtocolError."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def _same(left: object, right: object) -> None:
         a, b = getattr(left, name), getattr(right, name)
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
             assert a is not None and b is not None, name
-            if np.asarray(a).size == 0 and np.asarray(b).size == 0:  # (k, 0) and (0, 0) are the same nothing
+            if (
+                np.asarray(a).size == 0 and np.asarray(b).size == 0
+            ):  # (k, 0) and (0, 0) are the same nothing
                 continue
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
             assert np.asarray(a).dtype == np.asarray(b).dtype, name
@@ -84,7 +87,14 @@ MESSAGES = [
         decode=Decode(draft_tokens=np.array([4, 5], np.int64)),
         trace=TRACE,
     ),
-    Step(1, 2, pos0=10, cache_len=12, mask_ranges=np.zeros((0, 2), np.int64), tokens=np.array([9], np.int64)),
+    Step(
+        1,
+        2,
+        pos0=10,
+        cache_len=12,
+        mask_ranges=np.zeros((0, 2), np.int64),
+        tokens=np.array([9], np.int64),
+    ),
     Step(
         1,
         3,
@@ -145,7 +155,9 @@ MESSAGES = [
         RNG.random((3, 16)).astype(np.float32),
         TRACE,
     ),
-    Proposal(2, 6, np.array([1, 2], np.int64), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.float32)),
+    Proposal(
+        2, 6, np.array([1, 2], np.int64), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.float32)
+    ),
     Error(1, 2, 1, "session 1: step expects 12 cached slots — stage 1 has 11"),
 ]
 
@@ -158,7 +170,11 @@ def test_every_message_round_trips(message: protocol.Message) -> None:
 def test_float64_hidden_travels_as_float32() -> None:
     step = Step(1, 1, 0, 0, np.zeros((0, 2), np.int64), hidden=np.ones((2, 4), np.float64))
     received = _roundtrip(step)
-    assert isinstance(received, Step) and received.hidden is not None and received.hidden.dtype == np.float32
+    assert (
+        isinstance(received, Step)
+        and received.hidden is not None
+        and received.hidden.dtype == np.float32
+    )
 
 
 def test_append_trace_grows_by_one_record() -> None:
@@ -204,14 +220,20 @@ MALFORMED = {
     "absurd token count": _header(_step_frames(), n=1 << 30),
     "absurd width": _header(_step_frames(), width=1 << 20),
     "absurd range count": _header(_step_frames(), count_a=1 << 20),
-    "empty range": [_step_frames()[0], np.array([[5, 5], [9, 10]], np.int64).tobytes(), *_step_frames()[2:]],
+    "empty range": [
+        _step_frames()[0],
+        np.array([[5, 5], [9, 10]], np.int64).tobytes(),
+        *_step_frames()[2:],
+    ],
     "negative range": [
         _step_frames()[0],
         np.array([[-1, 5], [9, 10]], np.int64).tobytes(),
         *_step_frames()[2:],
     ],
     "bad decode header": [*_step_frames()[:3], b"\x00" * 5, *_step_frames()[4:]],
-    "arrays without decode": _wire(encode(MESSAGES[8]))[:3] + [b"", b"\x00" * 8, b"", b"", b""] + [b""],
+    "arrays without decode": _wire(encode(MESSAGES[8]))[:3]
+    + [b"", b"\x00" * 8, b"", b"", b""]
+    + [b""],
     "more drafts than tokens": _wire(
         encode(
             Step(
@@ -280,7 +302,8 @@ def test_random_garbage_never_escapes_as_another_exception() -> None:
             decode([bytes(frame) for frame in frames])
 
 
-# -- the typed control plane: telemetry samples and ping replies are validated like data frames ----------
+# -- the typed control plane: telemetry samples and ping replies are validated like data frames
+# ----------
 
 
 def test_telemetry_samples_and_ping_replies_are_validated_and_keep_unknown_fields() -> None:
@@ -289,10 +312,25 @@ def test_telemetry_samples_and_ping_replies_are_validated_and_keep_unknown_field
     from remote_worker.replies import PingReply, ReplyError, TelemetrySample
 
     good = {
-        "name": "a", "stage": 0, "role": "stage", "state": "ready", "time": 1.0, "steps_per_s": 2.0,
-        "tokens_per_s": 3.0, "busy": 0.5, "queue": 1, "last_step_ms": 4.0, "rss_mb": 300.0, "temp_c": None,
-        "sessions": 2, "cache_slots": 64, "dropped": 0, "errors": 0, "pid": 7, "lease_left": 12.5,
-    }  # fmt: skip
+        "name": "a",
+        "stage": 0,
+        "role": "stage",
+        "state": "ready",
+        "time": 1.0,
+        "steps_per_s": 2.0,
+        "tokens_per_s": 3.0,
+        "busy": 0.5,
+        "queue": 1,
+        "last_step_ms": 4.0,
+        "rss_mb": 300.0,
+        "temp_c": None,
+        "sessions": 2,
+        "cache_slots": 64,
+        "dropped": 0,
+        "errors": 0,
+        "pid": 7,
+        "lease_left": 12.5,
+    }
     sample = TelemetrySample.parse(good)
     assert sample.sessions == 2 and sample.temp_c is None and sample.extra == {"lease_left": 12.5}
     assert TelemetrySample.parse(sample.to_dict()) == sample
@@ -306,14 +344,30 @@ def test_telemetry_samples_and_ping_replies_are_validated_and_keep_unknown_field
         with pytest.raises(ReplyError):
             TelemetrySample.parse(broken)
     reply = PingReply.parse(
-        {"state": "ready", "stage": 1, "name": "b", "pid": 9, "role": "stage", "deployment": "d1",
-         "properties": {"INFERENCE_PRECISION_HINT": "f32"}, "layers": [15, 30], "busy_since": None}
-    )  # fmt: skip
+        {
+            "state": "ready",
+            "stage": 1,
+            "name": "b",
+            "pid": 9,
+            "role": "stage",
+            "deployment": "d1",
+            "properties": {"INFERENCE_PRECISION_HINT": "f32"},
+            "layers": [15, 30],
+            "busy_since": None,
+        }
+    )
     assert reply.layers == (15, 30) and reply.properties["INFERENCE_PRECISION_HINT"] == "f32"
     assert reply.extra == {"busy_since": None}
     with pytest.raises(ReplyError):
         PingReply.parse(
-            {"state": "ready", "stage": 1, "name": "b", "pid": "9", "role": "stage", "deployment": "x"}
+            {
+                "state": "ready",
+                "stage": 1,
+                "name": "b",
+                "pid": "9",
+                "role": "stage",
+                "deployment": "x",
+            }
         )
 
 
@@ -334,8 +388,15 @@ def test_decode_penalties_round_trip_and_out_of_range_is_a_request_error() -> No
     )
     back = protocol.decode([bytes(f) for f in protocol.encode(step)])
     assert isinstance(back, protocol.Step) and back.decode is not None
-    assert back.decode.penalty_ids.tolist() == [2, 9, 40] and back.decode.penalty_counts.tolist() == [0, 1, 3]
-    assert back.decode.repetition_penalty == pytest.approx(1.2) and back.decode.presence_penalty == -1.0
+    assert back.decode.penalty_ids.tolist() == [
+        2,
+        9,
+        40,
+    ] and back.decode.penalty_counts.tolist() == [0, 1, 3]
+    assert (
+        back.decode.repetition_penalty == pytest.approx(1.2)
+        and back.decode.presence_penalty == -1.0
+    )
     for bad in (
         {"top_p": 2.0},
         {"temperature": -1.0},
@@ -355,7 +416,9 @@ def test_decode_penalties_round_trip_and_out_of_range_is_a_request_error() -> No
         with pytest.raises(protocol.RequestError) as caught:
             protocol.decode([bytes(f) for f in protocol.encode(wrong)])
         assert (
-            caught.value.session == 4 and caught.value.seq == 11 and caught.value.kind == protocol.Kind.STEP
+            caught.value.session == 4
+            and caught.value.seq == 11
+            and caught.value.kind == protocol.Kind.STEP
         )
     with pytest.raises(protocol.ProtocolError) as dropped:
         protocol.decode([b"garbage"])
@@ -363,16 +426,27 @@ def test_decode_penalties_round_trip_and_out_of_range_is_a_request_error() -> No
 
 
 def test_a_run_and_a_cancel_round_trip_and_a_bad_run_is_a_request_error() -> None:
-    """A run's Step carries its length and 2 uniforms per token; a run with drafts, the uniforms of another
-    length or a length beyond MAX_RUN is refused (answered, not dropped)."""
+    """A run's Step carries its length and 2 uniforms per token; a run with drafts, the uniforms of
+    another length or a length beyond MAX_RUN is refused (answered, not dropped)."""
     no_ranges = np.zeros((0, 2), np.int64)
-    run = Step(3, 4, 10, 12, no_ranges, tokens=np.array([1, 2, 3], np.int64), decode=Decode(0.7, uniforms=RNG.random(8)), run=4)  # fmt: skip
+    run = Step(
+        3,
+        4,
+        10,
+        12,
+        no_ranges,
+        tokens=np.array([1, 2, 3], np.int64),
+        decode=Decode(0.7, uniforms=RNG.random(8)),
+        run=4,
+    )
     _same(_roundtrip(run), run)
     cancel = Control(Kind.CANCEL, 3, 5)
     _same(_roundtrip(cancel), cancel)
     drafts = Decode(draft_tokens=np.array([7], np.int64))
     bad = {
-        "drafts": Step(3, 6, 0, 0, no_ranges, tokens=np.array([1, 2], np.int64), decode=drafts, run=4),
+        "drafts": Step(
+            3, 6, 0, 0, no_ranges, tokens=np.array([1, 2], np.int64), decode=drafts, run=4
+        ),
         "uniforms": Step(
             3,
             6,
@@ -382,7 +456,7 @@ def test_a_run_and_a_cancel_round_trip_and_a_bad_run_is_a_request_error() -> Non
             tokens=np.array([1], np.int64),
             decode=Decode(0.7, uniforms=RNG.random(6)),
             run=4,
-        ),  # fmt: skip
+        ),
         "no decode": Step(3, 6, 0, 0, no_ranges, tokens=np.array([1], np.int64), run=4),
     }
     frames = {name: _wire(encode(step)) for name, step in bad.items()}

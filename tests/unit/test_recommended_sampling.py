@@ -1,4 +1,5 @@
-"""Chat sampling defaults: the model's recommendation when nothing is set, greedy under --exact, overrides win."""
+"""Chat sampling defaults: the model's recommendation when nothing is set, greedy under --exact,
+overrides win."""
 
 from __future__ import annotations
 
@@ -41,12 +42,19 @@ def test_a_model_folder_brings_its_own_generation_config(tmp_path: Path) -> None
         json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 40})
     )
     found = recommended_sampling(str(folder))
-    assert (found.temperature, found.top_p, found.top_k, found.repetition_penalty) == (0.6, 0.95, 40, 1.0)
+    assert (found.temperature, found.top_p, found.top_k, found.repetition_penalty) == (
+        0.6,
+        0.95,
+        40,
+        1.0,
+    )
     (folder / "generation_config.json").write_text(
         json.dumps({"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.05})
     )
     assert recommended_sampling(str(folder)).repetition_penalty == 1.05
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "temperature": 0.6})
+    )
     assert recommended_sampling(str(folder)) == GREEDY
 
 
@@ -70,10 +78,19 @@ def test_exact_stays_greedy_unless_asked(tmp_path: Path) -> None:
 def test_fleet_file_and_command_line_override_the_model(tmp_path: Path) -> None:
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntemperature = 0\nseed = 7\n"))
     params = generation_params(fleet)
-    assert (params.temperature, params.top_p, params.seed) == (0.0, 1.0, 7)  # greedy, as the file says
+    assert (params.temperature, params.top_p, params.seed) == (
+        0.0,
+        1.0,
+        7,
+    )  # greedy, as the file says
     assert not params.penalized  # plain greedy: the model's penalty follows the model's temperature
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntop_p = 0.5\n"))
     assert (generation_params(fleet).temperature, generation_params(fleet).top_p) == (0.2, 0.5)
     assert generation_params(fleet, temperature=1.0, top_p=0.7, seed=3) == replace(
-        generation_params(fleet), temperature=1.0, top_p=0.7, seed=3, top_k=0, repetition_penalty=1.0
+        generation_params(fleet),
+        temperature=1.0,
+        top_p=0.7,
+        seed=3,
+        top_k=0,
+        repetition_penalty=1.0,
     )

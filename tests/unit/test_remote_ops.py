@@ -1,5 +1,6 @@
-"""The host-side operations that need no SSH to test: a pushed file's seal and the stage stamp it shares with
-the worker (`fleettui.provision.remote_ops`, run by the host's own Python; here called in process)."""
+"""The host-side operations that need no SSH to test: a pushed file's seal and the stage stamp it
+shares with the worker (`fleettui.provision.remote_ops`, run by the host's own Python; here called
+in process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from tests.support.manifests import fake_manifest
 
 
 def test_a_pushed_file_that_differs_is_removed_and_named(tmp_path: Path) -> None:
-    """What arrived is checked where it lands: a wrong file is removed, never left for a worker to find."""
+    """What arrived is checked where it lands: a wrong file is removed, never left for a worker
+    to find."""
     good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
     Path(f"{good}.part").write_bytes(b"weights")
     Path(f"{bad}.part").write_bytes(b"garbage")
@@ -41,7 +43,8 @@ def test_the_seal_stamps_only_the_stage_files_the_worker_checks(tmp_path: Path) 
     ).hexdigest()
     assert remote_ops.seal({"renamed": renamed, "stamp": stamp}) == {"mismatched": []}
     assert verify_stage(tmp_path, manifest, 0) == 0  # the worker's start reads none of them
-    # the host's next query answers from the stamp: every stage file, without the manifest (not the stage's)
+    # the host's next query answers from the stamp: every stage file, without the manifest (not the
+    # stage's)
     queried = [str(tmp_path / name) for name in [*expected, "manifest.json"]]
     answer = remote_ops.hashes({"paths": queried, "stamp": stamp})["files"]
     assert {name: answer[str(tmp_path / name)][1] for name in expected} == expected

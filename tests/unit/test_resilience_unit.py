@@ -1,6 +1,5 @@
-"""Unit tests of the resilience logic: loss verdicts, pause/rebuild/retry in the coordinator, throttling,
-split proposals from measured costs, and the [resilience] fleet table.
-"""
+"""Unit tests of the resilience logic: loss verdicts, pause/rebuild/retry in the coordinator,
+throttling, split proposals from measured costs, and the [resilience] fleet table."""
 
 from __future__ import annotations
 
@@ -31,21 +30,30 @@ from tests.unit.test_coordinator_unit import PROMPTS, VOCAB, FakePipeline, _mode
 SETTINGS = WatchSettings(heartbeat_seconds=0.5, detect_seconds=2.0)
 
 
-# -- verdict ------------------------------------------------------------------------------------------
+# -- verdict
+# ------------------------------------------------------------------------------------------
 def test_an_exited_process_is_lost_at_once() -> None:
-    assert verdict(0.1, ProcessStatus("exited", "signal 9"), None, SETTINGS) == "process exited (signal 9)"
+    assert (
+        verdict(0.1, ProcessStatus("exited", "signal 9"), None, SETTINGS)
+        == "process exited (signal 9)"
+    )
 
 
 def test_a_stopped_process_is_lost_after_the_detection_time() -> None:
     assert verdict(1.9, ProcessStatus("stopped", "SIGSTOP"), None, SETTINGS) is None
-    assert "stopped (SIGSTOP)" in str(verdict(2.1, ProcessStatus("stopped", "SIGSTOP"), None, SETTINGS))
+    assert "stopped (SIGSTOP)" in str(
+        verdict(2.1, ProcessStatus("stopped", "SIGSTOP"), None, SETTINGS)
+    )
 
 
 def test_a_running_but_silent_process_is_stuck_after_the_detection_time() -> None:
-    """Workers answer pings on their I/O thread even mid-step: a silent running worker is not just busy."""
+    """Workers answer pings on their I/O thread even mid-step: a silent running worker is not
+    just busy."""
     running = ProcessStatus("running")
     assert verdict(1.9, running, {"busy_since": 123.0}, SETTINGS) is None
-    assert "stuck: not answering for 2.1 s" in str(verdict(2.1, running, {"busy_since": 123.0}, SETTINGS))
+    assert "stuck: not answering for 2.1 s" in str(
+        verdict(2.1, running, {"busy_since": 123.0}, SETTINGS)
+    )
 
 
 def test_a_remote_stage_is_unreachable_after_the_detection_time_busy_or_not() -> None:
@@ -56,7 +64,8 @@ def test_a_remote_stage_is_unreachable_after_the_detection_time_busy_or_not() ->
 
 
 def test_a_recorded_worker_is_seen_by_pid_and_start_time() -> None:
-    """An attached fleet's workers were started elsewhere: status from the pid, a reused pid counts as exited."""
+    """An attached fleet's workers were started elsewhere: status from the pid, a reused pid
+    counts as exited."""
     import os
 
     import psutil
@@ -65,12 +74,16 @@ def test_a_recorded_worker_is_seen_by_pid_and_start_time() -> None:
 
     started = psutil.Process().create_time()
     assert recorded_process_status(os.getpid(), started).kind == "running"
-    assert recorded_process_status(os.getpid(), started - 100.0) == ProcessStatus("exited", "pid reused")
+    assert recorded_process_status(os.getpid(), started - 100.0) == ProcessStatus(
+        "exited", "pid reused"
+    )
 
 
-# -- coordinator: pause, rebuild, retry ---------------------------------------------------------------
+# -- coordinator: pause, rebuild, retry
+# ---------------------------------------------------------------
 class LosingPipeline(FakePipeline):
-    """Forgets every session's cache at step `lose_at` (a relaunched stage) and fails that step as lost."""
+    """Forgets every session's cache at step `lose_at` (a relaunched stage) and fails that step
+    as lost."""
 
     def __init__(self, lose_at: int) -> None:
         super().__init__()
@@ -78,8 +91,14 @@ class LosingPipeline(FakePipeline):
         self.coordinator: Coordinator | None = None
         self.losses = 0
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
-        if isinstance(message, protocol.Step) and self.steps + 1 >= self.lose_at and not self.losses:
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message:
+        if (
+            isinstance(message, protocol.Step)
+            and self.steps + 1 >= self.lose_at
+            and not self.losses
+        ):
             self.losses += 1
             assert self.coordinator is not None
             self.coordinator.resume.clear()
@@ -90,13 +109,16 @@ class LosingPipeline(FakePipeline):
         losses = self.losses
         message = protocol.decode(protocol.encode(message))
         await asyncio.sleep(0)
-        if self.losses != losses:  # in flight when the stage was lost: failed fast, like ZmqLink.block()
+        if (
+            self.losses != losses
+        ):  # in flight when the stage was lost: failed fast, like ZmqLink.block()
             raise StageLost("stage-0 lost: test")
         return self._serve(message)
 
 
 class CloseLostPipeline(FakePipeline):
-    """The first CLOSE finds a stage lost (its relaunch is a new epoch); the survivors keep the session."""
+    """The first CLOSE finds a stage lost (its relaunch is a new epoch); the survivors keep the
+    session."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +126,9 @@ class CloseLostPipeline(FakePipeline):
         self.controls: list[tuple[str, int]] = []
         self.lose_close = True
 
-    async def request(self, message: protocol.Message, timeout: float | None = None) -> protocol.Message:
+    async def request(
+        self, message: protocol.Message, timeout: float | None = None
+    ) -> protocol.Message:
         if isinstance(message, protocol.Control):
             self.controls.append((message.kind.name, message.session))
             if message.kind == protocol.Kind.CLOSE and self.lose_close:
@@ -116,7 +140,8 @@ class CloseLostPipeline(FakePipeline):
 
 
 def test_a_close_lost_with_a_stage_reaches_the_surviving_stages_before_the_rebuild() -> None:
-    """Otherwise the survivors keep the closed session and count it against max_sessions for ever."""
+    """Otherwise the survivors keep the closed session and count it against max_sessions for
+    ever."""
 
     async def scenario() -> tuple[list[tuple[str, int]], int, int, set[int]]:
         pipeline = CloseLostPipeline()
@@ -133,7 +158,8 @@ def test_a_close_lost_with_a_stage_reaches_the_surviving_stages_before_the_rebui
 
 
 class PositionalDrafter:
-    """Greedy drafts corrupted at fixed positions: a retried round is proposed exactly the same draft."""
+    """Greedy drafts corrupted at fixed positions: a retried round is proposed exactly the same
+    draft."""
 
     name = "positional"
     costs_time = True
@@ -159,7 +185,9 @@ async def _answers(
     pipeline: FakePipeline, params: GenerationParams, drafter: object = None, stages: int = 1
 ) -> list[list[int]]:
     coordinator = Coordinator(pipeline, None, drafter)  # type: ignore[arg-type]
-    coordinator.stages = stages  # prefill chunks in flight at once (the fake chain answers Hello with 1)
+    coordinator.stages = (
+        stages  # prefill chunks in flight at once (the fake chain answers Hello with 1)
+    )
     if isinstance(pipeline, LosingPipeline):
         pipeline.coordinator = coordinator
     sessions = [await coordinator.open_session(seed=5) for _ in PROMPTS]
@@ -196,7 +224,8 @@ def test_recovery_impossible_ends_the_session_with_the_reason() -> None:
     asyncio.run(scenario())
 
 
-# -- throttling and rebalancing ------------------------------------------------------------------------
+# -- throttling and rebalancing
+# ------------------------------------------------------------------------
 def test_throttle_reasons() -> None:
     assert throttle_reason(0.010, 0.011, 1.5) is None
     ratio, why = throttle_reason(0.010, 0.020, 1.5)  # type: ignore[misc]
@@ -206,26 +235,33 @@ def test_throttle_reasons() -> None:
 
 
 def test_a_split_cut_inside_a_layer_is_costed_with_the_mlp_it_moved() -> None:
-    """[0, 12.5) / [12.5, 16): the KV ranges say 13 / 3 layers, the compute is 12.17 / 3.83 (+ the head)."""
+    """[0, 12.5) / [12.5, 16): the KV ranges say 13 / 3 layers, the compute is 12.17 / 3.83 (+
+    the head)."""
     share, layer, head = 0.83, 3.9, 9.3
     seconds = [(13 - share) * layer, (3 + share + head) * layer]
     moved = [-share, share]
     assert stage_costs([(0, 13), (13, 16)], seconds, head, moved) == [pytest.approx(layer)] * 2
-    # the whole split 13 / 3 (the same KV ranges) is another split: 0.9 % faster here, not worth a switch
+    # the whole split 13 / 3 (the same KV ranges) is another split: 0.9 % faster here, not worth a
+    # switch
     split, gain = propose_split([(0, 13), (13, 16)], seconds, head, min_gain=0.0, moved=moved)  # type: ignore[misc]
     assert split == [(0, 13), (13, 16)] and gain == pytest.approx(1 - 13 / (3 + share + head))
-    assert propose_split([(0, 13), (13, 16)], seconds, head, moved=moved) is None  # under the 10 % bar
+    assert (
+        propose_split([(0, 13), (13, 16)], seconds, head, moved=moved) is None
+    )  # under the 10 % bar
 
 
 def test_stage_costs_count_the_head_on_the_last_stage() -> None:
-    assert stage_costs([(0, 10), (10, 20)], [1.0, 1.7], head_layers=7.0) == [0.1, pytest.approx(0.1)]
+    assert stage_costs([(0, 10), (10, 20)], [1.0, 1.7], head_layers=7.0) == [
+        0.1,
+        pytest.approx(0.1),
+    ]
 
 
 def test_the_rebalancer_counts_the_head_as_the_last_hosts_profile_measured_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The live rebalancer weighs the lm_head by the last host's measured costs once it has a profile (the
-    deploy's calibration), by weight size before."""
+    """The live rebalancer weighs the lm_head by the last host's measured costs once it has a
+    profile (the deploy's calibration), by weight size before."""
     import json
     from dataclasses import asdict
 
@@ -284,7 +320,8 @@ def test_balancer_flags_a_throttled_stage_and_proposes_after_patience() -> None:
 
 
 def test_a_slowdown_of_some_steps_only_is_flagged_with_its_full_weight() -> None:
-    """A duty-cycle throttle delays one step in three: the median step time does not move, the share does."""
+    """A duty-cycle throttle delays one step in three: the median step time does not move, the
+    share does."""
     balancer = Balancer([(0, 15), (15, 30)], window=8, patience=2)
     for _ in range(8):
         balancer.observe(_result([0.010, 0.010]))
@@ -298,16 +335,18 @@ def test_a_slowdown_of_some_steps_only_is_flagged_with_its_full_weight() -> None
 
 
 def test_the_mix_of_step_sizes_and_a_slowdown_of_every_stage_are_not_mistaken() -> None:
-    """Prefills in the baseline and only decodes later change no stage's share: nobody is flagged. When every
-    stage slows down alike (a busier machine), each is flagged by its own median, none by its share."""
+    """Prefills in the baseline and only decodes later change no stage's share: nobody is flagged.
+    When every stage slows down alike (a busier machine), each is flagged by its own median, none by
+    its share."""
     mixed = Balancer([(0, 15), (15, 30)], window=8, patience=2)
     for index in range(8):
         mixed.observe(_result([0.100, 0.050] if index % 2 == 0 else [0.010, 0.005]))
     for _ in range(32):
         mixed.observe(_result([0.010, 0.005]))
     assert mixed.throttled() == {}
-    # A real prefill: the last stage's head scores one position, so its share is smaller than in a decode.
-    # By sums the long prefills would dominate the baseline and the decodes after it read as 1.6x.
+    # A real prefill: the last stage's head scores one position, so its share is smaller than in a
+    # decode. By sums the long prefills would dominate the baseline and the decodes after it read as
+    # 1.6x.
     prefills = Balancer([(0, 19), (19, 30)], window=8, patience=2)
     for index in range(8):
         prefills.observe(_result([0.190, 0.110] if index < 3 else [0.010, 0.010]))
@@ -324,12 +363,15 @@ def test_the_mix_of_step_sizes_and_a_slowdown_of_every_stage_are_not_mistaken() 
         alike.observe(_result([0.020, 0.010]))
     assert relative_slowdown(alike.baseline_rows, alike.recent_rows, 1) == pytest.approx(1.0)
     flagged = alike.throttled()
-    assert sorted(flagged) == [0, 1] and all(ratio == pytest.approx(2.0) for ratio, _ in flagged.values())
+    assert sorted(flagged) == [0, 1] and all(
+        ratio == pytest.approx(2.0) for ratio, _ in flagged.values()
+    )
 
 
 @pytest.mark.parametrize("mode", ["propose", "auto"])
 def test_rebalancer_flags_then_proposes_and_applies_only_in_auto_mode(mode: str) -> None:
-    """`propose` reports a split and leaves the fleet alone; `auto` hands the same split to `apply`."""
+    """`propose` reports a split and leaves the fleet alone; `auto` hands the same split to
+    `apply`."""
     from fleettui.control.rebalance import Rebalancer
     from fleettui.control.states import RebalanceProposal, Throttled
 
@@ -352,14 +394,22 @@ def test_rebalancer_flags_then_proposes_and_applies_only_in_auto_mode(mode: str)
 
     asyncio.run(scenario())
     throttled = [e for e in events if isinstance(e, Throttled)]
-    assert throttled and {e.name for e in throttled} == {"pc-b"} and throttled[-1].ratio == pytest.approx(3.0)
+    assert (
+        throttled
+        and {e.name for e in throttled} == {"pc-b"}
+        and throttled[-1].ratio == pytest.approx(3.0)
+    )
     proposals = [e for e in events if isinstance(e, RebalanceProposal)]
-    assert proposals[0].current == ((0, 15), (15, 30)) and proposals[0].ranges == ((0, 23), (23, 30))
+    assert proposals[0].current == ((0, 15), (15, 30)) and proposals[0].ranges == (
+        (0, 23),
+        (23, 30),
+    )
     assert [p.applied for p in proposals] == ([False] if mode == "propose" else [False, True])
     assert applied == ([] if mode == "propose" else [[(0, 23), (23, 30)]])
 
 
-# -- the [resilience] table ----------------------------------------------------------------------------
+# -- the [resilience] table
+# ----------------------------------------------------------------------------
 def _fleet(tmp_path: Path, table: str) -> Path:
     path = tmp_path / "fleet.toml"
     path.write_text(f'{table}\n[[hosts]]\nname = "a"\n')
@@ -373,11 +423,20 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
     )
     assert fleet.resilience.detect_seconds == 3.0 and fleet.resilience.grace_seconds == 60.0
     assert fleet.resilience.rebalance == "auto" and fleet.resilience.calibrate == "auto"
-    assert load_fleet(_fleet(tmp_path, '[resilience]\ncalibrate = "off"')).resilience.calibrate == "off"
+    assert (
+        load_fleet(_fleet(tmp_path, '[resilience]\ncalibrate = "off"')).resilience.calibrate
+        == "off"
+    )
     assert fleet.resilience.rejoin_seconds == 10.0
-    assert load_fleet(_fleet(tmp_path, "[resilience]\nrejoin_seconds = 0")).resilience.rejoin_seconds == 0.0
+    assert (
+        load_fleet(_fleet(tmp_path, "[resilience]\nrejoin_seconds = 0")).resilience.rejoin_seconds
+        == 0.0
+    )
     assert fleet.resilience.hold_seconds == 60.0
-    assert load_fleet(_fleet(tmp_path, "[resilience]\nhold_seconds = 0")).resilience.hold_seconds == 0.0
+    assert (
+        load_fleet(_fleet(tmp_path, "[resilience]\nhold_seconds = 0")).resilience.hold_seconds
+        == 0.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -386,7 +445,10 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
         ("[resilience]\ndetect = 3", "resilience.detect: unknown key"),
         ('[resilience]\nrebalance = "sometimes"', "resilience.rebalance"),
         ("[resilience]\ncalibrate = true", "resilience.calibrate"),
-        ("[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3", "at least twice heartbeat_seconds"),
+        (
+            "[resilience]\nheartbeat_seconds = 2\ndetect_seconds = 3",
+            "at least twice heartbeat_seconds",
+        ),
         ("[resilience]\nthrottle_ratio = 1.0", "resilience.throttle_ratio"),
         ("[resilience]\nrejoin_seconds = 0.5", "resilience.rejoin_seconds.*0 or 1..3600"),
         ("[resilience]\nhold_seconds = -1", "resilience.hold_seconds.*0..3600"),
@@ -394,7 +456,9 @@ def test_resilience_table_is_read_and_defaults_apply(tmp_path: Path) -> None:
         ('[resilience]\ngrace_seconds = "soon"', "expected a number"),
     ],
 )
-def test_bad_resilience_keys_are_refused_with_the_key(tmp_path: Path, table: str, message: str) -> None:
+def test_bad_resilience_keys_are_refused_with_the_key(
+    tmp_path: Path, table: str, message: str
+) -> None:
     with pytest.raises(FleetConfigError, match=message):
         load_fleet(_fleet(tmp_path, table))
 
@@ -407,11 +471,13 @@ def test_a_lost_or_degraded_stage_means_recover_and_a_recovering_one_wait() -> N
     assert next_step({"a": Ready(), "b": Recovering("replay")}) == "wait"
 
 
-# -- the lease's end ----------------------------------------------------------------------------------
+# -- the lease's end
+# ----------------------------------------------------------------------------------
 async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_those_that_never_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A deployed worker that missed the lease's end would exit once the lease ran out: retried, reported."""
+    """A deployed worker that missed the lease's end would exit once the lease ran out: retried,
+    reported."""
     from types import SimpleNamespace
     from typing import Any
 
@@ -419,7 +485,9 @@ async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_tho
 
     asked: dict[str, int] = {}
 
-    async def control_request(url: str, request: dict[str, Any], *_args: object) -> dict[str, Any] | None:
+    async def control_request(
+        url: str, request: dict[str, Any], *_args: object
+    ) -> dict[str, Any] | None:
         asked[url] = asked.get(url, 0) + 1
         assert request == {"op": "lease", "seconds": 0.0}
         if url == "lossy" and asked[url] < 3:  # two requests lost, the third answered
@@ -430,7 +498,9 @@ async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_tho
 
     monkeypatch.setattr(connection, "control_request", control_request)
     placements = [
-        SimpleNamespace(control_url=url, server_key=None, config=SimpleNamespace(name=f"stage-{url}"))
+        SimpleNamespace(
+            control_url=url, server_key=None, config=SimpleNamespace(name=f"stage-{url}")
+        )
         for url in ("fine", "lossy", "gone")
     ]
     deployment = SimpleNamespace(placements=placements, keys=None)
@@ -440,17 +510,24 @@ async def test_ending_the_lease_retries_until_each_worker_confirms_and_names_tho
     assert asked == {"fine": 1, "lossy": 3, "gone": 5}
 
 
-def test_a_watcher_cancelled_just_as_its_ping_is_answered_stops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cancel that arrives in the same turn as the worker's answer must still end the watch (Python 3.11's
-    `wait_for` returned the answer and dropped the cancel: the watcher pinged on and `stop()` hung)."""
+def test_a_watcher_cancelled_just_as_its_ping_is_answered_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancel that arrives in the same turn as the worker's answer must still end the watch
+    (Python 3.11's `wait_for` returned the answer and dropped the cancel: the watcher pinged on and
+    `stop()` hung)."""
     from fleettui.runtime import watch
     from fleettui.runtime.watch import Target, Watcher, WatchSettings
 
     async def scenario() -> bool:
-        watcher = Watcher(None, WatchSettings(heartbeat_seconds=0.05, detect_seconds=5.0), lambda *_: None)
+        watcher = Watcher(
+            None, WatchSettings(heartbeat_seconds=0.05, detect_seconds=5.0), lambda *_: None
+        )
 
         async def answered_as_cancelled(self: object) -> dict[str, str]:
-            watcher._tasks["stage-0"].cancel()  # the cancel and the answer in the same turn of the loop
+            watcher._tasks[
+                "stage-0"
+            ].cancel()  # the cancel and the answer in the same turn of the loop
             return {"state": "ready"}
 
         monkeypatch.setattr(watch._Pinger, "_exchange", answered_as_cancelled)
@@ -463,7 +540,9 @@ def test_a_watcher_cancelled_just_as_its_ping_is_answered_stops(monkeypatch: pyt
     assert asyncio.run(scenario())
 
 
-def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fleettui.runtime import watch
     from fleettui.runtime.watch import Target, Watcher, WatchSettings
 
@@ -480,12 +559,16 @@ def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(monkeypatch: p
 
     async def scenario() -> tuple[bool, asyncio.Task[None]]:
         monkeypatch.setattr(watch._Pinger, "_exchange", drops_one_cancel)
-        watcher = Watcher(None, WatchSettings(heartbeat_seconds=5.0, detect_seconds=60.0), lambda *_: None)
+        watcher = Watcher(
+            None, WatchSettings(heartbeat_seconds=5.0, detect_seconds=60.0), lambda *_: None
+        )
         watcher.watch(Target("stage-0", "tcp://127.0.0.1:9", None))
         task = watcher._tasks["stage-0"]
         await asyncio.sleep(0.05)  # the watch is in its first ping (its timeout 5 s away)
         stopping = asyncio.ensure_future(watcher.stop())
-        done, _ = await asyncio.wait([stopping], timeout=15.0)  # waited on, never cancelled from here
+        done, _ = await asyncio.wait(
+            [stopping], timeout=15.0
+        )  # waited on, never cancelled from here
         if not done:
             task.cancel()
             await asyncio.wait([stopping])

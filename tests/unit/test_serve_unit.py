@@ -1,4 +1,5 @@
-"""Unit tests of the server's pure parts: request validation, admission queue, session pool, API keys."""
+"""Unit tests of the server's pure parts: request validation, admission queue, session pool, API
+keys."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from fleettui.runtime.session import Session
 from fleettui.runtime.session_pool import SessionPool, common_prefix
 from fleettui.serve.admission import Admission, QueueFull, Ticket
 from fleettui.serve.schema import RequestError, parse_request
-from fleettui.serve.security import KeyChecker, SecurityError, check_bind, is_loopback, load_api_keys
+from fleettui.serve.security import (
+    KeyChecker,
+    SecurityError,
+    check_bind,
+    is_loopback,
+    load_api_keys,
+)
 
 DEFAULTS = GenerationParams(max_tokens=256)
 
@@ -41,7 +48,9 @@ def test_valid_chat_request_maps_every_field() -> None:
     )
     assert [m.content for m in request.messages or ()] == ["be brief", "hi"]
     with pytest.raises(RequestError, match="max_tokens 50 does not fit: the prompt leaves 30"):
-        request.sampling.params(DEFAULTS.max_tokens, room=30)  # asked for more than the context has left
+        request.sampling.params(
+            DEFAULTS.max_tokens, room=30
+        )  # asked for more than the context has left
     params = request.sampling.params(DEFAULTS.max_tokens, room=100)
     assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop) == (
         50,
@@ -61,10 +70,19 @@ def test_valid_chat_request_maps_every_field() -> None:
         ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model"),
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            "temperature",
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 101},
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+            "max_tokens",
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
         (
@@ -76,7 +94,10 @@ def test_valid_chat_request_maps_every_field() -> None:
             "stream_options",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
         (
             {
                 "model": "m",
@@ -95,11 +116,19 @@ def test_valid_chat_request_maps_every_field() -> None:
             "response_format.json_schema",
         ),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+            },
             "tools[0]",
         ),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "functions": [{"name": "f"}],
+            },
             "functions",
         ),
     ],
@@ -111,7 +140,8 @@ def test_bad_requests_name_their_field(body: object, param: str | None) -> None:
 
 
 def test_free_text_and_tools_left_unused_are_served() -> None:
-    """`response_format` text, and tools the request tells the model not to call, ask nothing it cannot do."""
+    """`response_format` text, and tools the request tells the model not to call, ask nothing it
+    cannot do."""
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert parse({**body, "response_format": {"type": "text"}}).messages
     tool = {"type": "function", "function": {"name": "f"}}
@@ -123,7 +153,9 @@ def test_logprobs_are_asked_for_as_openai_does() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert parse(body).sampling.logprobs is None
     assert parse({**body, "logprobs": False}).sampling.logprobs is None
-    assert parse({**body, "logprobs": True}).sampling.logprobs == 0  # the tokens' own, no alternatives
+    assert (
+        parse({**body, "logprobs": True}).sampling.logprobs == 0
+    )  # the tokens' own, no alternatives
     params = parse({**body, "logprobs": True, "top_logprobs": 5}).sampling.params(10, 10)
     assert params.logprobs == 5 and params.top_columns == 6
     legacy = {"model": "m", "prompt": "once"}
@@ -138,8 +170,16 @@ def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
     from fleettui.runtime.generation import TokenLogprob
     from fleettui.serve.responses import Logprobs
 
-    pieces = {1: b"Hi", 2: b" th", 3: b"\xe2\x80", 4: b"\x94"}  # 3 and 4: one character split in two tokens
-    entries = [TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))), TokenLogprob(3, -0.25, ((3, -0.25), (4, -2.0)))]
+    pieces = {
+        1: b"Hi",
+        2: b" th",
+        3: b"\xe2\x80",
+        4: b"\x94",
+    }  # 3 and 4: one character split in two tokens
+    entries = [
+        TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))),
+        TokenLogprob(3, -0.25, ((3, -0.25), (4, -2.0))),
+    ]
     chat = Logprobs(True, pieces.__getitem__).of(entries)
     assert chat["refusal"] is None and [e["token"] for e in chat["content"]] == ["Hi", "\ufffd"]
     assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == b"Hi\xe2\x80"
@@ -150,14 +190,26 @@ def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
     ]
     legacy = Logprobs(False, pieces.__getitem__)
     first = legacy.of(entries[:1])
-    assert first == {"tokens": ["Hi"], "token_logprobs": [-0.5], "top_logprobs": [{"Hi": -0.5, " th": -1.5}],
-                     "text_offset": [0]}  # fmt: skip
-    assert legacy.of(entries[1:])["text_offset"] == [2]  # a stream's offsets go on from chunk to chunk
+    assert first == {
+        "tokens": ["Hi"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"Hi": -0.5, " th": -1.5}],
+        "text_offset": [0],
+    }
+    assert legacy.of(entries[1:])["text_offset"] == [
+        2
+    ]  # a stream's offsets go on from chunk to chunk
 
 
 def test_top_p_zero_is_greedy() -> None:
-    """OpenAI's `top_p: 0` keeps only the most likely token: greedy, not an error and not top_p = 1."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0, "temperature": 0.9}
+    """OpenAI's `top_p: 0` keeps only the most likely token: greedy, not an error and not top_p =
+    1."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "top_p": 0,
+        "temperature": 0.9,
+    }
     params = parse(body).sampling.params(DEFAULTS.max_tokens, room=100)
     assert (params.temperature, params.top_p) == (0.0, 1.0)
 
@@ -181,8 +233,15 @@ def test_the_fleets_recommended_sampling_applies_when_a_request_sets_no_temperat
     )
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     params = parse_request(body, True, "m", recommended, 100).sampling.params(10, 10)
-    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.8, 20, 1.1)
-    plain = parse_request({**body, "temperature": 0}, True, "m", recommended, 100).sampling.params(10, 10)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+        0.7,
+        0.8,
+        20,
+        1.1,
+    )
+    plain = parse_request({**body, "temperature": 0}, True, "m", recommended, 100).sampling.params(
+        10, 10
+    )
     assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (
         0.0,
         0,
@@ -220,10 +279,12 @@ async def test_admission_is_fifo_bounded_and_releases_cancelled_waiters() -> Non
 
 
 async def test_admission_is_fair_between_clients_and_keeps_a_place_for_each() -> None:
-    """One slot: alice sends four, bob one after them; bob's goes next, then alice's in order. With alice's
-    requests filling the queue her next is refused, bob's first still gets a place."""
+    """One slot: alice sends four, bob one after them; bob's goes next, then alice's in order. With
+    alice's requests filling the queue her next is refused, bob's first still gets a place."""
     admission = Admission(max_active=1, max_queued=3)
-    alice = [admission.admit("alice") for _ in range(4)]  # 1 generating, 3 waiting: the queue is full
+    alice = [
+        admission.admit("alice") for _ in range(4)
+    ]  # 1 generating, 3 waiting: the queue is full
     with pytest.raises(QueueFull):
         admission.admit("alice")
     bob = admission.admit("bob")  # nothing of bob's anywhere: his place is kept
@@ -298,7 +359,9 @@ async def test_pool_never_keeps_more_sessions_open_than_the_stages_allow() -> No
     fill(a, [1, 2])
     await pool.release(a, reusable=True)
     b = (await pool.acquire([3], 0)).session
-    c = (await pool.acquire([4], 0)).session  # a third open session would exceed 2: idle `a` is closed first
+    c = (
+        await pool.acquire([4], 0)
+    ).session  # a third open session would exceed 2: idle `a` is closed first
     assert len(fake.open) == 2 and a.id not in fake.open and {b.id, c.id} == fake.open
     for session in (b, c):
         await pool.release(session, reusable=True)
@@ -326,10 +389,14 @@ async def test_pool_waits_for_a_session_still_closing_before_it_opens_another() 
     pool = SessionPool(fake.opener, fake.closer, max_idle=2, max_open=2)
     a = (await pool.acquire([1], 0)).session
     b = (await pool.acquire([2], 0)).session
-    closing = asyncio.ensure_future(pool.release(a, reusable=False))  # a cancelled request's session
+    closing = asyncio.ensure_future(
+        pool.release(a, reusable=False)
+    )  # a cancelled request's session
     await asyncio.sleep(0)
     c = (await pool.acquire([3], 0)).session  # admitted the moment `a`'s request let go of its slot
-    assert fake.peak == 2 and closing.done()  # it waited for `a` to be closed: never 3 open on the stages
+    assert (
+        fake.peak == 2 and closing.done()
+    )  # it waited for `a` to be closed: never 3 open on the stages
     for session in (b, c):
         await pool.release(session, reusable=False)
     await pool.close_all()
@@ -357,7 +424,9 @@ def test_keys_file_mode_and_constant_time_check(tmp_path: Path) -> None:
     path.chmod(0o600)
     keys = load_api_keys(path)
     checker = KeyChecker(keys)
-    assert checker.allows("Bearer sk-fedcba9876543210") and checker.allows("bearer sk-0123456789abcdef")
+    assert checker.allows("Bearer sk-fedcba9876543210") and checker.allows(
+        "bearer sk-0123456789abcdef"
+    )
     assert (
         not checker.allows(None)
         and not checker.allows("Bearer ")
@@ -371,14 +440,20 @@ def test_keys_file_mode_and_constant_time_check(tmp_path: Path) -> None:
 
 def test_bind_rules() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.org")
+    assert (
+        not is_loopback("0.0.0.0")
+        and not is_loopback("192.168.1.5")
+        and not is_loopback("example.org")
+    )
     check_bind("127.0.0.1", ())
     check_bind("0.0.0.0", ("k" * 16,))
     with pytest.raises(SecurityError, match="without --api-key-file"):
         check_bind("0.0.0.0", ())
 
 
-def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_shown_as_cells() -> None:
+def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_shown_as_cells() -> (
+    None
+):
     from fleettui.serve.live import LiveRequests
     from fleettui.ui.widgets.api_panel import request_cells
 
@@ -389,7 +464,11 @@ def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_sh
     assert first.preview == "What is the capital of France?" and len(second.preview) == 60
     first.state, first.tokens, first.first_token = "generating", 11, 100.0
     cells = request_cells(first, now=102.0)
-    assert cells["client"] == "10.0.0.5:5123" and cells["tokens"] == "11/17p" and cells["rate"] == "5.0"
+    assert (
+        cells["client"] == "10.0.0.5:5123"
+        and cells["tokens"] == "11/17p"
+        and cells["rate"] == "5.0"
+    )
     assert request_cells(second, now=102.0)["rate"] == "-"
     assert cells["output"] == "text"
     third = live.begin("10.0.0.7:7000", "chat", "weather?", 30, "tools auto")
@@ -406,13 +485,16 @@ def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_sh
         second,
         third,
     ]  # a finished request stays on show a moment,
-    assert request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]  # frozen
+    assert (
+        request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]
+    )  # frozen
     assert not first.active and second.active
     assert live.snapshot(now=(third.ended or 0) + live.linger + 0.1) == [second]  # then leaves
 
 
 async def test_a_stream_that_waits_is_kept_alive_between_its_deltas() -> None:
-    """`paced` passes every delta in order and puts a keep-alive (None) in each gap longer than its pace."""
+    """`paced` passes every delta in order and puts a keep-alive (None) in each gap longer than
+    its pace."""
     from fleettui.serve.responses import paced
 
     queue: asyncio.Queue[str | None] = asyncio.Queue()

@@ -1,4 +1,5 @@
-"""The deployment store: records round-trip, are private, are found by fleet file, and go stale visibly."""
+"""The deployment store: records round-trip, are private, are found by fleet file, and go stale
+visibly."""
 
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ from fleettui.control.store import ProcessId, Settings
 
 def a_fleet(tmp_path: Path) -> Path:
     path = tmp_path / "fleet.toml"
-    path.write_text('[[hosts]]\nname = "a"\nbase_port = 7100\n[[hosts]]\nname = "b"\nbase_port = 7110\n')
+    path.write_text(
+        '[[hosts]]\nname = "a"\nbase_port = 7100\n[[hosts]]\nname = "b"\nbase_port = 7110\n'
+    )
     return path
 
 
-def a_record(path: Path, process: ProcessId | None, owner: int | None = None) -> store.DeploymentRecord:
+def a_record(
+    path: Path, process: ProcessId | None, owner: int | None = None
+) -> store.DeploymentRecord:
     fleet = load_fleet(path)
     deployment = build_deployment(fleet, [(0, 15), (15, 30)], lambda host: "/shards", "/draft")
     running = {"a": (deployment.stages[0].config, process)}
-    return store.record_of(fleet, Settings(exact=True), deployment, running, "/shards", "/draft", owner)
+    return store.record_of(
+        fleet, Settings(exact=True), deployment, running, "/shards", "/draft", owner
+    )
 
 
 def dead_process() -> ProcessId:
@@ -37,10 +44,14 @@ def test_a_record_round_trips_privately_and_is_found_by_its_fleet_file(tmp_path:
     path = a_fleet(tmp_path)
     record = a_record(path, ProcessId.of(os.getpid()))
     saved = store.save(record)
-    assert oct(saved.stat().st_mode)[-3:] == "600" and oct(saved.parent.stat().st_mode)[-3:] == "700"
+    assert (
+        oct(saved.stat().st_mode)[-3:] == "600" and oct(saved.parent.stat().st_mode)[-3:] == "700"
+    )
     found = store.load(load_fleet(path))
     assert found == record and found.keys is not None and found.settings.exact
-    assert [s.name for s in found.stages] == ["a", "b", "draft"] and found.pids() == {"a": os.getpid()}
+    assert [s.name for s in found.stages] == ["a", "b", "draft"] and found.pids() == {
+        "a": os.getpid()
+    }
     assert found.deployment(load_fleet(path)).draft is not None
     assert store.staleness(found, load_fleet(path)) is None
 
@@ -76,7 +87,8 @@ def test_a_dead_attached_process_frees_the_fleet_without_making_it_stale(tmp_pat
 
 
 def test_the_last_stage_loops_back_to_stage_0_and_stage_0_lets_it_in(tmp_path: Path) -> None:
-    """A run's tokens go from the last stage straight back to stage 0: its data endpoint and CURVE key."""
+    """A run's tokens go from the last stage straight back to stage 0: its data endpoint and
+    CURVE key."""
     from remote_worker.config import StageConfig
 
     fleet = load_fleet(a_fleet(tmp_path))
@@ -86,7 +98,9 @@ def test_the_last_stage_loops_back_to_stage_0_and_stage_0_lets_it_in(tmp_path: P
     assert first.curve is not None and last.curve is not None
     assert last.curve.public_key in first.curve.allowed_clients
     assert last.curve.loop_server_key == first.curve.public_key
-    assert StageConfig.from_json(last.to_json()) == last  # the loop survives the worker's config file
+    assert (
+        StageConfig.from_json(last.to_json()) == last
+    )  # the loop survives the worker's config file
     single = tmp_path / "single.toml"
     single.write_text('[[hosts]]\nname = "a"\nbase_port = 7100\n')
     alone = build_deployment(load_fleet(single), [(0, 30)], lambda host: "/shards")

@@ -1,6 +1,6 @@
-"""Unit tests of tool calling and structured output on the server side: the format a template speaks, tools and
-calls in the prompt, the call grammar (compiled and run by the real llguidance on a byte-level tokenizer), the
-incremental call parser, request validation and the finish reasons."""
+"""Unit tests of tool calling and structured output on the server side: the format a template
+speaks, tools and calls in the prompt, the call grammar (compiled and run by the real llguidance on
+a byte-level tokenizer), the incremental call parser, request validation and the finish reasons."""
 
 from __future__ import annotations
 
@@ -35,17 +35,25 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 # SmolLM2-135M-Instruct's own template (plain ChatML: no tools)
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 WEATHER = Tool(
     "get_weather",
     "The weather in a city",
-    {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
-     "required": ["city"], "additionalProperties": False},
-)  # fmt: skip
-ADD = Tool("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+)
+ADD = Tool(
+    "add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+)
 
 
 def chat_format(template: str) -> ChatFormat:
@@ -82,15 +90,21 @@ def test_the_format_is_the_templates_own_where_it_renders_tools_calls_and_result
     assert detect_format(chat_format(QWEN_2_5)) is HERMES
     assert detect_format(chat_format(LLAMA_3_1)) is LLAMA3_JSON
     assert detect_format(chat_format(SMOLLM2)) is FALLBACK  # ignores tools
-    assert detect_format(chat_format(MISTRAL_0_3)) is FALLBACK  # [TOOL_CALLS] is a special token: not read
+    assert (
+        detect_format(chat_format(MISTRAL_0_3)) is FALLBACK
+    )  # [TOOL_CALLS] is a special token: not read
     shipped = {
-        name: chat_format((TEMPLATES / f"{name}.jinja").read_text()) for name in ("qwen3", "gemma3", "phi3")
+        name: chat_format((TEMPLATES / f"{name}.jinja").read_text())
+        for name in ("qwen3", "gemma3", "phi3")
     }
     assert detect_format(shipped["qwen3"]) is HERMES
     for name in ("gemma3", "phi3"):  # no tool support: the fallback, which their role rules accept
         assert detect_format(shipped[name]) is FALLBACK
         text = render_with_tools(shipped[name], CONVERSATION, [WEATHER], FALLBACK)
-        assert text.count('<tool_call>\n{"name": "get_weather"') == 2 and "<tool_response>\nrain" in text
+        assert (
+            text.count('<tool_call>\n{"name": "get_weather"') == 2
+            and "<tool_response>\nrain" in text
+        )
 
 
 CONVERSATION = (
@@ -103,19 +117,22 @@ CONVERSATION = (
             ToolCall("call_1", "get_weather", '{"city": "Paris"}'),
             ToolCall("call_2", "get_weather", '{"city": "Rome"}'),
         ),
-    ),  # fmt: skip
+    ),
     ChatMessage("tool", "sunny", tool_call_id="call_1"),
     ChatMessage("tool", "rain", tool_call_id="call_2"),
 )
 
 
-def test_the_fallback_describes_tools_in_the_system_message_and_writes_calls_and_results_as_tags() -> None:
+def test_the_fallback_puts_tools_in_the_system_message_and_calls_and_results_in_tags() -> None:
     text = render_with_tools(chat_format(SMOLLM2), CONVERSATION, [WEATHER], FALLBACK)
     system = text.split("<|im_end|>")[0]
-    assert system.startswith("<|im_start|>system\nBe brief.") and json.dumps(WEATHER.as_openai()) in system
     assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>\n<tool_call>'  # as generated
-        in text
+        system.startswith("<|im_start|>system\nBe brief.")
+        and json.dumps(WEATHER.as_openai()) in system
+    )
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city":"Paris"}}\n</tool_call>\n<tool_call>' in text  # as generated
     )
     # both results in one user turn, in order, then the assistant's turn
     assert (
@@ -128,7 +145,9 @@ def test_the_fallback_describes_tools_in_the_system_message_and_writes_calls_and
 def test_a_native_template_gets_tools_calls_and_results_its_own_way() -> None:
     text = render_with_tools(chat_format(QWEN_2_5), CONVERSATION, [WEATHER], HERMES)
     assert "<tools>\n" + json.dumps(WEATHER.as_openai()) in text
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    )
     assert "<tool_response>\nrain\n</tool_response>" in text
     llama = render_with_tools(chat_format(LLAMA_3_1), CONVERSATION[:2], [WEATHER], LLAMA3_JSON)
     assert '"name": "get_weather"' in llama and "Environment: ipython" in llama
@@ -145,20 +164,35 @@ def test_the_call_grammar_takes_exactly_the_calls_of_the_offered_tools(
     check_constraint(ConstraintSpec(single, "tools required"), tokenizer[1])
     assert matches(single, one, tokenizer)
     assert not matches(single, tool_format.call_text("nope", {"city": "Paris"}), tokenizer)
-    assert not matches(single, tool_format.call_text("get_weather", {"city": "Paris", "x": 1}), tokenizer)
-    assert not matches(single, tool_format.call_text("get_weather", {"days": 2}), tokenizer)  # required
+    assert not matches(
+        single, tool_format.call_text("get_weather", {"city": "Paris", "x": 1}), tokenizer
+    )
+    assert not matches(
+        single, tool_format.call_text("get_weather", {"days": 2}), tokenizer
+    )  # required
     parallel = call_grammar(tools, tool_format, parallel=True)
     assert matches(parallel, two, tokenizer) == tool_format.parallel
     after = call_grammar(tools, tool_format, parallel=True, after_trigger=True)
     assert tool_format.call_text("add", {"a": 1}).startswith(tool_format.trigger)
-    assert matches(after, tool_format.call_text("add", {"a": 1})[len(tool_format.trigger) :], tokenizer)
+    assert matches(
+        after, tool_format.call_text("add", {"a": 1})[len(tool_format.trigger) :], tokenizer
+    )
 
 
 def test_an_unsupported_schema_keyword_is_a_constraint_error(tokenizer: Any) -> None:
-    odd = Tool("odd", "", {"type": "object", "properties": {"x": {"type": "string", "format": "hostname-ish"}},
-                          "dependentSchemas": {"x": {"required": ["y"]}}})  # fmt: skip
+    odd = Tool(
+        "odd",
+        "",
+        {
+            "type": "object",
+            "properties": {"x": {"type": "string", "format": "hostname-ish"}},
+            "dependentSchemas": {"x": {"required": ["y"]}},
+        },
+    )
     with pytest.raises(ConstraintError, match="dependentSchemas"):
-        check_constraint(ConstraintSpec(call_grammar([odd], HERMES, False), "tools required"), tokenizer[1])
+        check_constraint(
+            ConstraintSpec(call_grammar([odd], HERMES, False), "tools required"), tokenizer[1]
+        )
 
 
 def feed(parser: ToolCallParser, text: str, step: int) -> list[Any]:
@@ -184,11 +218,14 @@ def test_the_parser_streams_text_then_calls_in_openai_deltas(step: int) -> None:
     assert [(s.index, s.name) for s in starts] == [(0, "get_weather"), (1, "add")]
     assert all(s.id.startswith("call_") for s in starts) and starts[0].id != starts[1].id
     pieces = [
-        "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == i) for i in (0, 1)
+        "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == i)
+        for i in (0, 1)
     ]
     assert [json.loads(p) for p in pieces] == [arguments, {"a": 3}]
     assert [(c.id, c.name, json.loads(c.arguments)) for c in parser.calls] == [
-        (starts[0].id, "get_weather", arguments), (starts[1].id, "add", {"a": 3})]  # fmt: skip
+        (starts[0].id, "get_weather", arguments),
+        (starts[1].id, "add", {"a": 3}),
+    ]
     # every event comes after the one before it: the start of a call precedes its arguments
     assert events.index(starts[1]) > max(
         i for i, e in enumerate(events) if isinstance(e, ArgumentsDelta) and e.index == 0
@@ -202,7 +239,9 @@ def test_the_parser_passes_text_without_calls_and_holds_back_only_a_possible_ope
     assert parser.finish() == [] and not parser.calls and parser.content == "a < b and <toolbox>"
     llama = ToolCallParser(LLAMA3_JSON, calls_only=True)
     events = feed(llama, LLAMA3_JSON.call_text("add", {"a": 1}), 3)
-    assert [c.name for c in llama.calls] == ["add"] and not any(isinstance(e, ContentDelta) for e in events)
+    assert [c.name for c in llama.calls] == ["add"] and not any(
+        isinstance(e, ContentDelta) for e in events
+    )
 
 
 def test_a_call_cut_by_max_tokens_is_not_a_call_and_the_answer_is_length() -> None:
@@ -215,9 +254,13 @@ def test_a_call_cut_by_max_tokens_is_not_a_call_and_the_answer_is_length() -> No
     whole = final_reply(HERMES.call_text("get_weather", {"city": "Paris"}), done, structure, HERMES)
     assert whole.finish == "tool_calls" and whole.content is None
     assert json.loads(whole.tool_calls[0].arguments) == {"city": "Paris"}
-    json_cut = GenerationStats(finish_reason="stop", constraint_complete=False)  # a grammar left open
+    json_cut = GenerationStats(
+        finish_reason="stop", constraint_complete=False
+    )  # a grammar left open
     assert finish_of(json_cut, False) == "length"
-    assert finish_of(GenerationStats(finish_reason="eos", constraint_complete=True), False) == "stop"
+    assert (
+        finish_of(GenerationStats(finish_reason="eos", constraint_complete=True), False) == "stop"
+    )
 
 
 def test_streamed_tool_calls_are_openai_chunks() -> None:
@@ -233,7 +276,9 @@ def test_streamed_tool_calls_are_openai_chunks() -> None:
     first = calls[0]
     assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
     assert first["function"] == {"name": "get_weather", "arguments": ""}
-    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    assert all(
+        set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:]
+    )
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Oslo"}
     assert "".join(c.get("content", "") for c in chunks) == "Checking." and finish == "tool_calls"
     assert names == ["get_weather"]
@@ -251,30 +296,97 @@ def parse(**fields: Any) -> Any:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
-         "response_format.json_schema.name"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": {"type": "wrong"}}}},
-         "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": [1]}}},
-         "response_format.json_schema.schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a b", "schema": {}},
+                }
+            },
+            "response_format.json_schema.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "P", "schema": {"type": "wrong"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "P", "schema": [1]},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-          "properties": {"a": {"type": 7}}}}}]}, "tools[0].function.parameters"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-         "tools[0].function.parameters"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": 7}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
         ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
-        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "response_format"),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-          "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{not json"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
     ],
-)  # fmt: skip
+)
 def test_bad_structured_requests_name_their_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(RequestError) as caught:
         parse(**fields)
@@ -283,8 +395,12 @@ def test_bad_structured_requests_name_their_field(fields: dict[str, Any], param:
 
 def test_structured_requests_map_to_their_constraint() -> None:
     person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    schema = parse(response_format={"type": "json_schema", "json_schema": {"name": "Person", "schema": person,
-                                                                           "strict": True}}).structure  # fmt: skip
+    schema = parse(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "Person", "schema": person, "strict": True},
+        }
+    ).structure
     spec = schema.constraint(HERMES)
     assert (
         spec is not None
@@ -299,29 +415,67 @@ def test_structured_requests_map_to_their_constraint() -> None:
     ).structure
     assert named.calls_only and named.constraint(HERMES).label == "tool get_weather"  # type: ignore[union-attr]
     assert parse(tools=[TOOL], tool_choice="none").structure.constraint(HERMES) is None
-    turns = parse(messages=[
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]},
-    ]).messages  # fmt: skip
-    assert turns[1].tool_calls == (ToolCall("call_1", "f", "{}"),) and turns[2].tool_call_id == "call_1"
+    turns = parse(
+        messages=[
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": "{}"},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]},
+        ]
+    ).messages
+    assert (
+        turns[1].tool_calls == (ToolCall("call_1", "f", "{}"),)
+        and turns[2].tool_call_id == "call_1"
+    )
     assert turns[2].content == "42"
-    completion = parse_request({"model": "m", "prompt": "p", "response_format": {"type": "json_object"}},
-                               False, "m", DEFAULTS, 1000)  # fmt: skip
+    completion = parse_request(
+        {"model": "m", "prompt": "p", "response_format": {"type": "json_object"}},
+        False,
+        "m",
+        DEFAULTS,
+        1000,
+    )
     assert completion.structure.constraint(FALLBACK).label == "json_object"  # type: ignore[union-attr]
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}
-CALLED = {"role": "assistant", "content": None,
-          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                            "arguments": '{"city": "Oslo"}'}}]}  # fmt: skip
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": WEATHER.parameters},
+}
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        }
+    ],
+}
 BODIES = [
     {"response_format": {"type": "json_object"}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": WEATHER.parameters}}},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "P", "schema": WEATHER.parameters},
+        }
+    },
     {"tools": [WEATHER_TOOL]},
     {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
-    {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
     {"tools": [WEATHER_TOOL], "tool_choice": "none", "response_format": {"type": "json_object"}},
     {"tools": [WEATHER_TOOL], "stop": "x"},
     {
@@ -333,7 +487,11 @@ BODIES = [
     },
     # refused
     {"tool_choice": "required"},
-    {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    },
     {"response_format": {"type": "json_object"}, "stop": "x"},
     {"tools": [WEATHER_TOOL], "tool_choice": "required", "stop": ["x"]},
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
@@ -355,19 +513,25 @@ def plain_json_schema(value: Any) -> Any:
 
 
 @pytest.mark.parametrize("fields", BODIES)
-def test_the_openapi_document_accepts_exactly_what_the_server_accepts(fields: dict[str, Any]) -> None:
-    """The fuzz run's rules, checked here without a fleet: the document's request schema and `parse_request`
-    agree on each body."""
+def test_the_openapi_document_accepts_exactly_what_the_server_accepts(
+    fields: dict[str, Any],
+) -> None:
+    """The fuzz run's rules, checked here without a fleet: the document's request schema and
+    `parse_request` agree on each body."""
     import jsonschema
 
     from fleettui.serve.fleet import ModelInfo
     from fleettui.serve.openapi import chat_request
 
-    document = jsonschema.Draft7Validator(plain_json_schema(chat_request(ModelInfo("m", 1000, 2, 0))))
+    document = jsonschema.Draft7Validator(
+        plain_json_schema(chat_request(ModelInfo("m", 1000, 2, 0)))
+    )
     body = {**ASK, **fields}
     try:
         parse_request(body, True, "m", DEFAULTS, 1000)
         served = True
     except RequestError:
         served = False
-    assert document.is_valid(body) == served, [error.message for error in document.iter_errors(body)]
+    assert document.is_valid(body) == served, [
+        error.message for error in document.iter_errors(body)
+    ]

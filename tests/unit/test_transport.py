@@ -1,8 +1,8 @@
-"""The coordinator's ZmqLink against a scripted stage on real ZeroMQ sockets (no model): replies matched by
-sequence number in any order, malformed and unexpected replies dropped and counted, errors, timeouts, a
-blocked link, close, and a link used from a second event loop (replies are read from the loop's readiness
-callback on the PULL socket, so the link must follow the loop it is used from).
-"""
+"""The coordinator's ZmqLink against a scripted stage on real ZeroMQ sockets (no model): replies
+matched by sequence number in any order, malformed and unexpected replies dropped and counted,
+errors, timeouts, a blocked link, close, and a link used from a second event loop (replies are read
+from the loop's readiness callback on the PULL socket, so the link must follow the loop it is used
+from)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _result(step: protocol.Step, token: int) -> list[bytes | memoryview]:
 
 
 class ScriptedStage:
-    """A PULL socket the link pushes into and a PUSH socket it pulls from; every `batch` steps received are
-    answered by `script(steps)` (the frames to send back, in that order)."""
+    """A PULL socket the link pushes into and a PUSH socket it pulls from; every `batch` steps
+    received are answered by `script(steps)` (the frames to send back, in that order)."""
 
     def __init__(self, script: Script, batch: int = 1) -> None:
         self.context = zmq.Context()
@@ -89,11 +89,14 @@ def stage() -> Iterator[Callable[..., ScriptedStage]]:
 
 
 def _step(session: int, token: int = 5) -> protocol.Step:
-    return protocol.Step(session, 0, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([token], np.int64))
+    return protocol.Step(
+        session, 0, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([token], np.int64)
+    )
 
 
 def test_replies_in_any_order_reach_their_requests(stage: Callable[..., ScriptedStage]) -> None:
-    """Three requests in flight; the stage answers them in reverse order, each with its session id + 100."""
+    """Three requests in flight; the stage answers them in reverse order, each with its session
+    id + 100."""
     fake = stage(lambda steps: [_result(s, s.session + 100) for s in reversed(steps)], batch=3)
 
     async def scenario() -> list[int]:
@@ -114,7 +117,9 @@ def test_malformed_and_unexpected_replies_are_dropped_and_the_real_one_answers(
 ) -> None:
     def script(steps: list[protocol.Step]) -> list[list[bytes | memoryview]]:
         step = steps[0]
-        stray = protocol.Step(step.session, step.seq + 1000, 0, 0, step.mask_ranges, tokens=step.tokens)
+        stray = protocol.Step(
+            step.session, step.seq + 1000, 0, 0, step.mask_ranges, tokens=step.tokens
+        )
         return [[b"garbage"], _result(stray, 1), _result(step, 42)]  # type: ignore[arg-type]
 
     fake = stage(script)
@@ -133,7 +138,9 @@ def test_malformed_and_unexpected_replies_are_dropped_and_the_real_one_answers(
 def test_an_error_reply_raises_stage_failure_with_the_stage_and_reason(
     stage: Callable[..., ScriptedStage],
 ) -> None:
-    fake = stage(lambda steps: [protocol.encode(protocol.Error(steps[0].session, steps[0].seq, 1, "boom"))])
+    fake = stage(
+        lambda steps: [protocol.encode(protocol.Error(steps[0].session, steps[0].seq, 1, "boom"))]
+    )
 
     async def scenario() -> None:
         link = ZmqLink(fake.head, fake.tail, timeout=10)
@@ -149,13 +156,15 @@ def test_an_error_reply_raises_stage_failure_with_the_stage_and_reason(
 def test_no_answer_times_out_with_a_clear_error_and_a_late_answer_is_ignored_quietly(
     stage: Callable[..., ScriptedStage], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The late answer to a request its caller stopped waiting for (timed out, or cancelled as on a SIGTERM)
-    is expected: it is ignored without a warning and not counted as an unexpected reply."""
+    """The late answer to a request its caller stopped waiting for (timed out, or cancelled as on a
+    SIGTERM) is expected: it is ignored without a warning and not counted as an unexpected reply."""
     late: list[protocol.Step] = []
 
     def script(steps: list[protocol.Step]) -> list[list[bytes | memoryview]]:
         late.extend(steps)  # answered only with the next request
-        return [_result(s, 7) for s in late[:-1]] + ([_result(late[-1], 8)] if len(late) > 1 else [])
+        return [_result(s, 7) for s in late[:-1]] + (
+            [_result(late[-1], 8)] if len(late) > 1 else []
+        )
 
     fake = stage(script)
 
@@ -164,7 +173,9 @@ def test_no_answer_times_out_with_a_clear_error_and_a_late_answer_is_ignored_qui
         try:
             with pytest.raises(LinkError) as caught:
                 await link.request(_step(1), timeout=0.3)
-            reply = await link.request(_step(2))  # the stage now sends the late answer first, then this one
+            reply = await link.request(
+                _step(2)
+            )  # the stage now sends the late answer first, then this one
         finally:
             await link.close()
         return str(caught.value), int(reply.tokens[0]), link.dropped  # type: ignore[attr-defined]
@@ -175,8 +186,12 @@ def test_no_answer_times_out_with_a_clear_error_and_a_late_answer_is_ignored_qui
     assert not [record for record in caplog.records if "unexpected" in record.getMessage()]
 
 
-def test_block_fails_pending_and_new_requests_fast_until_unblock(stage: Callable[..., ScriptedStage]) -> None:
-    fake = stage(lambda steps: [_result(s, 9) for s in steps if s.session != 1])  # session 1: never answered
+def test_block_fails_pending_and_new_requests_fast_until_unblock(
+    stage: Callable[..., ScriptedStage],
+) -> None:
+    fake = stage(
+        lambda steps: [_result(s, 9) for s in steps if s.session != 1]
+    )  # session 1: never answered
 
     async def scenario() -> int:
         link = ZmqLink(fake.head, fake.tail, timeout=10)
@@ -223,22 +238,34 @@ def test_one_link_serves_a_second_event_loop(stage: Callable[..., ScriptedStage]
 def _run_step(session: int, run: int) -> protocol.Step:
     greedy = protocol.Decode()
     return protocol.Step(
-        session, 0, 0, 0, np.zeros((0, 2), np.int64), tokens=np.array([5], np.int64), decode=greedy, run=run
+        session,
+        0,
+        0,
+        0,
+        np.zeros((0, 2), np.int64),
+        tokens=np.array([5], np.int64),
+        decode=greedy,
+        run=run,
     )
 
 
 def test_a_run_streams_its_results_in_order_and_late_ones_are_dropped_quietly(
     stage: Callable[..., ScriptedStage],
 ) -> None:
-    """A run of 4 answered with 4 Results of its seq plus one more (as a stage past a Cancel would)."""
-    fake = stage(lambda steps: [_result(steps[0], token) for token in range(10, 15 if steps[0].run else 11)])
+    """A run of 4 answered with 4 Results of its seq plus one more (as a stage past a Cancel
+    would)."""
+    fake = stage(
+        lambda steps: [_result(steps[0], token) for token in range(10, 15 if steps[0].run else 11)]
+    )
 
     async def scenario() -> tuple[list[int], bool, int]:
         link = ZmqLink(fake.head, fake.tail, timeout=10)
         try:
             stream = await link.stream(_run_step(1, 4))
             tokens = [int((await stream.next())[0].tokens[0]) for _ in range(4)]
-            reply = await link.request(_step(2))  # the fifth Result of the run arrives before this answer
+            reply = await link.request(
+                _step(2)
+            )  # the fifth Result of the run arrives before this answer
             tokens.append(int(reply.tokens[0]))  # type: ignore[attr-defined]
         finally:
             await link.close()

@@ -1,4 +1,5 @@
-"""Provides the help screen: every key of the app, generated from the bindings so it cannot go stale."""
+"""Provides the help screen: every key of the app, generated from the bindings so it cannot go
+stale."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def key_rows(bindings: list[BindingType]) -> list[tuple[str, str]]:
         binding = entry if isinstance(entry, Binding) else Binding(*entry)
         description = binding.description or binding.action
         keys = rows.setdefault(description, [])
-        shown = [binding.key_display] if binding.key_display else [k.strip() for k in binding.key.split(",")]
+        shown = (
+            [binding.key_display]
+            if binding.key_display
+            else [k.strip() for k in binding.key.split(",")]
+        )
         keys.extend(key for key in shown if key not in keys)
     return [(" / ".join(keys), description) for description, keys in rows.items()]
 

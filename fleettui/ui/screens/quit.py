@@ -14,7 +14,8 @@ QuitChoice = Literal["stop", "leave", "cancel"]
 
 
 class QuitScreen(ModalScreen[QuitChoice]):
-    """Returns "stop" (stop every worker, then exit), "leave" (exit, workers keep serving) or "cancel"."""
+    """Returns "stop" (stop every worker, then exit), "leave" (exit, workers keep serving) or
+    "cancel"."""
 
     BINDINGS = [
         Binding("escape", "choose('cancel')", "cancel"),
@@ -32,7 +33,9 @@ class QuitScreen(ModalScreen[QuitChoice]):
             yield Label(question, id="quit-question")
             with Horizontal(id="quit-buttons"):
                 yield Button("Stop the fleet", id="stop", variant="error")
-                yield Button("Leave it running", id="leave", variant="primary", disabled=not self.running)
+                yield Button(
+                    "Leave it running", id="leave", variant="primary", disabled=not self.running
+                )
                 yield Button("Cancel", id="cancel")
             yield Label("s stop · l leave running · escape cancel", id="quit-hint")
 

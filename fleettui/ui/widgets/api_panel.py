@@ -1,4 +1,5 @@
-"""Provides the API panel: the HTTP requests the built-in server is answering, one row each, live."""
+"""Provides the API panel: the HTTP requests the built-in server is answering, one row each,
+live."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ COLUMNS = (
 
 
 def output_cell(request: LiveRequest) -> str:
-    """What the answer is held to: free text, or the grammar's label, then the functions called so far."""
+    """What the answer is held to: free text, or the grammar's label, then the functions called
+    so far."""
     shown = request.constraint or "text"
     if request.tool_calls:
         shown += " → " + ", ".join(request.tool_calls)
@@ -44,7 +46,8 @@ def request_cells(request: LiveRequest, now: float) -> dict[str, str]:
 
 
 class ApiPanel(DataTable[Text]):
-    """Live API sessions beside the chat (and those just ended); `show()` redraws from the server's registry."""
+    """Live API sessions beside the chat (and those just ended); `show()` redraws from the
+    server's registry."""
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id, cursor_type="row", zebra_stripes=True, show_cursor=False)

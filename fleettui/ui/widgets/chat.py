@@ -1,4 +1,5 @@
-"""Provides the chat pane: several sessions, each an anchored scroll of prompts and streamed Markdown replies."""
+"""Provides the chat pane: several sessions, each an anchored scroll of prompts and streamed
+Markdown replies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from fleettui.text_input import TextError, check_text
 
 
 class Reply(Vertical):
-    """One assistant reply: Markdown streamed through `Markdown.get_stream()`, then its statistics line."""
+    """One assistant reply: Markdown streamed through `Markdown.get_stream()`, then its
+    statistics line."""
 
     def __init__(self) -> None:
         super().__init__(classes="reply")
@@ -49,7 +51,8 @@ class Reply(Vertical):
 
 
 class ChatSession(VerticalScroll):
-    """The transcript of one session; it follows the end of the stream unless the reader scrolls up."""
+    """The transcript of one session; it follows the end of the stream unless the reader scrolls
+    up."""
 
     def __init__(self, number: int) -> None:
         super().__init__(id=f"session-{number}", classes="chat-session")
@@ -71,7 +74,8 @@ class ChatSession(VerticalScroll):
 
 
 class ChatPane(Vertical):
-    """Sessions in a ContentSwitcher above one prompt input; sends `PromptSubmitted` up to the app."""
+    """Sessions in a ContentSwitcher above one prompt input; sends `PromptSubmitted` up to the
+    app."""
 
     @dataclass
     class PromptSubmitted(Message):
@@ -82,16 +86,22 @@ class ChatPane(Vertical):
         super().__init__(id=id)
         self.sessions: list[ChatSession] = [ChatSession(1)]
         self.border_title = "chat"
-        self.completion_mode = False  # a base model: each session is one text that the model continues
+        self.completion_mode = (
+            False  # a base model: each session is one text that the model continues
+        )
 
     def set_completion_mode(self, on: bool) -> None:
         """Say in the pane whether prompts are chat turns or text for a base model to continue."""
         self.completion_mode = on
         self.border_title = (
-            "completion mode — base model, no chat template: your text is continued" if on else "chat"
+            "completion mode — base model, no chat template: your text is continued"
+            if on
+            else "chat"
         )
         prompt = self.query_one("#prompt", Input)
-        prompt.placeholder = "Text to continue… (enter sends)" if on else "Ask the fleet… (enter sends)"
+        prompt.placeholder = (
+            "Text to continue… (enter sends)" if on else "Ask the fleet… (enter sends)"
+        )
 
     def compose(self) -> ComposeResult:
         yield Label("", id="session-bar")
@@ -142,7 +152,9 @@ class ChatPane(Vertical):
         text = event.value.strip()
         try:
             check_text(text, "chat input", escapes=False)
-        except TextError as error:  # a pasted lone surrogate: said once, the prompt stays for editing
+        except (
+            TextError
+        ) as error:  # a pasted lone surrogate: said once, the prompt stays for editing
             self.app.notify(str(error), severity="error")
             return
         if text:

@@ -1,4 +1,5 @@
-"""Provides the deploy panel: per host the current step, a transfer bar with MB and MB/s, or the failure."""
+"""Provides the deploy panel: per host the current step, a transfer bar with MB and MB/s, or the
+failure."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ class DeployRow(Horizontal):
 
 
 class DeployPanel(VerticalScroll):
-    """Rows appear as hosts report; a failed host shows its one-line reason and the others keep going."""
+    """Rows appear as hosts report; a failed host shows its one-line reason and the others keep
+    going."""
 
     def __init__(self, names: list[str], *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id)

@@ -56,7 +56,10 @@ class FleetPanel(DataTable[Text]):
             cells = view.cells()
             cells["state"] = truncate(cells["state"], STATE_WIDTH)
             colour = variables.get(STATE_COLOURS.get(type(view.state), "foreground"), "")
-            row = {key: Text(value, style=colour if key == "state" else "") for key, value in cells.items()}
+            row = {
+                key: Text(value, style=colour if key == "state" else "")
+                for key, value in cells.items()
+            }
             if name in self.rows:
                 for key, _ in COLUMNS:
                     self.update_cell(name, key, row[key], update_width=True)
@@ -66,6 +69,8 @@ class FleetPanel(DataTable[Text]):
 
     def _summary(self) -> str:
         serving = self.monitor.serving()
-        ready = sum(isinstance(view.state, (Ready, Serving)) for view in self.monitor.stages.values())
+        ready = sum(
+            isinstance(view.state, (Ready, Serving)) for view in self.monitor.stages.values()
+        )
         text = f"{ready}/{len(self.monitor.stages)} up"
         return text + (f" · serving: {', '.join(serving)}" if serving else "")

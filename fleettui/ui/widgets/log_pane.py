@@ -1,4 +1,5 @@
-"""Provides the log pane: worker log lines and the app's logging records, newest at the bottom (and on disk)."""
+"""Provides the log pane: worker log lines and the app's logging records, newest at the bottom
+(and on disk)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def timestamp() -> str:
 
 
 def log_file_handler(path: Path) -> logging.Handler:
-    """A rotating file handler for the pane's persistent copy (`paths.log_dir() / "tui.log"` in the app)."""
+    """A rotating file handler for the pane's persistent copy (`paths.log_dir() / "tui.log"` in
+    the app)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(
         path, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS, encoding="utf-8"
@@ -35,7 +37,9 @@ class LogPane(RichLog):
     """A RichLog with one formatted line per record; levels are coloured from the theme."""
 
     def __init__(self, *, id: str | None = None, log_file: Path | None = None) -> None:  # noqa: A002
-        super().__init__(id=id, max_lines=2000, min_width=20, wrap=True, markup=False, highlight=False)
+        super().__init__(
+            id=id, max_lines=2000, min_width=20, wrap=True, markup=False, highlight=False
+        )
         self.border_title = "log"
         self.lines_written = 0
         self.log_file = log_file
