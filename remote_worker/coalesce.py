@@ -20,9 +20,8 @@ import time
 
 from remote_worker import protocol
 
-MAX_SESSIONS_TRACKED = (
-    4096  # sessions' last send times kept (forgotten on CLOSE; a bound all the same)
-)
+# sessions' last send times kept (forgotten on CLOSE; a bound all the same)
+MAX_SESSIONS_TRACKED = 4096
 
 
 class Coalescer:

@@ -55,9 +55,8 @@ class StageCompute:
     loop: zmq.Socket[bytes] | None
     coalescer: Coalescer
 
-    _serving: str = (
-        ""  # the kind being served until its first answer leaves (then counted as handled)
-    )
+    # the kind being served until its first answer leaves (then counted as handled)
+    _serving: str = ""
 
     def _send(self, message: protocol.Message, block: bool = True) -> None:
         """Send down the chain, after the Results held back (`flush`); a refusal's Error

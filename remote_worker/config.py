@@ -68,9 +68,8 @@ class StageConfig:
     role: str = "stage"
     bind_address: str = "127.0.0.1"
     next: Endpoint | None = None  # the downstream stage; None for the last stage and the draft
-    loop: Endpoint | None = (
-        None  # the last stage of several: stage 0's data socket (a run's tokens go back)
-    )
+    # the last stage of several: stage 0's data socket (a run's tokens go back)
+    loop: Endpoint | None = None
     device: str = "CPU"
     threads: int = 0  # 0 = plugin default
     inference_precision: str | None = None  # None = device default (reported)
@@ -80,20 +79,17 @@ class StageConfig:
     verify_hashes: bool = True
     # False: hash every file of the stage at start, whatever its stamp says (`deploy --recheck`)
     trust_stamps: bool = True
-    compile_cache: bool = (
-        True  # keep the compiled model in the shard folder's compiled/ for restarts
-    )
+    # keep the compiled model in the shard folder's compiled/ for restarts
+    compile_cache: bool = True
     max_sessions: int = 64  # an Open beyond this is answered with an Error (the coordinator queues)
     batching: bool = True  # steps of up to max_sessions sessions share one inference
-    stages: int = (
-        1  # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
-    )
+    # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
+    stages: int = 1
     max_queue_bytes: int = (
         256 << 20
     )  # requests waiting to be served, in bytes; beyond it they are refused
-    result_batch_ms: float = (
-        0.0  # last stage: a run's Results leave together at most this often (0 = each)
-    )
+    # last stage: a run's Results leave together at most this often (0 = each)
+    result_batch_ms: float = 0.0
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)
     cpu_cores: tuple[int, ...] = ()
     deployment: str = ""  # id of the deployment that started this worker

@@ -19,9 +19,8 @@ import numpy as np
 
 from remote_worker.protocol import Decode, Step
 
-_CANDIDATES = (
-    1024  # top-p looks at this many most probable ids first, then falls back to a full sort
-)
+# top-p looks at this many most probable ids first, then falls back to a full sort
+_CANDIDATES = 1024
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

@@ -44,9 +44,8 @@ logger = logging.getLogger(__name__)
 # Reported as the plugin's effective settings (whatever the device answers of these).
 SHRINK_OUTPUT_BYTES = 4 << 20  # an output buffer above this is released after the step
 _KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "u4": 0.5}
-BATCH_TOKENS = (
-    16  # steps up to this many tokens share inferences; longer ones (prefill chunks) run alone
-)
+# steps up to this many tokens share inferences; longer ones (prefill chunks) run alone
+BATCH_TOKENS = 16
 IDLE_ROWS = 3  # a group whose inferences left rows idle this many times in a row splits (rows.py)
 
 
@@ -163,9 +162,8 @@ class StageEngine:
         # sessions batched per inference at most (1 = each alone); rows leave a batch through
         # beam_idx
         self.batch_max = max_batch if self.has_beam_idx else 1
-        self.regroups = (
-            0  # KV rows copied into new groups (each costs a state read and write per layer)
-        )
+        # KV rows copied into new groups (each costs a state read and write per layer)
+        self.regroups = 0
         self.warm_up_seconds = 0.0  # set by `warm_up`
         logger.info(
             "stage %d layers %s compiled on %s in %.1f s%s: %s",

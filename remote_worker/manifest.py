@@ -16,12 +16,10 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-COMPILED_FOLDER = (
-    "compiled"  # a worker's compiled-model cache inside the shard folder (not in the manifest)
-)
-VERIFIED_FOLDER = (
-    "verified"  # each stage's stamp of the files it found intact (not in the manifest either)
-)
+# a worker's compiled-model cache inside the shard folder (not in the manifest)
+COMPILED_FOLDER = "compiled"
+# each stage's stamp of the files it found intact (not in the manifest either)
+VERIFIED_FOLDER = "verified"
 STAMP_FORMAT = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TENSOR_DTYPES = ("i64", "i32", "f32")
@@ -174,9 +172,8 @@ class Manifest:
     stages: tuple[StageSpec, ...]
     shared_files: dict[str, str]
     created_at: str
-    synthetic: bool = (
-        False  # seeded random weights of a real architecture: for timing only, never chat
-    )
+    # seeded random weights of a real architecture: for timing only, never chat
+    synthetic: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

@@ -20,9 +20,8 @@ REPORTED_PROPERTIES = (
     "PERFORMANCE_HINT",
     "EXECUTION_DEVICES",
 )
-LOGITS_KEEP = (
-    "logits_keep"  # the input slice_logits adds: how many of the step's last rows get logits
-)
+# the input slice_logits adds: how many of the step's last rows get logits
+LOGITS_KEEP = "logits_keep"
 
 
 class EngineError(RuntimeError):

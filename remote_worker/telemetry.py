@@ -58,12 +58,10 @@ class StageStats:
     errors: int = 0  # messages whose serving failed (each answered with an Error down the chain)
     dropped: int = 0  # unparseable or unexpected frames (no header to answer to)
     received: int = 0  # multipart messages read from the data socket
-    rejected: int = (
-        0  # requests with a sound header but a bad body or shape (answered with an Error)
-    )
-    overflow: int = (
-        0  # requests refused because the queue's byte budget was full (answered with an Error)
-    )
+    # requests with a sound header but a bad body or shape (answered with an Error)
+    rejected: int = 0
+    # requests refused because the queue's byte budget was full (answered with an Error)
+    overflow: int = 0
     refused: int = 0  # peers whose handshake failed (CURVE, ZAP, not ZeroMQ at all)
     control_errors: int = 0  # control requests answered with an error
     unsent: int = 0  # messages that could not be sent downstream

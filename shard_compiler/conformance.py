@@ -40,15 +40,12 @@ class Entry:
     splits: tuple[tuple[int, ...], ...] = ((0, 3), (0, 1, 3), (0, 1, 2, 3))
     formats: tuple[str, ...] = ("hf", "gguf")
     notes: str = ""
-    pipeline: bool = (
-        False  # also run through real stage processes (speculation, sessions, rollbacks)
-    )
-    embed_std: float = (
-        0.5  # the embedding's random scale (Gemma's sqrt(hidden) needs a smaller one)
-    )
-    name: str = (
-        ""  # the harness's id when one model_type has several entries (default: the model_type)
-    )
+    # also run through real stage processes (speculation, sessions, rollbacks)
+    pipeline: bool = False
+    # the embedding's random scale (Gemma's sqrt(hidden) needs a smaller one)
+    embed_std: float = 0.5
+    # the harness's id when one model_type has several entries (default: the model_type)
+    name: str = ""
 
     @property
     def key(self) -> str:

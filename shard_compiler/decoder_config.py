@@ -39,9 +39,8 @@ class ModelConfig:
     layer_types: tuple[
         str, ...
     ] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
-    sliding_window: int | None = (
-        None  # a local layer's query sees keys less than this many positions back
-    )
+    # a local layer's query sees keys less than this many positions back
+    sliding_window: int | None = None
     query_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
     num_experts: int = 0

@@ -25,18 +25,14 @@ class Family:
     fused_qkv: bool = False  # one qkv_proj [q; k; v] instead of q/k/v_proj
     fused_gate_up: bool = False  # one gate_up_proj [gate; up] instead of gate/up_proj
     activation: str = "silu"  # "silu" or "gelu_tanh" (the MLP's gate activation)
-    native_rope: bool = (
-        False  # RoPE by the compiler's own tables (the three original families, kept bit-stable)
-    )
-    experts: bool = (
-        False  # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
-    )
-    attention_sinks: bool = (
-        False  # a learned per-head logit in every softmax that attends to nothing (gpt-oss)
-    )
-    clamped_experts: bool = (
-        False  # gpt-oss experts: router top-k then softmax, clamped SwiGLU with biases
-    )
+    # RoPE by the compiler's own tables (the three original families, kept bit-stable)
+    native_rope: bool = False
+    # sparse mixture-of-experts MLPs (router softmax, top-k, optional renormalisation)
+    experts: bool = False
+    # a learned per-head logit in every softmax that attends to nothing (gpt-oss)
+    attention_sinks: bool = False
+    # gpt-oss experts: router top-k then softmax, clamped SwiGLU with biases
+    clamped_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {

@@ -48,21 +48,18 @@ class Row:
     acceptance_rate: float | None = None
     mean_k: float | None = None
     stage_breakdown: list[dict[str, float]] | None = None
-    layers: list[list[float]] | None = (
-        None  # 12.5: a boundary inside layer 12 (after its attention)
-    )
+    # 12.5: a boundary inside layer 12 (after its attention)
+    layers: list[list[float]] | None = None
     vs_mono: float | None = None
     vs_genai: float | None = None
     status: str = "ok"  # ok | skipped: reason | failed: reason
     details: dict[str, Any] = field(default_factory=dict)
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
     group: str = ""  # the bench group (--only)
-    versus: str = (
-        ""  # the row this one is paired with: measured in the same rounds, adjacent windows
-    )
-    copies: int = (
-        1  # a pinned mono run as n copies at once, one per core (the n-PC ceiling); rates summed
-    )
+    # the row this one is paired with: measured in the same rounds, adjacent windows
+    versus: str = ""
+    # a pinned mono run as n copies at once, one per core (the n-PC ceiling); rates summed
+    copies: int = 1
 
     @property
     def paired_ratio(self) -> float | None:

@@ -15,9 +15,8 @@ from fleettui.config.fleet import Fleet
 
 K_SWEEP = (2, 4, 8)
 GROUPS = ("anchors", "fleet", "spec", "delay", "pcs", "scale", "batch", "grammar")
-SCALE_MODEL = (
-    "synthetic:llama-3.2-1b"  # the scale group: a 1B shape where compute, not overhead, dominates
-)
+# the scale group: a 1B shape where compute, not overhead, dominates
+SCALE_MODEL = "synthetic:llama-3.2-1b"
 SCALE_USERS = (1, 2, 4)
 BATCH_USERS = (1, 2, 4, 8)
 BATCH_STAGES = (1, 2, 3)
@@ -38,17 +37,14 @@ class RowSpec:
     hop_delay_ms: float = 0.0
     pinned: bool = False
     device: str = "CPU"
-    draft: str = (
-        ""  # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
-    )
+    # "" = the fleet's draft; "prompt-lookup" = swap in the free prompt-lookup drafter
+    draft: str = ""
     model: str = ""  # "" = the fleet's model; else e.g. synthetic:llama-3.2-1b (the scale group)
-    copies: int = (
-        1  # pinned mono only: n copies at once, one per core (what n PCs could do at best here)
-    )
+    # pinned mono only: n copies at once, one per core (what n PCs could do at best here)
+    copies: int = 1
     batching: str = ""  # "" = the workers' default (on); "on" / "off": switched so for this row
-    grammar: bool = (
-        False  # answers constrained by the bench's JSON schema (`fleettui.bench.grammar_bench`)
-    )
+    # answers constrained by the bench's JSON schema (`fleettui.bench.grammar_bench`)
+    grammar: bool = False
     group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
     versus: str = field(
         default="", compare=False

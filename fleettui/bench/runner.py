@@ -54,16 +54,13 @@ QUICK_TOKENS = 32
 FULL_TOKENS = 128
 WARMUP_TOKENS = 8
 ROW_TIMEOUT = 900.0
-FULL_REPEATS = (
-    3  # full profile: 3 interleaved rounds per group, the fastest kept (all rates in the JSON)
-)
-BUSY_MACHINE = (
-    0.15  # share of the CPUs busy outside the bench above which a baseline is measured again
-)
+# full profile: 3 interleaved rounds per group, the fastest kept (all rates in the JSON)
+FULL_REPEATS = 3
+# share of the CPUs busy outside the bench above which a baseline is measured again
+BUSY_MACHINE = 0.15
 SYNTHETIC_PROMPT = 40  # prompt length (random ids) for a synthetic model, which has no tokenizer
-JOIN_AFTER = (
-    8  # a batch row's last user starts once the first has this many tokens (its TTFT: join_ttft_s)
-)
+# a batch row's last user starts once the first has this many tokens (its TTFT: join_ttft_s)
+JOIN_AFTER = 8
 __all__ = ["GROUPS", "RowSpec", "plan_rows", "run_bench"]
 
 
@@ -317,9 +314,8 @@ def model_fleet(fleet: Fleet, model: str) -> Fleet:
     )
 
 
-BaselineRunner = (
-    Any  # async (RowSpec) -> Row: one measurement of a mono/GenAI row in a child process
-)
+# async (RowSpec) -> Row: one measurement of a mono/GenAI row in a child process
+BaselineRunner = Any
 
 
 async def run_fleet_group(

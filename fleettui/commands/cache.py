@@ -23,9 +23,8 @@ from remote_worker.manifest import format_boundary
 NAME = "cache"
 HELP = "list (ls) or prune the local cache of compiled shard folders"
 DEFAULT_KEEP = 2
-INCOMPLETE_GRACE = (
-    86400.0  # seconds: a folder without a manifest younger than this may still be compiling
-)
+# seconds: a folder without a manifest younger than this may still be compiling
+INCOMPLETE_GRACE = 86400.0
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,8 @@ PORTS_PER_HOST = 4  # data, control, telemetry, result
 FIRST_BASE_PORT = 5550
 BASE_PORT_STEP = 10
 MAX_K = 16
-DEFAULT_MAX_K = (
-    16  # the adaptive K stays small on a LAN; behind slow links long drafts pay (bench delay group)
-)
+# the adaptive K stays small on a LAN; behind slow links long drafts pay (bench delay group)
+DEFAULT_MAX_K = 16
 
 
 @dataclass(frozen=True)
@@ -67,9 +66,8 @@ RUNTIME_KEYS: tuple[str, ...] = (
     "encryption",
 )
 RUNTIME_KEYS += ("exact", "compile_cache", "result_batch_ms")
-DEFAULT_RESULT_BATCH_MS = (
-    40.0  # a 25 Hz stream: the coordinator wakes once per burst, not once per token
-)
+# a 25 Hz stream: the coordinator wakes once per burst, not once per token
+DEFAULT_RESULT_BATCH_MS = 40.0
 
 
 @dataclass(frozen=True)
@@ -81,9 +79,8 @@ class RuntimeSettings:
     wire_dtype: str = "f16"  # f16 | f32 (f32 when exact)
     encryption: str = "curve"  # curve | plaintext
     exact: bool = False
-    compile_cache: bool = (
-        True  # each worker keeps its compiled model in its shard folder (fast restarts)
-    )
+    # each worker keeps its compiled model in its shard folder (fast restarts)
+    compile_cache: bool = True
     # a run's tokens leave the last stage together at most this often (0: each at once)
     result_batch_ms: float = DEFAULT_RESULT_BATCH_MS
 

@@ -17,21 +17,17 @@ class ResilienceSettings:
     rebalancing."""
 
     heartbeat_seconds: float = 0.5  # ping every stage's control socket this often
-    detect_seconds: float = (
-        2.0  # a stage silent this long is lost (workers answer pings while computing)
-    )
+    # a stage silent this long is lost (workers answer pings while computing)
+    detect_seconds: float = 2.0
     grace_seconds: float = 30.0  # relaunch attempts on the same host before re-planning without it
     rebalance: str = "propose"  # off | propose | auto (apply a better split between rounds)
     throttle_ratio: float = 1.5  # step time over the stage's own baseline that counts as throttled
-    calibrate: str = (
-        "auto"  # auto: a deploy times hosts with no cost profile for its settings first | off
-    )
-    rejoin_seconds: float = (
-        10.0  # a host planned around is tried this often; back, the model moves onto it (0: never)
-    )
-    hold_seconds: float = (
-        60.0  # answers of a degraded fleet wait this long for it to be whole again (0: end)
-    )
+    # auto: a deploy times hosts with no cost profile for its settings first | off
+    calibrate: str = "auto"
+    # a host planned around is tried this often; back, the model moves onto it (0: never)
+    rejoin_seconds: float = 10.0
+    # answers of a degraded fleet wait this long for it to be whole again (0: end)
+    hold_seconds: float = 60.0
 
 
 def parse_resilience(section: Section) -> ResilienceSettings:

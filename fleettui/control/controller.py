@@ -83,9 +83,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-LEASE_SECONDS = (
-    30.0  # a worker started for one command exits this long after its controller vanished
-)
+# a worker started for one command exits this long after its controller vanished
+LEASE_SECONDS = 30.0
 
 
 class ControllerError(RuntimeError):

@@ -48,9 +48,8 @@ class Launched:
     process: ProcessId | None  # None on SSH hosts (their pid file lives there)
     popen: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
-    log_start: int = (
-        0  # the log's size when this process started (a relaunch appends to the stage's log)
-    )
+    # the log's size when this process started (a relaunch appends to the stage's log)
+    log_start: int = 0
 
 
 class StageLauncher(Protocol):
@@ -149,9 +148,8 @@ class LocalLauncher:
     keys: ClientKeys | None
     python: str = sys.executable
     lease: float = 0.0  # > 0: the worker exits by itself this long after its last control request
-    recheck: bool = (
-        False  # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
-    )
+    # the worker reads every file of its stage, trusting no stamp (deploy --recheck)
+    recheck: bool = False
 
     async def start(self, placement: Placement) -> Launched:
         # the worker hashes its files itself: a stamp another process writes meanwhile cannot stand
@@ -324,9 +322,8 @@ class SshLauncher:
     keys: ClientKeys | None
     on_event: Callable[[ProvisionEvent], None] | None = None
     ready_timeout: float = 600.0
-    prune: bool = (
-        False  # remove the host's other shard folders once this one is pushed (`deploy --prune`)
-    )
+    # remove the host's other shard folders once this one is pushed (`deploy --prune`)
+    prune: bool = False
     recheck: bool = False  # as LocalLauncher.recheck, on both sides of the push
     lease: float = 0.0  # as LocalLauncher.lease
     reports: dict[str, HostDeployment] = field(default_factory=dict)

@@ -20,9 +20,8 @@ from fleettui.config.fleet import Host
 from fleettui.errors import ProvisionError
 from fleettui.provision.events import Preflight, ProvisionEvent
 
-USABLE_MEMORY = (
-    0.75  # the share of a PC's memory the planner may fill; the rest stays with the OS and its user
-)
+# the share of a PC's memory the planner may fill; the rest stays with the OS and its user
+USABLE_MEMORY = 0.75
 GIB = 1 << 30
 _ADDRESS = re.compile(
     r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^:@\s\[\]]+)(?::(?P<port>\d+))?$"

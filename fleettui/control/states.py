@@ -161,9 +161,8 @@ class ModelInfo:
     precision: str
     draft: str
     exact: bool
-    chat_template: bool = (
-        True  # False: a base model, served for completions (chat refused, the TUI continues text)
-    )
+    # False: a base model, served for completions (chat refused, the TUI continues text)
+    chat_template: bool = True
 
     @classmethod
     def of(cls, fleet: Fleet, manifest: Manifest) -> ModelInfo:

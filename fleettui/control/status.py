@@ -22,9 +22,8 @@ class WorkerStatus:
     ports: tuple[int, ...]
     pid: int | None
     state: str  # the worker's own answer ("ready", "loading") or why there is none
-    compiled: str = (
-        ""  # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in …"
-    )
+    # "compiled in 1.4 s, warmed up in 0.3 s" or "loaded from the compile cache in …"
+    compiled: str = ""
 
 
 @dataclass(frozen=True)

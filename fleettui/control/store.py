@@ -113,9 +113,8 @@ class DeploymentRecord:
     stages: tuple[StageRecord, ...]
     run_dir: str | None
     created: float = field(default_factory=time.time)
-    owner: ProcessId | None = (
-        None  # the process that started it and keeps its lease (None: deployed)
-    )
+    # the process that started it and keeps its lease (None: deployed)
+    owner: ProcessId | None = None
     holder: ProcessId | None = None  # the process using it now (the owner or an attached one)
 
     def deployment(self, fleet: Fleet) -> Deployment:

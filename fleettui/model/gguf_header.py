@@ -13,9 +13,8 @@ from fleettui.model.shape import ModelShape
 # The GGUF architectures shard_compiler compiles (shard_compiler.families.GGUF_FAMILIES; a test
 # keeps the two in step): their GGUF metadata keys all follow "<architecture>.<key>".
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
-GEMMA3_PATTERN = (
-    6  # every sixth Gemma 3 layer is global; llama.cpp fixes it too (the GGUF does not store it)
-)
+# every sixth Gemma 3 layer is global; llama.cpp fixes it too (the GGUF does not store it)
+GEMMA3_PATTERN = 6
 
 _GGUF_SCALARS = {
     0: "<B",

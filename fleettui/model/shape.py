@@ -47,9 +47,8 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
-    sliding_window: int = (
-        0  # local layers attend to this many positions (their KV cache still keeps all)
-    )
+    # local layers attend to this many positions (their KV cache still keeps all)
+    sliding_window: int = 0
     local_layers: tuple[int, ...] = ()  # the sliding-window layers (Gemma 3: five of every six)
     experts: int = 0  # mixture of experts: routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0

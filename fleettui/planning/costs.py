@@ -138,9 +138,8 @@ def _min_max_split(
     return found[2] if found is not None else None
 
 
-MID_CUT_MIN_GAIN = (
-    0.01  # a split that cuts inside layers must beat the best whole-layer one by this much
-)
+# a split that cuts inside layers must beat the best whole-layer one by this much
+MID_CUT_MIN_GAIN = 0.01
 
 
 def balanced_cuts(

@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RUNTIME_OVERHEAD = int(0.6 * GIB)  # Python + OpenVINO runtime + ZeroMQ buffers of one stage process
-ROLLBACK_SLACK = (
-    1.5  # physical KV slots per logical token: masked (rejected) slots until compaction
-)
+# physical KV slots per logical token: masked (rejected) slots until compaction
+ROLLBACK_SLACK = 1.5
 PREFILL_CHUNK = 512  # tokens per prefill request the activation estimate assumes
 
 
@@ -50,9 +49,8 @@ class StagePlan:
     activation_bytes: float
     overhead_bytes: float
     usable_bytes: float
-    starts_mid: bool = (
-        False  # runs the MLP half of layer start-1 first (the boundary cuts that layer)
-    )
+    # runs the MLP half of layer start-1 first (the boundary cuts that layer)
+    starts_mid: bool = False
     ends_mid: bool = False  # layer end-1 stops after its attention; the next stage runs its MLP
     mlp_share: float = 0.0  # a layer's MLP share of its cost (what a mid cut moves)
 
@@ -104,9 +102,8 @@ class Plan:
     sessions: int
     stages: tuple[StagePlan, ...]
     manual: bool
-    costs: tuple[MeasuredCosts, ...] | None = (
-        None  # measured per-host costs the split was balanced with
-    )
+    # measured per-host costs the split was balanced with
+    costs: tuple[MeasuredCosts, ...] | None = None
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:

@@ -56,28 +56,22 @@ class DeployOptions:
     """Knobs of a deployment; the defaults are what ``fleettui --deploy`` uses."""
 
     wheelhouse_cache: Path | None = None  # None: wheelhouse.default_cache()
-    worker_source: Path | None = (
-        None  # remote_worker folder to package (default: the installed one)
-    )
-    requirements: tuple[str, ...] | None = (
-        None  # default: openvino/numpy/pyzmq/psutil matching ours
-    )
-    install: bool = (
-        True  # False: the host's `python` already has the worker (pre-provisioned hosts)
-    )
+    # remote_worker folder to package (default: the installed one)
+    worker_source: Path | None = None
+    # default: openvino/numpy/pyzmq/psutil matching ours
+    requirements: tuple[str, ...] | None = None
+    # False: the host's `python` already has the worker (pre-provisioned hosts)
+    install: bool = True
     argv: tuple[str, ...] = ("{python}", "-m", "remote_worker", "--config", "{config}")
     env: Mapping[str, str] = field(default_factory=dict)
     connect_timeout: float = 10.0
     stop_timeout: float = 10.0
-    deployment: str | None = (
-        None  # identifies the processes this deployment starts (default: random)
-    )
-    prune: bool = (
-        False  # remove the host's other shard folders once this one is pushed (deploy --prune)
-    )
-    recheck: bool = (
-        False  # read every stage file on both sides, trusting no stamp (deploy --recheck)
-    )
+    # identifies the processes this deployment starts (default: random)
+    deployment: str | None = None
+    # remove the host's other shard folders once this one is pushed (deploy --prune)
+    prune: bool = False
+    # read every stage file on both sides, trusting no stamp (deploy --recheck)
+    recheck: bool = False
 
 
 def _emit(handler: EventHandler | None, event: ProvisionEvent) -> None:

@@ -61,9 +61,8 @@ class Preflight:
     devices: tuple[str, ...] = ()
     device_names: dict[str, str] = field(default_factory=dict)
     openvino: str | None = None
-    machine_id: str | None = (
-        None  # /etc/machine-id (MachineGuid on Windows): which installation answers
-    )
+    # /etc/machine-id (MachineGuid on Windows): which installation answers
+    machine_id: str | None = None
 
     def identity(self) -> dict[str, Any]:
         """What tells one PC from another behind the same address (a calibration profile records

@@ -23,9 +23,8 @@ class ShardAssignment:
 
     directory: Path
     stage: int
-    files: tuple[str, ...] | None = (
-        None  # relative paths to push; default: manifest.json and stage_{i}/
-    )
+    # relative paths to push; default: manifest.json and stage_{i}/
+    files: tuple[str, ...] | None = None
 
 
 def shard_files(shard: ShardAssignment) -> tuple[str, ...]:

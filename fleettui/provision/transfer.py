@@ -47,9 +47,8 @@ class RemoteStamp:
     root: str  # the remote shard folder the names are relative to
     expected: dict[str, str]  # relative name -> SHA-256 (the manifest's files of the stage)
     format: int
-    recheck: bool = (
-        False  # read every file again, trusting no record (`deploy --recheck`), then stamp
-    )
+    # read every file again, trusting no record (`deploy --recheck`), then stamp
+    recheck: bool = False
 
     def payload(self) -> dict[str, Any]:
         return {

@@ -52,12 +52,10 @@ from remote_worker.protocol import trace_records
 log = logging.getLogger(__name__)
 GREEDY = Sampling()
 DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
-KEEP_UP = (
-    8  # history tokens the draft may miss (plain rounds, runs) before it is fed in the background
-)
-KEEP_UP_IDLE = (
-    0.005  # ... when a round leaves at least this many seconds on the wires (not on a LAN)
-)
+# history tokens the draft may miss (plain rounds, runs) before it is fed in the background
+KEEP_UP = 8
+# ... when a round leaves at least this many seconds on the wires (not on a LAN)
+KEEP_UP_IDLE = 0.005
 HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
 # tokens a proposal ahead asks the draft for at a time: a round that failed stops it in between
 CHUNK = 2

@@ -153,9 +153,8 @@ class ReplyGrammar:
         self.matcher: Any = None
         self._trigger = spec.trigger.encode() if spec.trigger else b""
         self._seen = b""  # the reply's last bytes while the trigger is awaited
-        self.drafts_cut = (
-            0  # draft tokens cut because the grammar rejects them (or one before them)
-        )
+        # draft tokens cut because the grammar rejects them (or one before them)
+        self.drafts_cut = 0
         if spec.trigger is None:
             self._start()
 

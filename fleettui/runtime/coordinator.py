@@ -49,9 +49,8 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES_PER_ROUND = 20  # a round retried this often means recovery keeps failing: give up
-MAX_FORCED = (
-    32  # tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
-)
+# tokens a grammar forces, verified at once in place of drafts (decode_spec.MAX_DRAFT: 64)
+MAX_FORCED = 32
 
 
 _T = TypeVar("_T")
@@ -75,9 +74,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         context_length: int | None = None,
     ) -> None:
         self.target = target
-        self.context_length = (
-            context_length  # the model's max_position_embeddings (None: unchecked)
-        )
+        # the model's max_position_embeddings (None: unchecked)
+        self.context_length = context_length
         self.chat_format = chat_format
         self.drafter = drafter
         self.max_k = max_k if drafter is not None else 0
@@ -89,9 +87,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         # it, since only it knows whether the chain feeds its tokens back: one stage, or a last
         # stage with a loop).
         self.max_run = 0
-        self.runs_cut = (
-            0  # ... and how many were cut short for prompt lookup (fleettui.runtime.lookup_watch)
-        )
+        # ... and how many were cut short for prompt lookup (fleettui.runtime.lookup_watch)
+        self.runs_cut = 0
         # The next round starts during this one when its wires leave the time
         # (fleettui.runtime.pipelined).
         self._ahead_fields(drafter)
@@ -99,9 +96,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         self.compaction_ratio = compaction_ratio
         self.compaction_minimum = compaction_minimum
         self.sessions: dict[int, Session] = {}
-        self.no_chat_reason = (
-            "this pipeline has no tokenizer"  # why chat() refuses when chat_format is None
-        )
+        # why chat() refuses when chat_format is None
+        self.no_chat_reason = "this pipeline has no tokenizer"
         self._ids = itertools.count(1)
         self.stage_load = (
             StageLoad()

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from fleettui.runtime.measures import LinearCost, Realized
 
 MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
-MIN_SPECULATIVE_ROUNDS = (
-    2.0  # ... and speculative ones: a losing drafter is not tried six times per session
-)
+# ... and speculative ones: a losing drafter is not tried six times per session
+MIN_SPECULATIVE_ROUNDS = 2.0
 # While K = 0 wins, probing a drafter takes at most this share of the generating time, so exploring
 # stays within the bench's bar of speculation >= 0.98x no speculation
 # (docs/performance.md#tuning-constants).

@@ -36,17 +36,14 @@ class GenerationParams:
     spec_k: int | None = None  # None = adaptive; 0 = no speculation
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: count exactly max_tokens
-    frequency_penalty: float = (
-        0.0  # OpenAI: minus count x this, over the tokens generated in this reply
-    )
+    # OpenAI: minus count x this, over the tokens generated in this reply
+    frequency_penalty: float = 0.0
     presence_penalty: float = 0.0  # OpenAI: minus this once a token appeared in this reply
-    repetition_penalty: float = (
-        1.0  # HF/CTRL: over prompt + reply, positive logits / r, negative x r
-    )
+    # HF/CTRL: over prompt + reply, positive logits / r, negative x r
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # n: each reply token's log-prob and its n likeliest alternatives
-    constraint: ConstraintSpec | None = (
-        None  # a grammar the reply must follow (fleettui.runtime.constraint)
-    )
+    # a grammar the reply must follow (fleettui.runtime.constraint)
+    constraint: ConstraintSpec | None = None
 
     @property
     def top_columns(self) -> int:
@@ -81,9 +78,8 @@ class GenerationStats:
     finish_reason: str = ""
     constraint_complete: bool | None = None  # the grammar was completed (None: no constrained text)
     drafts_cut: int = 0  # draft tokens the grammar rejected before verification (never sent)
-    forced: int = (
-        0  # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
-    )
+    # tokens the grammar forced, verified in place of drafts (not in drafted / accepted)
+    forced: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -147,9 +143,8 @@ class Round:
     asked: int  # the K asked of the drafter (it may propose fewer)
     policy: KPolicy  # whose costs and acceptance this round updates
     loaded: bool  # other sessions were generating when it started
-    pipelined: bool = (
-        False  # its verify was sent before the previous result (its wait teaches no costs)
-    )
+    # its verify was sent before the previous result (its wait teaches no costs)
+    pipelined: bool = False
     forced: bool = False  # its drafts are the tokens a grammar forces (no drafter proposed them)
 
 

@@ -11,9 +11,8 @@ from typing import Any
 MAX_TEMPERATURE = 2.0
 PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]; 1 = off
-MAX_LOGPROBS = (
-    20  # alternatives per token (OpenAI's top_logprobs); the wire carries up to MAX_TOP - 1
-)
+# alternatives per token (OpenAI's top_logprobs); the wire carries up to MAX_TOP - 1
+MAX_LOGPROBS = 20
 
 
 class RequestError(ValueError):

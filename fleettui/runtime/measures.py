@@ -88,9 +88,8 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     return max(wall_seconds - queued, compute), compute
 
 
-LOADED_UTILIZATION = (
-    0.5  # the busiest stage computing this share of the time: sessions compete for it
-)
+# the busiest stage computing this share of the time: sessions compete for it
+LOADED_UTILIZATION = 0.5
 
 
 class StageLoad:

@@ -17,13 +17,11 @@ from fleettui.runtime.measures import Realized
 # many plain rounds after a verify take beyond plain's rate is charged to its drafter
 # (docs/performance.md#tuning-constants).
 AFTER_VERIFY_ROUNDS = 3
-PROBE_CEILING = (
-    1.05  # a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
-)
+# a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
+PROBE_CEILING = 1.05
 PROBE_ACCEPTANCE = 0.9  # ... at its measured acceptance, or this if lower (`could_pay`)
-MEASURABLE_HIT_RATE = (
-    0.5  # below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
-)
+# below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
+MEASURABLE_HIT_RATE = 0.5
 # Under load a verify may cost the busiest stage at most this many plain steps, since every other
 # session's next token waits behind it (`KPolicy.fair_k`; docs/performance.md#tuning-constants).
 FAIR_VERIFY_COST = 1.5
@@ -50,12 +48,10 @@ class RoundFacts:
     loaded: bool = False
     prefilled: bool = False
     several: bool = False  # other sessions were generating too
-    draft_computed: float | None = (
-        None  # of draft_seconds, what the draft model computed (no queueing)
-    )
-    session: int = (
-        0  # whose round it is (a verify's after-effect is its own session's only when alone)
-    )
+    # of draft_seconds, what the draft model computed (no queueing)
+    draft_computed: float | None = None
+    # whose round it is (a verify's after-effect is its own session's only when alone)
+    session: int = 0
 
 
 class KPolicy:
@@ -79,9 +75,8 @@ class KPolicy:
         free: bool = False,
     ) -> None:
         self.fixed_k = fixed_k
-        self.free = (
-            free  # a drafter that costs no time (prompt lookup): its probes are never held back
-        )
+        # a drafter that costs no time (prompt lookup): its probes are never held back
+        self.free = free
         self.max_k = max_k
         self.probe_every = probe_every
         self.costs = costs or CostModel()

@@ -31,9 +31,8 @@ from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 
-RUN_TOKENS_ADAPTIVE = (
-    16  # with adaptive speculation the policy chooses again after this many run tokens
-)
+# with adaptive speculation the policy chooses again after this many run tokens
+RUN_TOKENS_ADAPTIVE = 16
 RUN_TOKENS_EXPLORING = 2  # ... and after this many while it has not measured the draft yet
 # ... and after this many while no acceptance could make the costly draft pay (`KPolicy.could_pay`):
 # neither a choice nor a probe of it is due, and each restart leaves the stages idle for a round
@@ -69,9 +68,8 @@ class Run:
     consumed: int = 0
     token: int = -1  # the last token read: the run's next step fed it
     counted: tuple[KPolicy, ...] = ()  # policies whose probe schedule counts the run's later tokens
-    shadow: Shadow | None = (
-        None  # a free drafter's drafts its next tokens are compared with (lookup_watch)
-    )
+    # a free drafter's drafts its next tokens are compared with (lookup_watch)
+    shadow: Shadow | None = None
 
     @property
     def finished(self) -> bool:

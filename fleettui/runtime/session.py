@@ -40,23 +40,18 @@ class Session:
         self.lock = asyncio.Lock()
         self.target_epoch = -1
         self.draft_epoch = -1
-        self.run: Run | None = (
-            None  # what the pipeline is generating on its own (fleettui.runtime.runs)
-        )
-        self.cut: Cut | None = (
-            None  # a run cut short for a free drafter: the next round verifies its drafts
-        )
-        self.wants_speculation = (
-            False  # its last choice found speculation paying (`KPolicy.choose`, shared)
-        )
+        # what the pipeline is generating on its own (fleettui.runtime.runs)
+        self.run: Run | None = None
+        # a run cut short for a free drafter: the next round verifies its drafts
+        self.cut: Cut | None = None
+        # its last choice found speculation paying (`KPolicy.choose`, shared)
+        self.wants_speculation = False
         self.ahead: list[
             ahead_drafts.Ahead
         ] = []  # the next rounds, started while a round is verified
         self.outstanding: Feed | None = None  # the verify step whose result a round is waiting for
-        self.idle = (
-            0.0  # seconds its last verify round spent on no stage (what drafting ahead can hide)
-        )
+        # seconds its last verify round spent on no stage (what drafting ahead can hide)
+        self.idle = 0.0
         self.grammar: ReplyGrammar | None = None  # the constrained reply's grammar state (matcher)
-        self.drafted_at = (
-            0  # how much of the history the model draft has read (its drafts taken as read)
-        )
+        # how much of the history the model draft has read (its drafts taken as read)
+        self.drafted_at = 0

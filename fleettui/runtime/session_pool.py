@@ -67,9 +67,8 @@ class SessionPool:
         self._orphans: set[asyncio.Future[None]] = (
             set()
         )  # closes of sessions whose opener was cancelled
-        self._moving = (
-            0  # sessions being opened or closed: they hold a place on the stages meanwhile
-        )
+        # sessions being opened or closed: they hold a place on the stages meanwhile
+        self._moving = 0
         self._settled = asyncio.Event()  # set (and replaced) whenever an open or a close ends
 
     @property

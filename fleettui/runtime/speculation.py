@@ -38,9 +38,8 @@ class Draft:
     ids: np.ndarray  # int64 [K, support]
     probs: np.ndarray  # float32 [K, support]
     fed: int = 0  # tokens the draft had to catch up on before proposing (large after a new prompt)
-    computed: float | None = (
-        None  # seconds the draft model computed it (its worker's trace; None: unknown)
-    )
+    # seconds the draft model computed it (its worker's trace; None: unknown)
+    computed: float | None = None
 
     @staticmethod
     def empty() -> Draft:

@@ -79,9 +79,8 @@ class ReplyStream:
         self, count: int, timeout: float, retire: Callable[[], None], gap: float = RUN_GAP_SECONDS
     ) -> None:
         self.count = count
-        self.timeout = (
-            timeout  # for the first Result (a prefill may come first); then `gap` for each next
-        )
+        # for the first Result (a prefill may come first); then `gap` for each next
+        self.timeout = timeout
         self.gap = gap
         self.received = 0
         self.sent_at = time.time()

@@ -8,9 +8,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-LINGER_SECONDS = (
-    3.0  # a finished request stays on show this long: a 0.3 s answer is still seen in the panel
-)
+# a finished request stays on show this long: a 0.3 s answer is still seen in the panel
+LINGER_SECONDS = 3.0
 
 
 @dataclass
@@ -22,9 +21,8 @@ class LiveRequest:
     endpoint: str  # chat | completions
     preview: str  # the start of the last user message (or of the prompt)
     prompt_tokens: int
-    constraint: str = (
-        ""  # the grammar's label (json_schema Person, tools auto ...): empty for free text
-    )
+    # the grammar's label (json_schema Person, tools auto ...): empty for free text
+    constraint: str = ""
     state: str = "queued"  # queued | generating | done | stopped
     tokens: int = 0
     created: float = field(default_factory=time.monotonic)

@@ -71,9 +71,8 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
-    n: int = (
-        1  # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
-    )
+    # choices: as many sessions, generated at once (interleaved), seeds seed, seed + 1, ...
+    n: int = 1
     structure: Structure = Structure()  # JSON or tool calls asked for (default: free text)
 
 

@@ -50,9 +50,8 @@ from fleettui.ui.widgets.log_pane import LogPane
 
 log = logging.getLogger(__name__)
 DEPLOY_ROW = "fleet"  # the deploy panel's row for failures of the deploy as a whole
-REDRAW_SECONDS = (
-    0.5  # the fleet table is redrawn at most twice a second, however fast telemetry comes
-)
+# the fleet table is redrawn at most twice a second, however fast telemetry comes
+REDRAW_SECONDS = 0.5
 
 
 def _session_keys() -> list[Binding]:
@@ -120,9 +119,8 @@ class FleetApp(App[int]):
         super().__init__()
         self.fleet = fleet
         self.api = api  # the OpenAI-compatible API served beside the chat (`fleettui tui --serve`)
-        self.log_file = (
-            log_file  # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
-        )
+        # the log pane's persistent copy (run_app: paths.log_dir() / "tui.log")
+        self.log_file = log_file
         if params is None:
             from fleettui.control.settings import generation_params
 
@@ -136,9 +134,8 @@ class FleetApp(App[int]):
         self.monitor = FleetMonitor()
         self.quit_choice: QuitChoice | None = None
         self._log_handler = PaneLogHandler(self)
-        self.handle_signals = (
-            False  # run_app: SIGHUP/SIGTERM stop the fleet (tests drive the app in-process)
-        )
+        # run_app: SIGHUP/SIGTERM stop the fleet (tests drive the app in-process)
+        self.handle_signals = False
         self.detached_lines: list[str] = []
         self.sub_title = "idle"
 

@@ -29,9 +29,8 @@ from tests.support.netns import SshHosts, alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 asyncssh = pytest.importorskip("asyncssh")
-LINK_DOWN_SECONDS = (
-    6.0  # longer than detection (2 s): the stage is declared lost while its host is away
-)
+# longer than detection (2 s): the stage is declared lost while its host is away
+LINK_DOWN_SECONDS = 6.0
 
 
 def ssh_fleet(ssh_hosts: SshHosts, cache: Path, tmp_path: Path) -> Fleet:

@@ -103,9 +103,8 @@ def before_call(context: Any, case: Any, kwargs: Any) -> None:
     if not isinstance(body, dict):
         return
     if all(body.get(name) is None for name in CAPPED) and "messages" in body or "prompt" in body:
-        body["max_tokens"] = (
-            BUDGET  # the server's default budget would be hundreds of tokens per choice
-        )
+        # the server's default budget would be hundreds of tokens per choice
+        body["max_tokens"] = BUDGET
     for name in CAPPED:
         value = body.get(name)
         if (

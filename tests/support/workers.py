@@ -119,9 +119,8 @@ class Client:
         self.context = zmq.Context()
         self.keys = keys
         self.push = self._socket(zmq.PUSH, first)
-        self.push.sndtimeo = (
-            10_000  # a refused CURVE client loses its pipe: a send would block forever
-        )
+        # a refused CURVE client loses its pipe: a send would block forever
+        self.push.sndtimeo = 10_000
         self.push.connect(first.url(first.config.data_port))
         self.pull = self._socket(zmq.PULL, last)
         assert last.config.result_port is not None

@@ -35,9 +35,8 @@ async def settle(pilot: Pilot, condition, what: str) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
-DEPLOY_LOG_LINES = (
-    4  # what the fake deploy logs: cached shards, two stages ready, the failed laptop
-)
+# what the fake deploy logs: cached shards, two stages ready, the failed laptop
+DEPLOY_LOG_LINES = 4
 
 
 async def deployed(pilot: Pilot) -> None:

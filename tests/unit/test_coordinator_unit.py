@@ -516,9 +516,8 @@ class TimedDrafter(NoisyDrafter):
         self.per_token = per_token
         self.busy: set[int] = set()
         self.overlapped = False
-        self.read_cost: float | None = (
-            None  # seconds of a 1-token proposal (a keep-up: mostly reading)
-        )
+        # seconds of a 1-token proposal (a keep-up: mostly reading)
+        self.read_cost: float | None = None
 
     async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
         self.overlapped |= (
@@ -746,9 +745,8 @@ class LagDrafter(TimedDrafter):
 
     def __init__(self, per_token: float) -> None:
         super().__init__(1000, per_token)
-        self.read_cost = (
-            0.002  # reading what it missed is a batched prefill, drafting is token by token
-        )
+        # reading what it missed is a batched prefill, drafting is token by token
+        self.read_cost = 0.002
         self.seen: dict[int, int] = {}
         self.lags: list[tuple[int, int]] = []  # (K asked, tokens it had to catch up on)
 

@@ -185,9 +185,8 @@ async def _answers(
     pipeline: FakePipeline, params: GenerationParams, drafter: object = None, stages: int = 1
 ) -> list[list[int]]:
     coordinator = Coordinator(pipeline, None, drafter)  # type: ignore[arg-type]
-    coordinator.stages = (
-        stages  # prefill chunks in flight at once (the fake chain answers Hello with 1)
-    )
+    # prefill chunks in flight at once (the fake chain answers Hello with 1)
+    coordinator.stages = stages
     if isinstance(pipeline, LosingPipeline):
         pipeline.coordinator = coordinator
     sessions = [await coordinator.open_session(seed=5) for _ in PROMPTS]

@@ -86,9 +86,8 @@ class ChatPane(Vertical):
         super().__init__(id=id)
         self.sessions: list[ChatSession] = [ChatSession(1)]
         self.border_title = "chat"
-        self.completion_mode = (
-            False  # a base model: each session is one text that the model continues
-        )
+        # a base model: each session is one text that the model continues
+        self.completion_mode = False
 
     def set_completion_mode(self, on: bool) -> None:
         """Say in the pane whether prompts are chat turns or text for a base model to continue."""
