@@ -39,6 +39,16 @@ WINDOWS = 4  # timing windows per calibration, GAP seconds apart
 GAP = 0.5
 
 
+class Clock:
+    """The timing's clock and sleep: the process's own (tests give a simulated one)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 def time_stages(
     engines: list[Any],
     context: int = 128,
@@ -48,6 +58,7 @@ def time_stages(
     gap: float = GAP,
     pauses_ms: list[float] | None = None,
     pipeline: int = 0,
+    clock: Clock | None = None,
 ) -> list[dict[str, Any]]:
     """Per engine: 1-token decode ms after CONTEXT tokens and the ms of a CHUNK prefill, at their
     quietest.
@@ -66,6 +77,7 @@ def time_stages(
     percentiles (20th), its prefill the fastest of one per window: other programs only ever make a
     step slower, and a host timed beside another (each on its own cores) must not come out slower
     for a half-second burst on its core alone, which would skew the split."""
+    clock = clock or Clock()
     generator = np.random.default_rng(0)
     per_window = max(1, -(-tokens // windows))
     for engine in engines:
@@ -75,9 +87,9 @@ def time_stages(
             pauses = [max(0.0, float(pause)) / 1000.0 for pause in pauses_ms]
         elif pipeline > 1:  # an untimed estimate of the whole model's token after such a pause
             share = (pipeline - 1) / pipeline
-            back_to_back = _window(engines, [0.0] * len(engines), 4, context, generator)
+            back_to_back = _window(engines, [0.0] * len(engines), 4, context, generator, clock)
             rough = [share * sum(statistics.median(t) for t in back_to_back)] * len(engines)
-            paused = _window(engines, rough, per_window, context, generator)
+            paused = _window(engines, rough, per_window, context, generator, clock)
             pauses = [share * sum(statistics.median(t) for t in paused)] * len(engines)
         else:
             pauses = [0.0] * len(engines)
@@ -85,17 +97,17 @@ def time_stages(
         prefills: list[list[float]] = [[] for _ in engines]
         for window in range(windows):
             if window:
-                time.sleep(gap)
+                clock.sleep(gap)
             for times, timed in zip(
-                decode, _window(engines, pauses, per_window, context, generator), strict=True
+                decode, _window(engines, pauses, per_window, context, generator, clock), strict=True
             ):
                 times.append(timed)
             for engine, prefill in zip(engines, prefills, strict=True):
                 engine.reset(1)
                 data = _inputs(engine, chunk, generator)
-                started = time.perf_counter()
+                started = clock.now()
                 engine.step(1, 0, 0, NO_MASK, data, keep_last=1)
-                prefill.append(time.perf_counter() - started)
+                prefill.append(clock.now() - started)
     finally:
         for engine in engines:
             engine.close(1)
@@ -128,6 +140,7 @@ def _window(
     steps: int,
     context: int,
     generator: np.random.Generator,
+    clock: Clock,
 ) -> list[list[float]]:
     """One timing window: per engine, STEPS 1-token decode steps after CONTEXT cached tokens, each
     after that engine's pause (seconds); the two first steps after the prefill (which reallocate) go
@@ -141,11 +154,11 @@ def _window(
             position = context + index
             data = _inputs(engine, 1, generator)
             if pause:
-                time.sleep(pause)
-            started = time.perf_counter()
+                clock.sleep(pause)
+            started = clock.now()
             engine.step(1, position, position, NO_MASK, data)
             if index >= 2:
-                times.append(time.perf_counter() - started)
+                times.append(clock.now() - started)
         found.append(times)
     return found
 
