@@ -15,17 +15,17 @@ arrives:
   masked by the next step, like any rejected draft) and the next round starts afresh from the true
   history.
 
-A proposal ahead asks the draft for `CHUNK` tokens at a time. Once the round it assumed is known to
-have failed (it gave fewer tokens than assumed, or a bonus other than the guess), it ends after its
-current part and sends nothing, so the fresh round waits for one part, not a whole proposal; that is
-also why a round may start ahead when only its first part is hidden by the wires. The round after a
-reply's opening round (which scores the prompt without drafts) starts ahead too: the draft reads the
-prompt and guesses the first token while the stages score the prompt.
+A proposal ahead asks the draft for `Tuning.ahead_chunk` tokens at a time. Once the round it assumed
+is known to have failed (it gave fewer tokens than assumed, or a bonus other than the guess), it
+ends after its current part and sends nothing, so the fresh round waits for one part, not a whole
+proposal; that is also why a round may start ahead when only its first part is hidden by the wires.
+The round after a reply's opening round (which scores the prompt without drafts) starts ahead too:
+the draft reads the prompt and guesses the first token while the stages score the prompt.
 
 Rounds ahead chain: once a verify is sent ahead, the draft goes on to the round after it (assuming
-that one holds too), up to `DEPTH` verifies on the wires behind the outstanding one, so on slow
-links a run of well-drafted rounds is paced by the draft, not by the round trip. A round that fails
-drops every round after it.
+that one holds too), up to `Tuning.ahead_depth` verifies on the wires behind the outstanding one, so
+on slow links a run of well-drafted rounds is paced by the draft, not by the round trip. A round
+that fails drops every round after it.
 
 The target verifies every token against the true prefix, so neither the draft nor a dropped verify
 can change the output. Greedy only (a sampled round draws the session's RNG in the order of the
@@ -46,19 +46,12 @@ import numpy as np
 
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.speculation import Draft, Drafter, Sampling
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 from remote_worker.protocol import trace_records
 
 log = logging.getLogger(__name__)
 GREEDY = Sampling()
-DEPTH = 3  # verifies sent ahead at most, behind the one outstanding
-# history tokens the draft may miss (plain rounds, runs) before it is fed in the background
-KEEP_UP = 8
-# ... when a round leaves at least this many seconds on the wires (not on a LAN)
-KEEP_UP_IDLE = 0.005
-HOLDS = 0.5  # the chance the rounds before must hold for a second or third round to start ahead
-# tokens a proposal ahead asks the draft for at a time: a round that failed stops it in between
-CHUNK = 2
 _NO_RNG = np.random.default_rng(0)  # a greedy proposal draws nothing
 _NOTHING = Feed(0, 0, (), ())  # what a keep-up follows (it sends no verify)
 
@@ -134,14 +127,14 @@ class Ahead:
 
 
 def deep_enough(chain: int, alpha: float, k: int, loaded: bool) -> bool:
-    """Whether a round may start behind `chain` rounds started ahead already: at most `DEPTH`, and
-    beyond the first only while the stages are not `loaded` (a dropped verify takes compute from
-    other sessions) and the rounds before it likely hold (each needs its K drafts and the guessed
-    bonus accepted, `alpha` per token): a round that fails drops every one after it, and a proposal
-    under way delays the fresh round that follows the failure."""
-    if chain >= DEPTH:
+    """Whether a round may start behind `chain` rounds started ahead already: at most
+    `Tuning.ahead_depth`, and beyond the first only while the stages are not `loaded` (a dropped
+    verify takes compute from other sessions) and the rounds before it likely hold (each needs its K
+    drafts and the guessed bonus accepted, `alpha` per token): a round that fails drops every one
+    after it, and a proposal under way delays the fresh round that follows the failure."""
+    if chain >= TUNING.ahead_depth:
         return False
-    return chain == 0 or (not loaded and alpha ** ((k + 1) * chain) >= HOLDS)
+    return chain == 0 or (not loaded and alpha ** ((k + 1) * chain) >= TUNING.ahead_holds)
 
 
 def keep_up(drafter: Drafter, session: int, history: list[int]) -> Ahead:
@@ -190,13 +183,13 @@ def stop(chain: list[Ahead]) -> None:
 async def _propose(
     ahead: Ahead, drafter: Drafter, session: int, tokens: int, send: SendAhead | None
 ) -> Draft:
-    """`tokens` + 1 greedy tokens after `ahead.assumed`, asked for `CHUNK` at a time (each part
-    feeds the last token of the part before) until done or stopped: a stopped proposal ends short
-    and sends nothing."""
+    """`tokens` + 1 greedy tokens after `ahead.assumed`, asked for `Tuning.ahead_chunk` at a time
+    (each part feeds the last token of the part before) until done or stopped: a stopped proposal
+    ends short and sends nothing."""
     parts: list[Draft] = []
     drafted: list[int] = []
     while len(drafted) < tokens + 1 and not ahead.stopped:
-        count = min(CHUNK, tokens + 1 - len(drafted))
+        count = min(TUNING.ahead_chunk, tokens + 1 - len(drafted))
         part = await drafter.propose(session, [*ahead.assumed, *drafted], count, GREEDY, _NO_RNG)
         if not part.tokens:
             break

@@ -37,7 +37,7 @@ from fleettui.runtime.generation import (
 from fleettui.runtime.hold import Hold
 from fleettui.runtime.ledger import Feed
 from fleettui.runtime.limits import validate_request
-from fleettui.runtime.measures import LOADED_UTILIZATION, StageLoad, round_costs
+from fleettui.runtime.measures import StageLoad, round_costs
 from fleettui.runtime.pipelined import AheadRounds
 from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter
 from fleettui.runtime.prefill import PrefillRounds
@@ -45,6 +45,7 @@ from fleettui.runtime.runs import RunRounds, costly_run_tokens
 from fleettui.runtime.session import Session
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import Link, LinkError, RunLink, StageLost
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
@@ -632,7 +633,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
     def _loaded(self) -> bool:
         """Whether sessions compete for the stages: several generate and the busiest stage is
         busy."""
-        return self._several() and self.stage_load.busiest() >= LOADED_UTILIZATION
+        return self._several() and self.stage_load.busiest() >= TUNING.loaded_utilization
 
     def _candidates(self, session: Session) -> list[tuple[str, KPolicy, bool]]:
         """This session's drafter candidates: the fleet's drafter and, beside a costly one,

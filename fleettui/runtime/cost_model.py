@@ -15,18 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleettui.runtime.measures import LinearCost, Realized
-
-MIN_REALIZED_ROUNDS = 6.0  # decayed plain rounds before realized rates may overrule the model
-# ... and speculative ones: a losing drafter is not tried six times per session
-MIN_SPECULATIVE_ROUNDS = 2.0
-# While K = 0 wins, probing a drafter takes at most this share of the generating time, so exploring
-# stays within the bench's bar of speculation >= 0.98x no speculation
-# (docs/performance.md#tuning-constants).
-PROBE_SHARE = 0.02
-# A probe costs more than its drafting, since the steps after the stage idled run slower: its cost
-# is its round beyond its tokens' plain time, plus what this many plain rounds after it took beyond
-# theirs (docs/performance.md#tuning-constants).
-AFTER_PROBE_ROUNDS = 8
+from fleettui.runtime.tuning import TUNING
 
 
 @dataclass
@@ -72,26 +61,26 @@ class CostModel:
 
     def probe_affordable(self, drafter: str, loaded: bool) -> bool:
         """Whether the time spent generating since `drafter` last drafted in this regime (`loaded`
-        or alone) is enough for a probe to take at most `PROBE_SHARE` of it: a probe of a costly
-        draft pays its catch-up on all it missed, so counting rounds alone would let probes come too
-        often. Idle time does not count: a probe after a pause costs the next reply as much. A free
-        drafter (prompt lookup) is always affordable."""
+        or alone) is enough for a probe to take at most `Tuning.probe_share` of it: a probe of a
+        costly draft pays its catch-up on all it missed, so counting rounds alone would let probes
+        come too often. Idle time does not count: a probe after a pause costs the next reply as
+        much. A free drafter (prompt lookup) is always affordable."""
         last = self.last_drafted.get((drafter, loaded))
-        return last is None or self.generating[loaded] - last[0] >= last[1] / PROBE_SHARE
+        return last is None or self.generating[loaded] - last[0] >= last[1] / TUNING.probe_share
 
     def charge_probe(
         self, drafter: str, loaded: bool, tokens: int, seconds: float, plain_seconds: float
     ) -> None:
         """Record a speculative round of `drafter` (draft and verify: `seconds`) as the one a next
         probe is budgeted against: its cost is the time it took beyond its `tokens` at plain
-        decoding's `plain_seconds` per token; the next `AFTER_PROBE_ROUNDS` plain rounds add their
-        excess."""
+        decoding's `plain_seconds` per token; the next `Tuning.after_probe_rounds` plain rounds add
+        their excess."""
         key = (drafter, loaded)
         self.last_drafted[key] = (
             self.generating[loaded],
             max(seconds - tokens * plain_seconds, 0.0),
         )
-        self.after_probe[key] = AFTER_PROBE_ROUNDS
+        self.after_probe[key] = TUNING.after_probe_rounds
 
     def charge_after_probe(self, loaded: bool, seconds: float, plain_seconds: float | None) -> None:
         """A plain round (any session's): what it took beyond plain decoding's time per token goes
@@ -123,10 +112,10 @@ class CostModel:
         plain = self.achieved("plain", loaded)
         spec = (
             own
-            if own is not None and own.rounds >= MIN_SPECULATIVE_ROUNDS
+            if own is not None and own.rounds >= TUNING.min_speculative_rounds
             else self.achieved(drafter, loaded)
         )
-        if plain.rounds < MIN_REALIZED_ROUNDS or spec.rounds < MIN_SPECULATIVE_ROUNDS:
+        if plain.rounds < TUNING.min_realized_rounds or spec.rounds < TUNING.min_speculative_rounds:
             return False
         return spec.rate < plain.rate
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleettui.runtime.policy import AFTER_VERIFY_ROUNDS, KPolicy
+from fleettui.runtime.policy import KPolicy
+from fleettui.runtime.tuning import TUNING
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Cut:
         self.policy.charge(self.policy.drafter, loaded, self.seconds)
         self.policy.costs.after_verify[loaded] = (
             self.policy.drafter,
-            AFTER_VERIFY_ROUNDS,
+            TUNING.after_verify_rounds,
             self.session,
         )
         return 0.0

@@ -88,10 +88,6 @@ def round_costs(trace: np.ndarray, wall_seconds: float) -> tuple[float, float]:
     return max(wall_seconds - queued, compute), compute
 
 
-# the busiest stage computing this share of the time: sessions compete for it
-LOADED_UTILIZATION = 0.5
-
-
 class StageLoad:
     """How busy the busiest stage was over the last `window` seconds, from the traces of the
     results.

@@ -4,8 +4,8 @@ the wires.
 See `fleettui.runtime.ahead` for the idea and its exactness. This mixin decides when to start the
 next round early (greedy, a costly model draft, and the last round left the proposal's time idle on
 the wires), sends that round's verify right behind the outstanding one (and goes on to the round
-after it, up to `ahead.DEPTH` verifies ahead), and turns it into the next round when the outstanding
-one went as assumed."""
+after it, up to `Tuning.ahead_depth` verifies ahead), and turns it into the next round when the
+outstanding one went as assumed."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from fleettui.runtime.ledger import CacheLedger, Feed
 from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.speculation import Draft, Drafter
 from fleettui.runtime.transport import Link
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 
 
@@ -106,7 +107,7 @@ class AheadRounds:
             # its first part hidden by the wires (+ 1: the guess of the bonus token); a longer
             # proposal pays when the round holds (the next one starts sooner), and costs one part
             # when it fails (`stop_failed`)
-            or not self.ahead_cost.fits(min(tokens + 1, ahead_drafts.CHUNK), idle)
+            or not self.ahead_cost.fits(min(tokens + 1, TUNING.ahead_chunk), idle)
         ):
             return False
         send = (
@@ -126,9 +127,9 @@ class AheadRounds:
         self, session: AheadSession, params: GenerationParams, remaining: int
     ) -> None:
         """Feed the model draft the history it missed, in the background (`ahead.keep_up`), when it
-        missed at least `KEEP_UP` tokens (or the prompt), the reply goes on for a while, the stages
-        have room, the links leave the cores idle (on a LAN the draft would take its compute from
-        the stages) and speculation is not switched off (for the request or the fleet)."""
+        missed at least `Tuning.keep_up` tokens (or the prompt), the reply goes on for a while, the
+        stages have room, the links leave the cores idle (on a LAN the draft would take its compute
+        from the stages) and speculation is not switched off (for the request or the fleet)."""
         if session.ahead and session.ahead[0].keep_up and session.ahead[0].task.done():
             session.ahead.pop(0)  # the last keep-up is over: nothing to wait for
         missed = len(session.history) - session.drafted_at
@@ -138,9 +139,9 @@ class AheadRounds:
             or params.spec_k == 0
             or self.policy.fixed_k == 0
             or session.ahead
-            or missed < min(ahead_drafts.KEEP_UP, len(session.history))
-            or remaining <= ahead_drafts.KEEP_UP
-            or self.wire_idle < ahead_drafts.KEEP_UP_IDLE
+            or missed < min(TUNING.keep_up, len(session.history))
+            or remaining <= TUNING.keep_up
+            or self.wire_idle < TUNING.keep_up_idle
             or self._loaded()
         ):
             return

@@ -10,26 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fleettui.runtime.cost_model import MIN_REALIZED_ROUNDS, CostModel
+from fleettui.runtime.cost_model import CostModel
 from fleettui.runtime.measures import Realized
-
-# OpenVINO's CPU plugin runs the first 1-token steps after a multi-token verify slower: what this
-# many plain rounds after a verify take beyond plain's rate is charged to its drafter
-# (docs/performance.md#tuning-constants).
-AFTER_VERIFY_ROUNDS = 3
-# a drafter is probed only if a high acceptance would beat plain by this (`could_pay`)
-PROBE_CEILING = 1.05
-PROBE_ACCEPTANCE = 0.9  # ... at its measured acceptance, or this if lower (`could_pay`)
-# below it, a drafter of unknown costs does not cut runs short (`measuring_soon`)
-MEASURABLE_HIT_RATE = 0.5
-# Under load a verify may cost the busiest stage at most this many plain steps, since every other
-# session's next token waits behind it (`KPolicy.fair_k`; docs/performance.md#tuning-constants).
-FAIR_VERIFY_COST = 1.5
-# On loaded stages a drafter's expected rate must beat plain decoding by this factor: what its
-# verifies do to the other sessions' steps is outside the fitted costs
-# (docs/performance.md#tuning-constants).
-LOADED_MARGIN = 1.1
-EXPLORING_K = 3  # the K that measures a verify's slope (and a draft's cost) first
+from fleettui.runtime.tuning import TUNING
 
 
 @dataclass(frozen=True)
@@ -169,9 +152,9 @@ class KPolicy:
 
     def _realize(self, facts: RoundFacts, plain_seconds: float | None) -> None:
         """Add a round to the realized rates: a speculative one to its drafter's, a plain one to
-        plain's, or, in the `AFTER_VERIFY_ROUNDS` after a verify, what it took beyond plain's rate
-        to that verify's drafter (and a round at plain's rate to plain's, so plain is still judged
-        when every other round drafts).
+        plain's, or, in the `Tuning.after_verify_rounds` after a verify, what it took beyond plain's
+        rate to that verify's drafter (and a round at plain's rate to plain's, so plain is still
+        judged when every other round drafts).
 
         The pipeline's record holds a session alone, or several on loaded stages. Several sessions
         on stages with room wait for each other at the draft and in the coordinator: their rates are
@@ -190,7 +173,11 @@ class KPolicy:
             self._own[loaded].add(facts.accepted + 1, seconds)
             if pipeline:
                 self.costs.achieved(self.drafter, loaded).add(facts.accepted + 1, seconds)
-                self.costs.after_verify[loaded] = (self.drafter, AFTER_VERIFY_ROUNDS, facts.session)
+                self.costs.after_verify[loaded] = (
+                    self.drafter,
+                    TUNING.after_verify_rounds,
+                    facts.session,
+                )
             return
         if (
             not pipeline
@@ -236,20 +223,24 @@ class KPolicy:
         shared[1] = shared[1] * decay + 1
 
     def could_pay(self, loaded: bool) -> bool:
-        """Whether some K would beat plain decoding by `PROBE_CEILING` at a high acceptance (the
-        session's alpha, at least `PROBE_ACCEPTANCE`; True while a cost is unknown). If not, no
-        acceptance this drafter can be expected to reach makes it pay, and probing it only costs.
-        Not judged at perfect acceptance: that would let the extrapolated cost of a long verify
-        decide. Plain decoding costs what it realizes (`plain_seconds`)."""
+        """Whether some K would beat plain decoding by `Tuning.probe_ceiling` at a high acceptance
+        (the session's alpha, at least `Tuning.probe_acceptance`; True while a cost is unknown). If
+        not, no acceptance this drafter can be expected to reach makes it pay, and probing it only
+        costs. Not judged at perfect acceptance: that would let the extrapolated cost of a long
+        verify decide. Plain decoding costs what it realizes (`plain_seconds`)."""
         plain = self.plain_seconds(loaded)
         if plain is None:
             return True
-        alpha = min(max(self.alpha, PROBE_ACCEPTANCE), 0.999)
+        alpha = min(max(self.alpha, TUNING.probe_acceptance), 0.999)
         for k in range(1, self.fair_k(loaded) + 1):
             verify = self.costs.verify(k + 1, loaded)
             draft = 0.0 if self.free else self.costs.draft(self.drafter).predict(k)
             tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-            if verify is None or draft is None or tokens * plain > PROBE_CEILING * (draft + verify):
+            if (
+                verify is None
+                or draft is None
+                or tokens * plain > TUNING.probe_ceiling * (draft + verify)
+            ):
                 return True
         return False
 
@@ -295,7 +286,7 @@ class KPolicy:
         if plain is None:
             return None
         realized = self.costs.achieved("plain", loaded)
-        if realized.rounds >= MIN_REALIZED_ROUNDS and realized.rate > 0:
+        if realized.rounds >= TUNING.min_realized_rounds and realized.rate > 0:
             return min(plain, 1.0 / realized.rate)
         return plain
 
@@ -333,32 +324,32 @@ class KPolicy:
 
     def exploring(self, free_draft: bool = False, loaded: bool = False) -> bool:
         """Whether the costs to choose K are still unknown (the plain step's or the draft's)."""
-        return self.expected_rate(min(EXPLORING_K, self.max_k), free_draft, loaded) is None
+        return self.expected_rate(min(TUNING.exploring_k, self.max_k), free_draft, loaded) is None
 
     def measuring_soon(self, loaded: bool = False) -> bool:
         """Whether a run should end early so this drafter is measured: its costs are unknown and,
         asked, it mostly proposes: a prompt lookup that keeps finding nothing would otherwise cut
         every run short, at a round trip through the coordinator each time."""
-        return self.hit_rate >= MEASURABLE_HIT_RATE and self.exploring(loaded=loaded)
+        return self.hit_rate >= TUNING.measurable_hit_rate and self.exploring(loaded=loaded)
 
     def fair_k(self, loaded: bool) -> int:
         """The largest K this session may verify now: `max_k` alone; under load (other sessions wait
         behind each step at the busiest stage) the largest K whose verify costs that stage at most
-        `FAIR_VERIFY_COST` plain steps, so one user's well-drafted rounds do not starve the others.
-        While verifies of one size only were measured in this regime their cost is taken flat in K,
-        so no K beyond an exploring one (`EXPLORING_K`): on one core a verify's cost grows with
-        every token."""
+        `Tuning.fair_verify_cost` plain steps, so one user's well-drafted rounds do not starve the
+        others. While verifies of one size only were measured in this regime their cost is taken
+        flat in K, so no K beyond an exploring one (`Tuning.exploring_k`): on one core a verify's
+        cost grows with every token."""
         verify = (
             self.costs.compute if loaded and self.costs.compute.measured else self.costs.latency
         )
-        largest = self.max_k if verify.sloped else min(EXPLORING_K, self.max_k)
+        largest = self.max_k if verify.sloped else min(TUNING.exploring_k, self.max_k)
         if not loaded or not self.costs.compute.measured:
             return largest
         plain = self.costs.compute.predict(1) or 0.0
         fair = 0
         for k in range(1, largest + 1):
             cost = self.costs.compute.predict(k + 1)
-            if cost is None or cost > FAIR_VERIFY_COST * plain:
+            if cost is None or cost > TUNING.fair_verify_cost * plain:
                 break
             fair = k
         return fair
@@ -373,13 +364,13 @@ class KPolicy:
 
     def _rates(self, free_draft: bool, loaded: bool) -> dict[int, float | None]:
         """The expected rate of each K this session may verify now, as K is chosen by: on loaded
-        stages a K > 0 counts `LOADED_MARGIN` less (None: a cost still unknown)."""
+        stages a K > 0 counts `Tuning.loaded_margin` less (None: a cost still unknown)."""
         rates = {
             k: self.expected_rate(k, free_draft, loaded) for k in range(self.fair_k(loaded) + 1)
         }
         if loaded:
             rates = {
-                k: rate / LOADED_MARGIN if k and rate is not None else rate
+                k: rate / TUNING.loaded_margin if k and rate is not None else rate
                 for k, rate in rates.items()
             }
         return rates
@@ -421,7 +412,7 @@ class KPolicy:
         rates = self._rates(free_draft, loaded)
         unknown = [k for k, rate in rates.items() if rate is None]
         if unknown:  # measure before modelling: K=0 first, then a mid-size K for the draft's cost
-            choice = 0 if 0 in unknown else min(EXPLORING_K, self.max_k)
+            choice = 0 if 0 in unknown else min(TUNING.exploring_k, self.max_k)
             self.probing = choice > 0
         else:
             choice = modelled = max(rates, key=lambda k: rates[k] or 0.0)
@@ -430,7 +421,7 @@ class KPolicy:
             # it speculates for the all-or-none rule only if it mostly drafts when asked: a lookup
             # that seldom finds anything may still pay by the model, but its session decodes
             # plainly, and the other sessions' verifies would then slow it down for nothing
-            self.wants = choice > 0 and self.hit_rate >= MEASURABLE_HIT_RATE
+            self.wants = choice > 0 and self.hit_rate >= TUNING.measurable_hit_rate
             if loaded and not shared:
                 choice = 0  # all or none on loaded stages: another session would not speculate
             if choice:

@@ -27,31 +27,24 @@ from fleettui.runtime.lookup_watch import Cut, Shadow, cut_k, take_cut
 from fleettui.runtime.policy import KPolicy
 from fleettui.runtime.speculation import Draft, Drafter, PromptLookupDrafter
 from fleettui.runtime.transport import Link, ReplyStream, RunLink, RunStalled
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 
 log = logging.getLogger(__name__)
 
-# with adaptive speculation the policy chooses again after this many run tokens
-RUN_TOKENS_ADAPTIVE = 16
-RUN_TOKENS_EXPLORING = 2  # ... and after this many while it has not measured the draft yet
-# ... and after this many while no acceptance could make the costly draft pay (`KPolicy.could_pay`):
-# neither a choice nor a probe of it is due, and each restart leaves the stages idle for a round
-# trip through the coordinator (docs/performance.md#tuning-constants).
-RUN_TOKENS_UNPAYING = 128
-
 
 def costly_run_tokens(policy: KPolicy, loaded: bool) -> int:
     """Tokens a run may make before a costly drafter's `policy` chooses again: a few while its costs
-    are measured, until its next probe is due, at most `RUN_TOKENS_ADAPTIVE`; `RUN_TOKENS_UNPAYING`
-    while it could not pay at any acceptance."""
+    are measured, until its next probe is due, at most `Tuning.run_tokens_adaptive`;
+    `Tuning.run_tokens_unpaying` while it could not pay at any acceptance."""
     if not policy.could_pay(
         loaded
     ):  # (True while a cost is unknown: an exploring draft is measured soon)
-        return RUN_TOKENS_UNPAYING
+        return TUNING.run_tokens_unpaying
     probe = policy.rounds_until_probe(loaded)
     if policy.measuring_soon(loaded):  # measure the draft soon, not after 16 tokens
-        probe = min(probe, RUN_TOKENS_EXPLORING)
-    return min(RUN_TOKENS_ADAPTIVE, probe)
+        probe = min(probe, TUNING.run_tokens_exploring)
+    return min(TUNING.run_tokens_adaptive, probe)
 
 
 @dataclass

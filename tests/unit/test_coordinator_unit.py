@@ -19,13 +19,13 @@ import pytest
 from fleettui.runtime import ahead as ahead_drafts
 from fleettui.runtime import cost_model as cost_model_module
 from fleettui.runtime import policy as policy_module
-from fleettui.runtime.ahead import KEEP_UP
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.generation import GenerationParams
 from fleettui.runtime.ledger import CacheLedger
 from fleettui.runtime.policy import RoundFacts
 from fleettui.runtime.speculation import Draft, KPolicy, NgramIndex, PromptLookupDrafter, Sampling
 from fleettui.runtime.transport import StageLost
+from fleettui.runtime.tuning import TUNING
 from remote_worker import decoding, protocol
 
 VOCAB = 17
@@ -595,11 +595,11 @@ class PartDrafter(NoisyDrafter):
 async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_before_failed() -> (
     None
 ):
-    """A proposal ahead of 9 tokens asks the draft for `CHUNK` at a time, each part after the tokens
-    before it, and joins them into what one request gives; once the round it assumed is known to
-    have failed (it gave fewer tokens than assumed, or a bonus other than the guess) it ends after
-    its current part and sends no verify, so the draft is free for the fresh round sooner. A round
-    that went as assumed stops nothing."""
+    """A proposal ahead of 9 tokens asks the draft for `Tuning.ahead_chunk` at a time, each part
+    after the tokens before it, and joins them into what one request gives; once the round it
+    assumed is known to have failed (it gave fewer tokens than assumed, or a bonus other than the
+    guess) it ends after its current part and sends no verify, so the draft is free for the fresh
+    round sooner. A round that went as assumed stops nothing."""
     assumed = [1, 2, 3, 4, 5]
     whole = await PartDrafter().propose(1, assumed, 9, Sampling(), np.random.default_rng(0))
     sends: list[Draft] = []
@@ -608,7 +608,7 @@ async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_bef
     ahead_drafts.start(drafter, 1, pending, 8, lambda _ahead, proposal: sends.append(proposal))
     proposal = (await ahead_drafts.settle(pending)).task.result()  # type: ignore[union-attr]
     assert proposal.tokens == whole.tokens and sends == [proposal]
-    part = ahead_drafts.CHUNK
+    part = TUNING.ahead_chunk
     assert drafter.asked == [(5 + start, min(part, 9 - start)) for start in range(0, 9, part)]
     held = [*assumed, whole.tokens[0]]
     assert pending.holds(held) and not pending.failed(held)
@@ -762,14 +762,15 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
 ) -> None:
     """A costly draft loses, so the policy decodes plainly (or with prompt lookup) and probes now
     and then; behind links that leave the cores idle (10 ms a step) the draft reads what it missed
-    in the background (every KEEP_UP tokens, and the prompt while the stages prefill it), so a probe
-    never catches up on more than that and the rounds since. On a LAN (all of a step's time at the
-    stage) it does not (it would take its compute from the stages). The output is plain greedy in
-    every case."""
+    in the background (every TUNING.keep_up tokens, and the prompt while the stages prefill it), so
+    a probe never catches up on more than that and the rounds since. On a LAN (all of a step's time
+    at the stage) it does not (it would take its compute from the stages). The output is plain
+    greedy in every case."""
     # what a probe catches up on, not how often probes come: no time budget for them here, and
     # probes even of a draft that perfect acceptance could not make pay (`KPolicy.could_pay`)
-    monkeypatch.setattr(cost_model_module, "PROBE_SHARE", 1e9)
-    monkeypatch.setattr(policy_module, "PROBE_CEILING", 0.0)
+    tuning = dataclasses.replace(TUNING, probe_share=1e9, probe_ceiling=0.0)
+    monkeypatch.setattr(cost_model_module, "TUNING", tuning)
+    monkeypatch.setattr(policy_module, "TUNING", tuning)
     drafter = LagDrafter(per_token=0.05)
     pipeline = WiredPipeline(wire=wire) if wire else LanPipeline(stage=0.005)
     coordinator = Coordinator(pipeline, None, drafter, max_k=4)
@@ -783,13 +784,13 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     if not wire:
         assert coordinator.ahead_counts["kept_up"] == 0
         return
-    # a probe catches up on at most KEEP_UP tokens and the rounds since (up to 4 drafts and a bonus
-    # each)
+    # a probe catches up on at most TUNING.keep_up tokens and the rounds since (up to 4 drafts and a
+    # bonus each)
     if keep_up:
         assert coordinator.ahead_counts["kept_up"] >= 3
-        assert max(probes) <= KEEP_UP + 5
+        assert max(probes) <= TUNING.keep_up + 5
     else:
-        assert max(probes) > KEEP_UP + 5
+        assert max(probes) > TUNING.keep_up + 5
     # a request that switches speculation off leaves the draft alone
     before = len(drafter.lags)
     await coordinator.generate(session, PROMPTS[1], GenerationParams(max_tokens=40, spec_k=0))

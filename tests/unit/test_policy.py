@@ -8,13 +8,8 @@ import pytest
 
 from fleettui.runtime.cost_model import CostModel
 from fleettui.runtime.measures import LinearCost, StageLoad, round_costs
-from fleettui.runtime.policy import (
-    EXPLORING_K,
-    MEASURABLE_HIT_RATE,
-    KPolicy,
-    RoundFacts,
-    choose_drafter,
-)
+from fleettui.runtime.policy import KPolicy, RoundFacts, choose_drafter
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 
 
@@ -325,9 +320,9 @@ def test_the_restart_after_a_cut_that_verified_nothing_is_the_lookups_not_plain_
 def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() -> None:
     """A probe of a costly draft makes it catch up on everything it missed (0.1-0.2 s on the stages'
     own cores in the bench): while K = 0 wins, a probe due by its rounds waits until the time spent
-    generating since the drafter last drafted is at least its cost / PROBE_SHARE (idle time does not
-    count), and a run meanwhile keeps its length. A free drafter (prompt lookup) is never held
-    back."""
+    generating since the drafter last drafted is at least its cost / TUNING.probe_share (idle time
+    does not count), and a run meanwhile keeps its length. A free drafter (prompt lookup) is never
+    held back."""
     costs = CostModel()
     policy = KPolicy(None, 8, probe_every=4, costs=costs, drafter="model")
     for _ in range(40):
@@ -362,9 +357,9 @@ def test_a_costly_drafters_probes_take_a_bounded_share_of_the_generating_time() 
 def test_a_probes_cost_includes_the_slower_plain_steps_after_it() -> None:
     """Measured on one stage: while the draft caught up the stage idled, and its next plain steps
     ran slower (13, 12, 11 ms against 9). A probe is charged what it lost against plain decoding:
-    its own round beyond its tokens' plain time, plus the excess of the AFTER_PROBE_ROUNDS plain
-    rounds after it."""
-    from fleettui.runtime.cost_model import AFTER_PROBE_ROUNDS
+    its own round beyond its tokens' plain time, plus the excess of the TUNING.after_probe_rounds
+    plain rounds after it."""
+    from fleettui.runtime.tuning import TUNING
 
     costs = CostModel()
     policy = KPolicy(None, 8, costs=costs, drafter="model")
@@ -372,12 +367,16 @@ def test_a_probes_cost_includes_the_slower_plain_steps_after_it() -> None:
         policy.record_round(RoundFacts(0, 0, 0.0, 0.010))  # plain: 10 ms a token
     policy.record_round(RoundFacts(2, 0, 0.055, 0.020, asked=2))  # a probe: 75 ms for 1 token
     assert costs.last_drafted[("model", False)][1] == pytest.approx(0.065)
-    for _ in range(AFTER_PROBE_ROUNDS):
+    for _ in range(TUNING.after_probe_rounds):
         policy.record_round(RoundFacts(0, 0, 0.0, 0.015))  # each 5 ms slower than plain
     charged = costs.last_drafted[("model", False)][1]
     # (the slow rounds count as plain decoding too: its rate drifts, each later excess is a little
     # smaller)
-    assert 0.065 + AFTER_PROBE_ROUNDS * 0.003 < charged < 0.065 + AFTER_PROBE_ROUNDS * 0.005 + 1e-9
+    assert (
+        0.065 + TUNING.after_probe_rounds * 0.003
+        < charged
+        < 0.065 + TUNING.after_probe_rounds * 0.005 + 1e-9
+    )
     policy.record_round(RoundFacts(0, 0, 0.0, 0.030))  # past the after-effect: not the probe's
     assert costs.last_drafted[("model", False)][1] == pytest.approx(charged)
     alone = CostModel()  # before plain decoding was measured, a probe costs its drafting
@@ -425,8 +424,9 @@ def test_under_load_a_free_drafter_verifies_at_most_a_fair_share_of_the_busiest_
     """Measured on 2 emulated PCs with 2 users: a prompt lookup accepting 9 of 9 drafts verified 9
     tokens in 23 ms against 8 ms for a plain step, and the other user, waiting behind each verify,
     fell from 60 to 22 tok/s. Under load a verify may cost the busiest stage at most
-    FAIR_VERIFY_COST plain steps; alone, or with the stages idle, the whole max_k stays open."""
-    from fleettui.runtime.policy import FAIR_VERIFY_COST
+    TUNING.fair_verify_cost plain steps; alone, or with the stages idle, the whole max_k stays
+    open."""
+    from fleettui.runtime.tuning import TUNING
 
     policy = KPolicy(None, max_k=8, drafter="lookup")
     for _ in range(20):
@@ -443,7 +443,7 @@ def test_under_load_a_free_drafter_verifies_at_most_a_fair_share_of_the_busiest_
     assert fair == 2  # 8 + 1.7 * 2 = 11.4 ms <= 1.5 x 8 ms < 8 + 1.7 * 3
     assert policy.costs.compute.predict(
         fair + 1
-    ) <= FAIR_VERIFY_COST * policy.costs.compute.predict(1)
+    ) <= TUNING.fair_verify_cost * policy.costs.compute.predict(1)
     assert (
         policy.choose(free_draft=True, loaded=True) == fair
     )  # every draft accepted: the cap binds
@@ -508,13 +508,13 @@ def test_plain_rounds_never_push_the_verify_sizes_out_of_the_fit() -> None:
 def test_no_k_beyond_an_exploring_one_until_a_verifys_slope_is_measured() -> None:
     """Measured at one size only, a verify's cost is taken flat in K: every K would look as cheap as
     the one measured. On one core it is not (12-15 ms for 2 tokens, 17-21 ms for 4, against 8 ms
-    plain), so no K beyond EXPLORING_K is verified until a second size gives the slope; then the
-    whole max_k is open."""
+    plain), so no K beyond TUNING.exploring_k is verified until a second size gives the slope; then
+    the whole max_k is open."""
     policy = KPolicy(None, max_k=16, drafter="lookup")
     for _ in range(10):
         policy.record_round(RoundFacts(0, 0, 0.0, 0.008, asked=1))
     assert not policy.costs.latency.sloped
-    assert policy.fair_k(loaded=False) == EXPLORING_K
+    assert policy.fair_k(loaded=False) == TUNING.exploring_k
     for _ in range(10):
         policy.record_round(RoundFacts(3, 3, 0.0, 0.009, asked=3))
     assert policy.costs.latency.sloped and policy.fair_k(loaded=False) == 16
@@ -532,7 +532,7 @@ def test_a_lookup_that_seldom_proposes_does_not_count_as_speculating_for_the_oth
     assert policy.choose(free_draft=True) > 0 and policy.wants
     for index in range(60):
         policy.asked(proposed=index % 10 == 0)
-    assert policy.hit_rate < MEASURABLE_HIT_RATE
+    assert policy.hit_rate < TUNING.measurable_hit_rate
     assert policy.choose(free_draft=True) > 0 and not policy.wants
 
 
@@ -571,9 +571,9 @@ def test_a_new_sessions_prior_hit_rate_follows_the_pipelines_lookups() -> None:
     for index in range(100):
         first.asked(proposed=index % 10 == 0)
     second = base.fork("lookup", free=True)
-    assert second.hit_rate < MEASURABLE_HIT_RATE and base.fork("model").hit_rate == pytest.approx(
-        1.0
-    )
+    assert second.hit_rate < TUNING.measurable_hit_rate and base.fork(
+        "model"
+    ).hit_rate == pytest.approx(1.0)
     for _ in range(3):  # its own reply repeats itself: a few hits make it count again
         second.asked(proposed=True)
-    assert second.hit_rate >= MEASURABLE_HIT_RATE
+    assert second.hit_rate >= TUNING.measurable_hit_rate

@@ -16,9 +16,9 @@ import pytest
 
 from fleettui.runtime.coordinator import Coordinator
 from fleettui.runtime.generation import GenerationParams
-from fleettui.runtime.policy import MEASURABLE_HIT_RATE
 from fleettui.runtime.speculation import PromptLookupDrafter
 from fleettui.runtime.transport import ReplyStream, StageLost
+from fleettui.runtime.tuning import TUNING
 from remote_worker import protocol
 from remote_worker.decoding import next_run_step, run_step
 from tests.unit.test_coordinator_unit import (
@@ -166,11 +166,11 @@ async def test_a_new_pipeline_measures_its_draft_after_two_run_tokens_not_sixtee
 async def test_runs_are_not_cut_for_a_draft_that_could_not_pay() -> None:
     """A draft costlier per token than the stage's whole step (10 ms against ~1 ms) pays at no
     acceptance (`KPolicy.could_pay`): once its costs are measured, a run goes on for
-    `RUN_TOKENS_UNPAYING` tokens instead of ending every 16 for a choice that cannot change (each
-    restart is a round trip through the coordinator with the stages idle: 2-4 % of a 2-stage reply
-    here). A draft that could pay still ends runs at 16
+    `Tuning.run_tokens_unpaying` tokens instead of ending every 16 for a choice that cannot change
+    (each restart is a round trip through the coordinator with the stages idle: 2-4 % of a 2-stage
+    reply here). A draft that could pay still ends runs at 16
     (`test_interleaved_runs_and_adaptive_speculation_stay_exact`). Output unchanged."""
-    from fleettui.runtime.runs import RUN_TOKENS_ADAPTIVE, RUN_TOKENS_UNPAYING
+    from fleettui.runtime.tuning import TUNING
     from tests.unit.test_coordinator_unit import TimedDrafter
 
     stage = FakeRunStage(delay=0.0005)
@@ -180,9 +180,9 @@ async def test_runs_are_not_cut_for_a_draft_that_could_not_pay() -> None:
     assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 300)
     policy = session.policies["model"]
     assert not policy.exploring() and not policy.could_pay(False)
-    assert stage.runs[0] < RUN_TOKENS_ADAPTIVE  # measured first (exploring runs of 2 tokens)
-    assert RUN_TOKENS_UNPAYING in stage.runs  # then runs of 128 tokens, not of 16
-    assert sum(1 for run in stage.runs if run >= RUN_TOKENS_ADAPTIVE) <= 3
+    assert stage.runs[0] < TUNING.run_tokens_adaptive  # measured first (exploring runs of 2 tokens)
+    assert TUNING.run_tokens_unpaying in stage.runs  # then runs of 128 tokens, not of 16
+    assert sum(1 for run in stage.runs if run >= TUNING.run_tokens_adaptive) <= 3
 
 
 async def test_a_reply_that_fails_mid_run_leaves_the_session_exact_for_its_next_turn() -> None:
@@ -251,7 +251,7 @@ async def test_a_lookup_that_finds_nothing_never_cuts_a_run() -> None:
     assert stage.runs == [80] and stage.extra == 0
     # each run token counts as an ask: for the all-or-none rule on loaded stages the session does
     # not draft
-    assert session.policies["lookup"].hit_rate < MEASURABLE_HIT_RATE
+    assert session.policies["lookup"].hit_rate < TUNING.measurable_hit_rate
 
 
 class _LookupFindingSometimes(PromptLookupDrafter):
