@@ -57,6 +57,19 @@ _NOTHING = Feed(0, 0, (), ())  # what a keep-up follows (it sends no verify)
 
 
 @dataclass
+class AheadCounts:
+    """What drafting ahead did over a coordinator's life."""
+
+    started: int = 0  # proposals started ahead
+    used: int = 0  # ... whose drafts the next round verified
+    sent: int = 0  # verifies sent ahead
+    chained: int = 0  # ... behind another verify sent ahead
+    pipelined: int = 0  # verifies sent ahead that became the next round
+    kept_up: int = 0  # proposals that only fed the draft what it missed
+    opened: int = 0  # proposals started behind an opening round
+
+
+@dataclass
 class Sent:
     """The verify step of the round after the one in flight, sent before that one's result came
     back."""

@@ -504,7 +504,7 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 ready = ahead.continuation(session.history, k)
             if ready is not None:
                 draft = ready
-                self.ahead_counts["used"] += 1
+                self.ahead_counts.used += 1
             else:
                 draft = await self._propose(session, drafter, k, sampling)
             # the free lookup found nothing: the model draft, if it pays now, rather than a plain

@@ -51,7 +51,7 @@ class AheadRounds:
     policy: KPolicy
     draft_ahead: bool  # drafts may be proposed ahead (a costly model draft); set by the coordinator
     ahead_cost: ahead_drafts.AheadCost
-    ahead_counts: dict[str, int]
+    ahead_counts: ahead_drafts.AheadCounts
     wire_idle: float  # seconds the pipeline's last verify round (any session's) spent on no stage
     _loaded: Callable[[], bool]  # whether sessions compete for the stages (the coordinator's)
     _result: Callable[[protocol.Message], protocol.Result]  # a step's reply, checked and observed
@@ -60,12 +60,7 @@ class AheadRounds:
         self.draft_ahead = drafter is not None and drafter.costs_time
         self.ahead_cost = ahead_drafts.AheadCost()
         self.wire_idle = 0.0
-        # started: proposals ahead; used: as the next drafts; sent: verifies ahead (chained: behind
-        # another) kept_up: proposals that only fed the draft what it missed; opened: started behind
-        # an opening round
-        self.ahead_counts = dict.fromkeys(
-            ("started", "used", "sent", "chained", "pipelined", "kept_up", "opened"), 0
-        )
+        self.ahead_counts = ahead_drafts.AheadCounts()
 
     def _maybe_draft_ahead(
         self,
@@ -119,8 +114,8 @@ class AheadRounds:
         session.ahead.append(pending)
         session.drafted_at = len(pending.assumed)
         ahead_drafts.start(self.drafter, session.id, pending, tokens, send)
-        self.ahead_counts["started"] += 1
-        self.ahead_counts["opened"] += opening > 0
+        self.ahead_counts.started += 1
+        self.ahead_counts.opened += opening > 0
         return True
 
     def _keep_draft_up(
@@ -147,7 +142,7 @@ class AheadRounds:
             return
         session.ahead.append(ahead_drafts.keep_up(self.drafter, session.id, session.history))
         session.drafted_at = len(session.history)
-        self.ahead_counts["kept_up"] += 1
+        self.ahead_counts.kept_up += 1
 
     def _send_ahead(
         self,
@@ -179,8 +174,8 @@ class AheadRounds:
             params, draft, NO_UNIFORMS, sequence, []
         )  # greedy, no penalties: nothing drawn
         reply = asyncio.ensure_future(self.target.request(feed.step(session.id, decode)))
-        self.ahead_counts["sent"] += 1
-        self.ahead_counts["chained"] += index > 0
+        self.ahead_counts.sent += 1
+        self.ahead_counts.chained += index > 0
         ahead.sent = ahead_drafts.Sent(draft, feed, reply)
         if chain[-1] is ahead:
             self._maybe_draft_ahead(session, params, history, draft, feed, ahead.remaining, policy)
@@ -234,7 +229,7 @@ class AheadRounds:
         if not ahead.holds(session.history):
             sent.drop()
             return None
-        self.ahead_counts["pipelined"] += 1
+        self.ahead_counts.pipelined += 1
         draft_seconds = time.perf_counter() - draft_started
         waiting = time.perf_counter()
         session.outstanding = sent.feed

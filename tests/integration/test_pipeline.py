@@ -7,6 +7,7 @@ give greedy tokens identical to the unsplit model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -338,7 +339,7 @@ def test_drafting_ahead_over_slow_hops_is_exact(
                         for s, p in zip(sessions, PROMPTS[1:], strict=True)
                     )
                 )
-                counts = dict(coordinator.ahead_counts)
+                counts = dataclasses.asdict(coordinator.ahead_counts)
                 seen = (
                     f"{counts}, draft {coordinator.ahead_cost.per_token} s a token, wires idle "
                     f"{coordinator.wire_idle} s"

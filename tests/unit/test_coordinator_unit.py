@@ -556,18 +556,14 @@ async def test_drafting_ahead_on_slow_links_is_used_and_stays_exact(wrong_every:
             assert list(generation.token_ids) == _plain_greedy(prompt, 30)
         assert all(not session.ahead for session in sessions)
     counts = coordinator.ahead_counts
-    assert (
-        0 < counts["pipelined"] <= counts["sent"] <= counts["started"]
-    )  # verifies sent ahead were rounds
+    assert 0 < counts.pipelined <= counts.sent <= counts.started  # verifies sent ahead were rounds
     if wrong_every < 1000:
-        assert (
-            counts["used"] + counts["pipelined"] < counts["started"]
-        )  # a rejection throws the round away
+        assert counts.used + counts.pipelined < counts.started  # a rejection throws the round away
     if wrong_every >= 25:
-        assert counts["chained"] > 0
+        assert counts.chained > 0
     # the second turn's opening rounds (the links' idle time and the draft's cost known by then) had
     # the round after them drafted while the stages scored the prompt
-    assert counts["opened"] > 0
+    assert counts.opened > 0
     assert not drafter.overlapped
     for session in sessions:
         await coordinator.close_session(session)
@@ -654,7 +650,7 @@ async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly()
     def losing(message: protocol.Message) -> protocol.Message:
         if (
             isinstance(message, protocol.Step)
-            and coordinator.ahead_counts["pipelined"] == 2
+            and coordinator.ahead_counts.pipelined == 2
             and not pipeline.lost
         ):
             pipeline.lost = True
@@ -669,9 +665,7 @@ async def test_a_stage_lost_while_a_verify_was_sent_ahead_is_recovered_exactly()
     generation = await coordinator.generate(session, PROMPTS[0], GenerationParams(max_tokens=60))
     assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 60)
     assert (
-        pipeline.lost
-        and coordinator.replayed_tokens > 0
-        and coordinator.ahead_counts["pipelined"] > 0
+        pipeline.lost and coordinator.replayed_tokens > 0 and coordinator.ahead_counts.pipelined > 0
     )
 
 
@@ -688,7 +682,7 @@ async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> N
     session = await fast.open_session()
     generation = await fast.generate(session, PROMPTS[0], GenerationParams(max_tokens=20))
     assert list(generation.token_ids) == _plain_greedy(PROMPTS[0], 20)
-    assert fast.ahead_counts["started"] == 0
+    assert fast.ahead_counts.started == 0
 
     # with penalties (they depend on the reply so far) drafts are made ahead, their verify is not
     # sent ahead
@@ -703,7 +697,7 @@ async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> N
         params = GenerationParams(max_tokens=30, frequency_penalty=0.5, repetition_penalty=1.2)
         replies.append((await penalized.generate(session, PROMPTS[0], params)).token_ids)
         if ahead:
-            assert penalized.ahead_counts["used"] > 0 and penalized.ahead_counts["sent"] == 0
+            assert penalized.ahead_counts.used > 0 and penalized.ahead_counts.sent == 0
     assert replies[0] == replies[1]
 
     sampled = Coordinator(
@@ -714,7 +708,7 @@ async def test_no_drafting_ahead_when_the_round_leaves_no_time_or_samples() -> N
     await sampled.generate(
         session, PROMPTS[0], GenerationParams(max_tokens=20, temperature=0.7, seed=3)
     )
-    assert sampled.ahead_counts["started"] == 0
+    assert sampled.ahead_counts.started == 0
 
 
 async def test_a_cancelled_reply_leaves_the_draft_made_ahead_to_the_next_turn() -> None:
@@ -782,12 +776,12 @@ async def test_a_draft_left_behind_by_plain_rounds_is_fed_in_the_background(
     probes = [lag for k, lag in drafter.lags if k >= 2]
     assert probes  # the policy probed the draft while decoding plainly
     if not wire:
-        assert coordinator.ahead_counts["kept_up"] == 0
+        assert coordinator.ahead_counts.kept_up == 0
         return
     # a probe catches up on at most TUNING.keep_up tokens and the rounds since (up to 4 drafts and a
     # bonus each)
     if keep_up:
-        assert coordinator.ahead_counts["kept_up"] >= 3
+        assert coordinator.ahead_counts.kept_up >= 3
         assert max(probes) <= TUNING.keep_up + 5
     else:
         assert max(probes) > TUNING.keep_up + 5
