@@ -19,9 +19,8 @@ EXIT_SOCKET = 5
 FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 
 
-_exit_log = logging.getLogger(
-    "remote_worker.exit"
-)  # the reason for a failed start, into the --log file only
+# the reason for a failed start, into the --log file only
+_exit_log = logging.getLogger("remote_worker.exit")
 _exit_log.propagate = False
 _exit_log.addHandler(logging.NullHandler())
 

@@ -231,9 +231,8 @@ class StageCompute:
                     np.float16 if self.config.wire_dtype == "f16" else np.float32
                 )
             if hidden.dtype == np.float16 and not bool(np.isfinite(hidden).all()):
-                hidden = output.astype(
-                    np.float32
-                )  # an activation beyond float16's range: send as f32
+                # an activation beyond float16's range: send as f32
+                hidden = output.astype(np.float32)
             return protocol.Step(
                 step.session,
                 step.seq,

@@ -11,12 +11,13 @@ from typing import Any
 CONFIG_VERSION = 1
 # The vocabularies, defined once here (the contract): fleettui's fleet file adds "auto" where it
 # plans.
+# widest first: the planner steps down this order
 WEIGHT_PRECISIONS = (
     "fp32",
     "fp16",
     "int8",
     "int4",
-)  # widest first: the planner steps down this order
+)
 INFERENCE_PRECISIONS = ("f32", "f16", "bf16")
 KV_CACHE_PRECISIONS = ("f32", "f16", "u8")
 WIRE_DTYPES = ("f16", "f32")
@@ -85,9 +86,8 @@ class StageConfig:
     batching: bool = True  # steps of up to max_sessions sessions share one inference
     # stages in the pipeline: a batch takes 1/stages of the active sessions, so each has work
     stages: int = 1
-    max_queue_bytes: int = (
-        256 << 20
-    )  # requests waiting to be served, in bytes; beyond it they are refused
+    # requests waiting to be served, in bytes; beyond it they are refused
+    max_queue_bytes: int = 256 << 20
     # last stage: a run's Results leave together at most this often (0 = each)
     result_batch_ms: float = 0.0
     lease_seconds: float = 0.0  # > 0: exit when no control request came for this long (0 = never)

@@ -262,12 +262,13 @@ def score(logits: np.ndarray, decode: Decode) -> tuple[np.ndarray, int, np.ndarr
     if k == 0 and decode.greedy and plain and logits.ndim == 2:
         if logits.shape[0] != 1:
             raise ValueError(f"score: logits {logits.shape} do not hold 1 position")
+        # a run's step
         return (
             np.array([int(np.argmax(logits[0]))], np.int64),
             0,
             _NO_TOP_IDS,
             _NO_TOP_LOGPROBS,
-        )  # a run's step
+        )
     if logits.ndim != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"score: logits {logits.shape} do not hold {k + 1} positions")
     vocab = logits.shape[1]

@@ -550,9 +550,8 @@ class StageEngine:
         return int(sum(state.cache_len for state in states) * self.kv_bytes_per_slot())
 
     def cache_slots(self) -> int:
-        return sum(
-            state.cache_len for state in list(self.sessions.values())
-        )  # read from the control thread
+        # read from the control thread
+        return sum(state.cache_len for state in list(self.sessions.values()))
 
     def physical_slots(self) -> int:
         """Slots held by every group's state (pads and masked slots included): what the KV really

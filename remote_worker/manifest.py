@@ -465,9 +465,8 @@ def _write_stamp(path: Path, files: dict[str, list[Any]]) -> None:
         ) as stream:
             temporary = stream.name
             json.dump({"format": STAMP_FORMAT, "files": files}, stream)
-        os.replace(
-            temporary, path
-        )  # whole or not at all: stages sharing the folder each write their own
+        # whole or not at all: stages sharing the folder each write their own
+        os.replace(temporary, path)
     except OSError:
         if temporary is not None:
             with contextlib.suppress(OSError):

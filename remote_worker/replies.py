@@ -126,16 +126,14 @@ class PingReply:
     pid: int
     role: Role
     deployment: str
-    properties: dict[str, str] = field(
-        default_factory=dict
-    )  # the OpenVINO plugin's effective properties
+    # the OpenVINO plugin's effective properties
+    properties: dict[str, str] = field(default_factory=dict)
     layers: tuple[int, int] | None = None
     is_first: bool | None = None
     is_last: bool | None = None
     security: str | None = None
-    extra: dict[str, Any] = field(
-        default_factory=dict, compare=False
-    )  # e.g. busy_since, lease_left, urls
+    # e.g. busy_since, lease_left, urls
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def parse(data: object) -> PingReply:

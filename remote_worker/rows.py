@@ -22,9 +22,8 @@ class Group:
 
     request: Any  # openvino.InferRequest
     members: list[int] = field(default_factory=list)
-    rows: np.ndarray = field(
-        default_factory=lambda: np.zeros(0, np.int32)
-    )  # state row of each member
+    # state row of each member
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     length: int = 0  # physical slots in every row of the state
     sparse: int = 0  # inferences in a row that left some member idle
     inputs: tuple[np.ndarray, ...] = ()  # the last step's arrays, which its tensors share
@@ -52,12 +51,10 @@ class Session:
 
     group: Group
     cache_len: int = 0  # local slots, masked ones included
-    mask: np.ndarray = field(
-        default_factory=lambda: np.ones(256, np.int64)
-    )  # 1 = attend, per local slot
-    slots: np.ndarray = field(
-        default_factory=lambda: np.zeros(256, np.int64)
-    )  # physical slot per local
+    # 1 = attend, per local slot
+    mask: np.ndarray = field(default_factory=lambda: np.ones(256, np.int64))
+    # physical slot per local
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))
     broken: str = ""  # why the state can no longer be trusted (a failed infer or regrouping)
 
     def reserve(self, length: int) -> None:

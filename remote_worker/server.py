@@ -52,16 +52,13 @@ from remote_worker.telemetry import StageStats, encode_sample, rss_megabytes
 logger = logging.getLogger(__name__)
 
 MAX_QUEUE = 4096  # messages waiting, whatever their size; beyond this new ones are refused
-MAX_MESSAGE_BYTES = (
-    512 << 20
-)  # larger data messages make ZeroMQ drop the connection; smaller ones over
+# larger data messages make ZeroMQ drop the connection; smaller ones over
+MAX_MESSAGE_BYTES = 512 << 20
 # the inbox's byte budget are refused with an Error
-CONTROL_MAX_MESSAGE = (
-    16 << 20
-)  # ZeroMQ drops the connection of a peer sending more (no reply possible)
-SMALL_MAX_MESSAGE = (
-    64 << 10
-)  # telemetry PUB and a bound result PUSH only ever receive subscriptions
+# ZeroMQ drops the connection of a peer sending more (no reply possible)
+CONTROL_MAX_MESSAGE = 16 << 20
+# telemetry PUB and a bound result PUSH only ever receive subscriptions
+SMALL_MAX_MESSAGE = 64 << 10
 POLL_CEILING_MS = 200  # both loops wake at least this often to notice a stop
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -95,9 +92,8 @@ class StageServer(StageCompute):
         self.lease_seconds = float(config.lease_seconds)
         self._last_control = time.monotonic()
         self._busy_since: float | None = None  # monotonic start of the message being served
-        self._wanted_batch = (
-            engine.batch_max
-        )  # set by the control thread, applied by the compute thread
+        # set by the control thread, applied by the compute thread
+        self._wanted_batch = engine.batch_max
         self._stepped: dict[
             int, int
         ] = {}  # session -> the inference it last stepped in (compute thread only)
@@ -256,9 +252,8 @@ class StageServer(StageCompute):
         if self.engine.batch_max < 2 or first.n > BATCH_TOKENS:
             return []
         work: list[tuple[float, protocol.Step, RunStep | None]] = []
-        mates = self.engine.batch_mates(
-            first.session
-        )  # a formed group runs whole: no KV rows copied
+        # a formed group runs whole: no KV rows copied
+        mates = self.engine.batch_mates(first.session)
 
         def fits(step: protocol.Step) -> bool:
             return step.n <= BATCH_TOKENS and (not mates or step.session in mates)
@@ -375,9 +370,8 @@ class StageServer(StageCompute):
         size = sum(len(frame) for frame in frames)
         queued: protocol.Message | RunStep = message
         if isinstance(message, protocol.Control):
-            self.run_stops.stopped(
-                session
-            )  # before it is queued: the compute thread may serve it at once
+            # before it is queued: the compute thread may serve it at once
+            self.run_stops.stopped(session)
         elif (
             isinstance(message, protocol.Step)
             and (message.run > 1 or message.looped)

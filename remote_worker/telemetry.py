@@ -69,9 +69,8 @@ class StageStats:
     busy_seconds: float = 0.0
     last_step_ms: float = 0.0
     handled: Counter[str] = field(default_factory=Counter)  # message kinds served
-    batches: Counter[int] = field(
-        default_factory=Counter
-    )  # inferences by the number of sessions in them
+    # inferences by the number of sessions in them
+    batches: Counter[int] = field(default_factory=Counter)
     started: float = field(default_factory=time.time)
     _mark: tuple[float, int, int, float, int] = (0.0, 0, 0, 0.0, 0)
     _next_sample: float = 0.0

@@ -119,9 +119,8 @@ def cached(directory: Path, cache_key: str) -> Manifest | None:
                 "%s holds another compile (key %s); rebuilding", directory, manifest.cache_key
             )
             return None
-        verify_all(
-            directory, manifest, stamp=True
-        )  # files intact since their last check are not read again
+        # files intact since their last check are not read again
+        verify_all(directory, manifest, stamp=True)
         return manifest
     except ManifestError as error:
         logger.warning("cached shards in %s are not valid (%s); rebuilding", directory, error)

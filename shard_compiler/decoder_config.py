@@ -48,9 +48,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     expert_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse mixture of experts
-    decoder: Any = field(
-        default=None, compare=False, repr=False
-    )  # transformers' config object (RoPE tables)
+    # transformers' config object (RoPE tables)
+    decoder: Any = field(default=None, compare=False, repr=False)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

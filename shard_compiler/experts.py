@@ -53,17 +53,14 @@ class SparseExperts(nn.Module):
         self.top_k = config.experts_per_token
         self.normalise = config.norm_topk_prob
         self.activation = config.family.activation
-        self.router = nn.Parameter(
-            weights.get(f"{prefix}.gate.weight"), requires_grad=False
-        )  # (E, H)
+        # (E, H)
+        self.router = nn.Parameter(weights.get(f"{prefix}.gate.weight"), requires_grad=False)
         gate, up, down = expert_weights(weights, prefix, self.experts)
-        self.gate = nn.Parameter(
-            gate.transpose(1, 2).contiguous(), requires_grad=False
-        )  # (E, H, I)
+        # (E, H, I)
+        self.gate = nn.Parameter(gate.transpose(1, 2).contiguous(), requires_grad=False)
         self.up = nn.Parameter(up.transpose(1, 2).contiguous(), requires_grad=False)  # (E, H, I)
-        self.down = nn.Parameter(
-            down.transpose(1, 2).contiguous(), requires_grad=False
-        )  # (E, I, H)
+        # (E, I, H)
+        self.down = nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, length, width = hidden.shape
@@ -74,9 +71,8 @@ class SparseExperts(nn.Module):
             top_values = top_values / top_values.sum(dim=-1, keepdim=True)
         routing = torch.zeros_like(probabilities).scatter(1, top_indices, top_values)  # (T, E)
         each = tokens[None].expand(self.experts, -1, -1)  # (E, T, H): a batch per expert
-        inner = activation(self.activation, torch.bmm(each, self.gate)) * torch.bmm(
-            each, self.up
-        )  # (E, T, I)
+        # (E, T, I)
+        inner = activation(self.activation, torch.bmm(each, self.gate)) * torch.bmm(each, self.up)
         outputs = torch.bmm(inner, self.down)  # (E, T, H)
         mixed = (outputs * routing.transpose(0, 1)[:, :, None]).sum(dim=0)  # (T, H)
         return mixed.reshape(batch, length, width)
@@ -95,27 +91,24 @@ class ClampedExperts(nn.Module):
         super().__init__()
         self.experts = config.num_experts
         self.top_k = config.experts_per_token
-        self.router = nn.Parameter(
-            weights.get(f"{prefix}.router.weight"), requires_grad=False
-        )  # (E, H)
+        # (E, H)
+        self.router = nn.Parameter(weights.get(f"{prefix}.router.weight"), requires_grad=False)
         self.router_bias = nn.Parameter(weights.get(f"{prefix}.router.bias"), requires_grad=False)
-        gate_up = weights.get(
-            f"{prefix}.experts.gate_up_proj"
-        )  # (E, H, 2I), gate and up interleaved
+        # (E, H, 2I), gate and up interleaved
+        gate_up = weights.get(f"{prefix}.experts.gate_up_proj")
         gate_up_bias = weights.get(f"{prefix}.experts.gate_up_proj_bias")  # (E, 2I)
         self.gate = nn.Parameter(gate_up[..., ::2].contiguous(), requires_grad=False)  # (E, H, I)
         self.up = nn.Parameter(gate_up[..., 1::2].contiguous(), requires_grad=False)
-        self.gate_bias = nn.Parameter(
-            gate_up_bias[:, None, ::2].contiguous(), requires_grad=False
-        )  # (E, 1, I)
+        # (E, 1, I)
+        self.gate_bias = nn.Parameter(gate_up_bias[:, None, ::2].contiguous(), requires_grad=False)
         self.up_bias = nn.Parameter(gate_up_bias[:, None, 1::2].contiguous(), requires_grad=False)
-        self.down = nn.Parameter(
-            weights.get(f"{prefix}.experts.down_proj"), requires_grad=False
-        )  # (E, I, H)
+        # (E, I, H)
+        self.down = nn.Parameter(weights.get(f"{prefix}.experts.down_proj"), requires_grad=False)
+        # (E, 1, H)
         self.down_bias = nn.Parameter(
             weights.get(f"{prefix}.experts.down_proj_bias")[:, None, :].contiguous(),
             requires_grad=False,
-        )  # (E, 1, H)
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, length, width = hidden.shape

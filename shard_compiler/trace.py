@@ -204,13 +204,13 @@ class Attention(nn.Module):
         ):  # the sink: one more key of logit `sinks` (a bias on a zero key), value zero
             keys = torch.cat((keys, torch.zeros_like(keys[:, :, :1])), dim=2)
             values = torch.cat((values, torch.zeros_like(values[:, :, :1])), dim=2)
-            sink = self.sinks[None, :, None, None].expand(
-                batch, -1, mask.shape[2], 1
-            )  # (B, h, n, 1)
+            # (B, h, n, 1)
+            sink = self.sinks[None, :, None, None].expand(batch, -1, mask.shape[2], 1)
             mask = torch.cat((mask.expand(batch, self.heads, -1, -1), sink), dim=-1)
+        # (B, h, n, d)
         attended = nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=self.scale
-        )  # (B, h, n, d)
+        )
         attended = attended.transpose(1, 2).reshape(batch, -1, self.heads * self.head_dim)
         return self.o_proj(attended), key, value
 
@@ -303,9 +303,8 @@ def attention_bias(
     key_slots = torch.arange(total, dtype=torch.int64)  # (cache + n)
     query_slots = torch.arange(new_tokens, dtype=torch.int64) + (total - new_tokens)  # (n)
     causal = key_slots[None, :] <= query_slots[:, None]  # (n, cache + n)
-    allowed = causal[None, None, :, :] & (
-        attention_mask[:, None, None, :] > 0
-    )  # (B, 1, n, cache + n)
+    # (B, 1, n, cache + n)
+    allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)
     if window is not None:
         key_positions = torch.cumsum(attention_mask, dim=-1) - 1  # (B, cache + n)
         distance = positions[:, :, None] - key_positions[:, None, :]  # (B, n, cache + n)
@@ -398,9 +397,8 @@ class StageModule(nn.Module):
             window = config.sliding_window if kind == "sliding_attention" else None
             masks[kind] = attention_bias(attention_mask, new_tokens, position_ids, window)
             inverse, scaling = self._frequencies(kind, position_ids)
-            angles = (
-                position_ids[:, :, None].to(torch.float32) * inverse[None, None, :]
-            )  # (B, n, d/2)
+            # (B, n, d/2)
+            angles = position_ids[:, :, None].to(torch.float32) * inverse[None, None, :]
             angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]  # (B, 1, n, d)
             if scaling != 1.0:
                 rotations[kind] = (angles.cos() * scaling, angles.sin() * scaling)

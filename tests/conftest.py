@@ -49,9 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fleets/local.toml, pinned cores, and a test that counts every mono process on the machine); the
     Gemma tests share one tokenizer."""
     for item in items:
-        folder = (
-            item.path.parent.name
-        )  # tests/unit, tests/integration, tests/ssh, tests/tui: a marker each
+        # tests/unit, tests/integration, tests/ssh, tests/tui: a marker each
+        folder = item.path.parent.name
         if folder in ("unit", "integration", "ssh", "tui"):
             item.add_marker(getattr(pytest.mark, folder))
         if item.get_closest_marker("ssh") or "ssh_hosts" in getattr(item, "fixturenames", ()):
@@ -126,9 +125,8 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     installed once."""
     reason = available()
     if reason and os.environ.get("CI"):
-        pytest.fail(
-            f"CI must run the real-sshd tests: {reason}"
-        )  # .ci/test installs openssh-server as root
+        # .ci/test installs openssh-server as root
+        pytest.fail(f"CI must run the real-sshd tests: {reason}")
     if reason:
         pytest.skip(reason)
     with SshHosts(2, tmp_path_factory.mktemp("sshd")) as hosts:

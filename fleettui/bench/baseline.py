@@ -67,9 +67,8 @@ async def run_baseline(
         else:
             command += ["--cores", str(cores[0])] if spec.pinned else []
             outputs = await asyncio.wait_for(run_children([command]), ROW_TIMEOUT)
-    row.details["others_cpu"] = (
-        witness.others()
-    )  # over the whole child run (compile and warm-up too)
+    # over the whole child run (compile and warm-up too)
+    row.details["others_cpu"] = witness.others()
     results = []
     for returncode, stdout, stderr in outputs:
         if returncode != 0:

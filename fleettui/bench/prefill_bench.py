@@ -43,13 +43,11 @@ def long_prompt(tokens: int, round_: int) -> str:
 class PrefillReport:
     prompt_tokens: int = 0
     stages: int = 0
-    ttft: dict[str, list[float]] = field(
-        default_factory=lambda: {arm: [] for arm in ARMS}
-    )  # alone, s
+    # alone, s
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {arm: [] for arm in ARMS})
     shared_ttft: dict[str, list[float]] = field(default_factory=lambda: {arm: [] for arm in ARMS})
-    other_rate: dict[str, list[float]] = field(
-        default_factory=lambda: {arm: [] for arm in ARMS}
-    )  # tok/s
+    # tok/s
+    other_rate: dict[str, list[float]] = field(default_factory=lambda: {arm: [] for arm in ARMS})
     same_tokens: bool = True
 
     @staticmethod
@@ -175,9 +173,8 @@ async def _beside_another(
         finished = started + elapsed
     finally:
         talking.cancel()
-        (ended,) = await asyncio.gather(
-            talking, return_exceptions=True
-        )  # cancelled: the expected end
+        # cancelled: the expected end
+        (ended,) = await asyncio.gather(talking, return_exceptions=True)
         if isinstance(ended, Exception):  # it failed before: its failure, not a rate of 0
             raise ended
         await coordinator.close_session(other)

@@ -217,9 +217,8 @@ def format_table(rows: Sequence[Row]) -> str:
             for i, (c, w) in enumerate(zip(line, widths, strict=True))
         ]
         if number and not line[6].isdigit():
-            parts = parts[:6] + [
-                line[6]
-            ]  # a skip or failure reason: it runs to the end of the line
+            # a skip or failure reason: it runs to the end of the line
+            parts = parts[:6] + [line[6]]
         rendered.append("  ".join(parts).rstrip())
         if number == 0:
             rendered.append("  ".join("-" * w for w in widths))
@@ -260,9 +259,8 @@ def plot(rows: Sequence[Row], width: int = 100) -> str:
     try:
         import plotext
 
-        plotext.terminal.limit(
-            False, False
-        )  # the chart's own size, not the terminal's (stdout may be a file)
+        # the chart's own size, not the terminal's (stdout may be a file)
+        plotext.terminal.limit(False, False)
         figure = plotext.figure
         figure.clear()
         figure.draw(figure.bar(names, values, orientation="h", labeled=True, width=0.6))

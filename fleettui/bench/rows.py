@@ -46,9 +46,8 @@ class RowSpec:
     # answers constrained by the bench's JSON schema (`fleettui.bench.grammar_bench`)
     grammar: bool = False
     group: str = field(default="fleet", compare=False)  # the --only group this row belongs to
-    versus: str = field(
-        default="", compare=False
-    )  # the row it is paired with (measured in the same rounds)
+    # the row it is paired with (measured in the same rounds)
+    versus: str = field(default="", compare=False)
 
     @property
     def name(self) -> str:
@@ -254,9 +253,8 @@ def plan_rows(
     if only == "batch" or not quick:
         rows += batch_rows(quick)
     if only == "grammar" or not quick:
-        named = {
-            row.name for row in rows
-        }  # a free row another group measures already is the pair's
+        # a free row another group measures already is the pair's
+        named = {row.name for row in rows}
         rows += [row for row in grammar_rows(fleet, k, speculate) if row.name not in named]
     if only is None:
         return rows

@@ -43,9 +43,8 @@ class SoakReport:
     recoveries: list[RecoveryReport] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
-    rss_mb: list[tuple[float, float, float]] = field(
-        default_factory=list
-    )  # (elapsed s, coordinator, workers)
+    # (elapsed s, coordinator, workers)
+    rss_mb: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def lost(self) -> int:
@@ -113,9 +112,8 @@ async def soak(
     from fleettui.runtime.generation import GenerationParams
 
     say = on_line or (lambda line: None)
-    admitted = max(
-        fleet.sessions.max_sessions, sessions
-    )  # every user holds a session on every stage
+    # every user holds a session on every stage
+    admitted = max(fleet.sessions.max_sessions, sessions)
     fleet = replace(fleet, sessions=replace(fleet.sessions, max_sessions=admitted))
     controller = FleetController(fleet, on_event=on_event)
     report = SoakReport(seconds, sessions)
@@ -151,9 +149,8 @@ async def soak(
                         await coordinator.close_session(session)
                 except Exception as error:  # counted: the soak's verdict is that nothing is lost
                     report.errors.append(f"user {index}: {type(error).__name__}: {error}")
-                    await asyncio.sleep(
-                        0.5
-                    )  # as a client would: a failing fleet is not asked again at once
+                    # as a client would: a failing fleet is not asked again at once
+                    await asyncio.sleep(0.5)
                     continue
                 report.answers += 1
                 report.tokens += len(generation.token_ids)

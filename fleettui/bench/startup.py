@@ -48,9 +48,8 @@ class StartupReport:
     model: str
     split: list[tuple[int, int]]
     starts: list[Start] = field(default_factory=list)
-    answers: list[tuple[float, float]] = field(
-        default_factory=list
-    )  # (first, next) answer's TTFT, seconds
+    # (first, next) answer's TTFT, seconds
+    answers: list[tuple[float, float]] = field(default_factory=list)
 
     def median(self, stage: int, mode: str, attribute: str = "seconds") -> float:
         values = [getattr(s, attribute) for s in self.starts if s.stage == stage and s.mode == mode]

@@ -122,13 +122,11 @@ async def _ask(
     from fleettui.runtime.constraint import ConstraintError, ConstraintSpec, json_schema_grammar
     from fleettui.runtime.limits import RequestError
 
-    reporter = (
-        ProgressReporter()
-    )  # compile, worker start (and SSH deploys): bars on a terminal, else lines
+    # compile, worker start (and SSH deploys): bars on a terminal, else lines
+    reporter = ProgressReporter()
     controller = FleetController(fleet, on_event=reporter, settings=settings)
-    streaming = (
-        args.json is None and schema is None and sys.stdout.isatty()
-    )  # (an object prints once valid)
+    # (an object prints once valid)
+    streaming = args.json is None and schema is None and sys.stdout.isatty()
 
     def show(_tokens: list[int], delta: str) -> None:
         if streaming and delta:

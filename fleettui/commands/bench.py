@@ -193,9 +193,8 @@ class Progress:
 
         self.total = total
         self.index = 0
-        self.reporter = ProgressReporter(
-            tty=False
-        )  # compiles and worker starts: periodic plain lines
+        # compiles and worker starts: periodic plain lines
+        self.reporter = ProgressReporter(tty=False)
 
     def __call__(self, text: str, row: bool = False, result: bool = False) -> None:
         if row:

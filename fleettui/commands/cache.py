@@ -34,9 +34,8 @@ class ShardFolder:
     path: Path
     model: str
     precision: str
-    split: tuple[
-        str, ...
-    ]  # layer boundaries, e.g. (0, 23, 30); 12.5 cuts layer 12 between attention and MLP
+    # layer boundaries, e.g. (0, 23, 30); 12.5 cuts layer 12 between attention and MLP
+    split: tuple[str, ...]
     size: int
     used: float  # last use: written, or a cache hit (shards/.used/<name>), seconds since the epoch
     in_use: bool  # a recorded deployment points at it

@@ -38,9 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from fleettui.control.states import LogLine
 
     fleet = options.load(args)
-    reporter = (
-        ProgressReporter()
-    )  # compile, wheelhouse, SFTP push, worker start: bars on a terminal, else lines
+    # compile, wheelhouse, SFTP push, worker start: bars on a terminal, else lines
+    reporter = ProgressReporter()
 
     def show(event: object) -> None:
         reporter(event)

@@ -255,9 +255,8 @@ def run(args: argparse.Namespace) -> int:
 def _validated(path: Path) -> Fleet:
     from fleettui.config.fleet import load_fleet
 
-    return load_fleet(
-        path
-    )  # what init writes must load; a FleetConfigError here is a bug worth seeing
+    # what init writes must load; a FleetConfigError here is a bug worth seeing
+    return load_fleet(path)
 
 
 def _print_plan(fleet: Fleet) -> int:

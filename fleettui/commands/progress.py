@@ -73,9 +73,8 @@ class ProgressReporter:
         self._rich: Any = None
         self._compiles = 0
         self.closed = False
-        self._lock = (
-            threading.RLock()
-        )  # events arrive on the event loop, the heartbeat ticks on its thread
+        # events arrive on the event loop, the heartbeat ticks on its thread
+        self._lock = threading.RLock()
         self._stopped = threading.Event()
         self._heartbeat: threading.Thread | None = None
 

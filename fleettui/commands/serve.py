@@ -16,10 +16,11 @@ HELP = (
     "serve the fleet as an OpenAI-compatible HTTP API (attaches to a deployed fleet, else starts "
     "one)"
 )
+# what a serving fleet tells its operator, one line each
 SERVING_SOURCES = (
     "recovery",
     "rebalance",
-)  # what a serving fleet tells its operator, one line each
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

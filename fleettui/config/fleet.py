@@ -27,9 +27,8 @@ else:  # pragma: no cover - Python 3.10
 logger = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).resolve().parents[2] / "fleets"  # a checkout's examples (bare names)
-DEFAULT_FLEET = (
-    Path(__file__).resolve().parent / "local.toml"
-)  # ships in the wheel; a copy of fleets/local.toml
+# ships in the wheel; a copy of fleets/local.toml
+DEFAULT_FLEET = Path(__file__).resolve().parent / "local.toml"
 
 PRECISIONS = contract.WEIGHT_PRECISIONS
 INFERENCE_PRECISIONS = ("auto", *contract.INFERENCE_PRECISIONS)
@@ -54,9 +53,8 @@ class ModelSettings:
 
     name: str = "smollm2-135m-instruct"  # builtin name, HF folder, .gguf path (resolved) or hub id
     precision: str = "int4"  # weight precision actually used (fp32 when runtime.exact)
-    shards: Path = field(
-        default_factory=lambda: paths.cache_dir()
-    )  # cache root: <root>/shards/<key>
+    # cache root: <root>/shards/<key>
+    shards: Path = field(default_factory=lambda: paths.cache_dir())
 
 
 RUNTIME_KEYS: tuple[str, ...] = (

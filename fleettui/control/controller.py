@@ -361,9 +361,8 @@ class FleetController:
             await self.stop()
             raise ControllerError("; ".join(failures))
         if self.record is not None:
-            self.record = self._record(
-                deployment, owner=os.getpid()
-            )  # SSH configs name the pushed shards
+            # SSH configs name the pushed shards
+            self.record = self._record(deployment, owner=os.getpid())
             store.save(self.record)
         await self._connect(deployment, endpoint_map)
         assert self._connection is not None
@@ -419,9 +418,8 @@ class FleetController:
             self._connection = await connect(
                 self.fleet, deployment, self.target, endpoint_map, self._on_sample
             )
-            self.recovery = Recovery(
-                self, compile_model
-            )  # heartbeats and recovery, the handshake's too
+            # heartbeats and recovery, the handshake's too
+            self.recovery = Recovery(self, compile_model)
             self.recovery.start()
             await handshake(self._connection, self.recovery.idle.wait)
         except (RuntimeError, ValueError) as error:
@@ -552,9 +550,8 @@ class FleetController:
         on_tokens: TokenCallback | None = None,
         raw: bool = False,
     ) -> Generation:
-        assert isinstance(
-            session, Session
-        )  # RAW: continue the session's text (a base model), no template
+        # RAW: continue the session's text (a base model), no template
+        assert isinstance(session, Session)
         return await self._coordinator().chat(session, text, params, on_tokens, raw)
 
     async def generate(

@@ -58,9 +58,8 @@ def free_port_block(
 
 
 PORT_STRIPES = 16
-_HANDED_OUT: deque[range] = deque(
-    maxlen=512
-)  # the blocks this process handed out last (long bound)
+# the blocks this process handed out last (long bound)
+_HANDED_OUT: deque[range] = deque(maxlen=512)
 
 
 def _ephemeral_range() -> tuple[int, int]:

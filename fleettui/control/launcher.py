@@ -168,9 +168,8 @@ class LocalLauncher:
             code = None if launched.popen is None else launched.popen.poll()
             if code is None:
                 return None
-            return (
-                f"exited with code {code}" if code >= 0 else f"killed by {signal_name(-code)}"
-            )  # (a Popen: -N)
+            # (a Popen: -N)
+            return f"exited with code {code}" if code >= 0 else f"killed by {signal_name(-code)}"
 
         while True:
             left = max(deadline - asyncio.get_running_loop().time(), 0.1)

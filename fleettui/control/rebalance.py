@@ -36,9 +36,8 @@ def head_layers(fleet: Fleet) -> float:
     from fleettui.model.builtin import shape_for_model
     from fleettui.planning.profiles import nearest_costs
 
-    measured = nearest_costs(
-        fleet, fleet.hosts[-1]
-    )  # (after a re-plan: its profile of another stage count)
+    # (after a re-plan: its profile of another stage count)
+    measured = nearest_costs(fleet, fleet.hosts[-1])
     if measured is not None and measured.layer_ms > 0 and measured.head_ms > 0:
         return measured.head_ms / measured.layer_ms
     try:
@@ -63,9 +62,8 @@ def moved_layers(manifest: Manifest, fleet: Fleet) -> list[float]:
         shape = shape_for_model(fleet.model.name)
     except PlanError:
         shape = None
-    share = (
-        shape.mlp_share(fleet.model.precision) if shape is not None else 0.8
-    )  # Llama-like, unknown
+    # Llama-like, unknown
+    share = shape.mlp_share(fleet.model.precision) if shape is not None else 0.8
     return [share * (s.layers.starts_mid - s.layers.ends_mid) for s in manifest.stages]
 
 

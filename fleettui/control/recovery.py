@@ -476,17 +476,15 @@ class Recovery:
         controller, coordinator = self.controller, self.controller.coordinator
         assert coordinator is not None and controller.deployment is not None
         fleet = controller.fleet
-        written = {
-            host.name: host for host in controller.base_fleet.hosts
-        }  # before the CPUs were shared out
+        # before the CPUs were shared out
+        written = {host.name: host for host in controller.base_fleet.hosts}
         rest = tuple(
             replace(written.get(host.name, host), layers=None)
             for host in fleet.hosts
             if host.name not in gone
         )
-        smaller = share_local_cores(
-            replace(fleet, hosts=rest, path=None)
-        )  # the local survivors share anew
+        # the local survivors share anew
+        smaller = share_local_cores(replace(fleet, hosts=rest, path=None))
         try:
             if not rest:
                 raise PlanError("no host is left")

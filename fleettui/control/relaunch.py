@@ -155,9 +155,8 @@ async def launch_split(
             await stop_remote(controller.fleet, placement)
     launcher = LocalLauncher(deployment.keys, lease=controller.worker_lease)
     local = [await launcher.start(p) for p in deployment.stages if p.host.is_local]
-    track(
-        controller, local, deployment
-    )  # tracked before the handshakes: a failure leaves no orphan
+    # tracked before the handshakes: a failure leaves no orphan
+    track(controller, local, deployment)
     remote = ssh_launcher(controller, fleet, deployment)
     outcomes = await asyncio.gather(
         *(launcher.handshake(each, READY_TIMEOUT) for each in local),

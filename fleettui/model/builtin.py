@@ -40,9 +40,8 @@ def shape_for_model(model: str, online: bool = False) -> ModelShape | None:
     return None
 
 
-PUBLISHED_DIR = (
-    Path(__file__).parent / "published"
-)  # publishers' config.json files, kept as data (README there)
+# publishers' config.json files, kept as data (README there)
+PUBLISHED_DIR = Path(__file__).parent / "published"
 
 
 def published_config(name: str) -> Path | None:

@@ -15,13 +15,14 @@ from remote_worker.config import WEIGHT_PRECISIONS
 
 GIB = 1 << 30
 PRECISION_ORDER = WEIGHT_PRECISIONS  # widest first (the contract's vocabulary)
+# auto: f16 (upper bound of CPU u8)
 KV_BYTES = {
     "auto": 2.0,
     "f32": 4.0,
     "f16": 2.0,
     "bf16": 2.0,
     "u8": 1.0,
-}  # auto: f16 (upper bound of CPU u8)
+}
 
 
 class LayeredHost(Protocol):
@@ -129,9 +130,8 @@ class ModelShape:
             return count + 3.0 * rows  # u8 weights + f16 scale + u8 zero point per output channel
         if precision == "int4":
             group = self.group_size
-            return count / 2 + (
-                2.0 * count / group if group else 2.0 * rows
-            )  # + f16 scale per group
+            # + f16 scale per group
+            return count / 2 + (2.0 * count / group if group else 2.0 * rows)
         raise PlanError(
             f"unknown precision {precision!r}: expected one of {', '.join(PRECISION_ORDER)}"
         )

@@ -80,9 +80,8 @@ def _nonnegative_fit(design: Any, times: Any) -> tuple[float, float, float]:
         if not negative or len(free) == 1:
             found = dict(zip(free, (max(float(v), 0.0) for v in solution), strict=True))
             return found.get(0, 0.0), found.get(1, 0.0), found.get(2, 0.0)
-        free.remove(
-            0 if 0 in free else negative[0]
-        )  # the per-call term goes first: layers must stay
+        # the per-call term goes first: layers must stay
+        free.remove(0 if 0 in free else negative[0])
 
 
 def balanced_split(

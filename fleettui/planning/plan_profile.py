@@ -49,9 +49,8 @@ def run_plan_profile(
     by_bytes = plan_fleet(fleet, shape, use_profile=False)
     children = Children()
     timer = remote(children) if remote is not None else None
-    found = calibrate(
-        fleet, shape.num_layers, None, say, True, None, children, timer
-    )  # measure now
+    # measure now
+    found = calibrate(fleet, shape.num_layers, None, say, True, None, children, timer)
     planned = plan_fleet(fleet, shape)
     print(format_plan(planned), file=stream)
     if planned.costs is None:
@@ -77,9 +76,8 @@ def run_plan_profile(
         )
         shard_dir = compile_split(fleet, splits, children)
         predicted = predicted_ms(counts, costs)
-        pauses = [
-            sum(predicted) - own for own in predicted
-        ]  # live, one user: the rest of the pipeline
+        # live, one user: the rest of the pipeline
+        pauses = [sum(predicted) - own for own in predicted]
         measured = _time_planned(fleet, shard_dir, pauses, children, timer)
     print(
         "\nmeasured vs predicted decode ms per token, each stage on its host's settings:",
@@ -99,9 +97,8 @@ def _time_planned(
         and len({(h.device, h.threads, h.cores) for h in hosts}) == 1
     ):
         timed = time_stages(fleet, hosts[0], shard_dir, list(range(len(hosts))), children, pauses)
-        return [
-            float(s["decode_ms"]) for s in timed
-        ]  # one process timed every stage: the same windows
+        # one process timed every stage: the same windows
+        return [float(s["decode_ms"]) for s in timed]
     measured = {}
     for index, host in enumerate(hosts):  # one stage on each host, after its pause
         if host.is_local:

@@ -357,9 +357,8 @@ def calibrate(
         elif not host.is_local and remote is None:
             say(f"{host.name}: SSH host, not calibrated (the byte-count estimate plans it)")
         else:
-            todo.setdefault(path, []).append(
-                host
-            )  # a second host with the same settings shares the timing
+            # a second host with the same settings shares the timing
+            todo.setdefault(path, []).append(host)
     if not todo:
         return found
     say("compiling the calibration split [0, 1, L-1, L] (cached)")

@@ -97,9 +97,8 @@ async def _run_profile(
     line = " ".join([shell.program(python), *(shell.quote(part) for part in command)])
     process = await session.connection.create_process(line)
     try:
-        completed = await process.wait(
-            check=False, timeout=timeout
-        )  # stdin stays open (no input is sent)
+        # stdin stays open (no input is sent)
+        completed = await process.wait(check=False, timeout=timeout)
     except asyncssh.TimeoutError:
         raise ProvisionError(
             session.host.name, "calibrate", f"no result within {timeout:.0f} s"

@@ -408,9 +408,8 @@ async def deploy_host(
         text = config(paths) if callable(config) else config
         await session.write_config(paths.config, text)
         result = replace(result, step="launch")
-        await session.stop(
-            [paths.pidfile], None, options.stop_timeout
-        )  # a previous run of this stage
+        # a previous run of this stage
+        await session.stop([paths.pidfile], None, options.stop_timeout)
         argv = [
             part.format(python=python, config=paths.config, shard=paths.shard)
             for part in options.argv

@@ -390,9 +390,8 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         if cores and hasattr(os, "sched_setaffinity"):
             options["preexec_fn"] = lambda: os.sched_setaffinity(0, cores)
     with open(log, "ab") as output:
-        written = (
-            output.tell()
-        )  # the log is appended to: an early exit reports only what this run wrote
+        # the log is appended to: an early exit reports only what this run wrote
+        written = output.tell()
         process = subprocess.Popen(
             args["argv"],
             cwd=args["cwd"],

@@ -31,10 +31,11 @@ def shard_files(shard: ShardAssignment) -> tuple[str, ...]:
     """The relative paths a stage needs from its shard folder."""
     if shard.files is not None:
         return shard.files
+    # a worker verifies and loads only its own stage
     wanted = (
         "manifest.json",
         f"stage_{shard.stage}",
-    )  # a worker verifies and loads only its own stage
+    )
     return tuple(name for name in wanted if (shard.directory / name).exists())
 
 

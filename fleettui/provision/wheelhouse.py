@@ -28,12 +28,13 @@ from fleettui.provision.events import Preflight
 logger = logging.getLogger(__name__)
 
 WORKER_DISTRIBUTION = "fleettui-remote-worker"
+# None: exact pin
 WORKER_DEPENDENCIES = {
     "openvino": None,
     "numpy": ">=1.26",
     "pyzmq": ">=26",
     "psutil": ">=5.9",
-}  # None: exact pin
+}
 
 
 def default_cache() -> Path:
@@ -197,9 +198,8 @@ async def build_wheelhouse(
     source_digest = _tree_digest(source)
     identity = json.dumps([source_digest, requirements, target.key(), target.platforms()]).encode()
     key = f"{target.key()}-{hashlib.sha256(identity).hexdigest()[:16]}"
-    lock = _locks.setdefault(
-        f"{id(asyncio.get_running_loop())}-{key}", asyncio.Lock()
-    )  # one per event loop
+    # one per event loop
+    lock = _locks.setdefault(f"{id(asyncio.get_running_loop())}-{key}", asyncio.Lock())
     async with lock:
         directory = cache / key
         done = directory / "wheelhouse.json"

@@ -213,9 +213,8 @@ async def _propose(
     if send is not None and not ahead.stopped and len(proposal.tokens) == tokens + 1:
         ahead.sent = send(ahead, proposal)
         if ahead.sent is not None:
-            await asyncio.sleep(
-                0
-            )  # the request sends on its first step: before anything after this proposal
+            # the request sends on its first step: before anything after this proposal
+            await asyncio.sleep(0)
     return proposal
 
 

@@ -100,9 +100,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         # why chat() refuses when chat_format is None
         self.no_chat_reason = "this pipeline has no tokenizer"
         self._ids = itertools.count(1)
-        self.stage_load = (
-            StageLoad()
-        )  # observers of every verify/decode result (traces for telemetry, bench)
+        # observers of every verify/decode result (traces for telemetry, bench)
+        self.stage_load = StageLoad()
         self.result_observers: list[Callable[[protocol.Result, float], None]] = [
             self.stage_load.observe
         ]
@@ -113,9 +112,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         self.resume.set()
         self.target_epoch = self.draft_epoch = 0
         self.fatal: str | None = None
-        self.hold = (
-            Hold()
-        )  # a degraded fleet's rounds wait for it to be whole again, then resume exactly
+        # a degraded fleet's rounds wait for it to be whole again, then resume exactly
+        self.hold = Hold()
         self.replayed_tokens = 0
         self.stages = 1  # how many stages the last Hello crossed
         # Sessions closed here whose CLOSE a lost stage kept from the chain: the stages that
@@ -204,18 +202,16 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             await self._close_unclosed()
             session.ledger.reset()
             await self.target.request(protocol.Control(protocol.Kind.OPEN, session.id, 0))
-            prefix = session.history[
-                :-1
-            ]  # the last token is fed by the next round, as in a normal run
+            # the last token is fed by the next round, as in a normal run
+            prefix = session.history[:-1]
             await self._replay(session, prefix, target_epoch)
             self.replayed_tokens += len(prefix)
             session.target_epoch = target_epoch
         if session.draft_epoch != draft_epoch:
             await self._drop_ahead(session, commit=True)
             if self.drafter is not None:
-                await self.drafter.open(
-                    session.id
-                )  # re-opening resets; the next proposal feeds the history
+                # re-opening resets; the next proposal feeds the history
+                await self.drafter.open(session.id)
             session.drafted_at = 0
             session.draft_epoch = draft_epoch
 
@@ -324,9 +320,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             else self.chat_format.eos_token_ids
         )
         started = time.perf_counter()
-        session.grammar = grammar = self._reply_grammar(
-            params
-        )  # (a bad grammar fails before anything moves)
+        # (a bad grammar fails before anything moves)
+        session.grammar = grammar = self._reply_grammar(params)
         session.history = list(prompt)
         session.logprobs = []
         generated: list[int] = []
@@ -394,9 +389,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 self._keep_draft_up(session, params, params.max_tokens - len(generated))
             visible = [t for t in emitted if t not in eos]
             if params.logprobs is not None:
-                session.logprobs += token_logprobs(result, scored)[
-                    : len(visible)
-                ]  # (EOS only ends)
+                # (EOS only ends)
+                session.logprobs += token_logprobs(result, scored)[: len(visible)]
             delta = stream.push(visible) if stream is not None else ""
             if stream is not None and stream.stopped:
                 finished = "stop"
@@ -442,12 +436,10 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
         ):
             return ran
         settling = time.perf_counter()
-        keeping_up = (
-            bool(session.ahead) and session.ahead[0].keep_up
-        )  # waited for when the draft is used
-        ahead_drafts.stop_failed(
-            session.ahead, session.history
-        )  # a round that failed: draft the fresh one
+        # waited for when the draft is used
+        keeping_up = bool(session.ahead) and session.ahead[0].keep_up
+        # a round that failed: draft the fresh one
+        ahead_drafts.stop_failed(session.ahead, session.history)
         ahead = None if keeping_up else await self._settle_ahead(session)
         if ahead is not None and ahead.sent is not None:
             pipelined = await self._pipelined_round(session, params, ahead, remaining, settling)
@@ -479,9 +471,8 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
             candidates = self._candidates(session)
             # a run cut short where the free lookup proposes: it drafts now (lookup_watch; K = 0
             # when the tokens the run made until the Cancel's Ack went another way)
-            watched = bool(self.max_run) and isinstance(
-                self.target, RunLink
-            )  # runs, watched for the lookup
+            # runs, watched for the lookup
+            watched = bool(self.max_run) and isinstance(self.target, RunLink)
             name, k = (
                 ("lookup", session.cut.k)
                 if session.cut
@@ -533,10 +524,11 @@ class Coordinator(RunRounds, AheadRounds, PrefillRounds):
                 and left > 0
                 and (tokens := session.grammar.forced(min(left, MAX_FORCED)))
             ):
+                # what the grammar forces: always accepted
                 draft, forced = (
                     Draft.deterministic(tokens),
                     True,
-                )  # what the grammar forces: always accepted
+                )
             kept, token_mask = session.grammar.plan(draft.tokens)
             if kept < len(draft.tokens):
                 draft = Draft(

@@ -33,18 +33,14 @@ class CostModel:
     # a run cut short for a free drafter (fleettui.runtime.lookup_watch): what its Cancel cost
     cut: LinearCost = field(default_factory=LinearCost)
     realized: dict[tuple[str, bool], Realized] = field(default_factory=dict)
-    acceptance: dict[str, list[float]] = field(
-        default_factory=dict
-    )  # drafter: decayed [accepted, rejected]
-    proposals: dict[str, list[float]] = field(
-        default_factory=dict
-    )  # drafter: decayed [proposed, asked]
-    probe_intervals: dict[tuple[str, bool], int] = field(
-        default_factory=dict
-    )  # (drafter, loaded): rounds
-    since_probe: dict[tuple[str, bool], int] = field(
-        default_factory=dict
-    )  # ... of any session since a probe
+    # drafter: decayed [accepted, rejected]
+    acceptance: dict[str, list[float]] = field(default_factory=dict)
+    # drafter: decayed [proposed, asked]
+    proposals: dict[str, list[float]] = field(default_factory=dict)
+    # (drafter, loaded): rounds
+    probe_intervals: dict[tuple[str, bool], int] = field(default_factory=dict)
+    # ... of any session since a probe
+    since_probe: dict[tuple[str, bool], int] = field(default_factory=dict)
     # seconds of rounds recorded (every arm, each session's round counted), alone and loaded:
     # generating time
     generating: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
@@ -52,9 +48,8 @@ class CostModel:
     # that round lost against plain decoding (its after-effect on the plain rounds that followed
     # included)
     last_drafted: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
-    after_probe: dict[tuple[str, bool], int] = field(
-        default_factory=dict
-    )  # plain rounds still charged to it
+    # plain rounds still charged to it
+    after_probe: dict[tuple[str, bool], int] = field(default_factory=dict)
     # loaded: (drafter, plain rounds left, session) whose excess still goes to that drafter's
     # realized rate
     after_verify: dict[bool, tuple[str, int, int]] = field(default_factory=dict)

@@ -98,9 +98,8 @@ class StageLoad:
 
     def __init__(self, window: float = 1.0) -> None:
         self.window = window
-        self._records: deque[tuple[float, int, float]] = deque(
-            maxlen=4096
-        )  # (received, stage, busy s)
+        # (received, stage, busy s)
+        self._records: deque[tuple[float, int, float]] = deque(maxlen=4096)
 
     def observe(self, result: protocol.Result, received: float) -> None:
         for stage, _received, started, finished, _sent in trace_records(result.trace):

@@ -33,9 +33,8 @@ class AheadSession(Protocol):
     ledger: CacheLedger
     busy: bool
     policies: dict[str, KPolicy]
-    ahead: list[
-        ahead_drafts.Ahead
-    ]  # the rounds started ahead, in order; the first follows `outstanding`
+    # the rounds started ahead, in order; the first follows `outstanding`
+    ahead: list[ahead_drafts.Ahead]
     outstanding: Feed | None  # the verify step whose result the session's round is waiting for
     drafted_at: int  # how much of the history the model draft has read (its drafts taken as read)
     idle: float  # seconds its last verify round spent on no stage (what drafting ahead can hide)
@@ -170,9 +169,8 @@ class AheadRounds:
         # themselves)
         pending = [session.outstanding, *before] if session.outstanding is not None else before
         feed = session.ledger.plan_after(pending, sequence, len(draft.tokens) + 1)
-        decode = verify_decode(
-            params, draft, NO_UNIFORMS, sequence, []
-        )  # greedy, no penalties: nothing drawn
+        # greedy, no penalties: nothing drawn
+        decode = verify_decode(params, draft, NO_UNIFORMS, sequence, [])
         reply = asyncio.ensure_future(self.target.request(feed.step(session.id, decode)))
         self.ahead_counts.sent += 1
         self.ahead_counts.chained += index > 0
@@ -191,9 +189,8 @@ class AheadRounds:
         try:
             settled = await ahead_drafts.settle(pending)
         except BaseException:
-            session.ahead.insert(
-                0, pending
-            )  # cancelled while waiting: the next use of the draft waits again
+            # cancelled while waiting: the next use of the draft waits again
+            session.ahead.insert(0, pending)
             raise
         if settled is not None and not settled.keep_up:  # (a keep-up's time is mostly its catch-up)
             self.ahead_cost.add(len(settled.task.result().tokens), settled.seconds)
@@ -223,9 +220,8 @@ class AheadRounds:
         dropped, and the caller drops the rounds after it)."""
         sent, ahead.sent = ahead.sent, None
         assert sent is not None
-        session.ledger.commit(
-            sent.feed
-        )  # applied by the stages whatever its fate; the next step masks it
+        # applied by the stages whatever its fate; the next step masks it
+        session.ledger.commit(sent.feed)
         if not ahead.holds(session.history):
             sent.drop()
             return None

@@ -294,9 +294,8 @@ class RunRounds:
                     run.stream.close()
             except BaseException as error:
                 run.stream.close()
-                session.target_epoch = (
-                    -1
-                )  # what the pipeline holds is unknown: replay before the next round
+                # what the pipeline holds is unknown: replay before the next round
+                session.target_epoch = -1
                 if not isinstance(error, Exception):
                     raise
                 log.info(

@@ -64,9 +64,8 @@ class SessionPool:
         self.opened = 0
         self.closed = 0
         self.reused_tokens = 0
-        self._orphans: set[asyncio.Future[None]] = (
-            set()
-        )  # closes of sessions whose opener was cancelled
+        # closes of sessions whose opener was cancelled
+        self._orphans: set[asyncio.Future[None]] = set()
         # sessions being opened or closed: they hold a place on the stages meanwhile
         self._moving = 0
         self._settled = asyncio.Event()  # set (and replaced) whenever an open or a close ends

@@ -136,9 +136,8 @@ class ReplyStream:
             loop = asyncio.get_running_loop()
             self._waiter = loop.create_future()
             limit = min(self.timeout, self.gap) if self.received else self.timeout
-            expiry = loop.call_later(
-                limit, self._expire, limit
-            )  # a timer, not wait_for: once per token
+            # a timer, not wait_for: once per token
+            expiry = loop.call_later(limit, self._expire, limit)
             try:
                 await self._waiter
             finally:

@@ -172,9 +172,8 @@ class Watcher:
                         log.warning("%s: ping failed (%s); reconnecting", target.name, error)
                         pinger.close()
                         pinger = _Pinger(target.control_url, self.keys, target.server_key)
-                    status = (
-                        target.process()
-                    )  # a process that died during the ping is reported as such
+                    # a process that died during the ping is reported as such
+                    status = target.process()
                 if self._judge(target, status, reply):
                     return
                 await asyncio.sleep(

@@ -60,9 +60,8 @@ class Choice:
     live: LiveRequest
 
 
-Piece = tuple[
-    int, str | None, list[TokenLogprob]
-]  # a choice's next text and its log-probs (None: it ended)
+# a choice's next text and its log-probs (None: it ended)
+Piece = tuple[int, str | None, list[TokenLogprob]]
 
 
 @dataclass(frozen=True)
@@ -165,9 +164,8 @@ class FleetServer:
 
     async def _http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        return error_response(
-            str(error.detail), error.status_code, **(error.headers or {})
-        )  # 405's Allow
+        # 405's Allow
+        return error_response(str(error.detail), error.status_code, **(error.headers or {}))
 
     async def _server_error(self, request: Request, error: Exception) -> Response:
         log.exception("request %s failed", request.url.path, exc_info=error)
@@ -349,10 +347,11 @@ class FleetServer:
             self._update_gauges()
             lease = await self.pool.acquire(prompt, params.seed)
             last: list[float] = []
+            # log-probs of tokens whose text is not out yet wait for it
             session, unsent = (
                 lease.session,
                 0,
-            )  # log-probs of tokens whose text is not out yet wait for it
+            )
 
             def on_tokens(tokens: list[int], delta: str) -> None:
                 nonlocal unsent
@@ -415,9 +414,8 @@ class FleetServer:
         finally:
             watcher.cancel()
             everything.cancel()
-            left = [
-                job for job in jobs if not job.done()
-            ]  # the client left (or this handler was cancelled)
+            # the client left (or this handler was cancelled)
+            left = [job for job in jobs if not job.done()]
             for job in left:
                 job.cancel()
             if left:
@@ -516,9 +514,8 @@ class FleetServer:
                     for part in held:
                         yield sse(envelope.chunk(None, with_usage=usage, index=index, delta=part))
                     rest = generation.logprobs[sent[index] :]
-                    shown = (
-                        shaper.of(rest) if shaper is not None and rest else None
-                    )  # text held back
+                    # text held back
+                    shown = shaper.of(rest) if shaper is not None and rest else None
                     yield sse(
                         envelope.chunk(None, finish, with_usage=usage, logprobs=shown, index=index)
                     )

@@ -107,9 +107,8 @@ class ControllerFleet:
         self.chat_format = coordinator.chat_format
 
     def model_info(self) -> ModelInfo:
-        target = (
-            self.controller.target
-        )  # read each time: a re-plan after a loss may swap the shards
+        # read each time: a re-plan after a loss may swap the shards
+        target = self.controller.target
         if target is None:
             raise RuntimeError("the fleet controller has stopped")
         manifest = target.manifest

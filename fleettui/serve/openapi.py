@@ -142,9 +142,8 @@ def _no_legacy_functions() -> dict[str, Any]:
 def _structured_rules(chat: bool) -> list[dict[str, Any]]:
     """What the fields of structured output ask of each other (`structured.parse_structure`)."""
     text = {"properties": {"response_format": TEXTLIKE}}
-    free = {
-        "properties": {"tool_choice": {"enum": [None, "none", "auto"]}}
-    }  # no call from the first token
+    # no call from the first token
+    free = {"properties": {"tool_choice": {"enum": [None, "none", "auto"]}}}
     if not chat:
         return [{"anyOf": [*_absent("stop", empty_list=True), text]}]
     tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
@@ -152,12 +151,10 @@ def _structured_rules(chat: bool) -> list[dict[str, Any]]:
     no_calls = {"properties": {"tool_choice": {"enum": ["none"]}}}
     return [
         {"anyOf": [free, tools]},  # required / a named function need tools
-        {
-            "anyOf": [text, *no_tools, {"required": ["tool_choice"], **no_calls}]
-        },  # JSON or calls, not both
-        {
-            "anyOf": [*_absent("stop", empty_list=True), {"allOf": [text, free]}]
-        },  # no stop cuts a grammar
+        # JSON or calls, not both
+        {"anyOf": [text, *no_tools, {"required": ["tool_choice"], **no_calls}]},
+        # no stop cuts a grammar
+        {"anyOf": [*_absent("stop", empty_list=True), {"allOf": [text, free]}]},
         {"properties": {"parallel_tool_calls": {"type": "boolean", "nullable": True}}},
     ]
 

@@ -35,9 +35,8 @@ class Sampling:
     top_p: float
     seed: int
     stop: tuple[str, ...]
-    penalties: dict[
-        str, Any
-    ]  # further GenerationParams fields: penalties (and the default's top_k)
+    # further GenerationParams fields: penalties (and the default's top_k)
+    penalties: dict[str, Any]
     logprobs: int | None = None  # alternatives per token with its log-prob (None: no log-probs)
 
     def params(self, default_max_tokens: int, room: int) -> GenerationParams:

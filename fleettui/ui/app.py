@@ -124,9 +124,8 @@ class FleetApp(App[int]):
         if params is None:
             from fleettui.control.settings import generation_params
 
-            params = generation_params(
-                fleet
-            )  # the fleet file's sampling, else the model's recommended
+            # the fleet file's sampling, else the model's recommended
+            params = generation_params(fleet)
         self.params = params
         self.controller = controller_factory(fleet, on_event=self.handle_controller_event)
         self.auto_deploy = auto_deploy

@@ -134,9 +134,8 @@ def test_schemathesis_finds_nothing_and_the_fleet_answers_as_before(
     summary = run.stdout[-6000:]
     assert run.returncode == 0, summary
     generated = [line for line in run.stdout.splitlines() if " generated" in line]
-    print(
-        "schemathesis:", *generated
-    )  # e.g. "155 generated, 0 found ..." for the record of this run
+    # e.g. "155 generated, 0 found ..." for the record of this run
+    print("schemathesis:", *generated)
     # the server and the very same workers are alive, and the fleet answers as before
     assert served.process.poll() is None
     health = httpx.get(f"{served.base}/health", timeout=30)

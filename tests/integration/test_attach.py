@@ -180,9 +180,8 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(
         await wait_until(pilot, lambda: app.ready or "failed" in app.sub_title, 120, "the attach")
         assert app.ready and app.controller.attached and app.sub_title == "attached"
         assert set(app.controller.worker_pids().values()) == pids
-        busy = fleettui(
-            "ask", str(fleet_file), "Hi", "--max-tokens", "2"
-        )  # the TUI holds the fleet
+        # the TUI holds the fleet
+        busy = fleettui("ask", str(fleet_file), "Hi", "--max-tokens", "2")
         assert busy.returncode == 1 and "in use by pid" in busy.stderr
         app.query_one("#prompt", Input).value = "Name a colour."
         await pilot.press("enter")

@@ -77,9 +77,8 @@ async def test_proxy_delays_every_chunk_and_keeps_order() -> None:
             await asyncio.sleep(0.01)
         writer.close()
     server.close()
-    assert b"".join(c for _, c in arrivals) == b"".join(
-        p for _, p in sent
-    )  # nothing lost, nothing reordered
+    # nothing lost, nothing reordered
+    assert b"".join(c for _, c in arrivals) == b"".join(p for _, p in sent)
     # the first byte arrives no earlier than the delay after it was sent
     assert arrivals[0][0] - sent[0][0] >= 0.075
     # pipelined: 40 chunks over ~100 ms of sending arrive within delay + sending time, not 40 x
@@ -169,20 +168,20 @@ def test_a_pair_is_taken_at_the_rows_own_time_so_drift_is_not_a_ratio() -> None:
 
     rates, times = [95.0, 85.0, 75.0], [5.0, 15.0, 25.0]
     pairs = paired_rates(rates, times, [100.0, 90.0, 80.0], [0.0, 10.0, 20.0])
+    # after the last: the nearest
     assert [round(a / b, 4) for a, b in pairs] == [
         1.0,
         1.0,
         round(75 / 80, 4),
-    ]  # after the last: the nearest
-    assert paired_rates([90.0], [-1.0], [100.0, 80.0], [0.0, 10.0]) == [
-        (90.0, 100.0)
-    ]  # before the first
+    ]
+    # before the first
+    assert paired_rates([90.0], [-1.0], [100.0, 80.0], [0.0, 10.0]) == [(90.0, 100.0)]
+    # without times: measurement i with i
     assert paired_rates(rates, [None] * 3, [100.0, 90.0, 80.0], [None] * 3) == list(
         zip(rates, [100.0, 90.0, 80.0], strict=True)
-    )  # without times: measurement i with i
-    assert paired_rates([0.0, 50.0], [1.0, 2.0], [100.0, 0.0], [0.0, 3.0]) == [
-        (50.0, 100.0)
-    ]  # failed runs out
+    )
+    # failed runs out
+    assert paired_rates([0.0, 50.0], [1.0, 2.0], [100.0, 0.0], [0.0, 3.0]) == [(50.0, 100.0)]
 
 
 # --------------------------------------------------------------------------------- rows, table,
@@ -375,9 +374,8 @@ def test_startup_restarts_load_the_compiled_model_and_leave_nothing_behind(tmp_p
         assert start.seconds > 0 and start.compile_seconds > 0 and start.warm_up_seconds > 0
         assert start.from_cache == (start.mode == "again"), start
     assert "again/off" in report.summary() and "not loaded" not in report.summary()
-    assert len(report.answers) == 1 and all(
-        ttft > 0 for ttft in report.answers[0]
-    )  # a fresh fleet asked twice
+    # a fresh fleet asked twice
+    assert len(report.answers) == 1 and all(ttft > 0 for ttft in report.answers[0])
     assert "first answer after the fleet started" in report.summary()
     assert set(Path(tempfile.gettempdir()).glob("fleettui-startup-*")) == before
 
@@ -416,9 +414,8 @@ def test_only_keeps_one_group_and_its_partners() -> None:
     assert sorted(r.users for r in scale if r.kind == "fleet") == [1, 2, 4]
     spec = plan_rows(fleet, quick=False, only="spec")
     names = {r.name for r in spec}
-    assert all(
-        r.versus in names for r in spec if r.group == "spec" and r.versus
-    )  # pairs run together
+    # pairs run together
+    assert all(r.versus in names for r in spec if r.group == "spec" and r.versus)
     assert plan_rows(fleet, quick=True, only="scale") == []
     batch = plan_rows(fleet, quick=False, only="batch")
     assert {(r.stages, r.users) for r in batch} == {(s, u) for s in (1, 2, 3) for u in (1, 2, 4, 8)}
@@ -455,9 +452,8 @@ def test_lan_groups_pairing_speculation_with_none_get_more_rounds() -> None:
     assert sum(1 for r in spec if r.kind == "fleet") == 16 and measurement_count(spec, 3) == 16 * 5
     assert measurement_count(plan_rows(fleet, quick=False, only="pcs"), 3) == 1 * 3 + 3 * 5
     assert measurement_count(plan_rows(fleet, quick=False, only="anchors"), 3) == 5 * 3  # all alone
-    quick = plan_rows(
-        fleet, quick=True
-    )  # one round; genai is measured inside its fleet row's group
+    # one round; genai is measured inside its fleet row's group
+    quick = plan_rows(fleet, quick=True)
     assert measurement_count(quick, 1) == len(quick) - 1 and any(r.versus == "genai" for r in quick)
 
 
@@ -467,10 +463,11 @@ def test_each_round_asks_other_prompts_and_every_row_of_a_round_the_same() -> No
     prompts = [[index] for index in range(8)]
     assert round_prompts(prompts, 1, 0) == [[0]] and round_prompts(prompts, 1, 4) == [[4]]
     assert round_prompts(prompts, 4, 2) == [[2], [3], [4], [5]]  # each user its own prompt
+    # the untimed first reply: not round 0's prompt
     assert round_prompts(prompts, 2, -1) == [
         [7],
         [0],
-    ]  # the untimed first reply: not round 0's prompt
+    ]
     assert round_prompts(prompts, 2, 7) == [[7], [0]]  # wraps around
     # five rounds of a 1-user row span five prompts, not one prompt five times
     assert len({tuple(round_prompts(prompts, 1, r)[0]) for r in range(5)}) == 5
@@ -633,9 +630,8 @@ def test_a_genai_baseline_killed_mid_run_leaves_no_model_folder(
     fleet = load_fleet(DEFAULT_FLEET)
     fleet = replace(fleet, runtime=replace(fleet.runtime, inference_precision="f32"))
     (tmp_path / "child").mkdir()
-    monkeypatch.setenv(
-        "TMPDIR", str(tmp_path / "child")
-    )  # where the child's own temp folders would go
+    # where the child's own temp folders would go
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "child"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "bench"))
     (tmp_path / "bench").mkdir()
 

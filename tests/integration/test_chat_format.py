@@ -160,9 +160,8 @@ def test_streamed_text_equals_the_full_decode(smollm_tokenizer, text: str, chunk
     pieces = [stream.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     pieces.append(stream.finish())
     assert "".join(pieces) == chat_format.decode(ids) == stream.text
-    assert all(
-        "\ufffd" not in piece for piece in pieces
-    )  # a split UTF-8 character waits for its rest
+    # a split UTF-8 character waits for its rest
+    assert all("\ufffd" not in piece for piece in pieces)
     assert chat_format.full_decodes == 1  # only ours above: the stream never re-decodes the reply
 
 

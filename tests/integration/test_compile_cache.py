@@ -57,9 +57,8 @@ def test_a_second_start_loads_the_compiled_model_and_answers_bit_identically(
     second = _engine(tmp_path / "compiled")
     assert second.loaded_from_cache
     assert np.array_equal(_hidden(first), plain) and np.array_equal(_hidden(second), plain)
-    other = _engine(
-        tmp_path / "compiled", stage=1
-    )  # another stage: its own folder, compiled alongside
+    # another stage: its own folder, compiled alongside
+    other = _engine(tmp_path / "compiled", stage=1)
     assert not other.loaded_from_cache and len(_blobs(tmp_path / "compiled")) == 2
 
 
@@ -138,9 +137,8 @@ def test_a_restarted_worker_says_it_loaded_its_compiled_model_from_the_shard_fol
             assert worker.stdout is not None
             line = worker.stdout.readline()
             assert line.startswith("READY"), log.read_text()
-            assert (
-                "warmed up in" in log.read_text()
-            )  # before READY: the first answer does not pay it
+            # before READY: the first answer does not pay it
+            assert "warmed up in" in log.read_text()
             answers.append(_ping(config.control_port))
         finally:
             worker.terminate()

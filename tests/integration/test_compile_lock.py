@@ -21,9 +21,8 @@ def test_a_second_compile_of_the_same_shards_waits_and_finds_them(
 
     def fake_compile(job: compiler.Plan, directory: Path, notify: object, root: Path) -> None:
         inside.set()
-        deadline = (
-            time.monotonic() + 120
-        )  # until the second caller waits for this build (or the test fails)
+        # until the second caller waits for this build (or the test fails)
+        deadline = time.monotonic() + 120
         while "waiting" not in steps[1] and not built and time.monotonic() < deadline:
             time.sleep(0.05)
         (directory / "built").write_text(job.cache_key)

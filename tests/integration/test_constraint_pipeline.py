@@ -69,9 +69,8 @@ class Deployed:
         self.coordinator: Coordinator = self.run(self.controller.start())
 
     async def _controller(self, fleet: Any) -> FleetController:
-        return FleetController(
-            fleet
-        )  # made in the loop it runs in (its links' futures belong to it)
+        # made in the loop it runs in (its links' futures belong to it)
+        return FleetController(fleet)
 
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=900)
@@ -125,12 +124,10 @@ def test_schema_answers_validate_and_match_across_stages_and_speculation(
             jsonschema.validate(json.loads(generation.text), CITY)
             answers[stages, spec_k] = generation.token_ids
             if spec_k:
-                assert (
-                    generation.stats.drafted + generation.stats.drafts_cut > 0
-                )  # speculation took part
-    assert len(set(answers.values())) == 1, (
-        answers
-    )  # greedy: the grammar's choice, whatever the pipeline
+                # speculation took part
+                assert generation.stats.drafted + generation.stats.drafts_cut > 0
+    # greedy: the grammar's choice, whatever the pipeline
+    assert len(set(answers.values())) == 1, answers
 
 
 def test_a_free_session_interleaved_with_a_constrained_one_keeps_its_tokens(
@@ -173,9 +170,8 @@ def test_a_trigger_starts_the_grammar_right_after_it(
 ) -> None:
     fleet = fleets[1]
     free = fleet.answer(FREE, GenerationParams(max_tokens=48, spec_k=4))
-    assert (
-        trigger in free.text
-    )  # the free answer says it (greedy: the same words up to the trigger)
+    # the free answer says it (greedy: the same words up to the trigger)
+    assert trigger in free.text
     spec = ConstraintSpec(json_schema_grammar(CITY), "json_schema after a trigger", trigger=trigger)
     generation = fleet.answer(FREE, GenerationParams(max_tokens=TOKENS, spec_k=4, constraint=spec))
     head, _, rest = generation.text.partition(trigger)

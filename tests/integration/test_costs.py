@@ -60,12 +60,12 @@ def test_split_charges_the_measured_head() -> None:
 def test_split_follows_host_speed_and_capacity() -> None:
     slow = replace(SMOLLM, layer_ms=0.6, head_ms=4.2)
     counts = balanced_split(30, [SMOLLM, slow], [30, 30])
-    assert (
-        counts[0] > 2 * counts[1] - 8
-    )  # the slow host (last, with the head) gets far fewer layers
+    # the slow host (last, with the head) gets far fewer layers
+    assert counts[0] > 2 * counts[1] - 8
+    # optimal
     assert max(predicted_ms(counts, [SMOLLM, slow])) <= min(
         max(predicted_ms([a, 30 - a], [SMOLLM, slow])) for a in range(1, 30)
-    )  # optimal
+    )
     capped = balanced_split(30, [SMOLLM, SMOLLM], [15, 30])
     assert capped[0] == 15 and sum(capped) == 30
     three = balanced_split(30, [SMOLLM] * 3, [30] * 3)
@@ -329,9 +329,8 @@ def test_hosts_on_their_own_cores_are_calibrated_at_the_same_time(
     )
     shared = calibrated(Host(name="s"), Host(name="t"))  # the same settings: timed once, shared
     assert set(windows) == {"s"} and shared["s"] == shared["t"]
-    shard["dir"] = (
-        tmp_path / "huge"
-    )  # weights of 1 TiB (a sparse file): two copies at once would not fit
+    # weights of 1 TiB (a sparse file): two copies at once would not fit
+    shard["dir"] = tmp_path / "huge"
     shard["dir"].mkdir()
     with open(shard["dir"] / "stage0.bin", "wb") as weights:
         weights.truncate(1 << 40)
@@ -434,9 +433,8 @@ def test_calibration_times_a_stage_at_its_quietest_window() -> None:
     assert bursty.calls == quiet.calls == steps
     burst, calm = results
     assert burst["decode_ms"] < 3.0 and calm["decode_ms"] < 3.0  # both ~1 ms
-    assert (
-        min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5
-    )  # the burst, seen
+    # the burst, seen
+    assert min(burst["decode_windows_ms"][:3]) > 4.5 and burst["decode_median_ms"] > 4.5
 
 
 def test_the_bench_calibrates_its_fleet_as_the_controller_runs_it(

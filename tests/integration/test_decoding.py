@@ -57,9 +57,8 @@ def test_top_logprobs_are_untempered_and_sorted_after_the_emitted_token() -> Non
         np.testing.assert_allclose(
             np.exp(top_logprobs), [[[0.1, 0.6, 0.3][emitted], 0.6, 0.3]], rtol=1e-5
         )
-    tokens, _, top_ids, top_logprobs = score(
-        logits, Decode(top_logprobs=1)
-    )  # the emitted token's only
+    # the emitted token's only
+    tokens, _, top_ids, top_logprobs = score(logits, Decode(top_logprobs=1))
     assert top_ids.tolist() == [[1]] and np.exp(top_logprobs[0, 0]) == pytest.approx(0.6, rel=1e-5)
 
 
@@ -84,9 +83,8 @@ def test_target_distribution_filters() -> None:
     )
     top2 = target_distribution(logits, 1.0, top_k=2)
     np.testing.assert_allclose(top2, [0, 0.4 / 0.7, 0.3 / 0.7, 0, 0, 0], atol=1e-9)
-    nucleus = target_distribution(
-        logits, 1.0, top_p=0.75
-    )  # 0.4 + 0.3 < 0.75 -> 0.15 is the crossing token
+    # 0.4 + 0.3 < 0.75 -> 0.15 is the crossing token
+    nucleus = target_distribution(logits, 1.0, top_p=0.75)
     np.testing.assert_allclose(nucleus, [0, 0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-9)
 
 
@@ -197,9 +195,8 @@ def _run(
     ("temperature", "top_k", "top_p", "support"),
     [
         (1.0, 0, 1.0, 6),  # full-support draft
-        pytest.param(
-            1.0, 0, 1.0, 2, marks=pytest.mark.slow
-        ),  # draft truncated to its 2 most probable ids
+        # draft truncated to its 2 most probable ids
+        pytest.param(1.0, 0, 1.0, 2, marks=pytest.mark.slow),
         (0.7, 4, 1.0, 3),  # target filtered by top-k, draft by the same rule then truncated
         (1.3, 0, 0.8, 6),  # nucleus target
         (1.0, 0, 1.0, 0),  # deterministic draft: point mass
@@ -252,9 +249,8 @@ def test_frequency_and_presence_penalties_follow_openai() -> None:
         frequency_penalty=0.5,
         presence_penalty=0.25,
         penalty_ids=np.array([0, 2, 3], np.int64),
-        penalty_counts=np.array(
-            [0, 3, 1], np.int32
-        ),  # id 0 is only in the prompt: no OpenAI penalty
+        # id 0 is only in the prompt: no OpenAI penalty
+        penalty_counts=np.array([0, 3, 1], np.int32),
     )
     np.testing.assert_allclose(
         penalize(logits, decode), [[1.0, 2.0, 3.0 - 1.5 - 0.25, 0.5 - 0.5 - 0.25]]

@@ -146,9 +146,8 @@ def speculative_greedy(
         )
         if round_index in compact_after:
             assert len(pending) == 0, "compact only when no rejection is waiting to be masked"
-            assert (
-                chain.compact(session) == position
-            )  # every masked slot dropped: physical == logical
+            # every masked slot dropped: physical == logical
+            assert chain.compact(session) == position
     chain.close(session)
     return tokens[:count]
 

@@ -54,9 +54,8 @@ def transformers_greedy() -> list[list[int]]:
         ids = [2, *tokenizer(prompt, add_special_tokens=False).input_ids]
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
-        answers.append(
-            [int(t) for t in out[0][len(ids) :] if int(t) != 1]
-        )  # without the final <eos>
+        # without the final <eos>
+        answers.append([int(t) for t in out[0][len(ids) :] if int(t) != 1])
     return answers
 
 

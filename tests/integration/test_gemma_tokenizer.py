@@ -50,9 +50,8 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> ChatFormat:
     info = export_tokenizer(
         ModelSource("gemma-3-270m", "gguf", gguf_path()), config, {}, folder / "tokenizer"
     )
-    assert (
-        info.chat_template == "" and info.bos_token_id == BOS
-    )  # a base model: no template in its GGUF
+    # a base model: no template in its GGUF
+    assert info.chat_template == "" and info.bos_token_id == BOS
     return ChatFormat(folder, _Manifest())  # type: ignore[arg-type]
 
 
@@ -118,9 +117,8 @@ def test_the_gemma3_template_gives_transformers_ids(chat: ChatFormat, turns, gen
     expected = reference.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=generation, return_dict=True
     )["input_ids"]
-    chat.template = compile_template(
-        GEMMA_3
-    )  # as a -it GGUF's tokenizer.chat_template would give it
+    # as a -it GGUF's tokenizer.chat_template would give it
+    chat.template = compile_template(GEMMA_3)
     try:
         ids = chat.encode(
             chat.render([ChatMessage(role, text) for role, text in turns], generation)

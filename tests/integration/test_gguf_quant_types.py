@@ -27,9 +27,8 @@ def _with_a_q8_1_tensor(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         if name != "blk.0.ffn_up.weight":
             return original(self, name, tensor, raw_shape, raw_dtype)
         rows, columns = tensor.shape
-        blocks = np.zeros(
-            (rows, columns // 32 * 40), dtype=np.uint8
-        )  # 32 weights in 40 bytes a block
+        # 32 weights in 40 bytes a block
+        blocks = np.zeros((rows, columns // 32 * 40), dtype=np.uint8)
         return original(self, name, blocks, blocks.shape, gguf.GGMLQuantizationType.Q8_1)
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)

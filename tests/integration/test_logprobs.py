@@ -60,9 +60,8 @@ def test_logprobs_do_not_depend_on_stages_speculation_or_sampling(shard_cache: P
         )
     )
     assert without.logprobs == () and without.token_ids == plain.token_ids  # asking changes nothing
-    assert (
-        speculative.stats.accepted > 0 and speculative.stats.rounds < TOKENS
-    )  # several tokens per verify
+    # several tokens per verify
+    assert speculative.stats.accepted > 0 and speculative.stats.rounds < TOKENS
     for name, generation in (("1 stage", one_stage), ("speculative", speculative)):
         gap = max(abs(a - b) for a, b in zip(_values(generation), _values(plain), strict=True))
         print(f"{name}: largest log-prob difference from 2 stages plain {gap:.2e}")
@@ -80,9 +79,8 @@ def test_logprobs_do_not_depend_on_stages_speculation_or_sampling(shard_cache: P
     assert [e.token for e in sampling.logprobs] == list(sampling.token_ids) and len(
         sampling.logprobs
     ) == TOKENS
-    assert any(
-        e.token != e.top[0][0] for e in sampling.logprobs
-    )  # sampled: not always the likeliest
+    # sampled: not always the likeliest
+    assert any(e.token != e.top[0][0] for e in sampling.logprobs)
     for (
         entry
     ) in sampling.logprobs:  # the sampled token's own log-prob, of the untempered distribution

@@ -58,8 +58,7 @@ def test_penalties_are_exact_under_speculation_and_break_a_loop(shard_cache: Pat
     assert speculative.token_ids == penalized.token_ids  # exact under speculation
     # drafts were accepted, so positions after the first counted the drafts before them
     assert speculative.stats.accepted > 0 and speculative.stats.rounds < TOKENS
-    assert _repeats(list(plain.token_ids)) >= 3, (
-        plain.text
-    )  # greedy alone repeats itself on this prompt
+    # greedy alone repeats itself on this prompt
+    assert _repeats(list(plain.token_ids)) >= 3, plain.text
     assert penalized.token_ids != plain.token_ids
     assert _repeats(list(penalized.token_ids)) < _repeats(list(plain.token_ids)), penalized.text

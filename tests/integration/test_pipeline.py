@@ -93,12 +93,13 @@ def reference(shard_cache: Path) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("stages", "draft", "k", "users"),
     [
+        # one stage: the worker generates in runs (its tokens fed back by itself)
         (
             1,
             "none",
             "auto",
             1,
-        ),  # one stage: the worker generates in runs (its tokens fed back by itself)
+        ),
         (1, "none", "auto", 3),
         (1, "prompt-lookup", "auto", 2),  # runs between speculative rounds
         (2, "none", "auto", 3),

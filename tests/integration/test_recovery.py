@@ -82,9 +82,8 @@ def test_kill_9_mid_answer_completes_exactly(
     assert all("signal 9" in reason for r in reports for reason in r.reasons)
     lost = [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
     assert sorted(e.name for e in lost) == sorted(victims)
-    assert (
-        controller.launched == [] and store.load(fleet) is None
-    )  # stop() took the relaunched ones too
+    # stop() took the relaunched ones too
+    assert controller.launched == [] and store.load(fleet) is None
     assert not [p for p in psutil.process_iter(["cmdline"]) if fleet_worker(p, controller)]
 
 
@@ -401,9 +400,8 @@ def test_answers_held_by_a_degraded_fleet_resume_exactly_when_it_is_whole_again(
     assert [r.action for r in reports] == ["degraded", "rejoin"] and reports[1].stages == (
         "stage-0",
     )
-    assert (
-        reports[1].sessions == 2 and reports[1].replayed_tokens > 0
-    )  # both held sessions were replayed
+    # both held sessions were replayed
+    assert reports[1].sessions == 2 and reports[1].replayed_tokens > 0
     print(f"answers resumed {waited:.1f} s after the host was back")
     assert store.load(fleet) is None
 
@@ -495,16 +493,14 @@ def test_auto_rebalance_moves_layers_off_a_slowed_stage_and_every_answer_stays_e
         f"split {before} -> {after} after {rounds} rounds; flags "
         f"{[(e.name, round(e.ratio, 2)) for e in throttled]}"
     )
-    assert any(
-        e.name == "stage-1" and e.ratio >= 1.5 for e in throttled
-    )  # (load can slow stage 0 too)
+    # (load can slow stage 0 too)
+    assert any(e.name == "stage-1" and e.ratio >= 1.5 for e in throttled)
     proposals = [e for e in events if isinstance(e, RebalanceProposal)]
     assert [p.applied for p in proposals] == [False, True] and proposals[0].ranges == proposals[
         1
     ].ranges
-    assert (
-        after == list(proposals[1].ranges) and after[0][1] > before[0][1]
-    )  # layers moved off stage 1
+    # layers moved off stage 1
+    assert after == list(proposals[1].ranges) and after[0][1] > before[0][1]
     reports = [e for e in events if isinstance(e, RecoveryReport)]
     assert [r.action for r in reports] == ["rebalance"]
     assert not [e for e in events if isinstance(e, StageChanged) and isinstance(e.state, Lost)]
@@ -523,9 +519,8 @@ def test_switching_the_split_between_rounds_keeps_answers_exact(
 
     async def scenario() -> tuple[list[list[int]], list[RecoveryReport], list[tuple[int, int]]]:
         model = fleet.model
-        compiled = await compile_model(
-            model.name, split, model.precision, model.shards
-        )  # the background part
+        # the background part
+        compiled = await compile_model(model.name, split, model.precision, model.shards)
 
         def switch(controller: FleetController) -> None:
             assert controller.recovery is not None

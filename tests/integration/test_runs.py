@@ -42,18 +42,16 @@ async def _conversation(coordinator: Coordinator, max_run: int) -> tuple[list[An
     made past the first reply, and the session id."""
     coordinator.max_run = max_run
     session = await coordinator.open_session()
-    session.rng = np.random.default_rng(
-        11
-    )  # (seeded with the session id too: the same for both runs)
+    # (seeded with the session id too: the same for both runs)
+    session.rng = np.random.default_rng(11)
     assert coordinator.chat_format is not None
     eos = coordinator.chat_format.eos_token_ids
     replies: list[Any] = []
 
     async def linger_at_eos(tokens: list[int], _text: str) -> None:
         if any(token in eos for token in tokens):
-            await asyncio.sleep(
-                0.3
-            )  # the worker's run goes on meanwhile: it must be cancelled and masked
+            # the worker's run goes on meanwhile: it must be cancelled and masked
+            await asyncio.sleep(0.3)
 
     past_the_reply = 0
     for index, (text, params) in enumerate(TURNS):
@@ -85,9 +83,8 @@ async def _scenario(fleet: Any) -> None:
         assert len(runs) == len(TURNS)  # one run per reply, nothing else
         assert with_runs == plain
         assert [reason for _tokens, reason in with_runs] == ["eos", "stop", "length", "length"]
-        assert (
-            past > 0
-        )  # the worker went on past EOS while the reply lingered, and the next turns stayed exact
+        # the worker went on past EOS while the reply lingered, and the next turns stayed exact
+        assert past > 0
         deployment = controller.deployment
         assert deployment is not None
         session = coordinator.sessions[session_id]
@@ -98,9 +95,8 @@ async def _scenario(fleet: Any) -> None:
             assert reply is not None
             assert reply["sessions"][str(session_id)]["cache_len"] == session.ledger.cache_len
             if stage.config.stage_index == 0 and len(deployment.stages) > 1:
-                assert (
-                    reply["run_ends"] > 0
-                )  # what came back from the last stage after a Cancel was dropped
+                # what came back from the last stage after a Cancel was dropped
+                assert reply["run_ends"] > 0
     finally:
         await controller.stop()
 

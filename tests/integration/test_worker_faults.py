@@ -199,9 +199,8 @@ def test_control_answers_during_a_long_step_and_the_inbox_is_bounded_in_bytes(se
     # while it computes, two more big steps arrive: the second does not fit the byte budget
     client.send(Step(21, 3, 1500, 1500, NO_RANGES, hidden=hidden(1000, seed=2)))  # 2.3 MB
     client.send(Step(22, 4, 0, 0, NO_RANGES, hidden=hidden(1000, seed=3)))  # session 22 is not open
-    client.send(
-        Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(2000))
-    )  # 4.6 MB: larger than the budget itself
+    # 4.6 MB: larger than the budget itself
+    client.send(Step(21, 5, 0, 0, NO_RANGES, hidden=hidden(2000)))
     replies = {reply.seq: reply for reply in (client.receive(timeout=300) for _ in range(4))}
     assert busy, "no ping was answered while the long step ran"
     assert isinstance(replies[2], Result) and isinstance(replies[3], Result)

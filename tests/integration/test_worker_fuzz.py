@@ -285,9 +285,8 @@ def test_fuzz_every_socket_then_the_answer_is_unchanged(tmp_path: Path) -> None:
         served = sum(final["handled"].values())
         parts = ("dropped", "rejected", "overflow", "errors")
         assert final["received"] == sum(final[part] for part in parts) + served, final
-        assert (
-            final["received"] - start["received"] >= DATA_MESSAGES
-        )  # raw garbage may add ZMTP/1.0 messages
+        # raw garbage may add ZMTP/1.0 messages
+        assert final["received"] - start["received"] >= DATA_MESSAGES
         garbage = sum(final[part] - start[part] for part in ("dropped", "rejected"))
         assert garbage >= DATA_MESSAGES // 2, final
         assert final["control_errors"] - start["control_errors"] == len(control)

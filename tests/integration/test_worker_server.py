@@ -114,9 +114,8 @@ def test_chain_serves_steps_and_survives_malformed_frames(chain) -> None:  # typ
     garbage = _garbage()
     for frames in garbage:
         client.send_raw(frames)
-    client.send(
-        Result(1, 1, np.array([5], np.int64), 0)
-    )  # well formed, but no stage expects a Result
+    # well formed, but no stage expects a Result
+    client.send(Result(1, 1, np.array([5], np.int64), 0))
     client.send(Control(Kind.OPEN, 1, 2))
     # a sound header with a bad body is answered (so the coordinator fails fast); the rest is
     # dropped
@@ -347,9 +346,8 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
         for message in (Control(Kind.OPEN, 1, 1), Step(1, 2, 0, 0, NO_RANGES, hidden=hidden)):
             with contextlib.suppress(zmq.Again):  # once refused, the stranger has nowhere to send
                 stranger.push.send_multipart(protocol.encode(message), zmq.NOBLOCK)
-        assert (
-            stranger.control(worker, {"op": "stats"}, timeout=2.0) is None
-        )  # refused: no answer at all
+        # refused: no answer at all
+        assert stranger.control(worker, {"op": "stats"}, timeout=2.0) is None
         with pytest.raises(AssertionError, match="no message"):
             stranger.receive(timeout=1.0)
         stats = trusted.control(worker, {"op": "stats"})
@@ -359,9 +357,8 @@ def test_curve_refuses_a_client_with_an_unknown_key(tmp_path: Path, two_stage_sh
             and stats["sessions"] == {}
             and stats["dropped"] == 0
         )
-        assert (
-            stats["refused_clients"] >= 1 and stats["refused"] >= 1
-        )  # ZAP refusals fail the handshake too
+        # ZAP refusals fail the handshake too
+        assert stats["refused_clients"] >= 1 and stats["refused"] >= 1
 
         # a peer with the wrong server key fails the CURVE handshake before ZAP: counted and logged
         # as well
@@ -543,9 +540,8 @@ def test_steps_that_arrive_together_share_one_inference_and_answer_as_alone(tmp_
         assert stats is not None and max(int(size) for size in stats["batches"]) >= 2, stats[
             "batches"
         ]
-        assert (
-            tokens[1] == tokens[2] == tokens[3] == tokens[4]
-        )  # one prompt: every session answers alike
+        # one prompt: every session answers alike
+        assert tokens[1] == tokens[2] == tokens[3] == tokens[4]
     finally:
         client.close()
         worker.stop()
@@ -662,9 +658,8 @@ def test_a_message_is_counted_as_handled_before_its_answer_leaves() -> None:
     try:
         server._serve(time.time(), Control(Kind.OPEN, 1, 1))
         server._serve(time.time(), Step(1, 2, 0, 0, NO_RANGES, tokens=np.array([5, 6], np.int64)))
-        server._serve(
-            time.time(), Step(7, 3, 0, 0, NO_RANGES, tokens=np.array([5], np.int64))
-        )  # not open
+        # not open
+        server._serve(time.time(), Step(7, 3, 0, 0, NO_RANGES, tokens=np.array([5], np.int64)))
         server._serve(time.time(), Error(1, 4, 1, "upstream failed"))
     finally:
         server.close()

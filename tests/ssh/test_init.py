@@ -158,9 +158,8 @@ def test_init_probes_two_hosts_and_writes_a_fleet_that_validates(
     result = init(str(out), *addresses(ssh_hosts), *common(ssh_hosts, tmp_path))
     assert result.returncode == 0, result.stderr
     fleet = load_fleet(out)
-    expected_memory = round(
-        psutil.virtual_memory().total / GIB * 0.75, 1
-    )  # the namespaces share this machine
+    # the namespaces share this machine
+    expected_memory = round(psutil.virtual_memory().total / GIB * 0.75, 1)
     for host, ssh_host in zip(fleet.hosts, ssh_hosts.hosts, strict=True):
         assert (host.transport, host.address, host.ssh_port, host.user) == (
             "ssh",
@@ -182,9 +181,8 @@ def test_init_probes_two_hosts_and_writes_a_fleet_that_validates(
         key = fingerprint(ssh_host.host_key, tmp_path)
         assert f"# host key ssh-ed25519 {key} (verified against {ssh_hosts.known_hosts})" in text
     assert text.count("# measured by `fleettui init`: ") == 2 and "Python 3." in text
-    assert (
-        "stage host" in result.stdout and f"{fleet.hosts[1].name}" in result.stdout
-    )  # planned on both
+    # planned on both
+    assert "stage host" in result.stdout and f"{fleet.hosts[1].name}" in result.stdout
     assert result.stderr.count("ok ") >= 2
 
 
@@ -212,9 +210,8 @@ def test_unknown_host_key_is_refused_unless_tofu(ssh_hosts: SshHosts, tmp_path: 
     assert not out.exists()
     trusted = init(str(out), addresses(ssh_hosts)[0], "--tofu", *common(ssh_hosts, tmp_path, known))
     assert trusted.returncode == 0, trusted.stderr
-    assert (
-        ssh_hosts.hosts[0].host_key.split()[1] in known.read_text()
-    )  # recorded for the next connection
+    # recorded for the next connection
+    assert ssh_hosts.hosts[0].host_key.split()[1] in known.read_text()
     assert f"trusted on first use, now in {known}" in out.read_text()
     assert load_fleet(out).hosts[0].host_key_policy == "verify"  # from now on the key is checked
 
@@ -285,6 +282,5 @@ def test_from_init_to_an_answer_without_editing_the_file(
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in json.loads(result.stdout)["text"]
-    assert (
-        f"{fleet.hosts[0].name} push shard" in result.stderr
-    )  # progress of the SFTP push, as plain lines
+    # progress of the SFTP push, as plain lines
+    assert f"{fleet.hosts[0].name} push shard" in result.stderr

@@ -71,9 +71,8 @@ async def test_ssh_hosts_are_timed_on_themselves_and_plan_from_their_own_profile
         pushed = sorted(Path(host.workdir).glob("shards/*/stage_*/openvino_model.xml"))
         assert [path.parent.name for path in pushed] == ["stage_0", "stage_1", "stage_2"]
     assert any(": calibrate: timing stages 0, 1, 2" in line for line in said), said
-    assert (
-        plan_fleet(fleet).costs is not None
-    )  # every host measured: the plan balances measured times
+    # every host measured: the plan balances measured times
+    assert plan_fleet(fleet).costs is not None
     assert profiles_running([host.workdir for host in fleet.hosts]) == []
 
 
@@ -113,9 +112,8 @@ async def test_a_pc_swapped_behind_its_address_is_measured_again_on_the_next_dep
     said: list[str] = []
     assert await asyncio.wait_for(calibrate_fleet(fleet, said.append), 600)
     swapped, kept = (profile_path(fleet, host) for host in fleet.hosts)
-    assert (
-        await forget_replaced(fleet, said.append) == []
-    )  # the same PCs answer: nothing measured again
+    # the same PCs answer: nothing measured again
+    assert await forget_replaced(fleet, said.append) == []
     record = json.loads(swapped.read_text())
     record["identity"]["cpu"] = "Intel(R) Core(TM) i5-8250U CPU @ 1.60GHz"
     record["measured_at"] = "2026-01-01T00:00:00Z"

@@ -145,9 +145,8 @@ async def test_a_redeploy_reads_no_unchanged_stage_file_and_the_worker_trusts_th
         assert verify_stage(Path(remote), manifest, 0) == 0  # the worker's start hashes nothing
         stamp = Path(remote) / VERIFIED_FOLDER / "stage_0.json"
         stamp.unlink()
-        assert (
-            verify_stage(Path(remote), manifest, 0) == 2
-        )  # now the worker writes the stamp itself
+        # now the worker writes the stamp itself
+        assert verify_stage(Path(remote), manifest, 0) == 2
         # the host reports a stamped file's hash without reading it: a record edited to claim
         # another hash (the file itself untouched) is what the host reports, so that file travels
         # again
@@ -336,15 +335,13 @@ async def test_two_fleets_naming_a_host_alike_keep_their_own_workers(
     try:
         assert one.ok and two.ok and one.pid != two.pid
         assert one.paths and two.paths and one.paths.pidfile != two.paths.pidfile
-        assert alive(one.pid) and alive(
-            two.pid
-        )  # the second deploy did not stop the first fleet's worker
+        # the second deploy did not stop the first fleet's worker
+        assert alive(one.pid) and alive(two.pid)
         again = await deploy_host(
             first, ShardAssignment(shard, 0), "{}", "fleet-one-again", options
         )
-        assert (
-            again.ok and not alive(one.pid) and alive(two.pid)
-        )  # a redeploy replaces only its own run
+        # a redeploy replaces only its own run
+        assert again.ok and not alive(one.pid) and alive(two.pid)
         stopped = await stop_host(first, None, options)
         assert [p.pid for p in stopped.processes] == [again.pid] and alive(two.pid)
     finally:

@@ -141,9 +141,8 @@ def test_a_stage_killed_while_it_loads_on_an_ssh_host_is_started_again_and_the_a
                 time.sleep(0.005)
                 continue
             if alive(pid):
-                os.kill(
-                    pid, signal.SIGSTOP
-                )  # frozen within milliseconds of its start: it cannot be ready
+                # frozen within milliseconds of its start: it cannot be ready
+                os.kill(pid, signal.SIGSTOP)
                 time.sleep(0.6)  # past the launch's own look at it
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

@@ -140,9 +140,8 @@ class SshHosts:
         keygen(self.other_key, "fleettui-test-not-authorized")
         self.authorized.write_text(client + "\n")
         if os.geteuid() == 0:
-            Path("/run/sshd").mkdir(
-                mode=0o755, exist_ok=True
-            )  # sshd's privilege-separation directory
+            # sshd's privilege-separation directory
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         reason = self._namespaces_refused()
         if reason:
             self.mode = "loopback"

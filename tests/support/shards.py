@@ -93,9 +93,8 @@ class ChainRunner:
             config["INFERENCE_NUM_THREADS"] = threads
         self.requests = []
         for stage in self.manifest.stages:
-            verify_stage(
-                shard_dir, self.manifest, stage.index, stamp=False
-            )  # the reference hashes every time
+            # the reference hashes every time
+            verify_stage(shard_dir, self.manifest, stage.index, stamp=False)
             compiled_model = core.compile_model(str(shard_dir / stage.ir), "CPU", config)
             self.requests.append(compiled_model.create_infer_request())
         self.names = [

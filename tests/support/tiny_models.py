@@ -107,9 +107,8 @@ def _gguf_tensors(entry: Entry, state: dict[str, Any], arch: Any) -> dict[str, n
         ):
             heads = config.num_attention_heads if "q_proj" in key else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
-            data = data.swapaxes(1, 2).reshape(
-                tensor.shape
-            )  # llama.cpp's permute for its rope layout
+            # llama.cpp's permute for its rope layout
+            data = data.swapaxes(1, 2).reshape(tensor.shape)
         if entry.model_type == "gemma3_text" and key.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's norm weights with the 1 added
         if key.endswith(

@@ -59,13 +59,14 @@ def test_a_model_without_a_template_refuses_chat_in_one_line_and_encodes_raw_pro
     assert (
         "\n" not in message and "base-model has no chat template" in message and "--raw" in message
     )
+    # bos, as the tokenizer adds to a prompt
     assert chat.encode_text("once upon a time") == [
         0,
         3,
         4,
         5,
         6,
-    ]  # bos, as the tokenizer adds to a prompt
+    ]
     assert chat.encode("once upon") == [3, 4]  # a rendered template's text: as it is
 
 
@@ -93,9 +94,8 @@ async def test_the_tui_chats_with_a_base_model_in_completion_mode_and_says_so():
         await wait_until(
             pilot, lambda: session.replies and session.replies[-1].done, 10, "the continuation"
         )
-        assert (
-            session.replies[-1].text == "and so on after 'Once'"
-        )  # the fake's raw (completion) path
+        # the fake's raw (completion) path
+        assert session.replies[-1].text == "and so on after 'Once'"
 
 
 async def test_the_tui_chats_with_a_chat_model_as_before():

@@ -287,9 +287,8 @@ async def test_the_chat_follows_the_stream_unless_the_reader_scrolled_up():
                 "a reply",
             )
         await pilot.pause(0.1)
-        assert (
-            session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y
-        )  # followed the end
+        # followed the end
+        assert session.max_scroll_y > 0 and session.scroll_y == session.max_scroll_y
         app.controller.coordinator.gate = gate = asyncio.Event()
         await send()
         await wait_until(pilot, lambda: len(session.replies) == 4, 10, "the fourth reply to start")

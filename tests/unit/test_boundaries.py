@@ -111,23 +111,25 @@ def test_linters_pass(command: list[str]) -> None:
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
     "text_input": {"errors"},  # the one rule by which text enters (decoding, surrogates, NUL)
+    # the top-level guard's one-line report of an unexpected exception
     "crash": {
         "errors",
         "config",
-    },  # the top-level guard's one-line report of an unexpected exception
+    },
     "model": {"errors"},  # the model description: shape, builtin models, GGUF header
     "config": {"errors", "text_input", "model"},
     "planning": {"errors", "model", "config"},
     "runtime": {"errors"},
     "provision": {"errors", "config"},
     "control": {"errors", "model", "config", "planning", "runtime", "provision"},
+    # the HTTP API over a running fleet
     "serve": {
         "errors",
         "text_input",
         "config",
         "runtime",
         "control",
-    },  # the HTTP API over a running fleet
+    },
     "bench": {"errors", "model", "config", "planning", "runtime", "control", "serve"},
     "ui": {"errors", "text_input", "config", "runtime", "control", "serve"},
     "commands": {
@@ -298,9 +300,8 @@ def test_no_process_of_ours_reports_to_openvinos_telemetry(entry: str) -> None:
     missing, and waits for it at exit (3 s on a PC without internet): none of our processes loads
     that module."""
     code = f"{entry}\nimport sys, openvino, nncf\nprint(sys.modules.get('openvino_telemetry'))"
-    environment = {
-        key: value for key, value in os.environ.items() if key != "CI"
-    }  # CI=true silences it too
+    # CI=true silences it too
+    environment = {key: value for key, value in os.environ.items() if key != "CI"}
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

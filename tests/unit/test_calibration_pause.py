@@ -87,9 +87,8 @@ def test_the_calibration_times_every_stage_after_its_pipelines_pause() -> None:
     results = time_stages(
         engines, context=4, tokens=16, chunk=4, windows=2, gap=0.0, pipeline=2, clock=clock
     )
-    whole_ms = (
-        2 * 1000 * sum(engine.cost_s for engine in engines)
-    )  # the model's token, each step penalised
+    # the model's token, each step penalised
+    whole_ms = 2 * 1000 * sum(engine.cost_s for engine in engines)
     for engine, result in zip(engines, results, strict=True):
         assert 0.4 * whole_ms <= result["pause_ms"] <= 0.75 * whole_ms
         timed = engine.idle[-(16 // 2 + 2) :]  # the last window's decode steps
@@ -204,10 +203,11 @@ def test_hosts_on_alike_cores_share_the_mean_of_their_costs(
     from fleettui.config import local_cores
     from fleettui.planning import profiles
 
+    # first stage, layer, head, call
     per_core = {
         0: (0.8, 0.409, 3.47, 0.33),
         1: (0.8, 0.424, 3.68, 0.37),
-    }  # first stage, layer, head, call
+    }
 
     def fake_time(
         fleet: object, host: Host, shard_dir: Path, *rest: object

@@ -172,12 +172,10 @@ def test_bench_only_and_plan_profile_are_subcommand_flags(
 ) -> None:
     assert build_parser().parse_args(["bench", "f.toml", "--only", "spec"]).only == "spec"
     assert build_parser().parse_args(["plan", "f.toml", "--profile"]).profile is True
-    assert (
-        main(["bench", str(DEFAULT_FLEET), "--only", "nothing"]) == 2
-    )  # refused before anything starts
-    assert (
-        main(["bench", str(DEFAULT_FLEET), "--quick", "--only", "scale"]) == 2
-    )  # quick has no scale rows
+    # refused before anything starts
+    assert main(["bench", str(DEFAULT_FLEET), "--only", "nothing"]) == 2
+    # quick has no scale rows
+    assert main(["bench", str(DEFAULT_FLEET), "--quick", "--only", "scale"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and errors[0].startswith(
         "fleettui: --only: 'nothing' is not one of anchors"
@@ -189,9 +187,8 @@ def test_bench_rebalance_refuses_a_bad_share_or_fleet_in_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert build_parser().parse_args(["bench", "f.toml", "--rebalance"]).rebalance == 0.4
-    assert (
-        main(["bench", str(DEFAULT_FLEET), "--rebalance", "1.5"]) == 2
-    )  # refused before anything starts
+    # refused before anything starts
+    assert main(["bench", str(DEFAULT_FLEET), "--rebalance", "1.5"]) == 2
     one = tmp_path / "one.toml"
     one.write_text('[[hosts]]\nname = "a"\n')
     assert main(["bench", str(one), "--rebalance"]) == 2  # one stage: nothing to rebalance

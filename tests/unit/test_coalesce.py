@@ -27,15 +27,13 @@ def _result(session: int, seq: int) -> Result:
 
 def test_a_session_silent_for_the_interval_sends_at_once_then_holds_until_due() -> None:
     coalescer = Coalescer(0.040)
-    assert not coalescer.hold(
-        _result(1, 1), now=10.0
-    )  # nothing sent before: the first token leaves now
+    # nothing sent before: the first token leaves now
+    assert not coalescer.hold(_result(1, 1), now=10.0)
     coalescer.sent(1, 10.0)
     assert coalescer.hold(_result(1, 2), now=10.010) and coalescer.hold(_result(1, 3), now=10.020)
     assert not coalescer.hold(_result(2, 1), now=10.021)  # another session's first leaves at once
-    assert coalescer.seconds_to_due(10.030) == pytest.approx(
-        0.010
-    )  # 40 ms after session 1's last send
+    # 40 ms after session 1's last send
+    assert coalescer.seconds_to_due(10.030) == pytest.approx(0.010)
     before = time.time()
     held = coalescer.take(10.050)
     assert [(r.session, r.seq) for r in held] == [(1, 2), (1, 3)] and len(coalescer) == 0

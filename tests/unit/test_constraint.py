@@ -99,9 +99,8 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_rejects(
     assert kept == len(good) and masks is not None and len(masks) == kept + 1
     assert not grammar.allows(masks[kept], bad[0])
     assert grammar.drafts_cut == len(bad) + len(good)
-    assert (
-        grammar.complete is False and grammar.advance(good) == good
-    )  # the matcher was rolled back
+    # the matcher was rolled back
+    assert grammar.complete is False and grammar.advance(good) == good
 
 
 def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(
@@ -120,9 +119,8 @@ def test_a_draft_ends_before_eos_and_the_matcher_stays_in_step(
 def test_any_json_object_grammar(tokenizer: Any, chat_format: Format) -> None:
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "json_object"), chat_format)
     first = grammar.plan(())[1]
-    assert first is not None and not grammar.allows(
-        first[0], ids(tokenizer, "[")[0]
-    )  # not an array
+    # not an array
+    assert first is not None and not grammar.allows(first[0], ids(tokenizer, "[")[0])
     assert grammar.advance(ids(tokenizer, '{"a":[1,{"b":null}],"c":"x"}')) and grammar.complete
 
 
@@ -170,10 +168,11 @@ def test_a_trigger_cuts_the_reply_right_after_it(
     text = 'Let me call a tool. <call>\n{"a": 1} more'
     grammar = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger=trigger), chat_format)
     tokens = ids(tokenizer, text)
+    # free text: nothing masked, nothing cut
     assert grammar.plan(tuple(tokens)) == (
         len(tokens),
         None,
-    )  # free text: nothing masked, nothing cut
+    )
     kept = grammar.advance(tokens[:5]) + grammar.advance(tokens[5:])
     end = text.index(trigger) + len(trigger)
     assert tokenizer.decode(kept) == text[:end]
@@ -302,10 +301,11 @@ def test_a_mask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
 def test_json_schema_grammar_embeds_the_schema_verbatim() -> None:
     grammar = json_schema_grammar(PERSON)
     assert grammar.startswith("start: %json")
+    # compact JSON unless the schema says
     compact = {
         **PERSON,
         "x-guidance": {"whitespace_flexible": False},
-    }  # compact JSON unless the schema says
+    }
     assert json.loads(grammar.removeprefix("start: %json")) == compact
     flexible = {**PERSON, "x-guidance": {"whitespace_flexible": True}}
     assert json.loads(json_schema_grammar(flexible).removeprefix("start: %json")) == flexible
@@ -315,9 +315,8 @@ def test_the_grammar_forces_the_structure_tokens(tokenizer: Any, chat_format: Fo
     grammar = ReplyGrammar(ConstraintSpec(json_schema_grammar(PERSON), "p"), chat_format)
     forced = grammar.forced(16)
     assert tokenizer.decode(forced).startswith('{"name":')  # nothing else may start the answer
-    assert (
-        grammar.forced(2) == forced[:2] and grammar.complete is False
-    )  # (the matcher did not move)
+    # (the matcher did not move)
+    assert grammar.forced(2) == forced[:2] and grammar.complete is False
     assert grammar.plan(tuple(forced))[0] == len(forced)
     free = ReplyGrammar(ConstraintSpec(json_object_grammar(), "t", trigger="<call>"), chat_format)
     assert free.forced(16) == []  # before its trigger nothing is forced

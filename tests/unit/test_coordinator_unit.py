@@ -209,9 +209,8 @@ async def test_compaction_keeps_output_exact() -> None:
     session = await coordinator.open_session()
     generation = await coordinator.generate(session, [5, 4, 3], GenerationParams(max_tokens=60))
     assert list(generation.token_ids) == _plain_greedy([5, 4, 3], 60)
-    assert (
-        session.ledger.garbage < session.ledger.logical_len
-    )  # compaction ran and bounded the waste
+    # compaction ran and bounded the waste
+    assert session.ledger.garbage < session.ledger.logical_len
 
 
 def test_ledger_plans_rollback_as_mask_ranges() -> None:
@@ -352,9 +351,8 @@ async def test_a_lookup_that_finds_nothing_hands_its_round_to_the_model_draft(
     # one count per round the lookup was asked for (all but the last, which had one token left); the
     # first missed
     assert len(misses) == generation.stats.rounds - 1 and misses[0]
-    assert (
-        len(drafter.asked) == sum(misses[1:]) > 0
-    )  # the model drafted in every later round the lookup missed
+    # the model drafted in every later round the lookup missed
+    assert len(drafter.asked) == sum(misses[1:]) > 0
     assert all(k == 2 for _length, k in drafter.asked[:-1])
     await coordinator.close_session(session)
 
@@ -447,10 +445,11 @@ async def test_a_draft_far_behind_restarts_from_a_short_window() -> None:
     first = await drafter.propose(1, history, 2, Sampling(), rng)
     proposals = [m for m in sent if isinstance(m, protocol.Propose)]
     assert first.fed == 8 and list(proposals[-1].tokens) == history[-8:] and proposals[-1].pos0 == 0
+    # one round later: only the new tokens are fed, the rejected draft token masked
     history += [
         7,
         8,
-    ]  # one round later: only the new tokens are fed, the rejected draft token masked
+    ]
     await drafter.propose(1, history, 2, Sampling(), rng)
     second = [m for m in sent if isinstance(m, protocol.Propose)][-1]
     assert (
@@ -520,9 +519,8 @@ class TimedDrafter(NoisyDrafter):
         self.read_cost: float | None = None
 
     async def propose(self, session, history, k, sampling, rng) -> Draft:  # type: ignore[no-untyped-def]
-        self.overlapped |= (
-            session in self.busy
-        )  # one proposal per session at a time, as a draft worker needs
+        # one proposal per session at a time, as a draft worker needs
+        self.overlapped |= session in self.busy
         self.busy.add(session)
         try:
             await asyncio.sleep(
@@ -616,9 +614,8 @@ async def test_a_proposal_ahead_is_drafted_in_parts_and_stops_when_the_round_bef
         chain = [ahead_drafts.Ahead(list(assumed), 8, ahead_drafts._NOTHING, 20) for _ in range(2)]
         ahead_drafts.start(drafter, 1, chain[0], 8, lambda _ahead, proposal: sends.append(proposal))
         assert await drafter.requests.get() == 1
-        drafter.gate.put_nowait(
-            None
-        )  # the first part (the guess is back when the second is asked for)
+        # the first part (the guess is back when the second is asked for)
+        drafter.gate.put_nowait(None)
         assert await drafter.requests.get() == 2 and chain[0].guess == whole.tokens[0]
         ahead_drafts.stop_failed(chain, history)  # while the second part is drafted
         for _part in range(9):  # whatever parts are still asked for
@@ -882,9 +879,8 @@ async def test_a_close_cut_by_a_split_switch_is_not_an_error() -> None:
     session = await coordinator.open_session()
     await coordinator.close_session(session)  # no error
     assert session.id not in coordinator.sessions and session.id not in coordinator.unclosed
-    elsewhere = [
-        Coordinator(FakePipeline(), None, None)
-    ]  # the link closes, but this one's target stays
+    # the link closes, but this one's target stays
+    elsewhere = [Coordinator(FakePipeline(), None, None)]
     stuck = Coordinator(ClosedUnderCloses(elsewhere), None, None)
     lone = await stuck.open_session()
     with pytest.raises(LinkError, match="link closed"):
@@ -895,9 +891,8 @@ async def test_a_long_prompt_is_prefilled_with_one_chunk_in_flight_per_stage() -
     """Pipelined prefill: up to one unscored chunk per stage in flight, committed in order; the
     steps and the tokens are those of the serial prefill, and the next turn (its shared prefix
     cached) is exact too."""
-    prompt = (
-        list(range(1, 16)) * 40
-    )  # 600 tokens: four 128-token chunks unscored, the rest scored by round 1
+    # 600 tokens: four 128-token chunks unscored, the rest scored by round 1
+    prompt = list(range(1, 16)) * 40
     results = {}
     for stages in (1, 3):
         pipeline = FakePipeline(delay=0.005)
@@ -943,9 +938,8 @@ async def test_a_long_prompt_is_prefilled_in_small_chunks_while_another_session_
     await asyncio.sleep(0.05)
     answer = await coordinator.generate(busy, prompt, GenerationParams(max_tokens=6))
     talked = await talking
-    assert (
-        pipeline.sizes[alone.id] == [PREFILL_CHUNK] * 4
-    )  # 600 tokens: 4 unscored, the last 88 scored
+    # 600 tokens: 4 unscored, the last 88 scored
+    assert pipeline.sizes[alone.id] == [PREFILL_CHUNK] * 4
     assert set(pipeline.sizes[busy.id]) == {SHARED_CHUNK} and len(pipeline.sizes[busy.id]) >= 15
     assert list(answer.token_ids) == _plain_greedy(prompt, 6)
     assert list(talked.token_ids) == _plain_greedy(other, 400)

@@ -494,9 +494,8 @@ def test_result_batch_reaches_only_the_last_stage(
     configs = [placement.config for placement in deployment.placements]
     *others, last = [config for config in configs if config.role == "stage"]
     assert last.result_port is not None and last.result_batch_ms == batch
-    drafts = [
-        config for config in configs if config.role == "draft"
-    ]  # its Proposals are never held
+    # its Proposals are never held
+    drafts = [config for config in configs if config.role == "draft"]
     assert {config.result_batch_ms for config in [*others, *drafts]} == {0.0}
 
 
@@ -515,9 +514,8 @@ def test_port_blocks_handed_out_never_overlap_each_other_nor_the_fleets_hosts(
     module._HANDED_OUT.clear()  # forgotten: only the fleet's own ports keep the draft off them now
     fleet = load_fleet(write(tmp_path, HOST.format(name="a") + HOST.format(name="b")))
     fleet = replace(fleet, hosts=(replace(fleet.hosts[0], base_port=first), fleet.hosts[1]))
-    draws = [first, first + 2, first - 3] + [
-        first + 4 * n for n in range(4, 400)
-    ]  # the first three overlap
+    # the first three overlap
+    draws = [first, first + 2, first - 3] + [first + 4 * n for n in range(4, 400)]
     monkeypatch.setattr(module, "random", SimpleNamespace(Random=lambda: _Draws(draws)))
     deployment = module.build_deployment(
         fleet, [(0, 20), (20, 30)], lambda host: str(tmp_path), str(tmp_path)

@@ -100,9 +100,8 @@ WORDS = st.one_of(
         (str(DEFAULT_FLEET), "missing.toml", "-", "self-int4", "none", "prompt-lookup", "ls", "rm")
     ),
     st.text(max_size=12),
-    st.binary(max_size=6).map(
-        lambda raw: raw.decode("utf-8", "surrogateescape")
-    ),  # argv bytes as Python sees them
+    # argv bytes as Python sees them
+    st.binary(max_size=6).map(lambda raw: raw.decode("utf-8", "surrogateescape")),
 )
 
 
@@ -130,9 +129,8 @@ def no_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import fleettui.ui.app
 
     monkeypatch.setattr(fleettui.control.running, "run", would_start)
-    monkeypatch.setattr(
-        fleettui.commands.bench, "run_loop", would_start
-    )  # bound when the module loaded
+    # bound when the module loaded
+    monkeypatch.setattr(fleettui.commands.bench, "run_loop", would_start)
     monkeypatch.setattr(fleettui.ui.app, "run_app", would_start)
     monkeypatch.setattr(fleettui.planning.plan_profile, "run_plan_profile", would_start)
     monkeypatch.chdir(tmp_path)
@@ -256,9 +254,8 @@ def test_any_argument_list_is_accepted_or_refused_in_one_line(
 ) -> None:
     """`fleettui ARGV` starts, answers (exit 0), or is refused with exit 2 and one line saying
     why."""
-    monkeypatch.setenv(
-        "XDG_CACHE_HOME", str(tmp_path / "cache")
-    )  # `cache rm` clears an empty folder
+    # `cache rm` clears an empty folder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     code, stderr = run_cli(argv)
     recorded = {"status", "logs"} & set(argv[:1])  # no deployment recorded for the fleet: exit 3

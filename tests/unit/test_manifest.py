@@ -187,16 +187,14 @@ def test_a_stage_checked_before_is_not_hashed_again_until_a_file_changes(
     real = module.sha256_file
     monkeypatch.setattr(module, "sha256_file", lambda path: hashed.append(path) or real(path))
     assert verify_stage(tmp_path, manifest, 1) == 0 and hashed == []
-    assert (
-        verify_stage(tmp_path, manifest, 1, stamp=False) == files
-    )  # without the stamp: every file
+    # without the stamp: every file
+    assert verify_stage(tmp_path, manifest, 1, stamp=False) == files
 
     weights = tmp_path / "stage_1" / "openvino_model.bin"
     before = weights.stat()
     weights.write_bytes(bytes(len(weights.read_bytes())))  # same size, other bytes ...
-    os.utime(
-        weights, ns=(before.st_atime_ns, before.st_mtime_ns)
-    )  # ... and the old modification time
+    # ... and the old modification time
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(ManifestError, match=r"^stage_1/openvino_model\.bin: SHA-256 mismatch"):
         verify_stage(tmp_path, manifest, 1)
     with pytest.raises(ManifestError, match="SHA-256 mismatch"):  # a failed check is never stamped

@@ -32,14 +32,12 @@ def test_caches_follow_xdg_cache_home(xdg: Path) -> None:
     path = xdg / "fleet.toml"
     path.write_text('[[hosts]]\nname = "a"\n')
     assert load_fleet(path).model.shards == xdg / "cache" / "fleettui" == paths.cache_dir()
-    assert (
-        default_cache_root() == paths.cache_dir()
-    )  # the compiler agrees without importing fleettui
+    # the compiler agrees without importing fleettui
+    assert default_cache_root() == paths.cache_dir()
     assert default_cache() == xdg / "cache" / "fleettui" / "wheelhouse"
     assert paths.log_dir() == xdg / "state" / "fleettui" / "log" and paths.log_dir().is_dir()
-    path.write_text(
-        '[model]\nshards = "here"\n[[hosts]]\nname = "a"\n'
-    )  # an explicit root stays as given
+    # an explicit root stays as given
+    path.write_text('[model]\nshards = "here"\n[[hosts]]\nname = "a"\n')
     assert load_fleet(path).model.shards == xdg / "here"
 
 

@@ -113,9 +113,8 @@ def test_split_follows_speed_and_charges_the_head_to_the_last_stage() -> None:
     fast = plan(shape, hosts(64, 64, speeds=(1.0, 3.0)), "int4", balance_head=False)
     assert [stage.count for stage in fast.stages] == [8, 24]
     balanced = plan(shape, hosts(64, 64), "int4")
-    assert (
-        balanced.stages[0].count > balanced.stages[1].count
-    )  # the last stage also runs the lm_head
+    # the last stage also runs the lm_head
+    assert balanced.stages[0].count > balanced.stages[1].count
 
 
 def test_host_too_small_for_its_fixed_part_is_named() -> None:
@@ -204,9 +203,8 @@ def test_measured_costs_may_cut_a_layer_between_its_attention_and_its_mlp() -> N
 
     shape = BUILTIN_SHAPES["llama-3.2-1b"]
     hosts = [Host(name="a", memory_gb=8), Host(name="b", memory_gb=8)]
-    one_b = MeasuredCosts(
-        layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3
-    )  # the INT8 head ~ 8.7 INT4 layers
+    # the INT8 head ~ 8.7 INT4 layers
+    one_b = MeasuredCosts(layer_ms=3.9, head_ms=8.7 * 3.9, call_ms=0.3)
     cut = plan(shape, hosts, "int4", 2048, 1, costs=[one_b, one_b])
     assert [stage.span for stage in cut.stages] == ["[0, 12.5)", "[12.5, 16)"]
     assert (

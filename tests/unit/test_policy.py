@@ -55,9 +55,8 @@ def test_loaded_pipeline_is_costed_by_compute_not_by_queueing() -> None:
     assert wall_only.choose(loaded=True) >= 3  # what the bench saw: K ~ 6 while losing
     policy = KPolicy(None, max_k=8)
     _multi_user_rounds(policy)
-    assert (
-        policy.choose(loaded=True) == 0
-    )  # the draft's compute cannot be paid for by a cheap verify
+    # the draft's compute cannot be paid for by a cheap verify
+    assert policy.choose(loaded=True) == 0
     rate_zero = policy.expected_rate(0, loaded=True)
     assert rate_zero is not None and rate_zero == pytest.approx(1 / 0.006, rel=0.05)
 
@@ -84,12 +83,10 @@ def test_drafter_choice_is_per_measured_rate() -> None:
     )
     for _ in range(40):
         for k in (0, 2, 4):
-            model.record_round(
-                RoundFacts(k, k // 2, 0.012 * k, 0.015 + 0.001 * k, asked=k)
-            )  # slow draft, 50% accepted
-            lookup.record_round(
-                RoundFacts(k, k, 0.0, 0.015 + 0.001 * k, asked=k)
-            )  # free, accepted (repetitive text)
+            # slow draft, 50% accepted
+            model.record_round(RoundFacts(k, k // 2, 0.012 * k, 0.015 + 0.001 * k, asked=k))
+            # free, accepted (repetitive text)
+            lookup.record_round(RoundFacts(k, k, 0.0, 0.015 + 0.001 * k, asked=k))
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert name == "lookup" and k >= 4
     # lookup that never finds anything, a model draft that is slower than the target: no speculation
@@ -117,10 +114,11 @@ def test_a_new_drafter_is_explored_before_it_is_judged() -> None:
     lookup = KPolicy(None, 8, costs=costs, drafter="lookup")
     model.record_round(RoundFacts(0, 0, 0.0, 0.015))
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
+    # the draft's cost is unknown: measured once before it is judged
     assert (name, k) == (
         "model",
         3,
-    )  # the draft's cost is unknown: measured once before it is judged
+    )
     model.record_round(RoundFacts(3, 0, 0.090, 0.018, asked=3))  # slow and useless
     name, k = choose_drafter([("model", model, False), ("lookup", lookup, True)], loaded=False)
     assert name != "model"
@@ -250,9 +248,8 @@ def test_a_draft_could_pay_by_its_acceptance_against_the_rate_plain_runs_realize
             policy.costs.achieved("plain", False).add(1, 0.0104)
         policy._accepted, policy._rejected = 19.0, 1.0  # alpha 0.95
         assert policy.could_pay(False) is could
-    unmeasured = KPolicy(
-        None, 16, drafter="model"
-    )  # no plain rate yet: the verify's latency stands for it
+    # no plain rate yet: the verify's latency stands for it
+    unmeasured = KPolicy(None, 16, drafter="model")
     for size in (1, 2, 3):
         unmeasured.costs.latency.add(size, 0.0124 + 0.0033 * (size - 1))
     unmeasured.costs.draft("model").add(2, 0.004)
@@ -272,9 +269,8 @@ def test_plain_decoding_is_judged_by_the_rate_its_runs_realize() -> None:
     for size in (1, 2, 3):
         for _ in range(4):
             policy.costs.latency.add(size, 0.012 + 0.0025 * (size - 1))
-    policy.costs.cut.add(
-        1, 0.00005
-    )  # a run's Cancel, as measured: its tokens meanwhile are the reply's
+    # a run's Cancel, as measured: its tokens meanwhile are the reply's
+    policy.costs.cut.add(1, 0.00005)
     policy._accepted, policy._rejected = 3.0, 7.0  # alpha 0.3
     assert policy.plain_seconds(False) == pytest.approx(0.012)
     assert cut_k(policy, False) == (1, False)  # against the verify's latency: cut
@@ -444,9 +440,8 @@ def test_under_load_a_free_drafter_verifies_at_most_a_fair_share_of_the_busiest_
     assert policy.costs.compute.predict(
         fair + 1
     ) <= TUNING.fair_verify_cost * policy.costs.compute.predict(1)
-    assert (
-        policy.choose(free_draft=True, loaded=True) == fair
-    )  # every draft accepted: the cap binds
+    # every draft accepted: the cap binds
+    assert policy.choose(free_draft=True, loaded=True) == fair
     assert policy.best_k(free_draft=True, loaded=True) == fair
     assert policy.fair_k(loaded=False) == 8 and policy.choose(free_draft=True, loaded=False) == 8
 
@@ -468,9 +463,8 @@ def test_on_loaded_stages_speculation_is_all_or_none() -> None:
     assert chosen > 0 and policy.wants
     assert policy.choose(free_draft=True, loaded=True, shared=False) == 0 and policy.wants
     assert policy.paying_k(loaded=True, shared=False) == 0
-    assert (
-        policy.choose(free_draft=True, loaded=False, shared=False) > 0
-    )  # not loaded: no one waits
+    # not loaded: no one waits
+    assert policy.choose(free_draft=True, loaded=False, shared=False) > 0
     assert choose_drafter([("lookup", policy, True)], loaded=True, shared=False) == ("", 0)
 
 
@@ -565,9 +559,8 @@ def test_a_new_sessions_prior_hit_rate_follows_the_pipelines_lookups() -> None:
     what the lookup found in this pipeline's other sessions (weight 2, as alpha)."""
     base = KPolicy(None, 8)
     first = base.fork("lookup", free=True)
-    assert first.hit_rate == pytest.approx(
-        1.0
-    )  # nothing measured yet: the lookup is asked before judged
+    # nothing measured yet: the lookup is asked before judged
+    assert first.hit_rate == pytest.approx(1.0)
     for index in range(100):
         first.asked(proposed=index % 10 == 0)
     second = base.fork("lookup", free=True)

@@ -40,9 +40,8 @@ def test_plain_lines_start_tick_at_most_every_interval_and_end() -> None:
         reporter(compile_line(second / 80 * 100, f"stage {second // 40} trace"))
     clock.now = 80.0
     reporter(compile_line(100.0, "done (/cache/shards/abc)"))
-    reporter(
-        compile_line(100.0, "cached (/cache/shards/draft)")
-    )  # the draft: a second, finished task
+    # the draft: a second, finished task
+    reporter(compile_line(100.0, "cached (/cache/shards/draft)"))
     lines = out.getvalue().splitlines()
     assert lines[0] == "compile shards:   0% tokenizer (/gguf) (0 s)"
     assert 15 <= len(lines) <= 19, lines
@@ -78,9 +77,8 @@ def test_transfers_wheelhouse_build_and_workers_in_plain_lines() -> None:
     assert "pc-a push shard: ... 50.0 MB/100.0 MB stage_0/openvino_model.bin" in text
     assert "pc-a push shard: done 100.0 MB/100.0 MB" in text
     assert "start workers: ... 1/2 stage-a ready" in text
-    assert (
-        "exited at once" not in text and "ignored" not in text
-    )  # the command's error line says why
+    # the command's error line says why
+    assert "exited at once" not in text and "ignored" not in text
     assert "start workers: stopped 1/2 stage-b failed" in text
     reporter.close()
 
@@ -118,6 +116,5 @@ def test_a_silent_step_still_gets_periodic_lines() -> None:
     assert len(lines) >= 4 and all(
         line.startswith("compile shards:   2% weights") for line in lines
     )
-    assert (
-        reporter._heartbeat is not None and not reporter._heartbeat.is_alive()
-    )  # stopped with the reporter
+    # stopped with the reporter
+    assert reporter._heartbeat is not None and not reporter._heartbeat.is_alive()

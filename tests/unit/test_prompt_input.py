@@ -43,21 +43,18 @@ def test_an_explicit_encoding_decodes_what_utf8_refuses() -> None:
 
 def test_bom_crlf_and_nul_follow_the_documented_rule() -> None:
     assert decode("\ufeffhello\r\nworld\rend".encode(), "stdin") == "hello\nworld\nend"
-    assert (
-        decode("\ufeff\ufeffx".encode(), "stdin") == "\ufeffx"
-    )  # one BOM is an encoding mark; a second is text
+    # one BOM is an encoding mark; a second is text
+    assert decode("\ufeff\ufeffx".encode(), "stdin") == "\ufeffx"
     assert decode(b"a\x00b", "stdin") == "a\x00b"  # NUL is a character of a prompt like any other
     with pytest.raises(TextError, match="NUL character at character 1"):
         check_text("a\x00b", "hosts[0].name", allow_nul=False)
-    assert (
-        decode(b"x" * 1_000_000, "stdin") == "x" * 1_000_000
-    )  # no line limit: the context length is the limit
+    # no line limit: the context length is the limit
+    assert decode(b"x" * 1_000_000, "stdin") == "x" * 1_000_000
 
 
 def test_argv_bytes_and_json_surrogates_are_refused_where_they_are() -> None:
-    argv = b"caf\xe9".decode(
-        "utf-8", "surrogateescape"
-    )  # how Python hands an undecodable argv byte over
+    # how Python hands an undecodable argv byte over
+    argv = b"caf\xe9".decode("utf-8", "surrogateescape")
     with pytest.raises(TextError, match=r"^--system: not valid UTF-8: byte 0xe9 at byte offset 3$"):
         check_text(argv, "--system")
     with pytest.raises(TextError, match=r"lone surrogate U\+D800 at character 2"):

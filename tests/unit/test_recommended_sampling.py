@@ -78,11 +78,12 @@ def test_exact_stays_greedy_unless_asked(tmp_path: Path) -> None:
 def test_fleet_file_and_command_line_override_the_model(tmp_path: Path) -> None:
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntemperature = 0\nseed = 7\n"))
     params = generation_params(fleet)
+    # greedy, as the file says
     assert (params.temperature, params.top_p, params.seed) == (
         0.0,
         1.0,
         7,
-    )  # greedy, as the file says
+    )
     assert not params.penalized  # plain greedy: the model's penalty follows the model's temperature
     fleet = load_fleet(fleet_file(tmp_path, "[sessions]\ntop_p = 0.5\n"))
     assert (generation_params(fleet).temperature, generation_params(fleet).top_p) == (0.2, 0.5)

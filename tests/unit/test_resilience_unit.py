@@ -198,9 +198,8 @@ async def _answers(
 
 @pytest.mark.parametrize("lose_at", [1, 3, 9, 20])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize(
-    "stages", [1, 3]
-)  # 3: the 300-token prompt's two prefill chunks go in flight together
+# 3: the 300-token prompt's two prefill chunks go in flight together
+@pytest.mark.parametrize("stages", [1, 3])
 def test_a_lost_round_is_replayed_and_the_output_does_not_change(
     lose_at: int, temperature: float, stages: int
 ) -> None:
@@ -244,9 +243,8 @@ def test_a_split_cut_inside_a_layer_is_costed_with_the_mlp_it_moved() -> None:
     # switch
     split, gain = propose_split([(0, 13), (13, 16)], seconds, head, min_gain=0.0, moved=moved)  # type: ignore[misc]
     assert split == [(0, 13), (13, 16)] and gain == pytest.approx(1 - 13 / (3 + share + head))
-    assert (
-        propose_split([(0, 13), (13, 16)], seconds, head, moved=moved) is None
-    )  # under the 10 % bar
+    # under the 10 % bar
+    assert propose_split([(0, 13), (13, 16)], seconds, head, moved=moved) is None
 
 
 def test_stage_costs_count_the_head_on_the_last_stage() -> None:
@@ -565,9 +563,8 @@ def test_stop_cancels_again_a_watch_that_dropped_its_first_cancel(
         task = watcher._tasks["stage-0"]
         await asyncio.sleep(0.05)  # the watch is in its first ping (its timeout 5 s away)
         stopping = asyncio.ensure_future(watcher.stop())
-        done, _ = await asyncio.wait(
-            [stopping], timeout=15.0
-        )  # waited on, never cancelled from here
+        # waited on, never cancelled from here
+        done, _ = await asyncio.wait([stopping], timeout=15.0)
         if not done:
             task.cancel()
             await asyncio.wait([stopping])

@@ -135,9 +135,8 @@ async def test_interleaved_runs_and_adaptive_speculation_stay_exact() -> None:
     """Three users at once; with a drafter the policy alternates runs of 16 and speculative
     rounds."""
     for drafter in (None, NoisyDrafter(1000)):
-        stage = FakeRunStage(
-            delay=0.005
-        )  # a step far costlier than a draft, even on a loaded machine
+        # a step far costlier than a draft, even on a loaded machine
+        stage = FakeRunStage(delay=0.005)
         coordinator = _coordinator(stage, protocol.MAX_RUN, drafter)
         sessions = [await coordinator.open_session() for _ in PROMPTS]
         params = GenerationParams(max_tokens=40)
@@ -224,9 +223,8 @@ async def test_a_stage_lost_mid_run_is_recovered_exactly() -> None:
         session, [3, 1, 4, 1, 5], GenerationParams(max_tokens=30)
     )
     assert list(generation.token_ids) == _plain_greedy([3, 1, 4, 1, 5], 30)
-    assert (
-        len(stage.runs) == 2 and stage.runs[1] < 30
-    )  # the second run picks up where the first was lost
+    # the second run picks up where the first was lost
+    assert len(stage.runs) == 2 and stage.runs[1] < 30
 
 
 class _LookupFindingNothing(PromptLookupDrafter):
@@ -289,9 +287,8 @@ async def test_a_run_ends_early_where_a_paying_lookup_finds_a_repeat() -> None:
             and generation.stats.accepted == generation.stats.drafted
         )
         await coordinator.close_session(session)
-    assert (
-        len(stage.runs) >= 4 and sum(stage.runs) > 2 * 90
-    )  # runs asked for the rest were cut short
+    # runs asked for the rest were cut short
+    assert len(stage.runs) >= 4 and sum(stage.runs) > 2 * 90
 
 
 class _LookupAlwaysWrong(_LookupFindingSometimes):
@@ -358,14 +355,14 @@ async def test_a_cut_whose_run_went_another_way_meanwhile_verifies_nothing() -> 
     Output identical to plain greedy decoding."""
     stage = _FakeRunStageInFlight(delay=0.0005)
     coordinator = _coordinator(stage, protocol.MAX_RUN, _LookupAlwaysWrong())  # type: ignore[arg-type]
+    # the pipeline's lookup was right elsewhere
     coordinator.policy.costs.acceptance["lookup"] = [
         50.0,
         1.0,
-    ]  # the pipeline's lookup was right elsewhere
+    ]
     session = await coordinator.open_session()
     generation = await coordinator.generate(session, [2, 7, 1, 8], GenerationParams(max_tokens=90))
     assert list(generation.token_ids) == _plain_greedy([2, 7, 1, 8], 90)
     assert coordinator.runs_cut >= 1
-    assert (
-        generation.stats.drafted <= 4
-    )  # a reply's first round may verify the lookup's guess, no cut did
+    # a reply's first round may verify the lookup's guess, no cut did
+    assert generation.stats.drafted <= 4

@@ -48,9 +48,8 @@ def test_valid_chat_request_maps_every_field() -> None:
     )
     assert [m.content for m in request.messages or ()] == ["be brief", "hi"]
     with pytest.raises(RequestError, match="max_tokens 50 does not fit: the prompt leaves 30"):
-        request.sampling.params(
-            DEFAULTS.max_tokens, room=30
-        )  # asked for more than the context has left
+        # asked for more than the context has left
+        request.sampling.params(DEFAULTS.max_tokens, room=30)
     params = request.sampling.params(DEFAULTS.max_tokens, room=100)
     assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop) == (
         50,
@@ -153,9 +152,8 @@ def test_logprobs_are_asked_for_as_openai_does() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert parse(body).sampling.logprobs is None
     assert parse({**body, "logprobs": False}).sampling.logprobs is None
-    assert (
-        parse({**body, "logprobs": True}).sampling.logprobs == 0
-    )  # the tokens' own, no alternatives
+    # the tokens' own, no alternatives
+    assert parse({**body, "logprobs": True}).sampling.logprobs == 0
     params = parse({**body, "logprobs": True, "top_logprobs": 5}).sampling.params(10, 10)
     assert params.logprobs == 5 and params.top_columns == 6
     legacy = {"model": "m", "prompt": "once"}
@@ -170,12 +168,13 @@ def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
     from fleettui.runtime.generation import TokenLogprob
     from fleettui.serve.responses import Logprobs
 
+    # 3 and 4: one character split in two tokens
     pieces = {
         1: b"Hi",
         2: b" th",
         3: b"\xe2\x80",
         4: b"\x94",
-    }  # 3 and 4: one character split in two tokens
+    }
     entries = [
         TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))),
         TokenLogprob(3, -0.25, ((3, -0.25), (4, -2.0))),
@@ -196,9 +195,8 @@ def test_logprobs_objects_of_chat_and_of_legacy_completions() -> None:
         "top_logprobs": [{"Hi": -0.5, " th": -1.5}],
         "text_offset": [0],
     }
-    assert legacy.of(entries[1:])["text_offset"] == [
-        2
-    ]  # a stream's offsets go on from chunk to chunk
+    # a stream's offsets go on from chunk to chunk
+    assert legacy.of(entries[1:])["text_offset"] == [2]
 
 
 def test_top_p_zero_is_greedy() -> None:
@@ -242,11 +240,12 @@ def test_the_fleets_recommended_sampling_applies_when_a_request_sets_no_temperat
     plain = parse_request({**body, "temperature": 0}, True, "m", recommended, 100).sampling.params(
         10, 10
     )
+    # what the client asked
     assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (
         0.0,
         0,
         1.0,
-    )  # what the client asked
+    )
 
 
 def test_completion_prompt() -> None:
@@ -282,9 +281,8 @@ async def test_admission_is_fair_between_clients_and_keeps_a_place_for_each() ->
     """One slot: alice sends four, bob one after them; bob's goes next, then alice's in order. With
     alice's requests filling the queue her next is refused, bob's first still gets a place."""
     admission = Admission(max_active=1, max_queued=3)
-    alice = [
-        admission.admit("alice") for _ in range(4)
-    ]  # 1 generating, 3 waiting: the queue is full
+    # 1 generating, 3 waiting: the queue is full
+    alice = [admission.admit("alice") for _ in range(4)]
     with pytest.raises(QueueFull):
         admission.admit("alice")
     bob = admission.admit("bob")  # nothing of bob's anywhere: his place is kept
@@ -389,14 +387,12 @@ async def test_pool_waits_for_a_session_still_closing_before_it_opens_another() 
     pool = SessionPool(fake.opener, fake.closer, max_idle=2, max_open=2)
     a = (await pool.acquire([1], 0)).session
     b = (await pool.acquire([2], 0)).session
-    closing = asyncio.ensure_future(
-        pool.release(a, reusable=False)
-    )  # a cancelled request's session
+    # a cancelled request's session
+    closing = asyncio.ensure_future(pool.release(a, reusable=False))
     await asyncio.sleep(0)
     c = (await pool.acquire([3], 0)).session  # admitted the moment `a`'s request let go of its slot
-    assert (
-        fake.peak == 2 and closing.done()
-    )  # it waited for `a` to be closed: never 3 open on the stages
+    # it waited for `a` to be closed: never 3 open on the stages
+    assert fake.peak == 2 and closing.done()
     for session in (b, c):
         await pool.release(session, reusable=False)
     await pool.close_all()
@@ -480,14 +476,14 @@ def test_live_requests_are_registered_until_they_end_shown_a_moment_after_and_sh
     live.end(first, "stopped")  # twice is harmless: the first end holds
     assert ended is not None and first.state == "done" and first.ended == ended
     assert live.finished == 2 and list(live.requests.values()) == [second]
+    # a finished request stays on show a moment,
     assert live.snapshot(now=ended + 1.0) == [
         first,
         second,
         third,
-    ]  # a finished request stays on show a moment,
-    assert (
-        request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]
-    )  # frozen
+    ]
+    # frozen
+    assert request_cells(first, now=ended + 50.0)["rate"] == request_cells(first, now=ended)["rate"]
     assert not first.active and second.active
     assert live.snapshot(now=(third.ended or 0) + live.linger + 0.1) == [second]  # then leaves
 

@@ -98,9 +98,8 @@ def test_the_last_stage_loops_back_to_stage_0_and_stage_0_lets_it_in(tmp_path: P
     assert first.curve is not None and last.curve is not None
     assert last.curve.public_key in first.curve.allowed_clients
     assert last.curve.loop_server_key == first.curve.public_key
-    assert (
-        StageConfig.from_json(last.to_json()) == last
-    )  # the loop survives the worker's config file
+    # the loop survives the worker's config file
+    assert StageConfig.from_json(last.to_json()) == last
     single = tmp_path / "single.toml"
     single.write_text('[[hosts]]\nname = "a"\nbase_port = 7100\n')
     alone = build_deployment(load_fleet(single), [(0, 30)], lambda host: "/shards")

@@ -90,9 +90,8 @@ def test_the_format_is_the_templates_own_where_it_renders_tools_calls_and_result
     assert detect_format(chat_format(QWEN_2_5)) is HERMES
     assert detect_format(chat_format(LLAMA_3_1)) is LLAMA3_JSON
     assert detect_format(chat_format(SMOLLM2)) is FALLBACK  # ignores tools
-    assert (
-        detect_format(chat_format(MISTRAL_0_3)) is FALLBACK
-    )  # [TOOL_CALLS] is a special token: not read
+    # [TOOL_CALLS] is a special token: not read
+    assert detect_format(chat_format(MISTRAL_0_3)) is FALLBACK
     shipped = {
         name: chat_format((TEMPLATES / f"{name}.jinja").read_text())
         for name in ("qwen3", "gemma3", "phi3")
@@ -167,9 +166,8 @@ def test_the_call_grammar_takes_exactly_the_calls_of_the_offered_tools(
     assert not matches(
         single, tool_format.call_text("get_weather", {"city": "Paris", "x": 1}), tokenizer
     )
-    assert not matches(
-        single, tool_format.call_text("get_weather", {"days": 2}), tokenizer
-    )  # required
+    # required
+    assert not matches(single, tool_format.call_text("get_weather", {"days": 2}), tokenizer)
     parallel = call_grammar(tools, tool_format, parallel=True)
     assert matches(parallel, two, tokenizer) == tool_format.parallel
     after = call_grammar(tools, tool_format, parallel=True, after_trigger=True)
@@ -254,9 +252,8 @@ def test_a_call_cut_by_max_tokens_is_not_a_call_and_the_answer_is_length() -> No
     whole = final_reply(HERMES.call_text("get_weather", {"city": "Paris"}), done, structure, HERMES)
     assert whole.finish == "tool_calls" and whole.content is None
     assert json.loads(whole.tool_calls[0].arguments) == {"city": "Paris"}
-    json_cut = GenerationStats(
-        finish_reason="stop", constraint_complete=False
-    )  # a grammar left open
+    # a grammar left open
+    json_cut = GenerationStats(finish_reason="stop", constraint_complete=False)
     assert finish_of(json_cut, False) == "length"
     assert (
         finish_of(GenerationStats(finish_reason="eos", constraint_complete=True), False) == "stop"

@@ -173,9 +173,8 @@ def test_no_answer_times_out_with_a_clear_error_and_a_late_answer_is_ignored_qui
         try:
             with pytest.raises(LinkError) as caught:
                 await link.request(_step(1), timeout=0.3)
-            reply = await link.request(
-                _step(2)
-            )  # the stage now sends the late answer first, then this one
+            # the stage now sends the late answer first, then this one
+            reply = await link.request(_step(2))
         finally:
             await link.close()
         return str(caught.value), int(reply.tokens[0]), link.dropped  # type: ignore[attr-defined]
@@ -189,9 +188,8 @@ def test_no_answer_times_out_with_a_clear_error_and_a_late_answer_is_ignored_qui
 def test_block_fails_pending_and_new_requests_fast_until_unblock(
     stage: Callable[..., ScriptedStage],
 ) -> None:
-    fake = stage(
-        lambda steps: [_result(s, 9) for s in steps if s.session != 1]
-    )  # session 1: never answered
+    # session 1: never answered
+    fake = stage(lambda steps: [_result(s, 9) for s in steps if s.session != 1])
 
     async def scenario() -> int:
         link = ZmqLink(fake.head, fake.tail, timeout=10)
@@ -263,9 +261,8 @@ def test_a_run_streams_its_results_in_order_and_late_ones_are_dropped_quietly(
         try:
             stream = await link.stream(_run_step(1, 4))
             tokens = [int((await stream.next())[0].tokens[0]) for _ in range(4)]
-            reply = await link.request(
-                _step(2)
-            )  # the fifth Result of the run arrives before this answer
+            # the fifth Result of the run arrives before this answer
+            reply = await link.request(_step(2))
             tokens.append(int(reply.tokens[0]))  # type: ignore[attr-defined]
         finally:
             await link.close()
