@@ -60,6 +60,15 @@ async def deployed_with_one_answer(pilot: Pilot) -> None:
     await settle(pilot, lambda: session.replies and session.replies[-1].done, "the reply")
     app.redraw_fleet()
     await pilot.pause()
+    await newest_log_line(pilot)
+
+
+async def newest_log_line(pilot: Pilot) -> None:
+    """The log shows its newest line. It follows its lines by itself, but a line written before
+    the pane had its size (a busy machine) is laid out later, after that follow."""
+    log_pane = pilot.app.query_one(LogPane)
+    log_pane.scroll_end(animate=False, immediate=True)
+    await pilot.pause()
 
 
 class TestMainScreen:
