@@ -139,6 +139,7 @@ async def test_deploy_then_ask_status_tui_attach_and_stop_use_the_same_workers(
             "is_capital": {"type": "boolean"},
         },
         "required": ["city", "is_capital"],
+        "additionalProperties": False,
     }
     schema_file = fleet_file.parent / "capital.schema.json"
     schema_file.write_text(json.dumps(schema))  # noqa: ASYNC240

@@ -140,6 +140,7 @@ def served(fleet: Path, expected: list[int]) -> None:
                 "capital": {"type": "boolean"},
             },
             "required": ["country", "capital"],
+            "additionalProperties": False,  # a base model would otherwise add keys until max_tokens
         }
         shaped = {
             "model": "gemma-3-270m",
