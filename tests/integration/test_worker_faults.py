@@ -9,7 +9,6 @@ and finally its lease."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -27,8 +26,7 @@ from tests.support.workers import (
     Client,
     FakeEngine,
     Worker,
-    fake_config,
-    free_port,
+    forwarding_server,
     shard_dir,
     stage_config,
 )
@@ -247,23 +245,10 @@ def test_inbox_is_bounded_in_bytes_and_serves_refusals_first() -> None:
 
 def test_non_finite_model_output_is_an_error_naming_stage_and_session() -> None:
     """The model itself yields NaN: the stage answers with an Error instead of passing it on."""
-    from remote_worker.server import StageServer
-
-    downstream_port = free_port()
-    config = fake_config(downstream_port)
     output = np.ones((2, 4), np.float32)
     output[1, 1] = np.inf
     engine = FakeEngine(output)
-    server = StageServer(config, engine)
-    context = zmq.Context()
-    downstream = context.socket(zmq.PULL)
-    downstream.bind(f"tcp://127.0.0.1:{downstream_port}")
-    upstream = context.socket(zmq.PUSH)
-    upstream.connect(f"tcp://127.0.0.1:{config.data_port}")
-    server.bind()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with forwarding_server(engine) as (upstream, downstream):
         upstream.send_multipart(protocol.encode(Control(Kind.OPEN, 5, 1)))
         upstream.send_multipart(
             protocol.encode(Step(5, 2, 0, 0, NO_RANGES, tokens=np.array([5, 6], np.int64)))
@@ -278,11 +263,6 @@ def test_non_finite_model_output_is_an_error_naming_stage_and_session() -> None:
             and "NaN/Inf" in error.message
         )
         assert "non-finite" in engine.broken
-    finally:
-        server.stop()
-        thread.join(10)
-        server.close()
-        context.destroy(linger=0)
 
 
 def test_the_finite_check_sees_every_nan_and_inf_and_passes_huge_finite_values() -> None:

@@ -44,6 +44,7 @@ from tests.support.workers import (
     FakeEngine,
     Worker,
     fake_config,
+    forwarding_server,
     free_port,
     shard_dir,
     stage_config,
@@ -601,24 +602,9 @@ def test_missing_shard_exits_3_with_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("peak", "dtype"), [(3.0, np.float16), (1e6, np.float32)])
 def test_hidden_states_travel_as_f16_unless_they_overflow_it(peak: float, dtype: type) -> None:
-    import threading
-
-    from remote_worker.server import StageServer
-
-    downstream_port = free_port()
-    config = fake_config(downstream_port)  # wire_dtype f16, the default
     output = np.full((2, 4), 0.5, np.float32)
     output[1, 2] = peak
-    server = StageServer(config, FakeEngine(output))
-    context = zmq.Context()
-    downstream = context.socket(zmq.PULL)
-    downstream.bind(f"tcp://127.0.0.1:{downstream_port}")
-    upstream = context.socket(zmq.PUSH)
-    upstream.connect(f"tcp://127.0.0.1:{config.data_port}")
-    server.bind()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with forwarding_server(FakeEngine(output)) as (upstream, downstream):
         upstream.send_multipart(protocol.encode(Control(Kind.OPEN, 1, 1)))
         upstream.send_multipart(
             protocol.encode(Step(1, 2, 0, 0, NO_RANGES, tokens=np.array([5, 6], np.int64)))
@@ -631,11 +617,6 @@ def test_hidden_states_travel_as_f16_unless_they_overflow_it(peak: float, dtype:
             peak
         )
         assert forwarded.trace.shape == (protocol.TRACE_FIELDS,) and forwarded.trace[0] == 0
-    finally:
-        server.stop()
-        thread.join(10)
-        server.close()
-        context.destroy(linger=0)
 
 
 def test_a_message_is_counted_as_handled_before_its_answer_leaves() -> None:

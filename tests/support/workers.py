@@ -4,11 +4,14 @@ logic."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +265,29 @@ class FakeEngine:
 
     def session_bytes(self) -> int:
         return 0
+
+
+@contextlib.contextmanager
+def forwarding_server(engine: FakeEngine) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A first stage around ENGINE serving on a thread: (upstream PUSH into it, downstream PULL of
+    what it forwards); stopped and closed on exit."""
+    from remote_worker.server import StageServer
+
+    downstream_port = free_port()
+    config = fake_config(downstream_port)  # wire_dtype f16, the default
+    server = StageServer(config, engine)
+    context = zmq.Context()
+    downstream = context.socket(zmq.PULL)
+    downstream.bind(f"tcp://127.0.0.1:{downstream_port}")
+    upstream = context.socket(zmq.PUSH)
+    upstream.connect(f"tcp://127.0.0.1:{config.data_port}")
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield upstream, downstream
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()
+        context.destroy(linger=0)
