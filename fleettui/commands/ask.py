@@ -78,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
 def _schema(path: str) -> dict[str, Any]:
     """The JSON schema of `--json-schema FILE`, checked (as JSON Schema and by the grammar compiler)
     before anything starts: a FleetError (exit 2) names the file and the problem."""
-    import jsonschema
-
     from fleettui.runtime.constraint import (
         ConstraintError,
         ConstraintSpec,
+        InvalidSchema,
         check_constraint,
+        check_json_schema,
         json_schema_grammar,
     )
 
@@ -96,9 +96,9 @@ def _schema(path: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise FleetError(f"--json-schema {path}: a JSON schema must be an object")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as error:
-        where = "/".join(str(part) for part in error.path) or "the top level"
+        check_json_schema(schema)
+    except InvalidSchema as error:
+        where = error.where or "the top level"
         raise FleetError(
             f"--json-schema {path}: invalid schema at {where}: {error.message}"
         ) from None

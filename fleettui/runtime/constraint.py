@@ -65,6 +65,29 @@ class ConstraintError(ValueError):
     grammar problem."""
 
 
+class InvalidSchema(ConstraintError):
+    """A JSON schema that its own meta-schema refuses; `where` is the path to the fault ('' at the
+    top level)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.message, self.where = message, where
+
+
+def check_json_schema(schema: Mapping[str, Any]) -> None:
+    """Raises InvalidSchema unless SCHEMA is a JSON schema by the meta-schema of its draft (by
+    2020-12's when it names none)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(
+            schema
+        )
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path)
+        raise InvalidSchema(error.message, where) from None
+
+
 def json_object_grammar() -> str:
     """The grammar of any JSON object."""
     return json_schema_grammar({"type": "object"})

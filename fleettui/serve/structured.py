@@ -15,6 +15,8 @@ from fleettui.runtime.chat_format import ChatMessage
 from fleettui.runtime.constraint import (
     ConstraintError,
     ConstraintSpec,
+    InvalidSchema,
+    check_json_schema,
     json_object_grammar,
     json_schema_grammar,
 )
@@ -85,19 +87,14 @@ class Structure:
 
 def _check_schema(schema: Any, param: str) -> Mapping[str, Any]:
     """A JSON schema that is one by the JSON Schema meta-schema (its draft, else 2020-12)."""
-    import jsonschema
-
     if not isinstance(schema, dict):
         raise RequestError(f"'{param}' must be a JSON schema (an object)", param)
     try:
-        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(
-            schema
-        )
-    except jsonschema.SchemaError as error:
-        where = "/".join(str(part) for part in error.absolute_path)
+        check_json_schema(schema)
+    except InvalidSchema as error:
         raise RequestError(
             f"'{param}' is not a valid JSON schema: {error.message}"
-            + (f" (at {where})" if where else ""),
+            + (f" (at {error.where})" if error.where else ""),
             param,
         ) from None
     try:
